@@ -1,0 +1,233 @@
+"""Token aggregation for TESTA: bipartite soft matching, size-weighted merging and pruning.
+
+Everything here is a small pure tensor function, batched over arbitrary leading dimensions, with no Python loops
+over batch, frames or patches. One matcher serves both of TESTA's aggregation axes:
+
+* **patch aggregation** runs the matcher on the per-frame patch keys, shape ``(B, T, 1 + L, C)``, with the frame's
+  CLS copy at index 0 protected; its result is applied to the patch tensor ``(B, T, L, D)``.
+* **frame aggregation** runs the matcher on frame tokens, ``(B, T, C)``: the mean of each frame's patch keys (the
+  paper's definition) or, with ``frame_matching="vote"``, per-position scores ``(B, L, T, C)`` reduced by a majority
+  vote. The result is applied to the frame tensor viewed as ``(B, T, L * D)``, so all L patch positions of a frame
+  move together.
+
+The cost per block is O(T^2 + L^2) similarity scores, not the O((T L)^2) of global (ToMe-style) matching.
+
+**Token order after merging.** With the geometry strategy the output is ``[unmerged tokens of set A (ascending
+input order), all tokens of set B (input order)]`` where A holds the even and B the odd input positions, exactly as
+in ToMe and the original TESTA code. The next block's even/odd split is taken on this order, so keeping it is what
+makes results match original checkpoints. The importance strategy and pruning keep the surviving tokens in input
+order. A protected first token (CLS) always stays first. Use ``trace_source`` / :func:`update_source_map` to map
+outputs back to input positions.
+"""
+
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+
+class Matching(NamedTuple):
+    """How N input tokens become N - r output tokens. All tensors share the leading (batch) dimensions.
+
+    Attributes:
+        kept: ``(*batch, N - r)`` input positions that survive, in output order.
+        sources: ``(*batch, r_merge)`` input positions that are merged away (empty when pruning).
+        targets: ``(*batch, r_merge)`` output slots (``0 .. N - r - 1``) that the sources are averaged into.
+    """
+
+    kept: torch.Tensor
+    sources: torch.Tensor
+    targets: torch.Tensor
+
+
+def capped_reduction(requested: int, num_tokens: int, protected: int) -> int:
+    """Removes at most half of the unprotected tokens per step, as ToMe does.
+
+    The original TESTA code subtracts one protected token for frames as well (``(T - 1) // 2``), which is why frame
+    aggregation passes ``protected=1`` even though frames have no CLS.
+    """
+    return max(0, min(requested, (num_tokens - protected) // 2))
+
+
+def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    """Matching decisions are made in fp32 (or fp64) even when the model runs in half precision."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def _cosine_scores(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    a = F.normalize(_at_least_fp32(a), dim=-1)
+    b = F.normalize(_at_least_fp32(b), dim=-1)
+    return a @ b.transpose(-1, -2)
+
+
+def _best_partner(scores: torch.Tensor, vote_dim: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Best B partner of every A token: ``(score, index)``, each ``(*batch, nA)``.
+
+    With ``vote_dim`` the scores carry an extra position axis (frames compared patch position by patch position):
+    every position votes for its best partner, the majority wins (ties go to the lowest index, so the result is
+    deterministic on every device), and the score is the mean similarity to the voted partner.
+    """
+    if vote_dim is None:
+        return scores.max(dim=-1)
+    votes = F.one_hot(scores.argmax(dim=-1), scores.shape[-1]).sum(dim=vote_dim)
+    partner = votes.argmax(dim=-1)  # first maximum: lowest index wins ties
+    mean_scores = scores.mean(dim=vote_dim)
+    return mean_scores.gather(-1, partner.unsqueeze(-1)).squeeze(-1), partner
+
+
+def geometry_matching(
+    metric: torch.Tensor, r: int, protect_first: bool = False, vote_dim: int | None = None
+) -> Matching:
+    """The paper's geometry-based aggregation (ToMe's bipartite soft matching).
+
+    Tokens are split alternately into A (even positions) and B (odd positions); every A token finds its most similar B
+    token (cosine of ``metric``), and the ``r`` best pairs are merged.
+
+    Args:
+        metric: ``(*batch, N, C)`` similarity features (attention keys averaged over heads). With ``vote_dim``,
+            ``(*batch, P, N, C)`` with one row per patch position P, and ``vote_dim`` = -3.
+        r: pairs to merge; the caller applies :func:`capped_reduction`.
+        protect_first: keep token 0 (CLS) out of the sources. It is always in A, so it is simply never chosen.
+        vote_dim: the position axis to vote over (frame matching with ``frame_matching="vote"``). Callers skip the
+            matcher when ``r == 0``: with ``r = 0`` it would still reorder the tokens.
+    """
+    scores = _cosine_scores(metric[..., ::2, :], metric[..., 1::2, :])
+    if protect_first:
+        scores[..., 0, :] = -torch.inf
+    node_max, node_idx = _best_partner(scores, vote_dim)
+    num_a, num_b = node_max.shape[-1], scores.shape[-1]
+    order = node_max.argsort(dim=-1, descending=True, stable=True)
+    src_a = order[..., :r]
+    unmerged_a = order[..., r:].sort(dim=-1).values
+    odd = torch.arange(num_b, device=metric.device).expand(*node_max.shape[:-1], num_b) * 2 + 1
+    kept = torch.cat([unmerged_a * 2, odd], dim=-1)
+    targets = (num_a - r) + node_idx.gather(-1, src_a)
+    return Matching(kept=kept, sources=src_a * 2, targets=targets)
+
+
+def importance_matching(
+    metric: torch.Tensor,
+    importance: torch.Tensor,
+    r: int,
+    protect_first: bool = False,
+    vote_dim: int | None = None,
+    prune: bool = False,
+) -> Matching:
+    """The paper's importance-based aggregation (and the pruning baseline).
+
+    The ``r`` tokens that receive the least attention (Eq. 1) form set A; each is merged into its most similar token
+    of B (all other tokens), or simply dropped when ``prune``. Survivors keep their input order. A protected first
+    token is neither a source nor a target.
+
+    Args:
+        metric: as in :func:`geometry_matching`.
+        importance: ``(*batch, N)`` attention received by every token.
+    """
+    if protect_first:
+        importance = importance.clone()
+        importance[..., 0] = torch.inf
+    order = importance.argsort(dim=-1, stable=True)
+    src = order[..., :r]
+    kept = order[..., r:].sort(dim=-1).values
+    if prune:
+        empty = kept[..., :0]
+        return Matching(kept=kept, sources=empty, targets=empty)
+    if vote_dim is None:
+        gather = lambda idx: metric.gather(-2, idx.unsqueeze(-1).expand(*idx.shape, metric.shape[-1]))  # noqa: E731
+    else:  # one row of keys per patch position: gather the same frames at every position
+        positions = metric.shape[-3]
+        gather = lambda idx: metric.gather(  # noqa: E731
+            -2, idx.unsqueeze(-2).unsqueeze(-1).expand(*idx.shape[:-1], positions, idx.shape[-1], metric.shape[-1])
+        )
+    scores = _cosine_scores(gather(src), gather(kept))
+    if protect_first:  # the protected token is the first kept one: nothing merges into it either
+        scores[..., 0] = -torch.inf
+    _, partner = _best_partner(scores, vote_dim)
+    return Matching(kept=kept, sources=src, targets=partner)
+
+
+def _gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x[..., index, :]`` along the token axis -2 for a batched index ``(*batch, K)``."""
+    return x.gather(-2, index.unsqueeze(-1).expand(*index.shape, x.shape[-1]))
+
+
+def merge_tokens(
+    x: torch.Tensor, size: torch.Tensor, matching: Matching
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Applies a matching with a size-weighted average (ToMe's ``merge_wavg``).
+
+    Args:
+        x: ``(*batch, N, F)`` token features.
+        size: ``(*batch, N, G)`` number of input patches behind every token, with ``F`` a multiple of ``G``: each group
+            of ``F // G`` features shares one size. Patches use ``G = 1``; frames viewed as ``(B, T, L * D)`` use
+            ``G = L`` so that every patch position is averaged with its own weight.
+
+    Returns:
+        The merged features ``(*batch, N - r, F)`` and sizes ``(*batch, N - r, G)``. Sizes are summed, so they keep
+        adding up to the number of input patches; with pruning the dropped tokens' sizes are lost.
+    """
+    kept_size = _gather_tokens(size, matching.kept)
+    if matching.sources.shape[-1] == 0:
+        return _gather_tokens(x, matching.kept), kept_size
+    groups = size.shape[-1]
+    weight = size.to(x.dtype).repeat_interleave(x.shape[-1] // groups, dim=-1)
+    weighted = x * weight
+    merged = _gather_tokens(weighted, matching.kept)
+    target_index = matching.targets.unsqueeze(-1)
+    merged = merged.scatter_add(-2, target_index.expand(*matching.targets.shape, x.shape[-1]),
+                                _gather_tokens(weighted, matching.sources))
+    new_size = kept_size.scatter_add(-2, target_index.expand(*matching.targets.shape, groups),
+                                     _gather_tokens(size, matching.sources))
+    denominator = new_size.to(x.dtype).repeat_interleave(x.shape[-1] // groups, dim=-1)
+    return merged / denominator, new_size
+
+
+def output_slot_of_inputs(matching: Matching, num_inputs: int) -> torch.Tensor:
+    """``(*batch, N)``: the output slot every input token ends up in (-1 for pruned tokens)."""
+    kept = matching.kept
+    slots = torch.full((*kept.shape[:-1], num_inputs), -1, dtype=torch.long, device=kept.device)
+    slots.scatter_(-1, kept, torch.arange(kept.shape[-1], device=kept.device).expand_as(kept))
+    if matching.sources.shape[-1]:
+        slots.scatter_(-1, matching.sources, matching.targets)
+    return slots
+
+
+def shift_protected(matching: Matching) -> Matching:
+    """Drops the protected first token from a matching, so it indexes a tensor without that token.
+
+    Patch matching runs on ``[CLS, patches]`` keys (CLS takes part in the alternating split, as in the original
+    code) but merges the patch tensor alone. CLS is never a source and always the first kept token.
+    """
+    return Matching(kept=matching.kept[..., 1:] - 1, sources=matching.sources - 1, targets=matching.targets - 1)
+
+
+def attention_received(
+    query: torch.Tensor, key: torch.Tensor, scaling: float, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Eq. 1 of the paper: the attention every token receives from the other tokens, averaged over heads.
+
+    Args:
+        query, key: ``(batch, heads, N, head_dim)``.
+        bias: optional additive logits bias broadcastable to ``(batch, heads, N, N)``.
+
+    Returns:
+        ``(batch, N)`` importance scores ``S_i = sum_{j != i} A_ji``.
+    """
+    logits = (_at_least_fp32(query) @ _at_least_fp32(key).transpose(-1, -2)) * scaling
+    if bias is not None:
+        logits = logits + bias
+    probs = logits.softmax(dim=-1).mean(dim=1)
+    return probs.sum(dim=-2) - probs.diagonal(dim1=-2, dim2=-1)
+
+
+__all__ = [
+    "Matching",
+    "attention_received",
+    "capped_reduction",
+    "geometry_matching",
+    "importance_matching",
+    "merge_tokens",
+    "output_slot_of_inputs",
+    "shift_protected",
+]

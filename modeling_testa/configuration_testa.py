@@ -1,0 +1,226 @@
+"""Configuration classes for TESTA (Temporal-Spatial Token Aggregation, Ren et al., EMNLP 2023 Findings).
+
+`TestaVisionConfig` describes the TimeSformer-style video encoder and its token aggregation; `TestaConfig` is the
+composite configuration of the full video-language model (video encoder + BLIP text modules + heads).
+"""
+
+
+from huggingface_hub.dataclasses import strict
+from transformers import BlipTextConfig, PreTrainedConfig
+
+
+AGGREGATION_STRATEGIES = ("geometry", "importance")
+REDUCTION_MODES = ("merge", "prune")
+AGGREGATION_DIMS = ("temporal+spatial", "temporal", "spatial", "joint")
+FRAME_MATCHINGS = ("mean", "vote")
+
+
+def _per_layer(value: int | list[int], num_layers: int, name: str) -> list[int]:
+    """Expands an int or per-layer list into a validated per-layer list."""
+    values = [value] * num_layers if isinstance(value, int) else list(value)
+    if len(values) != num_layers:
+        raise ValueError(
+            f"`{name}` has {len(values)} entries but the encoder has num_hidden_layers={num_layers}; "
+            f"give one int for every layer or a list of exactly {num_layers} ints."
+        )
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"`{name}` must hold ints, got {v!r} in {values}.")
+        if v < 0:
+            raise ValueError(f"`{name}` must be >= 0 (tokens removed per layer), got {v} in {values}.")
+    return values
+
+
+def _check_choice(value: str, allowed: tuple[str, ...], name: str) -> None:
+    if value not in allowed:
+        raise ValueError(f"Unknown {name}={value!r}; allowed values are {', '.join(map(repr, allowed))}.")
+
+
+@strict
+class TestaVisionConfig(PreTrainedConfig):
+    r"""
+    Configuration of [`TestaVisionModel`]: a TimeSformer-style ViT with divided space-time attention, in which every
+    block aggregates similar **frames** (temporal aggregation, `temporal_reduction` = R_T frames per block) and similar
+    **patches within each frame** (spatial aggregation, `spatial_reduction` = R_S patches per block).
+
+    The defaults are the paper's 32-frame ViT-B/16 setting (R_T=1, R_S=12: 6273 -> 1041 output tokens,
+    786.8 -> 419.8 GMAC). The 96-frame setting is `num_frames=96, temporal_reduction=4, spatial_reduction=8`.
+
+    Args:
+        num_frames (`int`, defaults to 32): frames the temporal embedding is trained for. Other frame counts are
+            accepted at run time; the temporal embedding is then interpolated (nearest, as in TimeSformer).
+        image_size (`int`, defaults to 224): input resolution; other sizes interpolate the position embedding.
+        patch_size (`int`, defaults to 16), num_channels (`int`, defaults to 3).
+        hidden_size (`int`, defaults to 768), num_hidden_layers (`int`, defaults to 12),
+        num_attention_heads (`int`, defaults to 12), intermediate_size (`int`, defaults to 3072),
+        hidden_act (`str`, defaults to `"gelu"`), layer_norm_eps (`float`, defaults to 1e-6),
+        qkv_bias (`bool`, defaults to `True`): the usual ViT-B/16 hyper-parameters.
+        hidden_dropout_prob (`float`), attention_dropout (`float`), drop_path_rate (`float`): regularisation, all 0
+            in the paper.
+        temporal_reduction (`int` or `list[int]`, defaults to 1): R_T, frames removed per block (or one value per
+            block). As in ToMe, a block never removes more than half of what it has: the frame merge is capped at
+            `(T - 1) // 2` (the original code's cap) and the patch merge at `L // 2`.
+        spatial_reduction (`int` or `list[int]`, defaults to 12): R_S, patches removed per frame per block. With
+            `aggregation_dims="joint"` it is the number of space-time tokens removed per block instead.
+        aggregation_strategy (`str`, defaults to `"geometry"`): `"geometry"` is the paper's default: alternating
+            bipartite split, the R most similar (A, B) pairs are merged. `"importance"` puts the R least-attended tokens
+            (Eq. 1 of the paper) in set A and merges each into its most similar token of set B.
+        reduction_mode (`str`, defaults to `"merge"`): `"merge"` (size-weighted average) or `"prune"` (drop the R least
+            important tokens by Eq. 1, the paper's Table 5 baseline; it ignores `aggregation_strategy`).
+        aggregation_dims (`str`, defaults to `"temporal+spatial"`): `"temporal"`, `"spatial"`, `"temporal+spatial"`,
+            or `"joint"`: ToMe-style global merging over all space-time tokens, for which the blocks use joint
+            space-time attention (the comparison baseline of the paper's section 4.7).
+        frame_matching (`str`, defaults to `"mean"`): how frames are compared. `"mean"` is the paper's definition: a
+            frame token is the mean of the frame's patch keys, compared by cosine. `"vote"` is the original code's
+            per-position matching, where every patch position picks a destination frame and the majority wins; here
+            ties go to the earliest frame and the pair score is the mean similarity to the voted frame, so the result
+            is deterministic and the same on every device.
+        proportional_attention (`bool`, defaults to `False`): add log(token size) to the attention logits (ToMe). Off
+            in the paper and in all original checkpoints.
+        trace_source (`bool`, defaults to `False`): return `source_map`, the output token of every input patch.
+        initializer_range (`float`, defaults to 0.02).
+    """
+
+    model_type = "testa_vision_model"
+    base_config_key = "vision_config"
+
+    num_frames: int = 32
+    image_size: int = 224
+    patch_size: int = 16
+    num_channels: int = 3
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int = 3072
+    hidden_act: str = "gelu"
+    layer_norm_eps: float = 1e-6
+    qkv_bias: bool = True
+    hidden_dropout_prob: float = 0.0
+    attention_dropout: float = 0.0
+    drop_path_rate: float = 0.0
+    initializer_range: float = 0.02
+    temporal_reduction: int | list[int] = 1
+    spatial_reduction: int | list[int] = 12
+    aggregation_strategy: str = "geometry"
+    reduction_mode: str = "merge"
+    aggregation_dims: str = "temporal+spatial"
+    frame_matching: str = "mean"
+    proportional_attention: bool = False
+    trace_source: bool = False
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        self.check_aggregation_settings()
+
+    def check_aggregation_settings(self) -> None:
+        """Raises `ValueError` with an explanation for any inconsistent setting."""
+        for name in ("num_frames", "image_size", "patch_size", "num_channels", "hidden_size", "num_hidden_layers"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"`{name}` must be a positive int, got {getattr(self, name)}.")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} is not a multiple of num_attention_heads={self.num_attention_heads}."
+            )
+        if self.image_size % self.patch_size:
+            raise ValueError(f"image_size={self.image_size} is not a multiple of patch_size={self.patch_size}.")
+        _check_choice(self.aggregation_strategy, AGGREGATION_STRATEGIES, "aggregation_strategy")
+        _check_choice(self.reduction_mode, REDUCTION_MODES, "reduction_mode")
+        _check_choice(self.aggregation_dims, AGGREGATION_DIMS, "aggregation_dims")
+        _check_choice(self.frame_matching, FRAME_MATCHINGS, "frame_matching")
+        _per_layer(self.temporal_reduction, self.num_hidden_layers, "temporal_reduction")
+        _per_layer(self.spatial_reduction, self.num_hidden_layers, "spatial_reduction")
+
+    @property
+    def temporal_reduction_per_layer(self) -> list[int]:
+        """R_T for every block; zero where temporal aggregation is switched off by `aggregation_dims`."""
+        if self.aggregation_dims not in ("temporal", "temporal+spatial"):
+            return [0] * self.num_hidden_layers
+        return _per_layer(self.temporal_reduction, self.num_hidden_layers, "temporal_reduction")
+
+    @property
+    def spatial_reduction_per_layer(self) -> list[int]:
+        """R_S (or the joint R) for every block; zero where `aggregation_dims` switches it off."""
+        if self.aggregation_dims == "temporal":
+            return [0] * self.num_hidden_layers
+        return _per_layer(self.spatial_reduction, self.num_hidden_layers, "spatial_reduction")
+
+    @property
+    def num_patches_per_frame(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+
+@strict
+class TestaConfig(PreTrainedConfig):
+    r"""
+    Configuration of the full TESTA video-language model: the [`TestaVisionConfig`] video encoder, transformers'
+    [`BlipTextConfig`] for the BERT text encoder / video-grounded encoder / decoder (so BLIP weights map one to one), and
+    the retrieval, matching and QA heads.
+
+    Args:
+        vision_config (`dict` or `TestaVisionConfig`): the video encoder.
+        text_config (`dict` or `BlipTextConfig`): the text modules (BERT-base with cross-attention, vocab 30524).
+        projection_dim (`int`, defaults to 256): size of the shared video-text embedding space.
+        temperature (`float`, defaults to 0.07): initial contrastive temperature (learned, clamped to [0.001, 0.5]).
+        momentum (`float`, defaults to 0.995): momentum-encoder update rate.
+        queue_size (`int`, defaults to 32): feature-queue length for contrastive learning (57600 in pretraining).
+        alpha (`float`, defaults to 0.4): weight of momentum distillation in the contrastive targets.
+        k_test (`int`, defaults to 128): candidates re-ranked by the matching head in two-stage retrieval.
+        negative_all_rank (`bool`, defaults to `True`): sample hard negatives from all processes.
+        label_smoothing (`float`, defaults to 0.1): label smoothing of the captioning / answer LM loss.
+        enc_token_id (`int`, defaults to 30523): id of `[ENC]`, the first token of video-grounded text.
+        dec_token_id (`int`, defaults to 30522): id of `[DEC]`, the decoder's start token (also `bos_token_id`).
+        video_pooling (`str`, defaults to `"mean"`): how the video embedding pools the encoder output before
+            `vision_proj`. `"mean"` is the unweighted mean over all output tokens, which the original checkpoints were
+            trained with; `"weighted_mean"` weights each token by the number of patches it stands for; `"cls"`.
+    """
+
+    model_type = "testa"
+    sub_configs_defaults = {"text_config": BlipTextConfig, "vision_config": TestaVisionConfig}
+
+    text_config: dict | PreTrainedConfig | None = None
+    vision_config: dict | PreTrainedConfig | None = None
+    projection_dim: int = 256
+    temperature: float = 0.07
+    momentum: float = 0.995
+    queue_size: int = 32
+    alpha: float = 0.4
+    k_test: int = 128
+    negative_all_rank: bool = True
+    label_smoothing: float = 0.1
+    enc_token_id: int = 30523
+    dec_token_id: int = 30522
+    video_pooling: str = "mean"
+    initializer_range: float = 0.02
+    tie_word_embeddings: bool = True
+
+    def __post_init__(self, **kwargs):
+        kwargs.setdefault("bos_token_id", self.dec_token_id)
+        super().__post_init__(**kwargs)
+        # The video-grounded encoder cross-attends to video tokens of the encoder's width.
+        self.text_config.encoder_hidden_size = self.vision_config.hidden_size
+        self.check_heads()
+
+    def check_heads(self) -> None:
+        """Raises `ValueError` with an explanation for any inconsistent top-level setting."""
+        if self.projection_dim <= 0:
+            raise ValueError(f"`projection_dim` must be positive, got {self.projection_dim}.")
+        if not 0.001 <= self.temperature <= 0.5:
+            raise ValueError(f"`temperature` must lie in [0.001, 0.5] (it is clamped there), got {self.temperature}.")
+        if not 0.0 <= self.momentum <= 1.0:
+            raise ValueError(f"`momentum` must lie in [0, 1], got {self.momentum}.")
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"`alpha` must lie in [0, 1], got {self.alpha}.")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ValueError(f"`label_smoothing` must lie in [0, 1), got {self.label_smoothing}.")
+        if self.queue_size < 0 or self.k_test <= 0:
+            raise ValueError(f"`queue_size` must be >= 0 and `k_test` > 0, got {self.queue_size} and {self.k_test}.")
+        _check_choice(self.video_pooling, ("mean", "weighted_mean", "cls"), "video_pooling")
+        vocab = self.text_config.vocab_size
+        for name in ("enc_token_id", "dec_token_id"):
+            if not 0 <= getattr(self, name) < vocab:
+                raise ValueError(
+                    f"`{name}`={getattr(self, name)} is outside the text vocabulary (text_config.vocab_size={vocab})."
+                )
+
+
+__all__ = ["TestaVisionConfig", "TestaConfig"]

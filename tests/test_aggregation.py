@@ -1,0 +1,247 @@
+"""The matching and merging functions against plain-Python float64 references written from the paper's text."""
+
+import math
+
+import pytest
+import torch
+
+from modeling_testa.aggregation import (
+    attention_received,
+    capped_reduction,
+    geometry_matching,
+    importance_matching,
+    merge_tokens,
+    output_slot_of_inputs,
+    shift_protected,
+)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Loop-based references (one sample, Python lists, float64)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _cos(u, v):
+    return sum(a * b for a, b in zip(u, v)) / math.sqrt(sum(a * a for a in u) * sum(b * b for b in v))
+
+
+def _first_argmax(values):
+    best = max(values)
+    return values.index(best)
+
+
+def reference_geometry(metric, r, protect_first=False):
+    """metric: list of N vectors (or, for voting, a list of P such lists). Returns (kept, sources, targets)."""
+    voting = isinstance(metric[0][0], list)
+    rows = metric if voting else [metric]
+    n = len(rows[0])
+    a_pos, b_pos = list(range(0, n, 2)), list(range(1, n, 2))
+    scores, partners = [], []
+    for ai, a in enumerate(a_pos):
+        if protect_first and a == 0:
+            scores.append(-math.inf)
+            partners.append(0)
+            continue
+        sims = [[_cos(row[a], row[b]) for b in b_pos] for row in rows]
+        if voting:
+            votes = [0] * len(b_pos)
+            for s in sims:
+                votes[_first_argmax(s)] += 1
+            partner = _first_argmax(votes)
+            scores.append(sum(s[partner] for s in sims) / len(sims))
+        else:
+            partner = _first_argmax(sims[0])
+            scores.append(sims[0][partner])
+        partners.append(partner)
+    order = sorted(range(len(a_pos)), key=lambda k: -scores[k])  # stable: earlier A wins ties
+    src, unmerged = order[:r], sorted(order[r:])
+    kept = [a_pos[k] for k in unmerged] + b_pos
+    return kept, [a_pos[k] for k in src], [len(unmerged) + partners[k] for k in src]
+
+
+def reference_importance(metric, importance, r, protect_first=False, prune=False):
+    voting = isinstance(metric[0][0], list)
+    rows = metric if voting else [metric]
+    importance = list(importance)
+    if protect_first:
+        importance[0] = math.inf
+    order = sorted(range(len(importance)), key=lambda k: importance[k])
+    src, kept = order[:r], sorted(order[r:])
+    if prune:
+        return kept, [], []
+    targets = []
+    for s in src:
+        sims = [[-math.inf if protect_first and k == 0 else _cos(row[s], row[k]) for k in kept] for row in rows]
+        if voting:
+            votes = [0] * len(kept)
+            for row_sims in sims:
+                votes[_first_argmax(row_sims)] += 1
+            targets.append(_first_argmax(votes))
+        else:
+            targets.append(_first_argmax(sims[0]))
+    return kept, src, targets
+
+
+def reference_merge(x, size, kept, sources, targets):
+    """Size-weighted average of every output slot's members."""
+    members = [[k] for k in kept]
+    for s, t in zip(sources, targets):
+        members[t].append(s)
+    out, out_size = [], []
+    for group in members:
+        total = sum(size[i] for i in group)
+        out.append([sum(x[i][d] * size[i] for i in group) / total for d in range(len(x[0]))])
+        out_size.append(total)
+    return out, out_size
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Hand-worked cases
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_geometry_hand_worked_identical_pair_merges_first():
+    # Six tokens; A = positions 0, 2, 4, B = 1, 3, 5. Token 2 is identical to token 5, token 4 is close to token 3.
+    metric = torch.tensor(
+        [[1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.3, 0.3, 1.0], [0.2, 0.9, 0.4], [0.0, 1.0, 0.5], [0.3, 0.3, 1.0]],
+        dtype=torch.float64,
+    )
+    m = geometry_matching(metric, r=1)
+    assert m.sources.tolist() == [2] and m.kept.tolist() == [0, 4, 1, 3, 5]
+    assert m.targets.tolist() == [4]  # output slot of input 5: after the two unmerged A tokens, B index 2
+    m2 = geometry_matching(metric, r=2)
+    assert sorted(m2.sources.tolist()) == [2, 4] and m2.kept.tolist() == [0, 1, 3, 5]
+    x = torch.arange(12, dtype=torch.float64).view(6, 2)
+    size = torch.tensor([[1.0], [1.0], [3.0], [1.0], [1.0], [1.0]], dtype=torch.float64)
+    merged, new_size = merge_tokens(x, size, m)
+    # token 5 (x=[10, 11], size 1) absorbs token 2 (x=[4, 5], size 3): (3*[4,5] + [10,11]) / 4
+    assert merged[4].tolist() == [5.5, 6.5]
+    assert new_size.squeeze(-1).tolist() == [1.0, 1.0, 1.0, 1.0, 4.0]
+
+
+def test_protected_first_token_is_never_a_source():
+    metric = torch.randn(4, 9, 8, dtype=torch.float64)
+    metric[:, 0] = metric[:, 1]  # CLS identical to its best B partner: it would merge first if it were not protected
+    m = geometry_matching(metric, r=4, protect_first=True)
+    assert (m.sources != 0).all() and (m.kept[:, 0] == 0).all()
+    importance = torch.rand(4, 9, dtype=torch.float64)
+    importance[:, 0] = -1.0  # least attended, but protected
+    m = importance_matching(metric, importance, r=4, protect_first=True)
+    assert (m.sources != 0).all() and (m.kept[:, 0] == 0).all() and (m.targets != 0).all()
+    shifted = shift_protected(m)
+    assert shifted.kept.shape[-1] == 4 and (shifted.sources >= 0).all()
+
+
+def test_prune_drops_the_least_attended_tokens():
+    importance = torch.tensor([[0.5, 0.1, 0.9, 0.05, 0.7, 0.3]])
+    m = importance_matching(torch.randn(1, 6, 4), importance, r=2, prune=True)
+    assert m.kept.tolist() == [[0, 2, 4, 5]] and m.sources.numel() == 0
+    x = torch.randn(1, 6, 3)
+    out, size = merge_tokens(x, torch.ones(1, 6, 1), m)
+    torch.testing.assert_close(out, x[:, [0, 2, 4, 5]])
+    assert size.sum() == 4  # the pruned tokens' sizes are gone
+
+
+def test_attention_received_matches_float64_equation_1():
+    q, k = torch.randn(2, 3, 5, 4, dtype=torch.float64), torch.randn(2, 3, 5, 4, dtype=torch.float64)
+    scaling = 0.5
+    got = attention_received(q, k, scaling)
+    for b in range(2):
+        probs = [[[0.0] * 5 for _ in range(5)] for _ in range(3)]
+        for h in range(3):
+            for j in range(5):
+                logits = [scaling * float(q[b, h, j] @ k[b, h, i]) for i in range(5)]
+                z = sum(math.exp(v) for v in logits)
+                probs[h][j] = [math.exp(v) / z for v in logits]
+        for i in range(5):
+            expected = sum(probs[h][j][i] for h in range(3) for j in range(5) if j != i) / 3
+            assert abs(got[b, i].item() - expected) < 1e-10
+
+
+def test_caps_follow_tome_and_the_original_code():
+    assert capped_reduction(12, 197, protected=1) == 12
+    assert capped_reduction(200, 197, protected=1) == 98  # patches: at most L // 2
+    assert capped_reduction(4, 7, protected=1) == 3  # frames: the original caps at (T - 1) // 2
+    assert capped_reduction(1, 2, protected=1) == 0
+
+
+def test_output_slots_follow_the_matching():
+    metric = torch.randn(3, 7, 5, dtype=torch.float64)
+    m = geometry_matching(metric, r=3)
+    slots = output_slot_of_inputs(m, 7)
+    for b in range(3):
+        for position, slot in enumerate(m.kept[b].tolist()):
+            assert slots[b, slot] == position
+        for source, target in zip(m.sources[b].tolist(), m.targets[b].tolist()):
+            assert slots[b, source] == target
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Batched implementation == loop references, on random data, for every strategy
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("protect_first", [False, True])
+@pytest.mark.parametrize("num_tokens,r", [(9, 3), (10, 5), (7, 1)])
+def test_geometry_matches_reference(num_tokens, r, protect_first):
+    r = capped_reduction(r, num_tokens, protected=int(protect_first))
+    metric = torch.randn(2, 3, num_tokens, 6, dtype=torch.float64)
+    x = torch.randn(2, 3, num_tokens, 4, dtype=torch.float64)
+    size = torch.randint(1, 5, (2, 3, num_tokens, 1)).double()
+    m = geometry_matching(metric, r, protect_first=protect_first)
+    merged, new_size = merge_tokens(x, size, m)
+    for b in range(2):
+        for t in range(3):
+            kept, src, tgt = reference_geometry(metric[b, t].tolist(), r, protect_first)
+            assert m.kept[b, t].tolist() == kept and m.sources[b, t].tolist() == src
+            assert m.targets[b, t].tolist() == tgt
+            ref_x, ref_size = reference_merge(x[b, t].tolist(), size[b, t, :, 0].tolist(), kept, src, tgt)
+            torch.testing.assert_close(merged[b, t], torch.tensor(ref_x, dtype=torch.float64))
+            assert new_size[b, t, :, 0].tolist() == ref_size
+
+
+def test_frame_vote_matches_reference():
+    # (batch, positions, frames, channels): frames compared position by position, the majority picks the partner.
+    metric = torch.randn(3, 5, 8, 4, dtype=torch.float64)
+    m = geometry_matching(metric, 3, vote_dim=-3)
+    for b in range(3):
+        kept, src, tgt = reference_geometry(metric[b].tolist(), 3)
+        assert (m.kept[b].tolist(), m.sources[b].tolist(), m.targets[b].tolist()) == (kept, src, tgt)
+
+
+@pytest.mark.parametrize("prune", [False, True])
+@pytest.mark.parametrize("protect_first", [False, True])
+def test_importance_matches_reference(prune, protect_first):
+    metric = torch.randn(4, 9, 6, dtype=torch.float64)
+    importance = torch.rand(4, 9, dtype=torch.float64)
+    m = importance_matching(metric, importance, 3, protect_first=protect_first, prune=prune)
+    for b in range(4):
+        kept, src, tgt = reference_importance(metric[b].tolist(), importance[b].tolist(), 3, protect_first, prune)
+        assert (m.kept[b].tolist(), m.sources[b].tolist(), m.targets[b].tolist()) == (kept, src, tgt)
+
+
+def test_importance_vote_matches_reference():
+    metric = torch.randn(2, 4, 8, 5, dtype=torch.float64)
+    importance = torch.rand(2, 8, dtype=torch.float64)
+    m = importance_matching(metric, importance, 3, vote_dim=-3)
+    for b in range(2):
+        kept, src, tgt = reference_importance(metric[b].tolist(), importance[b].tolist(), 3)
+        assert (m.kept[b].tolist(), m.sources[b].tolist(), m.targets[b].tolist()) == (kept, src, tgt)
+
+
+def test_frame_merge_weights_every_position_by_its_own_size():
+    # Frames viewed as (B, T, L * D) with sizes (B, T, L): position l of the merged frame averages position l only.
+    frames, positions, dim = 4, 3, 2
+    x = torch.randn(1, frames, positions * dim, dtype=torch.float64)
+    size = torch.randint(1, 4, (1, frames, positions)).double()
+    metric = torch.randn(1, frames, 5, dtype=torch.float64)
+    m = geometry_matching(metric, 1)
+    merged, new_size = merge_tokens(x, size, m)
+    xs = x.view(1, frames, positions, dim)
+    for p in range(positions):
+        ref_x, ref_size = reference_merge(
+            xs[0, :, p].tolist(), size[0, :, p].tolist(), m.kept[0].tolist(), m.sources[0].tolist(),
+            m.targets[0].tolist(),
+        )
+        torch.testing.assert_close(merged.view(1, -1, positions, dim)[0, :, p], torch.tensor(ref_x, dtype=torch.float64))
+        assert new_size[0, :, p].tolist() == ref_size
