@@ -147,40 +147,56 @@ def importance_matching(
     return Matching(kept=kept, sources=src, targets=partner)
 
 
-def _gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``x[..., index, :]`` along the token axis -2 for a batched index ``(*batch, K)``."""
-    return x.gather(-2, index.unsqueeze(-1).expand(*index.shape, x.shape[-1]))
+def _expand_index(index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Broadcasts a ``(*batch, K)`` token index over the trailing dimensions of ``like``."""
+    trailing = like.shape[index.ndim :]
+    return index.view(*index.shape, *(1,) * len(trailing)).expand(*index.shape, *trailing)
 
 
-def merge_tokens(
-    x: torch.Tensor, size: torch.Tensor, matching: Matching
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _take(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``t[..., index, ...]`` along the token axis ``index.ndim - 1`` for a batched index ``(*batch, K)``."""
+    trailing = t.shape[index.ndim :]
+    return t.gather(index.ndim - 1, index.view(*index.shape, *(1,) * len(trailing)).expand(*index.shape, *trailing))
+
+
+def merge_tokens(x: torch.Tensor, size: torch.Tensor, matching: Matching) -> tuple[torch.Tensor, torch.Tensor]:
     """Applies a matching with a size-weighted average (ToMe's ``merge_wavg``).
 
+    The token axis is the last axis of the matching's indices: for ``(*batch, K)`` indices it is axis
+    ``len(batch)``. Patches use ``x (B, T, L, D)`` with ``(B, T, K)`` indices; frames use the same ``x`` with
+    ``(B, K)`` indices, so a frame moves with all its L patch positions.
+
     Args:
-        x: ``(*batch, N, F)`` token features.
-        size: ``(*batch, N, G)`` number of input patches behind every token, with ``F`` a multiple of ``G``: each group
-            of ``F // G`` features shares one size. Patches use ``G = 1``; frames viewed as ``(B, T, L * D)`` use
-            ``G = L`` so that every patch position is averaged with its own weight.
+        x: ``(*batch, N, *rest, D)`` token features.
+        size: ``x.shape[:-1]``: how many input patches every token (and, for frames, every patch position of the
+            frame) stands for. Each position is averaged with its own weight.
 
     Returns:
-        The merged features ``(*batch, N - r, F)`` and sizes ``(*batch, N - r, G)``. Sizes are summed, so they keep
-        adding up to the number of input patches; with pruning the dropped tokens' sizes are lost.
+        The merged features ``(*batch, N - r, *rest, D)`` and sizes. Sizes are summed, so they keep adding up to the
+        number of input patches; with pruning the dropped tokens' sizes are lost.
+
+    Only the ``r`` merged rows are reweighted (work O(r) beyond the copy of the kept tokens), which keeps the
+    aggregation a few percent of the encoder's time.
     """
-    kept_size = _gather_tokens(size, matching.kept)
+    merged = _take(x, matching.kept)
+    kept_size = _take(size, matching.kept)
     if matching.sources.shape[-1] == 0:
-        return _gather_tokens(x, matching.kept), kept_size
-    groups = size.shape[-1]
-    weight = size.to(x.dtype).repeat_interleave(x.shape[-1] // groups, dim=-1)
-    weighted = x * weight
-    merged = _gather_tokens(weighted, matching.kept)
-    target_index = matching.targets.unsqueeze(-1)
-    merged = merged.scatter_add(-2, target_index.expand(*matching.targets.shape, x.shape[-1]),
-                                _gather_tokens(weighted, matching.sources))
-    new_size = kept_size.scatter_add(-2, target_index.expand(*matching.targets.shape, groups),
-                                     _gather_tokens(size, matching.sources))
-    denominator = new_size.to(x.dtype).repeat_interleave(x.shape[-1] // groups, dim=-1)
-    return merged / denominator, new_size
+        return merged, kept_size
+    axis = matching.kept.ndim - 1
+    sources, targets = matching.sources, matching.targets
+    source_size = _take(size, sources)
+    target_index = _expand_index(targets, source_size)
+    new_size = kept_size.scatter_add(axis, target_index, source_size)
+    fan_in = torch.zeros_like(kept_size).scatter_add(axis, target_index, torch.ones_like(source_size))
+    total = _take(new_size, targets)
+    # Every target row receives one update per source that joins it: its own reweighting split evenly among them
+    # (target * (s_t / S - 1) / fan_in) plus that source's share (source * s_s / S).
+    target_delta = ((_take(kept_size, targets) / total - 1) / _take(fan_in, targets)).unsqueeze(-1).to(x.dtype)
+    source_share = (source_size / total).unsqueeze(-1).to(x.dtype)
+    target_rows = _take(x, matching.kept.gather(-1, targets))  # read from x: `merged` is updated in place below
+    update = target_rows * target_delta + _take(x, sources) * source_share
+    merged.scatter_add_(axis, _expand_index(targets, update), update)
+    return merged, new_size
 
 
 def output_slot_of_inputs(matching: Matching, num_inputs: int) -> torch.Tensor:

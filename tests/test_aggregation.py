@@ -112,11 +112,11 @@ def test_geometry_hand_worked_identical_pair_merges_first():
     m2 = geometry_matching(metric, r=2)
     assert sorted(m2.sources.tolist()) == [2, 4] and m2.kept.tolist() == [0, 1, 3, 5]
     x = torch.arange(12, dtype=torch.float64).view(6, 2)
-    size = torch.tensor([[1.0], [1.0], [3.0], [1.0], [1.0], [1.0]], dtype=torch.float64)
+    size = torch.tensor([1.0, 1.0, 3.0, 1.0, 1.0, 1.0], dtype=torch.float64)
     merged, new_size = merge_tokens(x, size, m)
     # token 5 (x=[10, 11], size 1) absorbs token 2 (x=[4, 5], size 3): (3*[4,5] + [10,11]) / 4
     assert merged[4].tolist() == [5.5, 6.5]
-    assert new_size.squeeze(-1).tolist() == [1.0, 1.0, 1.0, 1.0, 4.0]
+    assert new_size.tolist() == [1.0, 1.0, 1.0, 1.0, 4.0]
 
 
 def test_protected_first_token_is_never_a_source():
@@ -137,7 +137,7 @@ def test_prune_drops_the_least_attended_tokens():
     m = importance_matching(torch.randn(1, 6, 4), importance, r=2, prune=True)
     assert m.kept.tolist() == [[0, 2, 4, 5]] and m.sources.numel() == 0
     x = torch.randn(1, 6, 3)
-    out, size = merge_tokens(x, torch.ones(1, 6, 1), m)
+    out, size = merge_tokens(x, torch.ones(1, 6), m)
     torch.testing.assert_close(out, x[:, [0, 2, 4, 5]])
     assert size.sum() == 4  # the pruned tokens' sizes are gone
 
@@ -187,7 +187,7 @@ def test_geometry_matches_reference(num_tokens, r, protect_first):
     r = capped_reduction(r, num_tokens, protected=int(protect_first))
     metric = torch.randn(2, 3, num_tokens, 6, dtype=torch.float64)
     x = torch.randn(2, 3, num_tokens, 4, dtype=torch.float64)
-    size = torch.randint(1, 5, (2, 3, num_tokens, 1)).double()
+    size = torch.randint(1, 5, (2, 3, num_tokens)).double()
     m = geometry_matching(metric, r, protect_first=protect_first)
     merged, new_size = merge_tokens(x, size, m)
     for b in range(2):
@@ -195,9 +195,9 @@ def test_geometry_matches_reference(num_tokens, r, protect_first):
             kept, src, tgt = reference_geometry(metric[b, t].tolist(), r, protect_first)
             assert m.kept[b, t].tolist() == kept and m.sources[b, t].tolist() == src
             assert m.targets[b, t].tolist() == tgt
-            ref_x, ref_size = reference_merge(x[b, t].tolist(), size[b, t, :, 0].tolist(), kept, src, tgt)
+            ref_x, ref_size = reference_merge(x[b, t].tolist(), size[b, t].tolist(), kept, src, tgt)
             torch.testing.assert_close(merged[b, t], torch.tensor(ref_x, dtype=torch.float64))
-            assert new_size[b, t, :, 0].tolist() == ref_size
+            assert new_size[b, t].tolist() == ref_size
 
 
 def test_frame_vote_matches_reference():
@@ -230,18 +230,38 @@ def test_importance_vote_matches_reference():
 
 
 def test_frame_merge_weights_every_position_by_its_own_size():
-    # Frames viewed as (B, T, L * D) with sizes (B, T, L): position l of the merged frame averages position l only.
-    frames, positions, dim = 4, 3, 2
-    x = torch.randn(1, frames, positions * dim, dtype=torch.float64)
+    # Frames (B, T, L, D) with sizes (B, T, L) and a (B, K) matching: position l of a merged frame averages the
+    # frames' position-l tokens, each weighted by its own size.
+    frames, positions, dim = 6, 3, 2
+    x = torch.randn(1, frames, positions, dim, dtype=torch.float64)
     size = torch.randint(1, 4, (1, frames, positions)).double()
-    metric = torch.randn(1, frames, 5, dtype=torch.float64)
-    m = geometry_matching(metric, 1)
+    m = geometry_matching(torch.randn(1, frames, 5, dtype=torch.float64), 2)
     merged, new_size = merge_tokens(x, size, m)
-    xs = x.view(1, frames, positions, dim)
+    assert merged.shape == (1, frames - 2, positions, dim)
     for p in range(positions):
         ref_x, ref_size = reference_merge(
-            xs[0, :, p].tolist(), size[0, :, p].tolist(), m.kept[0].tolist(), m.sources[0].tolist(),
+            x[0, :, p].tolist(), size[0, :, p].tolist(), m.kept[0].tolist(), m.sources[0].tolist(),
             m.targets[0].tolist(),
         )
-        torch.testing.assert_close(merged.view(1, -1, positions, dim)[0, :, p], torch.tensor(ref_x, dtype=torch.float64))
+        torch.testing.assert_close(merged[0, :, p], torch.tensor(ref_x, dtype=torch.float64))
         assert new_size[0, :, p].tolist() == ref_size
+
+
+def test_several_sources_into_one_target_and_gradients():
+    """Three sources join token 0: the result is the size-weighted mean of all four, and the gradient of the
+    in-place O(r) update equals the float64 finite-difference gradient."""
+    from modeling_testa.aggregation import Matching
+
+    matching = Matching(kept=torch.tensor([[0, 4]]), sources=torch.tensor([[1, 2, 3]]), targets=torch.tensor([[0, 0, 0]]))
+    x = torch.randn(1, 5, 3, dtype=torch.float64, requires_grad=True)
+    size = torch.tensor([[2.0, 1.0, 3.0, 1.0, 5.0]], dtype=torch.float64)
+    merged, new_size = merge_tokens(x, size, matching)
+    expected = (x[0, :4] * size[0, :4, None]).sum(0) / 7
+    torch.testing.assert_close(merged[0, 0], expected)
+    torch.testing.assert_close(merged[0, 1], x[0, 4])
+    assert new_size.tolist() == [[7.0, 5.0]]
+    assert torch.autograd.gradcheck(lambda t: merge_tokens(t, size, matching)[0], (x,))
+    frame_matching = geometry_matching(torch.randn(2, 6, 4, dtype=torch.float64), 2)
+    frames = torch.randn(2, 6, 3, 2, dtype=torch.float64, requires_grad=True)
+    frame_size = torch.randint(1, 4, (2, 6, 3)).double()
+    assert torch.autograd.gradcheck(lambda t: merge_tokens(t, frame_size, frame_matching)[0], (frames,))

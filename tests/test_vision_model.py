@@ -251,3 +251,22 @@ def test_vit_b_gmac_and_tokens_match_the_paper(frames, r_t, r_s, paper_gmac, tok
     gmac, out_tokens = count_encoder_gmac(config)
     assert out_tokens == tokens
     assert abs(gmac - paper_gmac) / paper_gmac < 0.01, gmac
+
+
+def test_set_aggregation_switches_schedules_in_place():
+    model = _model()
+    video = _video()
+    merged = model(video).last_hidden_state
+    model.set_aggregation(temporal_reduction=0, spatial_reduction=0)
+    assert model(video).last_hidden_state.shape[1] == 1 + 8 * 16
+    assert model.config.temporal_reduction == 0
+    fresh = TestaVisionModel(tiny_vision_config(temporal_reduction=0, spatial_reduction=0)).eval()
+    fresh.load_state_dict(model.state_dict())
+    torch.testing.assert_close(model(video).last_hidden_state, fresh(video).last_hidden_state)
+    model.set_aggregation(temporal_reduction=1, spatial_reduction=3)
+    torch.testing.assert_close(model(video).last_hidden_state, merged)
+    with pytest.raises(ValueError, match="spatial_reduction"):
+        model.set_aggregation(spatial_reduction=[1, 2, 3])
+    assert model.config.spatial_reduction == 3  # unchanged after the error
+    with pytest.raises(ValueError, match="allowed settings"):
+        model.set_aggregation(hidden_size=8)

@@ -1,0 +1,209 @@
+"""The YAML recipes carry the paper's settings and build valid model configs; the accelerate configs load and launch."""
+
+import functools
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from modeling_testa import TestaConfig, TestaVisionConfig
+
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configuration"
+RECIPES = sorted(CONFIGS.glob("*.yaml"))
+ACCELERATE = sorted((CONFIGS / "accelerate").glob("*.yaml"))
+TEXT_LENGTHS = {"queryd": 128, "didemo": 64, "activitynet": 64, "condensed_movies": 32}
+
+
+def load(name):
+    with open(CONFIGS / name, encoding="utf-8") as f:
+        return yaml.safe_load(f)
+
+
+def make_testa_config(recipe):
+    model = dict(recipe["model"])
+    model.pop("init_from")
+    return TestaConfig(**model)
+
+
+def test_every_recipe_is_present_and_parses():
+    names = {p.name for p in RECIPES}
+    expected = {f"retrieval_{d}_f{f}.yaml" for d in TEXT_LENGTHS for f in (32, 96)}
+    expected |= {"vqa_activitynet_f32.yaml", "vqa_activitynet_f96.yaml", "pretrain.yaml", "synthetic_retrieval.yaml",
+                 "synthetic_qa.yaml"}
+    assert expected <= names
+    for path in RECIPES:
+        recipe = yaml.safe_load(path.read_text())
+        assert set(recipe) == {"task", "model", "data", "train", "eval"}, path.name
+        assert recipe["task"] in ("retrieval", "qa", "pretrain")
+        config = make_testa_config(recipe)  # every model section is a valid TestaConfig
+        vision = recipe["model"]["vision_config"]
+        assert config.vision_config.num_frames == vision["num_frames"] == recipe["data"]["num_frames"], path.name
+        assert config.vision_config.image_size == recipe["data"]["image_size"], path.name
+        assert recipe["data"]["sampling"] in ("uniform", "headtail", "random")
+        train = recipe["train"]
+        assert train["weight_decay"] == 0.05 and train["scheduler"] == "cosine"
+        if recipe["task"] == "retrieval":
+            assert config.queue_size % train["batch_size"] == 0, path.name  # the queue holds whole global batches
+            assert config.text_config.max_position_embeddings >= recipe["data"]["max_text_length"]
+
+
+@pytest.mark.parametrize("dataset", sorted(TEXT_LENGTHS))
+@pytest.mark.parametrize("frames", [32, 96])
+def test_paper_retrieval_settings(dataset, frames):
+    recipe = load(f"retrieval_{dataset}_f{frames}.yaml")
+    vision = make_testa_config(recipe).vision_config
+    r_t, r_s = (1, 12) if frames == 32 else (4, 8)
+    assert (vision.num_frames, vision.temporal_reduction, vision.spatial_reduction) == (frames, r_t, r_s)
+    assert (vision.hidden_size, vision.num_hidden_layers, vision.patch_size, vision.image_size) == (768, 12, 16, 224)
+    assert vision.aggregation_strategy == "geometry" and vision.aggregation_dims == "temporal+spatial"
+    model, data, train, evaluation = recipe["model"], recipe["data"], recipe["train"], recipe["eval"]
+    assert data["max_text_length"] == TEXT_LENGTHS[dataset]
+    assert data["dataset"] == f"data/{dataset}"
+    assert (train["lr"], train["warmup_ratio"], train["batch_size"]) == (1e-5, 0.1, 16)
+    assert train["epochs"] == (20 if dataset == "activitynet" else 10)
+    assert (model["queue_size"], model["alpha"], model["momentum"], evaluation["k_test"]) == (32, 0.4, 0.995, 128)
+    text = make_testa_config(recipe).text_config
+    assert (text.vocab_size, text.hidden_size, text.num_attention_heads) == (30524, 768, 12)
+    assert text.encoder_hidden_size == 768
+
+
+@pytest.mark.parametrize("frames", [32, 96])
+def test_paper_qa_settings(frames):
+    recipe = load(f"vqa_activitynet_f{frames}.yaml")
+    vision = make_testa_config(recipe).vision_config
+    assert (vision.temporal_reduction, vision.spatial_reduction) == ((1, 12) if frames == 32 else (4, 8))
+    assert recipe["task"] == "qa" and recipe["data"]["max_question_length"] == 35
+    assert (recipe["train"]["lr"], recipe["train"]["epochs"], recipe["train"]["batch_size"]) == (2e-5, 10, 16)
+    assert recipe["eval"]["answer_list"] == "train"  # candidates from training answers: no test-label leak
+
+
+def test_pretraining_settings():
+    recipe = load("pretrain.yaml")
+    config = make_testa_config(recipe)
+    vision, train = config.vision_config, recipe["train"]
+    assert vision.num_frames == 8 and vision.temporal_reduction == 0 and vision.spatial_reduction == 0
+    assert (train["lr"], train["warmup_steps"], train["warmup_start_lr"], train["min_lr"]) == (5e-6, 5000, 1e-6, 5e-7)
+    assert config.queue_size == 57600 and config.queue_size % train["batch_size"] == 0
+    assert set(train["losses"]) == {"vtc", "vtm", "cap"}
+    assert recipe["data"]["streaming"] is True and recipe["data"]["max_text_length"] == 30
+    assert recipe["data"]["dataset"] == ["data/webvid", "data/cc3m"]
+
+
+def test_synthetic_recipes_fit_the_synthetic_data():
+    from transformers import BertTokenizer
+
+    from modeling_testa.flops import count_encoder_gmac
+    from processing.synthetic import make_specs, paragraph, qa_pairs
+
+    retrieval, qa = load("synthetic_retrieval.yaml"), load("synthetic_qa.yaml")
+    config = make_testa_config(retrieval)
+    vision, text = config.vision_config, config.text_config
+    assert retrieval["model"]["init_from"] is None  # from scratch
+    assert 128 <= vision.hidden_size <= 192 and vision.num_hidden_layers == 4 and vision.num_frames == 8
+    assert 64 <= vision.image_size <= 96 and text.encoder_hidden_size == vision.hidden_size
+    assert retrieval["data"]["dataset"] == qa["data"]["dataset"] == "data/synthetic"
+    # the QA recipe uses the same model
+    assert qa["model"]["vision_config"] == retrieval["model"]["vision_config"]
+    assert make_testa_config(qa).text_config.hidden_size == text.hidden_size
+    # aggregation at about 55% of the encoder's GMAC (the demo's comparison)
+    full = TestaVisionConfig(**{**retrieval["model"]["vision_config"], "temporal_reduction": 0, "spatial_reduction": 0})
+    ratio = count_encoder_gmac(vision)[0] / count_encoder_gmac(full)[0]
+    assert 0.5 <= ratio <= 0.6, ratio
+    # every synthetic paragraph / question fits the recipes' text lengths, so nothing is truncated
+    tokenizer = BertTokenizer(vocab=str(ROOT / "modeling_testa" / "vocab.txt"))
+    specs = make_specs(400, seed=11)
+    longest = max(len(tokenizer(paragraph(s.events))["input_ids"]) for s in specs)
+    assert longest <= retrieval["data"]["max_text_length"] <= text.max_position_embeddings
+    pairs = [p for s in specs for p in qa_pairs(s.events, random.Random(0), 10)]
+    assert max(len(tokenizer(q)["input_ids"]) for q, _ in pairs) <= qa["data"]["max_question_length"]
+    assert max(len(tokenizer(a)["input_ids"]) for _, a in pairs) <= qa["data"]["max_answer_length"]
+
+
+def launch_args(path):
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+
+    args = launch_command_parser().parse_args(["--config_file", str(path), "train.py"])
+    args, _, _ = _validate_launch_command(args)
+    return args
+
+
+def test_accelerate_configs_load():
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    assert {p.name for p in ACCELERATE} >= {"single_gpu.yaml", "ddp.yaml", "fsdp.yaml", "deepspeed_zero2.yaml",
+                                            "multi_node.yaml", "cpu_2proc.yaml"}
+    expected = {  # file: (distributed type, processes, machines)
+        "single_gpu.yaml": ("NO", 1, 1),
+        "ddp.yaml": ("MULTI_GPU", 8, 1),
+        "fsdp.yaml": ("FSDP", 8, 1),
+        "deepspeed_zero2.yaml": ("DEEPSPEED", 8, 1),
+        "multi_node.yaml": ("MULTI_GPU", 16, 2),
+        "cpu_2proc.yaml": ("MULTI_GPU", 2, 1),
+    }
+    for path in ACCELERATE:
+        config = load_config_from_file(str(path))  # raises on unknown keys
+        kind, processes, machines = expected[path.name]
+        assert (str(config.distributed_type).split(".")[-1], config.num_processes, config.num_machines) == (
+            kind, processes, machines), path.name
+        launch_args(path)  # the launcher accepts it
+    multi = load_config_from_file(str(CONFIGS / "accelerate" / "multi_node.yaml"))
+    assert multi.main_process_ip and multi.main_process_port == 29500 and multi.same_network
+    deepspeed = load_config_from_file(str(CONFIGS / "accelerate" / "deepspeed_zero2.yaml"))
+    assert deepspeed.deepspeed_config["zero_stage"] == 2
+
+
+def test_fsdp_config_wraps_the_encoder_and_text_blocks(monkeypatch):
+    import torch
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.launch import prepare_multi_gpu_env
+    from transformers import BlipTextConfig
+    from transformers.models.blip.modeling_blip_text import BlipTextLayer, BlipTextModel
+
+    from modeling_testa import TestaVisionModel
+    from modeling_testa.modeling_testa import TestaVisionLayer
+
+    env = prepare_multi_gpu_env(launch_args(CONFIGS / "accelerate" / "fsdp.yaml"))
+    for key, value in env.items():
+        if key.startswith(("FSDP_", "ACCELERATE_")):
+            monkeypatch.setenv(key, value)
+    plugin = FullyShardedDataParallelPlugin()
+    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
+    vision = TestaVisionModel(TestaVisionConfig(num_frames=2, image_size=32, patch_size=16, hidden_size=32,
+                                                num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                                                temporal_reduction=0, spatial_reduction=0))
+    text = BlipTextModel(BlipTextConfig(hidden_size=32, encoder_hidden_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, intermediate_size=64))
+    plugin.set_auto_wrap_policy(torch.nn.ModuleDict({"vision": vision, "text": text}))
+    policy = plugin.auto_wrap_policy
+    assert isinstance(policy, functools.partial)
+    assert policy.keywords["transformer_layer_cls"] == {TestaVisionLayer, BlipTextLayer}
+
+
+PROBE = """
+import sys
+import torch
+from accelerate import Accelerator
+accelerator = Accelerator(cpu=not torch.cuda.is_available())
+with open(f"{sys.argv[1]}/rank{accelerator.process_index}.txt", "w") as f:
+    f.write(f"{accelerator.process_index} {accelerator.num_processes} {accelerator.distributed_type}")
+"""
+
+
+def test_cpu_2proc_launches_two_gloo_processes(tmp_path):
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+         str(CONFIGS / "accelerate" / "cpu_2proc.yaml"), str(script), str(tmp_path)],
+        capture_output=True, text=True, env=env, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    reports = sorted(p.read_text() for p in tmp_path.glob("rank*.txt"))
+    assert reports == ["0 2 DistributedType.MULTI_CPU", "1 2 DistributedType.MULTI_CPU"], reports
