@@ -345,7 +345,9 @@ def main(task: Task, argv: list[str] | None = None) -> dict:
         log_with=_trackers(),
         project_config=ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(output_dir / "logs")),
         dataloader_config=DataLoaderConfiguration(dispatch_batches=False),
-        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)],
+        # Joint mode leaves the temporal attention unused; other settings use every parameter.
+        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=bool(train_cfg.get(
+            "find_unused_parameters", recipe["model"].get("vision_config", {}).get("aggregation_dims") == "joint")))],
     )
     seed = train_cfg.get("seed", 42)
     set_seed(seed)

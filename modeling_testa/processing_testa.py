@@ -1,0 +1,215 @@
+"""Processor for TESTA: the BERT-uncased tokenizer with BLIP's `[DEC]`/`[ENC]` tokens plus `TestaVideoProcessor`."""
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from transformers import BertTokenizer
+from transformers.processing_utils import ProcessorMixin
+
+from .video_processing_testa import TestaVideoProcessor
+
+
+VOCAB_FILE = Path(__file__).with_name("vocab.txt")
+"""The bert-base-uncased WordPiece vocabulary (30522 entries) shipped with the package."""
+
+DEC_TOKEN = "[DEC]"
+"""BLIP's decoder start token (`bos_token`), id 30522: replaces `[CLS]` in decoder inputs."""
+
+ENC_TOKEN = "[ENC]"
+"""BLIP's video-grounded encoder token, id 30523: replaces `[CLS]` for ITM and VQA question encoding."""
+
+TASK_TEXT_SETTINGS: dict[str, dict[str, Any]] = {
+    # paragraph-to-video retrieval (configs/*.yaml `max_words`; padding="max_length" as in the original)
+    "queryd": {"max_length": 128, "padding": "max_length"},
+    "didemo": {"max_length": 64, "padding": "max_length"},
+    "activitynet": {"max_length": 64, "padding": "max_length"},
+    "condensed_movies": {"max_length": 32, "padding": "max_length"},
+    # pretraining captions and ActivityNet-QA questions
+    "pretrain": {"max_length": 30, "padding": "max_length"},
+    "activitynet_qa": {"max_length": 35, "padding": "longest"},
+}
+"""Text length (tokens, `[CLS]`/`[SEP]` included) and padding per task, as used by the original TESTA code."""
+
+TASK_CAPTION_WORDS: dict[str, int] = {"queryd": 128, "activitynet": 50, "condensed_movies": 50, "pretrain": 50}
+"""Word limit of the original `pre_caption` per task (DiDeMo captions were not cleaned; QA questions use 50)."""
+
+_CAPTION_SYMBOLS = re.compile(r"[!\"()*#~]")
+_SPACES = re.compile(r"\s{2,}")
+
+
+def pre_caption(caption: str, max_words: int = 50) -> str:
+    """The original TESTA caption cleaning (`data/utils.py::pre_caption`).
+
+    Lower-cases, replaces each of ``!"()*#~`` by a space, collapses runs of whitespace, strips surrounding spaces and
+    newlines, and keeps at most `max_words` space-separated words. (TESTA keeps `.`, `:` and `;`, unlike BLIP.)
+
+    Args:
+        caption (`str`): raw caption or paragraph.
+        max_words (`int`, defaults to 50): word limit.
+
+    Returns:
+        `str`: the cleaned caption.
+    """
+    caption = _CAPTION_SYMBOLS.sub(" ", caption.lower())
+    caption = _SPACES.sub(" ", caption)
+    caption = caption.rstrip("\n").strip(" ")
+    words = caption.split(" ")
+    if len(words) > max_words:
+        caption = " ".join(words[:max_words])
+    return caption
+
+
+def build_testa_tokenizer(vocab_file: str | os.PathLike | None = None, **kwargs: Any) -> BertTokenizer:
+    """Builds the TESTA/BLIP text tokenizer offline from a WordPiece `vocab.txt`.
+
+    This is `bert-base-uncased` (lower-casing, accent stripping, WordPiece) with `[DEC]` added as `bos_token`
+    (id 30522) and `[ENC]` as an extra special token (id 30523), so `len(tokenizer) == 30524`, matching BLIP's
+    `init_tokenizer`. The `[ENC]` id is also available as `tokenizer.enc_token_id`.
+
+    Args:
+        vocab_file (`str` or `os.PathLike`, *optional*): the vocabulary, one token per line; defaults to the
+            `vocab.txt` shipped next to this module.
+        **kwargs: passed to `BertTokenizer` (e.g. `model_max_length`).
+
+    Returns:
+        `BertTokenizer`: the tokenizer.
+    """
+    path = Path(vocab_file) if vocab_file is not None else VOCAB_FILE
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"WordPiece vocabulary not found: {str(path)!r}. Pass `vocab_file=` (bert-base-uncased's vocab.txt) or "
+            "load a saved processor with `TestaProcessor.from_pretrained`."
+        )
+    # transformers v5 silently ignores `vocab_file=`: the vocabulary must be passed as `vocab=`.
+    kwargs.setdefault("do_lower_case", True)
+    kwargs.setdefault("model_max_length", 512)
+    tokenizer = BertTokenizer(vocab=str(path), **kwargs)
+    tokenizer.add_special_tokens({"bos_token": DEC_TOKEN, "additional_special_tokens": [ENC_TOKEN]})
+    tokenizer.enc_token_id = tokenizer.convert_tokens_to_ids(ENC_TOKEN)
+    return tokenizer
+
+
+class TestaProcessor(ProcessorMixin):
+    r"""
+    Processor for TESTA: wraps a [`TestaVideoProcessor`] (videos -> `pixel_values`) and a BERT-uncased tokenizer with
+    BLIP's `[DEC]` and `[ENC]` tokens (text -> `input_ids`, `attention_mask`).
+
+    `TestaProcessor()` builds both offline: the default video processor and [`build_testa_tokenizer`] on the shipped
+    vocabulary.
+
+    Args:
+        video_processor ([`TestaVideoProcessor`], *optional*): defaults to `TestaVideoProcessor()`.
+        tokenizer ([`BertTokenizer`], *optional*): defaults to `build_testa_tokenizer()`.
+
+    Calling it (`processor(text=..., videos=..., task=None, clean_text=False, **kwargs)`):
+
+    - `text` (`str` or `list[str]`) is tokenized with truncation. Without `task` the batch is padded to its longest
+      sequence and truncated to 64 tokens; with `task` the original setting of that task is used (see
+      `TASK_TEXT_SETTINGS`: QuerYD 128, DiDeMo 64, ActivityNet 64, Condensed Movies 32, padded to `max_length`).
+      Explicit `max_length=`/`padding=` arguments win over the task's.
+    - `clean_text=True` applies the original caption cleaning ([`pre_caption`]) first, with the task's word limit
+      (50 by default).
+    - `videos` go to the video processor (any of its inputs and keyword arguments, e.g. `num_frames=8`).
+
+    Returns a `BatchFeature` with `input_ids`, `attention_mask` (no `token_type_ids`) and `pixel_values`.
+    """
+
+    text_kwargs = {
+        "padding": "longest",
+        "truncation": True,
+        "max_length": 64,
+        "return_token_type_ids": False,
+        "return_tensors": "pt",
+    }
+
+    def __init__(
+        self,
+        video_processor: TestaVideoProcessor | None = None,
+        tokenizer: BertTokenizer | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if video_processor is None:
+            video_processor = TestaVideoProcessor()
+        if tokenizer is None:
+            tokenizer = build_testa_tokenizer()
+        super().__init__(video_processor=video_processor, tokenizer=tokenizer, **kwargs)
+        if getattr(self.tokenizer, "enc_token_id", None) is None and ENC_TOKEN in self.tokenizer.get_vocab():
+            self.tokenizer.enc_token_id = self.tokenizer.convert_tokens_to_ids(ENC_TOKEN)
+
+    @property
+    def enc_token_id(self) -> int | None:
+        """Id of `[ENC]` (30523 with the default tokenizer)."""
+        return self.tokenizer.convert_tokens_to_ids(ENC_TOKEN) if ENC_TOKEN in self.tokenizer.get_vocab() else None
+
+    @property
+    def dec_token_id(self) -> int | None:
+        """Id of `[DEC]`, the `bos_token` (30522 with the default tokenizer)."""
+        return self.tokenizer.bos_token_id
+
+    @property
+    def model_input_names(self) -> list[str]:
+        """`["input_ids", "attention_mask", "pixel_values"]`."""
+        return ["input_ids", "attention_mask", "pixel_values"]
+
+    def __call__(
+        self,
+        text: str | list[str] | None = None,
+        videos: Any = None,
+        task: str | None = None,
+        clean_text: bool = False,
+        **kwargs: Any,
+    ) -> Any:
+        """Tokenizes `text` and/or processes `videos`; see the class docstring.
+
+        Args:
+            text (`str` or `list[str]`, *optional*): captions, paragraphs, queries or questions.
+            videos (*optional*): anything [`TestaVideoProcessor`] accepts.
+            task (`str`, *optional*): one of `TASK_TEXT_SETTINGS` (`"queryd"`, `"didemo"`, `"activitynet"`,
+                `"condensed_movies"`, `"pretrain"`, `"activitynet_qa"`) to use the original text length and padding.
+            clean_text (`bool`, defaults to `False`): apply [`pre_caption`] before tokenizing.
+            **kwargs: tokenizer arguments (`max_length`, `padding`, `return_tensors`, ...) and video-processor
+                arguments (`num_frames`, `frame_sampling`, `return_metadata`, ...), or `text_kwargs={...}` /
+                `videos_kwargs={...}`.
+
+        Returns:
+            `BatchFeature` with `input_ids`, `attention_mask` and/or `pixel_values` (plus `video_metadata` when
+            `return_metadata=True`).
+        """
+        if text is None and videos is None:
+            raise ValueError("TestaProcessor needs `text`, `videos`, or both.")
+        if task is not None and task not in TASK_TEXT_SETTINGS:
+            raise ValueError(f"Unknown task={task!r}; use one of {sorted(TASK_TEXT_SETTINGS)} or None.")
+        if text is not None:
+            if isinstance(text, str):
+                texts = [text]
+            elif isinstance(text, (list, tuple)) and all(isinstance(t, str) for t in text):
+                texts = list(text)
+            else:
+                raise ValueError("`text` must be a string or a list of strings.")
+            if len(texts) == 0:
+                raise ValueError("`text` is an empty list; pass at least one string.")
+            if clean_text:
+                max_words = TASK_CAPTION_WORDS.get(task, 50)
+                texts = [pre_caption(t, max_words) for t in texts]
+            text = texts if not isinstance(text, str) else texts[0]
+            if task is not None:
+                explicit = dict(kwargs.get("text_kwargs", {}))
+                explicit.update({k: v for k, v in kwargs.items() if k in ("max_length", "padding")})
+                task_settings = {k: v for k, v in TASK_TEXT_SETTINGS[task].items() if k not in explicit}
+                kwargs["text_kwargs"] = {**kwargs.get("text_kwargs", {}), **task_settings}
+        return super().__call__(text=text, videos=videos, **kwargs)
+
+
+TestaProcessor.register_for_auto_class()
+
+__all__ = [
+    "DEC_TOKEN",
+    "ENC_TOKEN",
+    "TASK_CAPTION_WORDS",
+    "TASK_TEXT_SETTINGS",
+    "TestaProcessor",
+    "build_testa_tokenizer",
+    "pre_caption",
+]

@@ -1,0 +1,1388 @@
+"""Video processor for TESTA: decoding (decord or PyAV), frame sampling, resizing and CLIP normalisation.
+
+`TestaVideoProcessor` turns video files, decoded arrays/tensors or lists of PIL frames into the `pixel_values` tensor
+`(batch, frames, 3, height, width)` that [`TestaVisionModel`] consumes.
+
+Differences from the original TESTA data pipeline (`data/video_dataset.py`), all deliberate:
+
+* `uniform` sampling takes the **midpoint of each of `num_frames` equal segments of the whole video**. The original's
+  `np.arange(0, vlen, vlen / N, dtype=int)` is a floor-stride prefix that never reaches the tail of the video, and
+  returns frame 0 `N` times for videos shorter than `N` frames. Here, videos shorter than `num_frames` repeat their
+  frames evenly and in order.
+* Resizing is done by torchvision (bicubic, antialiased) after decoding. `resize_mode="square"` (the default) resizes
+  every frame directly to `crop_size`, not keeping the aspect ratio, like the original's
+  `decord.VideoReader(path, width=224, height=224)`; `resize_mode="shortest_edge"` keeps the aspect ratio and
+  center-crops.
+* Rescaling does not depend on the content: integer frames are divided by 255, and float frames are taken to be in
+  [0, 1] unless their maximum exceeds 1 (then they are taken to be in [0, 255]). The original divided by 255 only when
+  `max > 1`, so an all-dark uint8 clip was left unscaled.
+
+Decoding uses decord by default and PyAV as the fallback. decord is a C++ library whose errors are raised from
+decoder threads; it has upstream reports of segmentation faults and aborts on some corrupt files and of endless
+"rewind" loops. On POSIX systems decord therefore runs in a separate helper process by default
+(`isolate_decoder=True`), with a time limit (`decode_timeout`), so that a crash or a hang in the decoder raises a
+`VideoDecodingError` in the caller instead of killing it.
+"""
+
+import atexit
+import errno
+import logging
+import os
+import pickle
+import re
+import select
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any, Literal
+
+import numpy as np
+import PIL.Image
+import torch
+from huggingface_hub.dataclasses import validate_typed_dict
+from transformers.image_processing_utils import BatchFeature
+from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, PILImageResampling, SizeDict, validate_kwargs
+from transformers.processing_utils import Unpack, VideosKwargs
+from transformers.video_processing_utils import BaseVideoProcessor
+from transformers.video_utils import VideoMetadata
+
+
+try:  # POSIX only; without it decord runs in process
+    import fcntl
+except ImportError:  # pragma: no cover
+    fcntl = None
+
+
+logger = logging.getLogger(__name__)
+
+FRAME_SAMPLING_STRATEGIES = ("uniform", "random", "headtail")
+RESIZE_MODES = ("square", "shortest_edge")
+VIDEO_BACKENDS = ("auto", "decord", "pyav")
+_URL_SCHEMES = ("http://", "https://", "rtsp://", "rtmp://", "ftp://")
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "double": torch.float64,
+}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Errors
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class VideoDecodingError(ValueError):
+    """A video could not be decoded. The message names the input and gives the decoder's reason.
+
+    Attributes:
+        source (`str`): the path or URL that failed.
+        reason (`str`): why it failed (the decoder's own message where there is one).
+        backend (`str` or `None`): the decoder that failed (`"decord"`, `"pyav"`), or `None` when no decoder was run or
+            when all decoders failed (the reason then lists each).
+    """
+
+    def __init__(self, source: str, reason: str, backend: str | None = None) -> None:
+        self.source = str(source)
+        self.reason = reason
+        self.backend = backend
+        via = f" with {backend}" if backend else ""
+        super().__init__(f"Could not decode video {self.source!r}{via}: {reason}")
+
+
+class VideoDecodingTimeoutError(VideoDecodingError, TimeoutError):
+    """Decoding took longer than `decode_timeout` seconds; the decoder process was killed."""
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Frame sampling
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def sample_frame_indices(
+    total_num_frames: int,
+    num_frames: int,
+    strategy: str = "uniform",
+    generator: torch.Generator | None = None,
+) -> np.ndarray:
+    """Chooses `num_frames` frame indices (in temporal order) out of a video of `total_num_frames` frames.
+
+    Args:
+        total_num_frames (`int`): number of frames in the video (>= 1).
+        num_frames (`int`): number of indices to return (>= 1).
+        strategy (`str`, defaults to `"uniform"`):
+            - `"uniform"`: the video is cut into `num_frames` equal segments and the middle frame of each is taken,
+              `floor((i + 0.5) * total / num_frames)`. This covers the whole video, tail included, and is
+              deterministic (evaluation).
+            - `"random"`: one frame drawn uniformly at random inside each segment (training).
+            - `"headtail"`: `num_frames // 2` distinct random frames from the first half of the video and the rest
+              from the second half, each part sorted (the original's pretraining sampler; it returned one frame too
+              few for odd `num_frames`, this returns exactly `num_frames`).
+            Videos with fewer frames than `num_frames` always use the uniform rule, which then repeats frames evenly
+            and in order (e.g. 3 frames -> 8: `[0, 0, 0, 1, 1, 2, 2, 2]`).
+        generator (`torch.Generator`, *optional*): random source for `"random"` and `"headtail"`; the global torch
+            RNG when `None` (so `torch.manual_seed` and DataLoader worker seeding apply).
+
+    Returns:
+        `np.ndarray` of `num_frames` int64 indices in `[0, total_num_frames)`, non-decreasing.
+    """
+    total_num_frames = int(total_num_frames)
+    num_frames = int(num_frames)
+    if total_num_frames < 1:
+        raise ValueError(f"Cannot sample frames from a video with {total_num_frames} frames.")
+    if num_frames < 1:
+        raise ValueError(f"`num_frames` must be >= 1, got {num_frames}.")
+    if strategy not in FRAME_SAMPLING_STRATEGIES:
+        raise ValueError(f"Unknown frame_sampling={strategy!r}; use one of {FRAME_SAMPLING_STRATEGIES}.")
+
+    if strategy == "uniform" or total_num_frames < num_frames:
+        # integer arithmetic: floor((2i + 1) * total / (2 * num_frames))
+        steps = 2 * np.arange(num_frames, dtype=np.int64) + 1
+        return steps * total_num_frames // (2 * num_frames)
+
+    if strategy == "random":
+        bounds = np.arange(num_frames + 1, dtype=np.int64) * total_num_frames // num_frames
+        starts, lengths = bounds[:-1], np.diff(bounds)  # every segment is non-empty since total >= num_frames
+        offsets = torch.rand(num_frames, generator=generator, dtype=torch.float64).numpy()
+        return starts + np.minimum((offsets * lengths).astype(np.int64), lengths - 1)
+
+    # headtail
+    half = total_num_frames // 2
+    n_head = num_frames // 2
+    n_tail = num_frames - n_head
+    head = torch.randperm(half, generator=generator)[:n_head].numpy()
+    tail = half + torch.randperm(total_num_frames - half, generator=generator)[:n_tail].numpy()
+    return np.concatenate([np.sort(head), np.sort(tail)]).astype(np.int64)
+
+
+def _checked_indices(indices: Any, total_num_frames: int, source: str) -> np.ndarray:
+    """Validates the output of a frame-sampling function."""
+    indices = np.asarray(indices, dtype=np.int64).reshape(-1)
+    if indices.size == 0:
+        raise ValueError(f"The frame-sampling function returned no indices for {source!r}.")
+    if indices.min() < 0 or indices.max() >= total_num_frames:
+        raise ValueError(
+            f"The frame-sampling function returned indices outside [0, {total_num_frames}) for {source!r}: "
+            f"min {indices.min()}, max {indices.max()}."
+        )
+    return indices
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Decoding
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _is_url(source: str) -> bool:
+    return source.lower().startswith(_URL_SCHEMES)
+
+
+def _check_source(source: str | os.PathLike) -> str:
+    """Normalises a path/URL and raises early, with the path, for missing, non-regular and empty files."""
+    source = os.fspath(source)
+    if not isinstance(source, str):
+        source = os.fsdecode(source)
+    if source.startswith("file://"):
+        source = source[len("file://") :]
+    if _is_url(source):
+        return source
+    if not os.path.exists(source):
+        raise FileNotFoundError(errno.ENOENT, "Video file not found", source)
+    if os.path.isdir(source):
+        raise IsADirectoryError(errno.EISDIR, "Expected a video file but got a directory", source)
+    if os.path.getsize(source) == 0:
+        raise VideoDecodingError(source, "the file is empty (0 bytes), so no decoder can read it")
+    return source
+
+
+def _import_decord() -> Any:
+    """Imports decord lazily (optional dependency; inside `try` so remote-code loading does not require it)."""
+    try:
+        import decord
+    except ImportError as exc:
+        raise ImportError("video_backend='decord' needs decord: `pip install decord`.") from exc
+    return decord
+
+
+def _import_av() -> Any:
+    """Imports PyAV lazily (optional dependency)."""
+    try:
+        import av
+    except ImportError as exc:
+        raise ImportError("video_backend='pyav' needs PyAV: `pip install av`.") from exc
+    return av
+
+
+def decord_available() -> bool:
+    """Whether decord can be imported."""
+    try:
+        _import_decord()
+    except Exception:  # ImportError, or a broken shared library
+        return False
+    return True
+
+
+def pyav_available() -> bool:
+    """Whether PyAV (`av`) can be imported."""
+    try:
+        _import_av()
+    except Exception:
+        return False
+    return True
+
+
+_DECORD_PREFIX = re.compile(r"^\[[0-9:]+\]\s+\S+:\d+:\s*")
+_FFMPEG_ADDRESS = re.compile(r" @ 0x[0-9a-fA-F]+\]")
+
+
+def _clean_decoder_message(message: str) -> str:
+    """Shortens decord's C++ messages (timestamps, source locations, stack traces) to their first meaningful line."""
+    lines = []
+    for line in str(message).splitlines():
+        line = _DECORD_PREFIX.sub("", line.strip())
+        line = _DECORD_PREFIX.sub("", line)  # decord nests "[time] file:line: [time] file:line: message"
+        if not line or line.startswith(("Stack trace", "[bt]")):
+            continue
+        lines.append(line)
+    return " | ".join(lines[:2]) if lines else str(message).strip()
+
+
+class _DecordReader:
+    """Opens a video with decord, reports its metadata, then reads the requested frames."""
+
+    def __init__(self, source: str, num_threads: int | None) -> None:
+        decord = _import_decord()
+        self.reader = decord.VideoReader(source, ctx=decord.cpu(0), num_threads=int(num_threads or 0))
+        total = len(self.reader)
+        fps = float(self.reader.get_avg_fps() or 0.0)
+        self.metadata = {
+            "total_num_frames": int(total),
+            "fps": fps if fps > 0 else None,
+            "duration": total / fps if fps > 0 else None,
+            "video_backend": "decord",
+        }
+
+    def read(self, unique_indices: Sequence[int]) -> np.ndarray:
+        return self.reader.get_batch([int(i) for i in unique_indices]).asnumpy()
+
+
+def _finish(
+    frames_unique: np.ndarray, inverse: np.ndarray, indices: np.ndarray, metadata: VideoMetadata
+) -> tuple[np.ndarray, VideoMetadata]:
+    """Expands the decoded unique frames back to the requested (possibly repeated, unsorted) indices."""
+    in_order = len(inverse) == len(frames_unique) and np.array_equal(inverse, np.arange(len(inverse)))
+    frames = frames_unique if in_order else frames_unique[inverse]
+    metadata.frames_indices = [int(i) for i in indices]
+    metadata.height, metadata.width = int(frames.shape[1]), int(frames.shape[2])
+    return np.ascontiguousarray(frames), metadata
+
+
+def _decode_with_decord(
+    source: str, sample_indices_fn: Callable[[VideoMetadata], Any], num_threads: int | None
+) -> tuple[np.ndarray, VideoMetadata]:
+    """Decodes in this process with decord (no protection against decoder crashes)."""
+    try:
+        reader = _DecordReader(source, num_threads)
+    except Exception as exc:  # DECORDError / RuntimeError
+        raise VideoDecodingError(source, _clean_decoder_message(exc), "decord") from exc
+    metadata = VideoMetadata(**reader.metadata)
+    if metadata.total_num_frames <= 0:
+        raise VideoDecodingError(source, "the video stream contains no decodable frames", "decord")
+    indices = _checked_indices(sample_indices_fn(metadata), metadata.total_num_frames, source)
+    unique, inverse = np.unique(indices, return_inverse=True)
+    try:
+        frames = reader.read(unique)
+    except Exception as exc:
+        raise VideoDecodingError(source, _clean_decoder_message(exc), "decord") from exc
+    return _finish(frames, inverse, indices, metadata)
+
+
+# --- decord in a separate worker process ------------------------------------------------------------------------------
+#
+# decord runs in a long-lived helper process (`python -c _DECORD_WORKER_SOURCE`, which imports only numpy and decord)
+# that talks to this process over pipes with length-prefixed pickles. If decord crashes (segfault, C++ abort) or hangs,
+# only the helper dies or is killed; the caller gets a `VideoDecodingError` and the next call starts a new helper.
+# Starting the helper costs ~0.2 s once per process; each video then costs only the pipe transfer of its frames.
+
+_DECORD_WORKER_SOURCE = r"""
+import os, pickle, struct, sys
+PROTO_IN = 0
+PROTO_OUT = os.dup(1)
+os.dup2(2, 1)  # anything written to stdout by C code goes to the log, never into the protocol pipe
+
+
+def read_exact(n):
+    buf = bytearray(n)
+    view = memoryview(buf)
+    while view:
+        k = os.readv(PROTO_IN, [view])
+        if k == 0:
+            os._exit(0)  # the parent closed the pipe
+        view = view[k:]
+    return buf
+
+
+def receive():
+    (n,) = struct.unpack("<Q", read_exact(8))
+    return pickle.loads(read_exact(n))
+
+
+def write_all(data):
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[os.write(PROTO_OUT, view):]
+
+
+def send(obj):
+    payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    write_all(struct.pack("<Q", len(payload)) + payload)
+
+
+try:
+    import numpy as np
+    import decord
+except Exception as exc:
+    send(("error", type(exc).__name__, str(exc)))
+    os._exit(0)
+send(("ready", os.getpid()))
+reader = None
+while True:
+    request = receive()
+    try:
+        if request[0] == "open":
+            reader = None
+            reader = decord.VideoReader(request[1], ctx=decord.cpu(0), num_threads=request[2])
+            send(("metadata", len(reader), float(reader.get_avg_fps() or 0.0)))
+        elif request[0] == "read":
+            frames = np.ascontiguousarray(reader.get_batch([int(i) for i in request[1]]).asnumpy())
+            reader = None
+            send(("frames", frames.shape, frames.dtype.str))
+            write_all(frames)
+        else:  # "close"
+            reader = None
+            send(("closed",))
+    except Exception as exc:
+        reader = None
+        send(("error", type(exc).__name__, str(exc)))
+"""
+
+
+class _WorkerGone(Exception):
+    """The decoder process closed its pipe (it exited or crashed)."""
+
+
+def _read_into(fd: int, view: memoryview, deadline: float | None) -> None:
+    """Fills `view` from `fd`; raises `_WorkerGone` on EOF and `TimeoutError` once `deadline` has passed."""
+    while view:
+        if deadline is not None:
+            remaining = deadline - time.monotonic()
+            ready = select.select([fd], [], [], max(remaining, 0.0))[0] if remaining > 0 else []
+            if not ready:
+                raise TimeoutError
+        n = os.readv(fd, [view])
+        if n == 0:
+            raise _WorkerGone
+        view = view[n:]
+
+
+def isolation_supported() -> bool:
+    """Whether decord can run in a helper process here (POSIX: needs `select` on pipes and a Python executable)."""
+    return os.name == "posix" and fcntl is not None and bool(sys.executable)
+
+
+class _DecordWorker:
+    """A helper process that decodes with decord; one per Python process (re-created after `fork`), thread-safe."""
+
+    _LOG_LIMIT = 1 << 20  # truncate the captured decoder log beyond 1 MiB
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.owner_pid = os.getpid()
+        self.process: subprocess.Popen | None = None
+        self.log = None
+
+    # process management
+    def _start(self, deadline: float | None) -> None:
+        self.log = tempfile.TemporaryFile()
+        flags = fcntl.fcntl(self.log.fileno(), fcntl.F_GETFL)
+        fcntl.fcntl(self.log.fileno(), fcntl.F_SETFL, flags | os.O_APPEND)  # the worker appends; we pread
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", _DECORD_WORKER_SOURCE],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            bufsize=0,
+            close_fds=True,
+            start_new_session=True,  # Ctrl-C in a terminal goes to the caller only
+        )
+        message = self._receive(deadline)
+        if message[0] != "ready":
+            self.stop()
+            raise ImportError(f"decord cannot be imported in the decoder process: {message[1]}: {message[2]}")
+
+    def stop(self) -> None:
+        """Kills the helper process (if any) and forgets it."""
+        process, self.process = self.process, None
+        if process is not None:
+            try:
+                process.kill()
+                process.wait(timeout=10)
+            except Exception:
+                pass
+            for stream in (process.stdin, process.stdout):
+                try:
+                    stream.close()
+                except Exception:
+                    pass
+        if self.log is not None:
+            self.log.close()
+            self.log = None
+
+    def _exit_description(self) -> str:
+        process = self.process
+        try:
+            code = process.wait(timeout=5)
+        except Exception:
+            return "the decord decoder process stopped responding"
+        if code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            return f"the decord decoder crashed ({name})"
+        return f"the decord decoder process exited unexpectedly (exit code {code})"
+
+    # protocol
+    def _send(self, obj: Any) -> None:
+        payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        data = memoryview(struct.pack("<Q", len(payload)) + payload)
+        fd = self.process.stdin.fileno()
+        while data:
+            data = data[os.write(fd, data):]
+
+    def _receive(self, deadline: float | None) -> Any:
+        fd = self.process.stdout.fileno()
+        header = bytearray(8)
+        _read_into(fd, memoryview(header), deadline)
+        payload = bytearray(struct.unpack("<Q", header)[0])
+        _read_into(fd, memoryview(payload), deadline)
+        return pickle.loads(payload)
+
+    def _log_size(self) -> int:
+        size = os.fstat(self.log.fileno()).st_size
+        if size > self._LOG_LIMIT:
+            os.ftruncate(self.log.fileno(), 0)
+            size = 0
+        return size
+
+    def _log_since(self, offset: int, max_lines: int = 3) -> str:
+        try:
+            size = os.fstat(self.log.fileno()).st_size
+            text = os.pread(self.log.fileno(), max(size - offset, 0), offset).decode("utf-8", "replace")
+        except Exception:
+            return ""
+        lines = [_FFMPEG_ADDRESS.sub("]", _DECORD_PREFIX.sub("", line.strip())) for line in text.splitlines()]
+        return " | ".join([line for line in lines if line][-max_lines:])
+
+    def _error(self, source: str, message: tuple, log_offset: int) -> VideoDecodingError:
+        reason = _clean_decoder_message(message[2])
+        tail = self._log_since(log_offset)
+        if tail and tail not in reason:
+            reason = f"{reason} (decoder log: {tail})"
+        return VideoDecodingError(source, reason, "decord")
+
+    def decode(
+        self,
+        source: str,
+        sample_indices_fn: Callable[[VideoMetadata], Any],
+        num_threads: int | None,
+        timeout: float | None,
+    ) -> tuple[np.ndarray, VideoMetadata]:
+        """Opens `source` in the helper, samples indices here (this process' RNG), decodes them there."""
+        with self.lock:
+            deadline = time.monotonic() + timeout if timeout else None
+            if self.process is None or self.process.poll() is not None:
+                self.stop()
+                try:
+                    self._start(deadline)
+                except (_WorkerGone, TimeoutError, OSError) as exc:
+                    description = self._exit_description() if self.process is not None else str(exc)
+                    self.stop()
+                    raise VideoDecodingError(source, f"could not start the decord decoder process: {description}",
+                                             "decord") from None
+            log_offset = self._log_size()
+            try:
+                self._send(("open", source, int(num_threads or 0)))
+                message = self._receive(deadline)
+                if message[0] == "error":
+                    raise self._error(source, message, log_offset)
+                total, fps = int(message[1]), float(message[2])
+                metadata = VideoMetadata(
+                    total_num_frames=total,
+                    fps=fps if fps > 0 else None,
+                    duration=total / fps if fps > 0 else None,
+                    video_backend="decord",
+                )
+                if total <= 0:
+                    self._send(("close",))
+                    self._receive(deadline)
+                    raise VideoDecodingError(source, "the video stream contains no decodable frames", "decord")
+                try:
+                    indices = _checked_indices(sample_indices_fn(metadata), total, source)
+                except BaseException:
+                    self._send(("close",))
+                    self._receive(deadline)
+                    raise
+                unique, inverse = np.unique(indices, return_inverse=True)
+                self._send(("read", [int(i) for i in unique]))
+                message = self._receive(deadline)
+                if message[0] == "error":
+                    raise self._error(source, message, log_offset)
+                frames = np.empty(message[1], dtype=np.dtype(message[2]))
+                _read_into(self.process.stdout.fileno(), memoryview(frames).cast("B"), deadline)
+            except VideoDecodingError:
+                raise
+            except (_WorkerGone, BrokenPipeError):
+                description = self._exit_description()
+                tail = self._log_since(log_offset)
+                self.stop()
+                raise VideoDecodingError(source, description + (f"; decoder log: {tail}" if tail else ""),
+                                         "decord") from None
+            except TimeoutError:
+                self.stop()
+                raise VideoDecodingTimeoutError(
+                    source, f"decoding took longer than decode_timeout={timeout} s; the decoder process was killed",
+                    "decord",
+                ) from None
+            except BaseException:
+                self.stop()  # e.g. KeyboardInterrupt mid-request: the protocol state is unknown
+                raise
+        return _finish(frames, inverse, indices, metadata)
+
+
+_WORKER: _DecordWorker | None = None
+_WORKER_LOCK = threading.Lock()
+
+
+def _decord_worker() -> _DecordWorker:
+    """This process' decoder helper (a new one after `fork`, e.g. in DataLoader workers)."""
+    global _WORKER
+    with _WORKER_LOCK:
+        if _WORKER is None or _WORKER.owner_pid != os.getpid():
+            _WORKER = _DecordWorker()
+        return _WORKER
+
+
+def shutdown_decoder_process() -> None:
+    """Stops this process' decord helper process, if one is running (it is restarted on demand)."""
+    with _WORKER_LOCK:
+        worker = _WORKER
+    if worker is not None and worker.owner_pid == os.getpid():
+        with worker.lock:
+            worker.stop()
+
+
+atexit.register(shutdown_decoder_process)
+
+
+def _decode_with_decord_isolated(
+    source: str,
+    sample_indices_fn: Callable[[VideoMetadata], Any],
+    num_threads: int | None,
+    timeout: float | None,
+) -> tuple[np.ndarray, VideoMetadata]:
+    """Decodes with decord in the helper process; a decoder crash or hang raises `VideoDecodingError`."""
+    _import_decord()  # clear ImportError here if decord is missing
+    return _decord_worker().decode(source, sample_indices_fn, num_threads, timeout)
+
+# --- PyAV -------------------------------------------------------------------------------------------------------------
+
+
+def _pyav_open(source: str, num_threads: int | None):
+    av = _import_av()
+    # With FFmpeg logging off (PyAV's default), errors only say e.g. "Invalid data found"; capture FFmpeg's own
+    # error lines (e.g. "moov atom not found") during the open, without printing them.
+    previous_level = av.logging.get_level()
+    if previous_level is None:
+        av.logging.set_level(av.logging.ERROR)
+    try:
+        with av.logging.Capture() as ffmpeg_log:
+            container = av.open(source, metadata_errors="ignore")
+    except av.FFmpegError as exc:
+        reason = f"FFmpeg could not open it as a video: {exc}"
+        details = [message.strip() for _, _, message in ffmpeg_log if message.strip() and message.strip() not in reason]
+        if details:
+            reason += f" ({'; '.join(details[-2:])})"
+        raise VideoDecodingError(source, reason, "pyav") from exc
+    finally:
+        if previous_level is None:
+            av.logging.set_level(None)
+    if not container.streams.video:
+        container.close()
+        raise VideoDecodingError(source, "the file has no video stream", "pyav")
+    stream = container.streams.video[0]
+    if num_threads == 1:
+        stream.codec_context.thread_count = 1
+    else:
+        stream.thread_type = "AUTO"
+        stream.codec_context.thread_count = int(num_threads or 0)
+    return container, stream
+
+
+def _pyav_collect(
+    source: str, wanted: np.ndarray, num_threads: int | None
+) -> tuple[dict[int, np.ndarray], int, str | None]:
+    """Decodes every frame in order up to the last wanted index.
+
+    Returns `({index: RGB frame}, number of frames decoded, FFmpeg error or None)`; frame `i` is the i-th frame the
+    decoder outputs (presentation order), as with decord.
+    """
+    av = _import_av()
+    wanted_set = {int(i) for i in wanted}
+    last = int(wanted.max())
+    frames: dict[int, np.ndarray] = {}
+    decoded = 0
+    error = None
+    container, stream = _pyav_open(source, num_threads)
+    with container:
+        try:
+            for frame in container.decode(stream):
+                if decoded in wanted_set:
+                    frames[decoded] = frame.to_ndarray(format="rgb24")
+                decoded += 1
+                if decoded > last:
+                    break
+        except av.FFmpegError as exc:
+            error = str(exc)
+    return frames, decoded, error
+
+
+def _pyav_collect_skipping(
+    source: str, wanted: np.ndarray, sorted_pts: list[int], num_threads: int | None
+) -> dict[int, np.ndarray] | None:
+    """Like `_pyav_collect`, but skips decoding non-reference frames that are not wanted (FFmpeg `skip_frame`).
+
+    Frames are identified by their presentation timestamp: frame `i` is the one with the i-th smallest pts, which is
+    what `_pyav_collect` counts when every packet yields one frame (the caller checks that the packet count equals the
+    frame count and that timestamps are unique). Non-reference frames (most B-frames) are never used to decode other
+    frames, so skipping them leaves every decoded frame bit-identical. Returns `None` (the caller then decodes every
+    frame) if any wanted frame was not produced.
+    """
+    av = _import_av()
+    wanted_pts = {sorted_pts[int(i)]: int(i) for i in np.unique(wanted)}
+    frames: dict[int, np.ndarray] = {}
+    container, stream = _pyav_open(source, num_threads)
+    context = stream.codec_context
+    with container:
+        try:
+            for packet in container.demux(stream):
+                if packet.pts is not None:
+                    context.skip_frame = "DEFAULT" if packet.pts in wanted_pts else "NONREF"
+                for frame in packet.decode():
+                    index = wanted_pts.get(frame.pts)
+                    if index is not None and index not in frames:
+                        frames[index] = frame.to_ndarray(format="rgb24")
+                if len(frames) == len(wanted_pts):
+                    break
+        except av.FFmpegError:
+            return None
+    return frames if len(frames) == len(wanted_pts) else None
+
+
+def _pyav_probe(source: str) -> dict[str, Any]:
+    """Stream metadata plus a demux pass (no decoding): packet count and the sorted packet timestamps."""
+    av = _import_av()
+    container, stream = _pyav_open(source, 1)
+    with container:
+        rate = stream.average_rate or stream.guessed_rate
+        info = {
+            "declared_frames": int(stream.frames or 0),
+            "fps": float(rate) if rate else None,
+            "width": stream.codec_context.width,
+            "height": stream.codec_context.height,
+        }
+        pts: list[int] | None = []
+        packets = 0
+        try:
+            for packet in container.demux(stream):
+                if packet.size == 0:
+                    continue  # the flush packet at the end
+                packets += 1
+                if pts is not None:
+                    if packet.pts is None or getattr(packet, "is_discard", False):
+                        pts = None  # no timestamp mapping: decode every frame instead of skipping
+                    else:
+                        pts.append(int(packet.pts))
+        except av.FFmpegError:
+            pts = None
+    info["packets"] = packets
+    info["sorted_pts"] = sorted(pts) if pts is not None and len(set(pts)) == len(pts) else None
+    return info
+
+
+def _decode_with_pyav(
+    source: str, sample_indices_fn: Callable[[VideoMetadata], Any], num_threads: int | None
+) -> tuple[np.ndarray, VideoMetadata]:
+    """Decodes with PyAV (in process; FFmpeg errors surface as Python exceptions)."""
+    probe = _pyav_probe(source)
+    total = probe["declared_frames"] or probe["packets"]
+    if total <= 0:
+        raise VideoDecodingError(source, "the video stream contains no frames", "pyav")
+    fps = probe["fps"]
+    metadata = VideoMetadata(
+        total_num_frames=total,
+        fps=fps,
+        width=probe["width"],
+        height=probe["height"],
+        duration=total / fps if fps else None,
+        video_backend="pyav",
+    )
+    indices = _checked_indices(sample_indices_fn(metadata), total, source)
+    frames = None
+    sorted_pts = probe["sorted_pts"]
+    if sorted_pts is not None and len(sorted_pts) == total:
+        frames = _pyav_collect_skipping(source, indices, sorted_pts, num_threads)
+    if frames is None:
+        frames, decoded, error = _pyav_collect(source, indices, num_threads)
+        if decoded <= int(indices.max()):
+            # truncated or partly corrupt: only `decoded` frames can be read. Sample again over what is there.
+            if decoded == 0:
+                reason = "the video stream contains no decodable frames"
+                raise VideoDecodingError(source, reason + (f" (FFmpeg: {error})" if error else ""), "pyav")
+            logger.warning(
+                "Only %d of the %d frames declared by %r could be decoded%s; sampling from those.",
+                decoded, total, source, f" (FFmpeg: {error})" if error else "",
+            )
+            metadata.total_num_frames = decoded
+            metadata.duration = decoded / fps if fps else None
+            indices = _checked_indices(sample_indices_fn(metadata), decoded, source)
+            frames, decoded_again, error = _pyav_collect(source, indices, num_threads)
+            if decoded_again <= int(indices.max()):
+                raise VideoDecodingError(source, f"decoding is not reproducible (FFmpeg: {error})", "pyav")
+    unique, inverse = np.unique(indices, return_inverse=True)
+    stacked = np.stack([frames[int(i)] for i in unique])
+    return _finish(stacked, inverse, indices, metadata)
+
+
+def decode_video(
+    source: str | os.PathLike,
+    sample_indices_fn: Callable[[VideoMetadata], Any] | None = None,
+    backend: str = "auto",
+    isolate_decoder: bool = True,
+    decode_timeout: float | None = 120.0,
+    num_threads: int | None = None,
+) -> tuple[np.ndarray, VideoMetadata]:
+    """Decodes the frames chosen by `sample_indices_fn` from a video file or URL.
+
+    Args:
+        source (`str` or `os.PathLike`): path (or `file://`/http(s) URL) of the video.
+        sample_indices_fn (`Callable[[VideoMetadata], indices]`, *optional*): receives the video's metadata
+            (`total_num_frames`, `fps`, ...) and returns the frame indices to decode (repeats allowed, any order).
+            All frames when `None`.
+        backend (`str`, defaults to `"auto"`): `"decord"`, `"pyav"`, or `"auto"` (decord when installed, and PyAV if
+            decord is missing or fails on this file).
+        isolate_decoder (`bool`, defaults to `True`): run decord in a helper process (POSIX only; elsewhere it runs
+            in process) so that a decoder crash or hang cannot take down the caller.
+        decode_timeout (`float`, *optional*, defaults to 120): seconds after which an isolated decord decode is killed
+            (`VideoDecodingTimeoutError`). `None` waits forever.
+        num_threads (`int`, *optional*): decoder threads; `None` or 0 lets the decoder choose.
+
+    Returns:
+        `(frames, metadata)`: `frames` is a uint8 `np.ndarray` `(len(indices), height, width, 3)` in RGB, in the order
+        of the indices; `metadata` is a `VideoMetadata` with `frames_indices` set (so `metadata.timestamps` gives the
+        sampled times in seconds when the frame rate is known).
+
+    Raises:
+        `FileNotFoundError`: the file does not exist (the message gives the path).
+        `VideoDecodingError` (a `ValueError`): empty, truncated, corrupt or non-video file, no video stream, or no
+            decodable frame. The message names the file and gives the decoder's reason.
+        `VideoDecodingTimeoutError`: the isolated decoder exceeded `decode_timeout`.
+    """
+    if backend not in VIDEO_BACKENDS:
+        raise ValueError(f"Unknown video_backend={backend!r}; use one of {VIDEO_BACKENDS}.")
+    source = _check_source(source)
+    if sample_indices_fn is None:
+
+        def sample_indices_fn(metadata: VideoMetadata) -> np.ndarray:
+            return np.arange(metadata.total_num_frames)
+
+    if backend == "auto":
+        backends = [b for b, ok in (("decord", decord_available()), ("pyav", pyav_available())) if ok]
+        if not backends:
+            raise ImportError("Decoding video files needs decord or PyAV: `pip install decord av`.")
+    else:
+        backends = [backend]
+
+    failures: list[tuple[str, VideoDecodingError]] = []
+    for name in backends:
+        try:
+            if name == "decord":
+                if not decord_available():
+                    raise ImportError("video_backend='decord' needs decord: `pip install decord`.")
+                if isolate_decoder and isolation_supported():
+                    return _decode_with_decord_isolated(source, sample_indices_fn, num_threads, decode_timeout)
+                return _decode_with_decord(source, sample_indices_fn, num_threads)
+            if not pyav_available():
+                raise ImportError("video_backend='pyav' needs PyAV: `pip install av`.")
+            return _decode_with_pyav(source, sample_indices_fn, num_threads)
+        except VideoDecodingError as exc:
+            failures.append((name, exc))
+            if len(backends) > 1:
+                logger.info("%s could not decode %r (%s); trying the next backend.", name, source, exc.reason)
+    if len(failures) == 1:
+        raise failures[0][1]
+    reasons = "; ".join(f"{name}: {exc.reason}" for name, exc in failures)
+    error_class = (
+        VideoDecodingTimeoutError
+        if all(isinstance(exc, VideoDecodingTimeoutError) for _, exc in failures)
+        else VideoDecodingError
+    )
+    raise error_class(source, f"no decoder could read it ({reasons})") from failures[-1][1]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Array / frame-list inputs
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, (np.ndarray, torch.Tensor))
+
+
+def _is_frame(x: Any) -> bool:
+    return isinstance(x, PIL.Image.Image) or (_is_array(x) and x.ndim in (2, 3))
+
+
+def _flatten_video_inputs(videos: Any) -> list[tuple[str, Any]]:
+    """Splits the accepted input layouts into a list of (label, video) pairs, one per video.
+
+    A video is a path (str / PathLike), a 4-D array or tensor, or a list of frames (PIL images, or 2-D/3-D arrays).
+    A batch is a list of videos or a 5-D array/tensor.
+    """
+    if videos is None:
+        raise ValueError(
+            "`videos` is None; pass a video path, a 4-D array/tensor, a list of frames, or a list of those."
+        )
+    if isinstance(videos, (str, os.PathLike)):
+        return [(os.fspath(videos), videos)]
+    if _is_array(videos):
+        if videos.ndim == 5:
+            if videos.shape[0] == 0:
+                raise ValueError(f"`videos` is an empty batch (shape {tuple(videos.shape)}).")
+            return [(f"videos[{i}]", v) for i, v in enumerate(videos)]
+        if videos.ndim == 4:
+            return [("videos", videos)]
+        raise ValueError(
+            f"`videos` is an array with {videos.ndim} dimensions (shape {tuple(videos.shape)}); a video must have 4 "
+            "(frames, height, width, channels) or (frames, channels, height, width), and a batch 5. For a single "
+            "frame pass `[frame]` or `frame[None]`."
+        )
+    if isinstance(videos, PIL.Image.Image):
+        raise ValueError("`videos` is a single PIL image; pass a list of frames (`[image]`) for a one-frame video.")
+    if not isinstance(videos, (list, tuple)):
+        raise TypeError(f"`videos` has unsupported type {type(videos).__name__}.")
+    if len(videos) == 0:
+        raise ValueError("`videos` is an empty list; pass at least one video.")
+    if all(_is_frame(x) for x in videos):
+        return [("videos", list(videos))]
+
+    flat = []
+    for i, video in enumerate(videos):
+        label = f"videos[{i}]"
+        if isinstance(video, (str, os.PathLike)):
+            flat.append((os.fspath(video), video))
+        elif _is_array(video):
+            if video.ndim != 4:
+                raise ValueError(
+                    f"{label} is an array with {video.ndim} dimensions (shape {tuple(video.shape)}); each video in a "
+                    "batch must be 4-D: (frames, height, width, channels) or (frames, channels, height, width)."
+                )
+            flat.append((label, video))
+        elif isinstance(video, (list, tuple)):
+            if len(video) == 0:
+                raise ValueError(f"{label} is an empty list of frames.")
+            bad = [j for j, frame in enumerate(video) if not _is_frame(frame)]
+            if bad:
+                frame = video[bad[0]]
+                what = f"an array of shape {tuple(frame.shape)}" if _is_array(frame) else type(frame).__name__
+                raise ValueError(
+                    f"{label}[{bad[0]}] is {what}; a frame must be a PIL image or a 2-D/3-D array "
+                    "(height, width[, channels]) or (channels, height, width)."
+                )
+            flat.append((label, list(video)))
+        elif isinstance(video, PIL.Image.Image):
+            raise ValueError(
+                f"{label} is a single PIL image inside a batch of videos; pass each video as a list of frames."
+            )
+        else:
+            raise TypeError(f"{label} has unsupported type {type(video).__name__}.")
+    return flat
+
+
+def _channel_axis(shape: tuple[int, ...], label: str, input_data_format: Any) -> str:
+    """Returns "first" (T, C, H, W) or "last" (T, H, W, C) for a 4-D video shape."""
+    fmt = getattr(input_data_format, "value", input_data_format)
+    if fmt in ("channels_first", "first"):
+        axis = "first"
+    elif fmt in ("channels_last", "last"):
+        axis = "last"
+    elif fmt is None:
+        last_ok, first_ok = shape[3] in (1, 3, 4), shape[1] in (1, 3, 4)
+        if last_ok:
+            axis = "last"  # also the choice when both fit (tiny frames); pass input_data_format to override
+        elif first_ok:
+            axis = "first"
+        else:
+            raise ValueError(
+                f"{label} has shape {shape}: no channel dimension of size 1, 3 or 4 in position 1 (frames, channels, "
+                "height, width) or 3 (frames, height, width, channels)."
+            )
+    else:
+        raise ValueError(f"Unknown input_data_format={input_data_format!r}; use 'channels_first' or 'channels_last'.")
+    channels = shape[1] if axis == "first" else shape[3]
+    if channels not in (1, 3, 4):
+        raise ValueError(
+            f"{label} has {channels} channels (shape {shape}, channels {axis}); expected 1 (grayscale), 3 (RGB) or "
+            "4 (RGBA)."
+        )
+    return axis
+
+
+def _video_to_tensor(label: str, video: Any, input_data_format: Any) -> torch.Tensor:
+    """Converts a 4-D array/tensor or a list of frames to a (T, C, H, W) tensor, validating its layout."""
+    if isinstance(video, list):
+        if all(isinstance(frame, PIL.Image.Image) for frame in video):
+            arrays = [np.asarray(frame.convert("RGB")) for frame in video]
+        elif any(isinstance(frame, PIL.Image.Image) for frame in video):
+            raise ValueError(f"{label} mixes PIL images and arrays; use one kind of frame per video.")
+        else:
+            arrays = [
+                frame.detach().cpu().numpy() if isinstance(frame, torch.Tensor) else np.asarray(frame) for frame in video
+            ]
+            arrays = [a[..., None] if a.ndim == 2 else a for a in arrays]
+        shapes = {a.shape for a in arrays}
+        if len(shapes) != 1:
+            raise ValueError(f"{label}: all frames must have the same shape, got {sorted(shapes)}.")
+        video = np.stack(arrays)
+    if isinstance(video, np.ndarray):
+        numeric = np.issubdtype(video.dtype, np.integer) or np.issubdtype(video.dtype, np.floating)
+        if video.dtype == np.bool_ or not numeric:
+            raise ValueError(f"{label} has dtype {video.dtype}; expected uint8 (0-255) or float pixels.")
+        if video.dtype not in (np.uint8, np.float32, np.float64, np.float16):
+            video = video.astype(np.float32)  # other integer types: values taken as 0-255
+        video = torch.from_numpy(np.ascontiguousarray(video))
+    elif video.dtype == torch.bool or video.is_complex():
+        raise ValueError(f"{label} has dtype {video.dtype}; expected uint8 (0-255) or float pixels.")
+    elif not video.is_floating_point() and video.dtype != torch.uint8:
+        video = video.float()
+    if video.ndim != 4:
+        raise ValueError(f"{label} must be 4-D (frames, height, width, channels), got shape {tuple(video.shape)}.")
+    shape = tuple(video.shape)
+    if shape[0] == 0:
+        raise ValueError(f"{label} has 0 frames (shape {shape}).")
+    axis = _channel_axis(shape, label, input_data_format)
+    if axis == "last":
+        video = video.permute(0, 3, 1, 2)
+    if video.shape[-1] == 0 or video.shape[-2] == 0:
+        raise ValueError(f"{label} has empty frames (shape {shape}).")
+    return video
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The video processor
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class TestaVideoProcessorKwargs(VideosKwargs, total=False):
+    """TESTA-specific video-processing keyword arguments (on top of `transformers.processing_utils.VideosKwargs`).
+
+    frame_sampling (`str`): `"uniform"` (evaluation), `"random"` (training) or `"headtail"` (pretraining).
+    resize_mode (`str`): `"square"` (resize straight to `crop_size`, like the original) or `"shortest_edge"` (resize
+        the shortest edge to `size["shortest_edge"]`, keep the aspect ratio, center-crop to `crop_size`).
+    video_backend (`str`): `"auto"`, `"decord"` or `"pyav"`.
+    seed (`int`): seed for `"random"`/`"headtail"` sampling in this call; the global torch RNG when unset.
+    dtype (`str` or `torch.dtype`): dtype of `pixel_values` (`"float32"`, `"bfloat16"`, `"float16"`, ...).
+    isolate_decoder (`bool`): decode with decord in a helper process (POSIX).
+    decode_timeout (`float`): seconds before an isolated decode is killed; `None` for no limit.
+    decode_threads (`int`): decoder threads per video; `None`/0 lets the decoder choose.
+    """
+
+    frame_sampling: Literal["uniform", "random", "headtail"]
+    resize_mode: Literal["square", "shortest_edge"]
+    video_backend: Literal["auto", "decord", "pyav"]
+    seed: int | None
+    dtype: str | torch.dtype | None
+    isolate_decoder: bool | None
+    decode_timeout: int | float | None
+    decode_threads: int | None
+
+
+class TestaVideoProcessor(BaseVideoProcessor):
+    r"""
+    Video processor for TESTA: decodes videos, samples `num_frames` frames, resizes, rescales and normalises them.
+
+    Inputs accepted by `__call__` (`videos=`): a path (`str` or `pathlib.Path`, also `file://` and http(s) URLs,
+    which the decoders open directly); a decoded video as a 4-D `np.ndarray`/`torch.Tensor`, `(frames, height, width,
+    channels)` or `(frames, channels, height, width)`, uint8 in [0, 255] or float; a list of frames (PIL images or
+    2-D/3-D arrays); or a batch: a list of any of these, or a 5-D array/tensor. Grayscale (1 channel) and RGBA
+    (4 channels; alpha dropped) frames are converted to RGB.
+
+    Output: `BatchFeature` with `pixel_values` of shape `(batch, num_frames, 3, crop_size["height"],
+    crop_size["width"])` in `dtype` (float32 by default); with `return_metadata=True` also `video_metadata`, one
+    `VideoMetadata` per video whose `frames_indices` are the sampled frame indices and `timestamps` the matching times
+    in seconds (when the frame rate is known; give it for arrays through `video_metadata=[{"fps": ...}]`).
+
+    Args:
+        num_frames (`int`, defaults to 32): frames per video.
+        frame_sampling (`str`, defaults to `"uniform"`): see [`sample_frame_indices`].
+        do_sample_frames (`bool`, defaults to `True`): sample `num_frames` frames; when `False`, all frames of a file
+            are decoded and arrays are used as given.
+        seed (`int`, *optional*): makes `"random"`/`"headtail"` sampling reproducible per call.
+        resize_mode (`str`, defaults to `"square"`): `"square"` resizes every frame straight to `crop_size` (aspect
+            ratio not kept, no crop), as the original TESTA data pipeline did; `"shortest_edge"` resizes the shortest
+            edge to `size["shortest_edge"]` and center-crops to `crop_size`.
+        size (`dict`, defaults to `{"shortest_edge": 224}`), crop_size (`dict`, defaults to
+            `{"height": 224, "width": 224}`): see `resize_mode`.
+        resample (defaults to `PILImageResampling.BICUBIC`): interpolation (antialiased).
+        do_rescale (`bool`, defaults to `True`), rescale_factor (`float`, defaults to 1/255): integer frames are
+            multiplied by `rescale_factor`; float frames are assumed to be in [0, 1] already unless their maximum is
+            above 1.
+        do_normalize (`bool`, defaults to `True`), image_mean / image_std (default: OpenAI CLIP mean and std).
+        dtype (`str`, defaults to `"float32"`): dtype of `pixel_values`.
+        video_backend (`str`, defaults to `"auto"`): `"decord"`, `"pyav"` or `"auto"` (decord when installed, PyAV
+            when decord is missing or fails on a file).
+        isolate_decoder (`bool`, defaults to `True`), decode_timeout (`float`, defaults to 120), decode_threads
+            (`int`, *optional*): see [`decode_video`].
+    """
+
+    resample = PILImageResampling.BICUBIC
+    image_mean = OPENAI_CLIP_MEAN
+    image_std = OPENAI_CLIP_STD
+    size = {"shortest_edge": 224}
+    crop_size = {"height": 224, "width": 224}
+    default_to_square = False
+    do_resize = True
+    do_center_crop = True
+    do_rescale = True
+    do_normalize = True
+    do_convert_rgb = True
+    do_sample_frames = True
+    num_frames = 32
+    return_metadata = False
+    return_tensors = "pt"
+    frame_sampling = "uniform"
+    resize_mode = "square"
+    video_backend = "auto"
+    seed = None
+    dtype = "float32"
+    isolate_decoder = True
+    decode_timeout = 120.0
+    decode_threads = None
+    valid_kwargs = TestaVideoProcessorKwargs
+    model_input_names = ["pixel_values"]
+
+    def __init__(self, **kwargs: Unpack[TestaVideoProcessorKwargs]) -> None:
+        if isinstance(kwargs.get("dtype"), torch.dtype):
+            kwargs["dtype"] = _dtype_name(kwargs["dtype"])
+        super().__init__(**kwargs)
+        self._check_options(
+            frame_sampling=self.frame_sampling,
+            resize_mode=self.resize_mode,
+            video_backend=self.video_backend,
+            num_frames=self.num_frames,
+            dtype=self.dtype,
+        )
+
+    # -- options ------------------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _check_options(
+        frame_sampling: str | None = None,
+        resize_mode: str | None = None,
+        video_backend: str | None = None,
+        num_frames: int | None = None,
+        dtype: Any = None,
+        fps: float | None = None,
+        **_: Any,
+    ) -> None:
+        if frame_sampling is not None and frame_sampling not in FRAME_SAMPLING_STRATEGIES:
+            raise ValueError(f"Unknown frame_sampling={frame_sampling!r}; use one of {FRAME_SAMPLING_STRATEGIES}.")
+        if resize_mode is not None and resize_mode not in RESIZE_MODES:
+            raise ValueError(f"Unknown resize_mode={resize_mode!r}; use one of {RESIZE_MODES}.")
+        if video_backend is not None and video_backend not in VIDEO_BACKENDS:
+            raise ValueError(f"Unknown video_backend={video_backend!r}; use one of {VIDEO_BACKENDS}.")
+        if num_frames is not None and (isinstance(num_frames, bool) or int(num_frames) < 1):
+            raise ValueError(f"`num_frames` must be a positive int, got {num_frames!r}.")
+        if dtype is not None:
+            _resolve_dtype(dtype)
+        if fps is not None:
+            raise ValueError(
+                "TestaVideoProcessor samples a fixed number of frames per video (`num_frames`); sampling by `fps` is "
+                "not supported."
+            )
+
+    def sample_frames(
+        self,
+        metadata: VideoMetadata,
+        num_frames: int | None = None,
+        fps: int | float | None = None,
+        frame_sampling: str | None = None,
+        generator: torch.Generator | None = None,
+        **kwargs: Any,
+    ) -> np.ndarray:
+        """Frame indices for one video, using [`sample_frame_indices`] with this processor's settings.
+
+        Args:
+            metadata (`VideoMetadata`): needs `total_num_frames`.
+            num_frames (`int`, *optional*): defaults to `self.num_frames`.
+            fps: not supported (raises `ValueError` when set).
+            frame_sampling (`str`, *optional*): defaults to `self.frame_sampling`.
+            generator (`torch.Generator`, *optional*): random source for random strategies.
+        """
+        self._check_options(fps=fps)
+        num_frames = self.num_frames if num_frames is None else num_frames
+        strategy = self.frame_sampling if frame_sampling is None else frame_sampling
+        return sample_frame_indices(metadata.total_num_frames, num_frames, strategy, generator)
+
+    # -- decoding -----------------------------------------------------------------------------------------------------
+
+    def fetch_videos(
+        self,
+        video_url_or_urls: str | os.PathLike | list,
+        sample_indices_fn: Callable[..., Any] | None = None,
+        video_backend: str | None = None,
+        isolate_decoder: bool | None = None,
+        decode_timeout: float | None = None,
+        decode_threads: int | None = None,
+    ) -> tuple[Any, Any]:
+        """Decodes one path/URL, or a (nested) list of them, with decord or PyAV instead of the base class' torchcodec.
+
+        Args:
+            video_url_or_urls: a path or URL, or a list of them.
+            sample_indices_fn (`Callable`, *optional*): called as `sample_indices_fn(metadata=VideoMetadata)`; returns
+                the frame indices to decode. All frames when `None`.
+            video_backend, isolate_decoder, decode_timeout, decode_threads: default to this processor's settings.
+
+        Returns:
+            For one source, `(frames, metadata)` with `frames` a uint8 `(T, H, W, 3)` array; for a list, a pair
+            `(list_of_frames, list_of_metadata)`.
+        """
+        if isinstance(video_url_or_urls, (list, tuple)):
+            results = [
+                self.fetch_videos(
+                    item,
+                    sample_indices_fn=sample_indices_fn,
+                    video_backend=video_backend,
+                    isolate_decoder=isolate_decoder,
+                    decode_timeout=decode_timeout,
+                    decode_threads=decode_threads,
+                )
+                for item in video_url_or_urls
+            ]
+            return [r[0] for r in results], [r[1] for r in results]
+        fn = None if sample_indices_fn is None else (lambda metadata: sample_indices_fn(metadata=metadata))
+        return decode_video(
+            video_url_or_urls,
+            sample_indices_fn=fn,
+            backend=self.video_backend if video_backend is None else video_backend,
+            isolate_decoder=self.isolate_decoder if isolate_decoder is None else isolate_decoder,
+            decode_timeout=self.decode_timeout if decode_timeout is None else decode_timeout,
+            num_threads=self.decode_threads if decode_threads is None else decode_threads,
+        )
+
+    # -- main entry point ---------------------------------------------------------------------------------------------
+
+    def preprocess(self, videos: Any, **kwargs: Unpack[TestaVideoProcessorKwargs]) -> BatchFeature:
+        """Decodes (if needed), samples, resizes, rescales and normalises a video or a batch of videos.
+
+        See the class docstring for the accepted inputs and the output. Every setting can be overridden per call,
+        e.g. `processor(videos, num_frames=8, frame_sampling="random", seed=0)`.
+        """
+        validate_kwargs(captured_kwargs=kwargs.keys(), valid_processor_keys=list(self.valid_kwargs.__annotations__))
+        self._check_options(**kwargs)  # clear ValueErrors for bad choices before the generic type validation
+        validate_typed_dict(self.valid_kwargs, kwargs)
+        for name in self.valid_kwargs.__annotations__:
+            kwargs.setdefault(name, getattr(self, name, None))
+        self._check_options(**kwargs)
+        out_dtype = _resolve_dtype(kwargs["dtype"])
+
+        items = _flatten_video_inputs(videos)
+        metadata_in = _metadata_per_video(kwargs["video_metadata"], len(items))
+        generator = torch.Generator().manual_seed(int(kwargs["seed"])) if kwargs["seed"] is not None else None
+        sample_fn = None
+        if kwargs["do_sample_frames"]:
+            sample_fn = partial(
+                self.sample_frames,
+                num_frames=kwargs["num_frames"],
+                frame_sampling=kwargs["frame_sampling"],
+                generator=generator,
+            )
+
+        clips: list[torch.Tensor] = []
+        metadata_out: list[VideoMetadata] = []
+        for (label, video), given_metadata in zip(items, metadata_in):
+            if isinstance(video, (str, os.PathLike)):
+                frames, metadata = self.fetch_videos(
+                    video,
+                    sample_indices_fn=sample_fn,
+                    video_backend=kwargs["video_backend"],
+                    isolate_decoder=kwargs["isolate_decoder"],
+                    decode_timeout=kwargs["decode_timeout"],
+                    decode_threads=kwargs["decode_threads"],
+                )
+                clip = torch.from_numpy(frames).permute(0, 3, 1, 2)
+            else:
+                clip = _video_to_tensor(label, video, kwargs["input_data_format"])
+                metadata = VideoMetadata(
+                    total_num_frames=int(clip.shape[0]),
+                    height=int(clip.shape[-2]),
+                    width=int(clip.shape[-1]),
+                )
+                if given_metadata:
+                    metadata.update({k: v for k, v in given_metadata.items() if k != "total_num_frames"})
+                if metadata.fps and metadata.duration is None:
+                    metadata.duration = metadata.total_num_frames / metadata.fps
+                if sample_fn is not None:
+                    indices = _checked_indices(sample_fn(metadata=metadata), metadata.total_num_frames, label)
+                    clip = clip[torch.from_numpy(indices)]
+                else:
+                    indices = np.arange(metadata.total_num_frames)
+                metadata.frames_indices = [int(i) for i in indices]
+            clip = _to_rgb(clip, label, kwargs["do_convert_rgb"])
+            if kwargs["device"] is not None:
+                clip = clip.to(kwargs["device"])
+            clips.append(clip)
+            metadata_out.append(metadata)
+
+        std_kwargs = self._standardize_kwargs(
+            size=kwargs["size"],
+            crop_size=kwargs["crop_size"],
+            default_to_square=kwargs["default_to_square"],
+            image_mean=kwargs["image_mean"],
+            image_std=kwargs["image_std"],
+        )
+        settings = {k: kwargs[k] for k in ("do_resize", "resample", "do_center_crop", "do_rescale", "rescale_factor",
+                                           "do_normalize", "resize_mode")}
+        settings.update({k: std_kwargs[k] for k in ("size", "crop_size", "image_mean", "image_std")})
+        self._validate_preprocess_kwargs(**{k: v for k, v in settings.items() if k != "resize_mode"})
+
+        pixel_values = [self._transform(clip, **settings).to(out_dtype) for clip in clips]
+        return_tensors = kwargs["return_tensors"]
+        if return_tensors is not None:
+            shapes = {tuple(p.shape) for p in pixel_values}
+            if len(shapes) != 1:
+                raise ValueError(
+                    f"Cannot stack videos of different shapes {sorted(shapes)} into one tensor; keep "
+                    "do_sample_frames=True and resize to a fixed crop_size, or pass return_tensors=None for a list."
+                )
+            stacked = torch.stack(pixel_values)
+            data = {"pixel_values": stacked.numpy() if str(return_tensors) in ("np", "TensorType.NUMPY") else stacked}
+        else:
+            data = {"pixel_values": pixel_values}
+        output = BatchFeature(data=data)
+        if kwargs["return_metadata"]:
+            output["video_metadata"] = metadata_out
+        return output
+
+    def _transform(
+        self,
+        video: torch.Tensor,
+        do_resize: bool,
+        size: SizeDict,
+        resample: Any,
+        resize_mode: str,
+        do_center_crop: bool,
+        crop_size: SizeDict,
+        do_rescale: bool,
+        rescale_factor: float,
+        do_normalize: bool,
+        image_mean: Any,
+        image_std: Any,
+    ) -> torch.Tensor:
+        """Resize (+ crop), rescale and normalise one (T, 3, H, W) clip; returns float32."""
+        rescale = do_rescale
+        if video.is_floating_point():
+            video = video.float()
+            if do_rescale and float(video.max()) <= 1.0:
+                rescale = False  # float frames already in [0, 1]
+        if do_resize:
+            if resize_mode == "square":
+                video = self.resize(video, SizeDict(height=crop_size.height, width=crop_size.width), resample=resample)
+            else:
+                video = self.resize(video, size, resample=resample)
+        if do_center_crop and resize_mode == "shortest_edge":
+            video = self.center_crop(video, crop_size)
+        if rescale or do_normalize:
+            video = self.rescale_and_normalize(video, rescale, rescale_factor, do_normalize, image_mean, image_std)
+        return video.float()
+
+    def to_dict(self) -> dict[str, Any]:
+        """Serialisable settings (written to `video_preprocessor_config.json`)."""
+        output = super().to_dict()
+        if isinstance(output.get("dtype"), torch.dtype):
+            output["dtype"] = _dtype_name(output["dtype"])
+        return output
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _resolve_dtype(dtype: Any) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None:
+        return torch.float32
+    name = str(dtype).replace("torch.", "")
+    if name not in _DTYPES:
+        raise ValueError(f"Unsupported dtype={dtype!r} for pixel_values; use one of {sorted(_DTYPES)}.")
+    return _DTYPES[name]
+
+
+def _metadata_per_video(video_metadata: Any, count: int) -> list[dict[str, Any] | None]:
+    """Normalises the optional `video_metadata` argument (for array inputs) to one dict (or None) per video."""
+    if video_metadata is None:
+        return [None] * count
+    if isinstance(video_metadata, (dict, VideoMetadata)):
+        video_metadata = [video_metadata]
+    video_metadata = list(video_metadata)
+    if video_metadata and isinstance(video_metadata[0], (list, tuple)):
+        video_metadata = [m for group in video_metadata for m in group]
+    if len(video_metadata) != count:
+        raise ValueError(f"Got {count} videos but {len(video_metadata)} `video_metadata` entries; pass one per video.")
+    return [dict(m) if m is not None else None for m in video_metadata]
+
+
+def _to_rgb(clip: torch.Tensor, label: str, do_convert_rgb: bool | None) -> torch.Tensor:
+    """(T, C, H, W) with C in {1, 3, 4} -> (T, 3, H, W): grayscale is repeated, alpha dropped."""
+    channels = clip.shape[1]
+    if channels == 3:
+        return clip
+    if not do_convert_rgb:
+        raise ValueError(f"{label} has {channels} channels and do_convert_rgb=False; the model needs 3 (RGB).")
+    if channels == 1:
+        return clip.expand(-1, 3, -1, -1)
+    if channels == 4:
+        return clip[:, :3]
+    raise ValueError(f"{label} has {channels} channels; expected 1, 3 or 4.")
+
+
+TestaVideoProcessor.register_for_auto_class()
+
+__all__ = [
+    "TestaVideoProcessor",
+    "TestaVideoProcessorKwargs",
+    "VideoDecodingError",
+    "VideoDecodingTimeoutError",
+    "decode_video",
+    "sample_frame_indices",
+]

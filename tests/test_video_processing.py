@@ -1,0 +1,460 @@
+"""Tests of TestaVideoProcessor on real mp4 files written with PyAV, and on arrays, tensors and PIL frames."""
+
+import json
+
+import numpy as np
+import PIL.Image
+import pytest
+import torch
+import torchvision.transforms.v2.functional as tvF
+from video_helpers import read_index, write_video, zero_media_data
+
+import modeling_testa.video_processing_testa as vpt
+from modeling_testa import TestaVideoProcessor, VideoDecodingError, VideoDecodingTimeoutError, decode_video
+from modeling_testa.video_processing_testa import sample_frame_indices
+
+
+CLIP_MEAN = torch.tensor([0.48145466, 0.4578275, 0.40821073]).view(1, 3, 1, 1)
+CLIP_STD = torch.tensor([0.26862954, 0.26130258, 0.27577711]).view(1, 3, 1, 1)
+RAW = dict(do_resize=False, do_rescale=False, do_normalize=False)  # keep decoded pixel values (0-255)
+
+# (decoder backend, run decord in the helper process)
+BACKENDS = [("decord", True), ("decord", False), ("pyav", True)]
+
+
+@pytest.fixture(scope="module")
+def videos(tmp_path_factory):
+    """Real H.264 mp4s of different lengths, frame rates and sizes; one grayscale; plus broken files."""
+    d = tmp_path_factory.mktemp("videos")
+    v = {
+        "long": write_video(d / "long.mp4", 90, fps=30, width=320, height=240),
+        "small": write_video(d / "small.mp4", 50, fps=25, width=176, height=144),
+        "short": write_video(d / "short.mp4", 5, fps=10, width=192, height=160),
+        "gray": write_video(d / "gray.mp4", 40, fps=24, width=208, height=160, gray=True),
+        "bframes": write_video(d / "bframes.mp4", 60, fps=30, width=192, height=160, bframes=3),
+    }
+    data = v["long"].read_bytes()
+    (d / "truncated.mp4").write_bytes(data[: len(data) // 2])  # moov atom is at the end: cut off
+    v["truncated"] = d / "truncated.mp4"
+    (d / "empty.mp4").write_bytes(b"")
+    v["empty"] = d / "empty.mp4"
+    (d / "notes.mp4").write_text("these are meeting notes, not a video\n" * 50)
+    v["text"] = d / "notes.mp4"
+    v["no_frames"] = zero_media_data(v["small"], d / "no_frames.mp4")
+    return v
+
+
+@pytest.fixture
+def fresh_decoder_process():
+    """Stops the decord helper process before and after a test that patches it."""
+    vpt.shutdown_decoder_process()
+    yield
+    vpt.shutdown_decoder_process()
+
+
+def uniform(total: int, n: int) -> list[int]:
+    """Segment midpoints, written out independently of the implementation."""
+    return [int((i + 0.5) * total / n) for i in range(n)]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# frame sampling
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_uniform_sampling_is_segment_midpoints_and_covers_the_tail():
+    idx = sample_frame_indices(100, 8, "uniform")
+    assert idx.tolist() == [6, 18, 31, 43, 56, 68, 81, 93] == uniform(100, 8)
+    # the original floor-stride (`np.arange(0, vlen, vlen / N, dtype=int)`) stops at 84 and never sees the last 16
+    original = np.arange(0, 100, 100 / 8, dtype=int)
+    assert original.tolist() == [0, 12, 24, 36, 48, 60, 72, 84]
+    assert idx[-1] > original[-1] and idx[-1] >= 100 - 100 // 8
+    for total, n in [(1800, 32), (31, 32), (33, 32), (1, 4), (7, 7)]:
+        assert sample_frame_indices(total, n).tolist() == uniform(total, n)
+
+
+def test_short_videos_repeat_frames_evenly_in_order():
+    for strategy in ("uniform", "random", "headtail"):
+        idx = sample_frame_indices(3, 8, strategy)
+        assert idx.tolist() == [0, 0, 0, 1, 1, 2, 2, 2]
+    idx = sample_frame_indices(5, 8)
+    assert idx.tolist() == [0, 0, 1, 2, 2, 3, 4, 4]
+    assert sorted(set(idx.tolist())) == list(range(5))  # every frame is used
+
+
+def test_random_sampling_one_frame_per_segment_and_seedable():
+    total, n = 103, 8
+    bounds = [i * total // n for i in range(n + 1)]
+    seen = [set() for _ in range(n)]
+    for seed in range(60):
+        idx = sample_frame_indices(total, n, "random", torch.Generator().manual_seed(seed))
+        for i, j in enumerate(idx):
+            assert bounds[i] <= j < bounds[i + 1]
+            seen[i].add(int(j))
+    assert all(len(s) > 5 for s in seen)  # really random within the segments
+    a = sample_frame_indices(total, n, "random", torch.Generator().manual_seed(3))
+    b = sample_frame_indices(total, n, "random", torch.Generator().manual_seed(3))
+    c = sample_frame_indices(total, n, "random", torch.Generator().manual_seed(4))
+    assert a.tolist() == b.tolist() != c.tolist()
+    torch.manual_seed(0)
+    d = sample_frame_indices(total, n, "random")
+    torch.manual_seed(0)
+    assert d.tolist() == sample_frame_indices(total, n, "random").tolist()  # global torch RNG without a generator
+
+
+def test_headtail_sampling():
+    for n in (8, 7):
+        idx = sample_frame_indices(100, n, "headtail", torch.Generator().manual_seed(1))
+        head, tail = idx[: n // 2], idx[n // 2 :]
+        assert len(idx) == n
+        assert all(0 <= i < 50 for i in head) and all(50 <= i < 100 for i in tail)
+        assert len(set(head.tolist())) == len(head) and len(set(tail.tolist())) == len(tail)
+        assert head.tolist() == sorted(head.tolist()) and tail.tolist() == sorted(tail.tolist())
+
+
+def test_sampling_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="frame_sampling"):
+        sample_frame_indices(10, 4, "middle")
+    with pytest.raises(ValueError, match="0 frames"):
+        sample_frame_indices(0, 4)
+    with pytest.raises(ValueError, match="num_frames"):
+        TestaVideoProcessor(num_frames=0)
+    with pytest.raises(ValueError, match="fps"):
+        TestaVideoProcessor()(np.zeros((4, 8, 8, 3), np.uint8), fps=2)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# decoding real files: exact frames for each backend
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend,isolate", BACKENDS)
+@pytest.mark.parametrize("name,total,fps,size", [("long", 90, 30, (240, 320)), ("small", 50, 25, (144, 176)),
+                                                 ("gray", 40, 24, (160, 208)), ("bframes", 60, 30, (160, 192))])
+def test_exact_uniform_frames(videos, backend, isolate, name, total, fps, size):
+    vp = TestaVideoProcessor(num_frames=8, video_backend=backend, isolate_decoder=isolate)
+    out = vp(videos[name], return_metadata=True, **RAW)
+    meta = out["video_metadata"][0]
+    expected = uniform(total, 8)
+    assert meta.frames_indices == expected
+    assert meta.total_num_frames == total and meta.fps == pytest.approx(fps)
+    assert (meta.height, meta.width) == size and meta.video_backend == backend
+    assert meta.timestamps == pytest.approx([i / fps for i in expected])
+    pixels = out["pixel_values"]
+    assert pixels.shape == (1, 8, 3) + size and pixels.dtype == torch.float32
+    decoded = [read_index(frame.permute(1, 2, 0).numpy()) for frame in pixels[0]]
+    assert decoded == expected  # the pixels really are those frames
+    assert expected[-1] >= total - total // 8  # the tail is sampled
+
+
+@pytest.mark.parametrize("backend,isolate", BACKENDS)
+def test_short_video_repeats_real_frames(videos, backend, isolate):
+    vp = TestaVideoProcessor(num_frames=8, video_backend=backend, isolate_decoder=isolate)
+    out = vp(str(videos["short"]), return_metadata=True, **RAW)
+    assert out["video_metadata"][0].frames_indices == [0, 0, 1, 2, 2, 3, 4, 4]
+    assert [read_index(f.permute(1, 2, 0).numpy()) for f in out["pixel_values"][0]] == [0, 0, 1, 2, 2, 3, 4, 4]
+
+
+@pytest.mark.parametrize("backend", ["decord", "pyav"])
+def test_random_and_headtail_sampling_from_files(videos, backend):
+    vp = TestaVideoProcessor(num_frames=6, video_backend=backend)
+    a = vp(videos["long"], frame_sampling="random", seed=7, return_metadata=True, **RAW)
+    b = vp(videos["long"], frame_sampling="random", seed=7, return_metadata=True, **RAW)
+    idx = a["video_metadata"][0].frames_indices
+    assert idx == b["video_metadata"][0].frames_indices
+    assert all(i * 90 // 6 <= j < (i + 1) * 90 // 6 for i, j in enumerate(idx))
+    assert [read_index(f.permute(1, 2, 0).numpy()) for f in a["pixel_values"][0]] == idx
+    h = vp(videos["long"], frame_sampling="headtail", seed=1, return_metadata=True, **RAW)
+    idx = h["video_metadata"][0].frames_indices
+    assert all(i < 45 for i in idx[:3]) and all(i >= 45 for i in idx[3:])
+    assert [read_index(f.permute(1, 2, 0).numpy()) for f in h["pixel_values"][0]] == idx
+
+
+def test_pyav_skips_unneeded_non_reference_frames_without_changing_pixels(videos, monkeypatch):
+    import av
+
+    with av.open(str(videos["bframes"])) as container:
+        types = [int(frame.pict_type) for frame in container.decode(video=0)]
+    assert types.count(3) > 10  # AV_PICTURE_TYPE_B: the file really has B-frames
+    calls = []
+    original = vpt._pyav_collect_skipping
+
+    def spy(*args, **kwargs):
+        result = original(*args, **kwargs)
+        calls.append(result is not None)
+        return result
+
+    monkeypatch.setattr(vpt, "_pyav_collect_skipping", spy)
+    vp = TestaVideoProcessor(num_frames=7, video_backend="pyav")
+    fast = vp(videos["bframes"], return_metadata=True, **RAW)
+    assert calls == [True]  # the skipping path was used and produced every wanted frame
+    assert [read_index(f.permute(1, 2, 0).numpy()) for f in fast["pixel_values"][0]] == uniform(60, 7)
+    monkeypatch.setattr(vpt, "_pyav_collect_skipping", lambda *args, **kwargs: None)  # force the plain path
+    plain = vp(videos["bframes"], **RAW)
+    assert torch.equal(fast["pixel_values"], plain["pixel_values"])
+    assert torch.equal(plain["pixel_values"], vp(videos["bframes"], video_backend="decord", **RAW)["pixel_values"])
+
+
+def test_truncated_faststart_file_decodes_the_frames_that_are_there(videos, tmp_path, caplog):
+    import av
+
+    src = tmp_path / "faststart.mp4"
+    with av.open(str(videos["long"])) as inp, av.open(str(src), "w", options={"movflags": "+faststart"}) as out:
+        stream = out.add_stream_from_template(inp.streams.video[0])
+        for packet in inp.demux(inp.streams.video[0]):
+            if packet.dts is not None:
+                packet.stream = stream
+                out.mux(packet)
+    data = src.read_bytes()
+    cut = tmp_path / "cut.mp4"
+    cut.write_bytes(data[: int(len(data) * 0.6)])  # the index survives, the last frames' data does not
+    out = TestaVideoProcessor(num_frames=4, video_backend="pyav")(cut, return_metadata=True, **RAW)
+    meta = out["video_metadata"][0]
+    assert 0 < meta.total_num_frames < 90
+    assert "could be decoded" in caplog.text and "cut.mp4" in caplog.text
+    assert [read_index(f.permute(1, 2, 0).numpy()) for f in out["pixel_values"][0]] == meta.frames_indices
+    assert meta.frames_indices == uniform(meta.total_num_frames, 4)
+
+
+def test_decord_and_pyav_give_identical_pixels(videos):
+    vp = TestaVideoProcessor(num_frames=8)
+    a = vp(videos["small"], video_backend="decord")["pixel_values"]
+    b = vp(videos["small"], video_backend="pyav")["pixel_values"]
+    assert torch.equal(a, b)
+
+
+def test_batch_of_files_with_different_sizes_and_fps(videos):
+    vp = TestaVideoProcessor(num_frames=4)
+    paths = [videos["long"], str(videos["small"]), videos["gray"], videos["short"]]
+    out = vp(paths, return_metadata=True)
+    assert out["pixel_values"].shape == (4, 4, 3, 224, 224) and out["pixel_values"].dtype == torch.float32
+    metas = out["video_metadata"]
+    assert [m.total_num_frames for m in metas] == [90, 50, 40, 5]
+    assert [m.fps for m in metas] == [30, 25, 24, 10]
+    assert [(m.width, m.height) for m in metas] == [(320, 240), (176, 144), (208, 160), (192, 160)]
+    frames, metas = vp.fetch_videos([videos["long"], videos["short"]], sample_indices_fn=lambda metadata: [0, 1])
+    assert [f.shape for f in frames] == [(2, 240, 320, 3), (2, 160, 192, 3)]
+    assert [read_index(f) for f in frames[1]] == [0, 1]
+    for backend in ("decord", "pyav"):  # any order and repeats, as requested
+        for wanted in ([70, 3, 12], [70, 3, 70, 12]):
+            frames, meta = vp.fetch_videos(videos["long"], lambda metadata: wanted, video_backend=backend)
+            assert [read_index(f) for f in frames] == wanted == meta.frames_indices
+
+
+def test_grayscale_video_becomes_rgb(videos):
+    out = TestaVideoProcessor(num_frames=4)(videos["gray"], **RAW)["pixel_values"][0]
+    assert out.shape[1] == 3
+    assert torch.equal(out[:, 0], out[:, 1]) and torch.equal(out[:, 1], out[:, 2])
+    frames = [PIL.Image.fromarray(np.full((20, 30), v, np.uint8), mode="L") for v in (0, 128, 255)]
+    out = TestaVideoProcessor(num_frames=3)(frames, **RAW)["pixel_values"][0]
+    assert out.shape == (3, 3, 20, 30) and out[1].unique().tolist() == [128.0]
+
+
+def test_full_pipeline_numbers_match_a_manual_reference(videos):
+    frames, _ = decode_video(videos["small"], lambda m: uniform(m.total_num_frames, 4), backend="pyav")
+    clip = torch.from_numpy(frames).permute(0, 3, 1, 2)
+    square = tvF.resize(clip, [224, 224], interpolation=tvF.InterpolationMode.BICUBIC, antialias=True)
+    expected = (square.float() / 255 - CLIP_MEAN) / CLIP_STD
+    out = TestaVideoProcessor(num_frames=4, video_backend="pyav")(videos["small"])["pixel_values"][0]
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+    # shortest edge (144 -> 224, width 176 -> 273) then a center crop to 224 x 224
+    resized = tvF.resize(clip, [224, 273], interpolation=tvF.InterpolationMode.BICUBIC, antialias=True)
+    left = (273 - 224) // 2
+    expected = (resized[..., :, left : left + 224].float() / 255 - CLIP_MEAN) / CLIP_STD
+    out = TestaVideoProcessor(num_frames=4, video_backend="pyav", resize_mode="shortest_edge")(videos["small"])
+    torch.testing.assert_close(out["pixel_values"][0], expected, atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# array, tensor and PIL inputs
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _clip(t=6, h=40, w=48, seed=0):
+    return np.random.default_rng(seed).integers(0, 256, size=(t, h, w, 3), dtype=np.uint8)
+
+
+def test_all_input_layouts_give_the_same_output():
+    clip = _clip()
+    vp = TestaVideoProcessor(num_frames=4, crop_size={"height": 40, "width": 48})  # square resize to own size
+    reference = vp(clip)["pixel_values"]
+    assert reference.shape == (1, 4, 3, 40, 48)
+    tchw = torch.from_numpy(clip).permute(0, 3, 1, 2)
+    variants = {
+        "THWC tensor": torch.from_numpy(clip),
+        "TCHW tensor": tchw,
+        "TCHW numpy": tchw.numpy(),
+        "float [0, 1]": clip.astype(np.float32) / 255,
+        "float [0, 255]": torch.from_numpy(clip).double(),
+        "PIL frames": [PIL.Image.fromarray(f) for f in clip],
+        "list of arrays": list(clip),
+        "RGBA": np.concatenate([clip, np.full(clip.shape[:3] + (1,), 255, np.uint8)], -1),
+        "int64": clip.astype(np.int64),
+    }
+    for name, video in variants.items():
+        torch.testing.assert_close(vp(video)["pixel_values"], reference, atol=1e-5, rtol=1e-5, msg=name)
+    batch = vp([clip, tchw])["pixel_values"]
+    assert batch.shape == (2, 4, 3, 40, 48) and torch.equal(batch[0], batch[1])
+    batch5d = vp(np.stack([clip, clip[::-1]]))["pixel_values"]
+    assert torch.equal(batch5d[0], reference[0]) and not torch.equal(batch5d[1], reference[0])
+
+
+def test_defaults_dtype_and_array_metadata():
+    vp = TestaVideoProcessor()
+    assert vp.num_frames == 32 and vp.crop_size.height == vp.crop_size.width == 224
+    assert vp.frame_sampling == "uniform" and vp.resize_mode == "square" and vp.video_backend == "auto"
+    clip = np.arange(10, dtype=np.uint8).reshape(10, 1, 1, 1).repeat(20, 1).repeat(30, 2).repeat(3, 3)
+    out = vp(clip, num_frames=4, return_metadata=True, video_metadata={"fps": 5.0}, **RAW)
+    meta = out["video_metadata"][0]
+    assert meta.frames_indices == uniform(10, 4) == [1, 3, 6, 8]
+    assert out["pixel_values"][0, :, 0, 0, 0].tolist() == [1.0, 3.0, 6.0, 8.0]  # the sampled frames
+    assert meta.timestamps == [0.2, 0.6, 1.2, 1.6] and meta.duration == 2.0
+    assert vp(clip, dtype="bfloat16")["pixel_values"].dtype == torch.bfloat16
+    assert TestaVideoProcessor(dtype=torch.float16)(clip)["pixel_values"].dtype == torch.float16
+    assert isinstance(vp(clip, return_tensors="np")["pixel_values"], np.ndarray)
+    listed = vp([clip, clip[:, :10]], return_tensors=None, do_sample_frames=False, **RAW)["pixel_values"]
+    assert [tuple(p.shape) for p in listed] == [(10, 3, 20, 30), (10, 3, 10, 30)]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# save / load
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_save_and_load_round_trip(tmp_path):
+    from transformers import AutoVideoProcessor
+
+    vp = TestaVideoProcessor(num_frames=8, frame_sampling="headtail", resize_mode="shortest_edge",
+                             dtype=torch.bfloat16, video_backend="pyav", crop_size={"height": 112, "width": 96})
+    vp.save_pretrained(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["video_preprocessor_config.json", "video_processing_testa.py"]
+    saved = json.loads((tmp_path / "video_preprocessor_config.json").read_text())
+    assert saved["auto_map"] == {"AutoVideoProcessor": "video_processing_testa.TestaVideoProcessor"}
+    assert saved["num_frames"] == 8 and saved["dtype"] == "bfloat16" and saved["frame_sampling"] == "headtail"
+
+    local = TestaVideoProcessor.from_pretrained(tmp_path)
+    remote = AutoVideoProcessor.from_pretrained(tmp_path, trust_remote_code=True)
+    assert type(remote).__name__ == "TestaVideoProcessor"  # the local registration wins in this process; the
+    # pure remote-code load (modeling_testa not importable) is tested in test_processing.py
+    clip = _clip(t=12)
+    expected = vp(clip, seed=0)["pixel_values"]
+    assert expected.shape == (1, 8, 3, 112, 96) and expected.dtype == torch.bfloat16
+    for loaded in (local, remote):
+        assert loaded.to_dict() | {"auto_map": None} == vp.to_dict() | {"auto_map": None}
+        assert torch.equal(loaded(clip, seed=0)["pixel_values"], expected)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# bad input: clear exceptions that name the input
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["auto", "decord", "pyav"])
+def test_bad_files(videos, tmp_path, backend):
+    vp = TestaVideoProcessor(num_frames=4, video_backend=backend)
+    missing = tmp_path / "missing.mp4"
+    with pytest.raises(FileNotFoundError, match="missing.mp4"):
+        vp(missing)
+    with pytest.raises(ValueError, match=r"empty\.mp4.*empty \(0 bytes\)"):
+        vp(videos["empty"])
+    with pytest.raises(ValueError, match=r"truncated\.mp4.*moov atom not found"):
+        vp(videos["truncated"])
+    with pytest.raises(ValueError, match=r"notes\.mp4.*Invalid data found"):
+        vp(videos["text"])
+    with pytest.raises(VideoDecodingError, match=r"no_frames\.mp4") as info:
+        vp(videos["no_frames"])
+    if backend != "decord":
+        assert "no decodable frames" in str(info.value)
+    with pytest.raises(FileNotFoundError, match="missing.mp4"):  # one bad file fails the whole batch, naming it
+        vp([videos["small"], missing])
+
+
+def test_file_without_video_stream(tmp_path):
+    import av
+
+    path = tmp_path / "speech.mp4"
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("aac", rate=16000)
+        for i in range(10):
+            frame = av.AudioFrame.from_ndarray(np.zeros((1, 1024), np.float32), format="fltp", layout="mono")
+            frame.sample_rate, frame.pts = 16000, i * 1024
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    with pytest.raises(ValueError, match=r"speech\.mp4.*no video stream"):
+        TestaVideoProcessor(video_backend="pyav")(path)
+    with pytest.raises(ValueError, match=r"speech\.mp4.*no decoder could read it"):
+        TestaVideoProcessor(video_backend="auto")(path)
+
+
+def test_bad_arrays_and_lists():
+    vp = TestaVideoProcessor(num_frames=2)
+    cases = [
+        (np.zeros((8, 8, 3), np.uint8), r"3 dimensions.*shape \(8, 8, 3\)"),
+        (np.zeros((1, 2, 4, 8, 8, 3), np.uint8), "6 dimensions"),
+        (np.zeros((4, 8, 8, 5), np.uint8), r"shape \(4, 8, 8, 5\).*no channel dimension"),
+        (torch.zeros(4, 2, 8, 8), "no channel dimension"),
+        (np.zeros((0, 8, 8, 3), np.uint8), "0 frames"),
+        (np.zeros((2, 0, 8, 3), np.uint8), "empty frames"),
+        (np.zeros((2, 8, 8, 3), bool), "dtype bool"),
+        ([], "empty list"),
+        ([np.zeros((2, 8, 8, 3), np.uint8), []], r"videos\[1\] is an empty list"),
+        ([np.zeros((2, 8, 8, 3), np.uint8), np.zeros((8, 8, 3))], r"videos\[1\].*3 dimensions"),
+        ([[np.zeros((8, 8, 3)), np.zeros((4, 8, 8, 3))]], r"videos\[0\]\[1\]"),
+        ([np.zeros((8, 8, 3)), np.zeros((9, 8, 3))], "same shape"),
+        (PIL.Image.new("RGB", (8, 8)), "single PIL image"),
+        (None, "None"),
+        (np.zeros((2, 4, 8, 8, 2), np.uint8), r"videos\[0\].*no channel dimension"),
+    ]
+    for video, message in cases:
+        with pytest.raises(ValueError, match=message):
+            vp(video)
+    with pytest.raises(TypeError, match="unsupported type"):
+        vp(12)
+    with pytest.raises(ValueError, match="channels"):
+        vp(np.zeros((2, 8, 8, 2), np.uint8), input_data_format="channels_last")
+    with pytest.raises(ValueError, match="do_convert_rgb"):
+        vp(np.zeros((2, 8, 8, 1), np.uint8), do_convert_rgb=False)
+    with pytest.raises(ValueError, match="video_metadata"):
+        vp([np.zeros((2, 8, 8, 3), np.uint8)] * 2, video_metadata=[{"fps": 1}])
+    for option, value in [("frame_sampling", "middle"), ("resize_mode", "fit"), ("video_backend", "opencv"),
+                          ("dtype", "int8")]:
+        with pytest.raises(ValueError, match=option):
+            vp(np.zeros((2, 8, 8, 3), np.uint8), **{option: value})
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the decord guard: a decoder crash or hang cannot kill or block the caller
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fault,signal_name", [("os.kill(os.getpid(), 11)", "SIGSEGV"), ("os.abort()", "SIGABRT")])
+def test_decoder_crash_is_an_exception(videos, monkeypatch, fresh_decoder_process, fault, signal_name):
+    source = vpt._DECORD_WORKER_SOURCE.replace("reader.get_batch(", f"{fault} or reader.get_batch(")
+    assert source != vpt._DECORD_WORKER_SOURCE
+    monkeypatch.setattr(vpt, "_DECORD_WORKER_SOURCE", source)
+    with pytest.raises(VideoDecodingError, match=rf"small\.mp4.*decord.*crashed \({signal_name}\)"):
+        TestaVideoProcessor(num_frames=4, video_backend="decord")(videos["small"])
+    # "auto" falls back to PyAV and still returns the exact frames
+    out = TestaVideoProcessor(num_frames=4, video_backend="auto")(videos["small"], return_metadata=True, **RAW)
+    assert out["video_metadata"][0].video_backend == "pyav"
+    assert [read_index(f.permute(1, 2, 0).numpy()) for f in out["pixel_values"][0]] == uniform(50, 4)
+    # once the fault is gone, a new helper process serves the next call
+    monkeypatch.undo()
+    vpt.shutdown_decoder_process()
+    out = TestaVideoProcessor(num_frames=4, video_backend="decord")(videos["small"], return_metadata=True)
+    assert out["video_metadata"][0].video_backend == "decord"
+
+
+def test_decoder_hang_times_out(videos, monkeypatch, fresh_decoder_process):
+    import time
+
+    source = vpt._DECORD_WORKER_SOURCE.replace("reader.get_batch(", "__import__('time').sleep(60) or reader.get_batch(")
+    monkeypatch.setattr(vpt, "_DECORD_WORKER_SOURCE", source)
+    start = time.monotonic()
+    with pytest.raises(VideoDecodingTimeoutError, match=r"small\.mp4.*decode_timeout=1"):
+        TestaVideoProcessor(num_frames=4, video_backend="decord", decode_timeout=1)(videos["small"])
+    assert time.monotonic() - start < 15
+    assert isinstance(VideoDecodingTimeoutError("x", "y"), (ValueError, TimeoutError))

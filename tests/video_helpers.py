@@ -1,0 +1,96 @@
+"""Writes small real mp4 files with PyAV (libx264 is bundled in the wheel) for the processing tests.
+
+Every frame carries its own index: bit `b` of the index is a 16x16 block at the top of the frame (white = 1), so a
+test can read back exactly which frames a decoder returned. Below that strip, coloured shapes move across a gradient.
+"""
+
+import struct
+from pathlib import Path
+
+import av
+import numpy as np
+
+
+BITS = 10  # frame indices up to 1023; frames must be at least 16 * BITS = 160 pixels wide
+BLOCK = 16
+
+
+def frame_image(index: int, width: int, height: int) -> np.ndarray:
+    """RGB frame `index`: index bits on the top strip, moving red square and blue bar below."""
+    yy, xx = np.mgrid[0:height, 0:width]
+    img = np.stack([xx * 200 // width, yy * 200 // height, np.full_like(xx, 90)], -1).astype(np.uint8)
+    img[:BLOCK] = 0
+    for b in range(BITS):
+        if (index >> b) & 1:
+            img[:BLOCK, b * BLOCK : (b + 1) * BLOCK] = 255
+    x = (7 * index) % max(1, width - 24)
+    img[BLOCK + 8 : BLOCK + 32, x : x + 24] = (230, 30, 30)
+    y = BLOCK + (5 * index) % max(1, height - BLOCK - 12)
+    img[y : y + 12, width // 2 : width // 2 + 40] = (30, 30, 230)
+    return img
+
+
+def write_video(
+    path: Path,
+    num_frames: int,
+    fps: int = 25,
+    width: int = 192,
+    height: int = 160,
+    gray: bool = False,
+    bframes: int = 0,
+) -> Path:
+    """Writes an H.264 mp4 (yuv420p, or 8-bit `gray` pixels when `gray=True`) whose frames encode their index.
+
+    `bframes > 0` uses B-frames (with B-pyramid, so some are reference frames and some are not) and a 12-frame GOP.
+    """
+    assert width >= BITS * BLOCK, "too narrow to hold the index bits"
+    with av.open(str(path), mode="w") as container:
+        stream = container.add_stream("libx264", rate=fps)
+        stream.width, stream.height = width, height
+        stream.pix_fmt = "gray" if gray else "yuv420p"
+        stream.options = {"crf": "12", "preset": "ultrafast"}
+        if bframes:
+            stream.options = {"crf": "12", "preset": "veryfast", "bf": str(bframes), "g": "12"}
+        for i in range(num_frames):
+            img = frame_image(i, width, height)
+            if gray:
+                frame = av.VideoFrame.from_ndarray(img.mean(-1).astype(np.uint8), format="gray")
+            else:
+                frame = av.VideoFrame.from_ndarray(img, format="rgb24")
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return path
+
+
+def read_index(frame: np.ndarray) -> int:
+    """Reads the index written by `frame_image` from an (H, W, C) or (H, W) frame with values in [0, 255]."""
+    frame = np.asarray(frame, dtype=np.float32)
+    if frame.ndim == 3:
+        frame = frame.mean(-1)
+    centre = BLOCK // 2
+    return sum(int(frame[centre, b * BLOCK + centre] > 127) << b for b in range(BITS))
+
+
+def mp4_boxes(path: Path) -> list[tuple[bytes, int, int]]:
+    """Top-level MP4 boxes as (type, offset, size)."""
+    data = Path(path).read_bytes()
+    boxes, offset = [], 0
+    while offset + 8 <= len(data):
+        size, kind = struct.unpack(">I4s", data[offset : offset + 8])
+        boxes.append((kind, offset, size))
+        if size < 8:
+            break
+        offset += size
+    return boxes
+
+
+def zero_media_data(src: Path, dst: Path) -> Path:
+    """Copies an mp4 with its `mdat` payload zeroed: a valid header and index, but no decodable frame."""
+    data = bytearray(Path(src).read_bytes())
+    for kind, offset, size in mp4_boxes(src):
+        if kind == b"mdat":
+            data[offset + 8 : offset + size] = bytes(size - 8)
+    Path(dst).write_bytes(bytes(data))
+    return dst
