@@ -82,3 +82,50 @@ __all__ += [
     "suggest_reduction",
     "visualize_aggregation",
 ]
+
+# --- models: Auto* registration, Hub remote code (auto_map, custom_pipelines, model card) and pipelines ---------------
+from transformers import (  # noqa: E402
+    AutoConfig,
+    AutoModel,
+    AutoModelForPreTraining,
+    AutoModelForVisualQuestionAnswering,
+)
+
+from .hub_testa import MODEL_CARD_MARKER, PIPELINE_TASKS, custom_pipelines_for, model_card, write_model_card  # noqa: E402
+from .pipeline_testa import (  # noqa: E402
+    VideoIndex,
+    VideoQuestionAnsweringPipeline,
+    VideoTextRetrievalPipeline,
+    ZeroShotVideoClassificationPipeline,
+    register_testa_pipelines,
+)
+
+
+AutoConfig.register(TestaConfig.model_type, TestaConfig, exist_ok=True)
+AutoConfig.register(TestaVisionConfig.model_type, TestaVisionConfig, exist_ok=True)
+AutoModel.register(TestaConfig, TestaForVideoTextRetrieval, exist_ok=True)
+AutoModel.register(TestaVisionConfig, TestaVisionModel, exist_ok=True)
+AutoModelForVisualQuestionAnswering.register(TestaConfig, TestaForVideoQA, exist_ok=True)
+AutoModelForPreTraining.register(TestaConfig, TestaForPreTraining, exist_ok=True)
+
+# `save_pretrained` copies the code files and writes `auto_map`, so saved folders load with `trust_remote_code=True`.
+TestaConfig.register_for_auto_class("AutoConfig")
+TestaVisionConfig.register_for_auto_class("AutoConfig")
+TestaVisionModel.register_for_auto_class("AutoModel")
+TestaForVideoTextRetrieval.register_for_auto_class("AutoModel")
+TestaForVideoQA.register_for_auto_class("AutoModelForVisualQuestionAnswering")
+TestaForPreTraining.register_for_auto_class("AutoModelForPreTraining")
+register_testa_pipelines()
+
+__all__ += [
+    "MODEL_CARD_MARKER",
+    "PIPELINE_TASKS",
+    "VideoIndex",
+    "VideoQuestionAnsweringPipeline",
+    "VideoTextRetrievalPipeline",
+    "ZeroShotVideoClassificationPipeline",
+    "custom_pipelines_for",
+    "model_card",
+    "register_testa_pipelines",
+    "write_model_card",
+]

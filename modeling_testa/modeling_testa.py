@@ -24,6 +24,7 @@ from .aggregation import (
     shift_protected,
 )
 from .configuration_testa import TestaConfig, TestaVisionConfig
+from .hub_testa import TestaHubMixin
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -394,7 +395,7 @@ class TestaVisionLayer(GradientCheckpointingLayer):
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-class TestaPreTrainedModel(PreTrainedModel):
+class TestaPreTrainedModel(TestaHubMixin, PreTrainedModel):
     config: TestaConfig
     base_model_prefix = "testa"
     main_input_name = "pixel_values"

@@ -1,0 +1,987 @@
+"""Pipelines for TESTA: video-text retrieval, zero-shot video classification and video question answering.
+
+Three tasks are registered with `transformers.pipelines.PIPELINE_REGISTRY` and written to `config.json`
+(`custom_pipelines`) by every TESTA `save_pretrained`, so that a saved folder or Hub repo loads with
+`pipeline(task, model=folder, trust_remote_code=True)`:
+
+- `"video-text-retrieval"` ([`VideoTextRetrievalPipeline`]): `pipe(text=..., videos=[...], top_k=None)` ranks the
+  videos for each query with the two-stage ranking of the original (cosine of the contrastive embeddings picks the
+  candidates, the matching head re-scores them). Each video is decoded and encoded once per call, whatever the number
+  of queries. `encode_videos` builds a [`VideoIndex`] (embeddings and, optionally, the aggregated tokens for
+  re-ranking) that can be saved, loaded and searched (`search`) without decoding the videos again.
+- `"zero-shot-video-classification"` ([`ZeroShotVideoClassificationPipeline`]): `pipe(video, candidate_labels=[...],
+  hypothesis_template="a video of {}.")` returns labels with scores that sum to 1: a softmax over the cosine
+  similarities divided by the model's learned contrastive temperature, as zero-shot-image-classification does with
+  CLIP's logit scale.
+- `"video-question-answering"` ([`VideoQuestionAnsweringPipeline`]): `pipe(video=..., question=...)` generates
+  answers (beam search, 3 beams and `max_length=10` as in the original) scored by their sequence probability, or, with
+  `candidate_answers=[...]`, ranks the candidates like the original's `rank_answer`.
+
+Every pipeline needs a [`TestaProcessor`]: save it next to the model (`processor.save_pretrained(folder)`), or pass
+`processor=` (or `tokenizer=` and `video_processor=`). Bad input raises at once and names the input: a missing file
+raises `FileNotFoundError` with its path, an undecodable one the video processor's `VideoDecodingError` (a
+`ValueError` with the file and the decoder's reason) unchanged, and empty lists or arrays of the wrong rank or
+channel count raise `ValueError`.
+
+This file is Hub remote code: flat relative imports only, absolute imports of installed packages only (FAISS is
+optional and imported inside `try`).
+"""
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import PIL.Image
+import torch
+from safetensors.torch import load_file, save_file
+from transformers.pipelines import PIPELINE_REGISTRY
+from transformers.pipelines.base import Pipeline
+from transformers.utils import logging
+
+from .processing_testa import TestaProcessor
+
+
+logger = logging.get_logger(__name__)
+
+INDEX_TENSORS_FILE = "video_index.safetensors"
+INDEX_INFO_FILE = "video_index.json"
+PROGRESS_BAR_MIN_VIDEOS = 16
+"""With `progress_bar=None`, a progress bar is shown when at least this many videos are encoded."""
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Input checking
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _is_array(value: Any) -> bool:
+    return isinstance(value, (np.ndarray, torch.Tensor))
+
+
+def _is_frame(value: Any) -> bool:
+    return isinstance(value, PIL.Image.Image) or (_is_array(value) and value.ndim in (2, 3))
+
+
+def _is_single_video(value: Any) -> bool:
+    """A path, a 4-D array/tensor, or a non-empty list of frames."""
+    if isinstance(value, (str, os.PathLike)):
+        return True
+    if _is_array(value):
+        return value.ndim == 4
+    return isinstance(value, (list, tuple)) and len(value) > 0 and all(_is_frame(f) for f in value)
+
+
+def _describe(value: Any) -> str:
+    if _is_array(value):
+        return f"an array of shape {tuple(value.shape)}"
+    return f"a {type(value).__name__}"
+
+
+def _check_video(item: Any, label: str) -> None:
+    """Raises a `ValueError`/`TypeError` naming `label` unless `item` is one video."""
+    if isinstance(item, (str, os.PathLike)):
+        return
+    if _is_array(item):
+        if item.ndim != 4:
+            raise ValueError(
+                f"{label} is an array with {item.ndim} dimensions (shape {tuple(item.shape)}); a video must be 4-D: "
+                "(frames, height, width, channels) or (frames, channels, height, width)."
+            )
+        return
+    if isinstance(item, (list, tuple)):
+        if len(item) == 0:
+            raise ValueError(f"{label} is an empty list of frames.")
+        for j, frame in enumerate(item):
+            if not _is_frame(frame):
+                raise ValueError(
+                    f"{label}[{j}] is {_describe(frame)}; a frame must be a PIL image or a 2-D/3-D array "
+                    "(height, width[, channels])."
+                )
+        return
+    raise TypeError(
+        f"{label} is {_describe(item)}; a video must be a file path, a 4-D array/tensor or a list of frames."
+    )
+
+
+def _video_list(videos: Any, name: str = "videos") -> list[Any]:
+    """Validates a collection of videos and returns it as a list (a 5-D array becomes a list of 4-D ones)."""
+    if videos is None:
+        raise ValueError(f"`{name}` is missing; pass a list of video paths, arrays or frame lists.")
+    if _is_array(videos) and videos.ndim == 5:
+        videos = list(videos)
+    elif _is_single_video(videos) and not isinstance(videos, (list, tuple)):
+        videos = [videos]
+    if not isinstance(videos, (list, tuple)):
+        raise TypeError(f"`{name}` must be a list of videos, got {_describe(videos)}.")
+    if len(videos) == 0:
+        raise ValueError(f"`{name}` is an empty list; pass at least one video.")
+    for i, item in enumerate(videos):
+        _check_video(item, f"{name}[{i}]")
+    return list(videos)
+
+
+def _text_list(text: Any, name: str) -> tuple[list[str], bool]:
+    """``(texts, single)``: a string becomes a one-element list."""
+    if text is None:
+        raise ValueError(f"`{name}` is missing; pass a string or a list of strings.")
+    if isinstance(text, str):
+        return [text], True
+    if not isinstance(text, (list, tuple)) or not all(isinstance(t, str) for t in text):
+        raise ValueError(f"`{name}` must be a string or a list of strings, got {_describe(text)}.")
+    if len(text) == 0:
+        raise ValueError(f"`{name}` is an empty list; pass at least one string.")
+    return list(text), False
+
+
+def _check_top_k(top_k: Any) -> None:
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"`top_k` must be a positive int or None, got {top_k!r}.")
+
+
+def _video_name(item: Any, index: int) -> str:
+    return os.fspath(item) if isinstance(item, (str, os.PathLike)) else f"videos[{index}]"
+
+
+def _faiss() -> Any:
+    """The `faiss` module when installed, else None."""
+    try:
+        import faiss  # optional dependency
+    except ImportError:
+        return None
+    return faiss
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Encode-once index
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class VideoIndex:
+    r"""
+    A collection of videos encoded once by [`VideoTextRetrievalPipeline.encode_videos`].
+
+    Args:
+        videos (`list`): the videos as given (paths, or arrays for in-memory videos); after `load`, their names.
+        embeddings (`torch.FloatTensor` of shape `(num_videos, projection_dim)`): L2-normalised contrastive video
+            embeddings (`model.get_video_features`), used for the first stage.
+        tokens (`torch.Tensor` of shape `(num_videos, tokens, hidden_size)`, *optional*): the aggregated video tokens
+            the matching head cross-attends to, for the second (re-ranking) stage.
+        token_sizes (`torch.FloatTensor` of shape `(num_videos, tokens)`, *optional*): input patches per token.
+        info (`dict`): how the index was built (model class, frames, ...); saved with it.
+    """
+
+    videos: list[Any]
+    embeddings: torch.Tensor
+    tokens: torch.Tensor | None = None
+    token_sizes: torch.Tensor | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = len(self.videos)
+        if self.embeddings.ndim != 2 or self.embeddings.shape[0] != n:
+            raise ValueError(f"`embeddings` must be ({n}, dim) for {n} videos, got {tuple(self.embeddings.shape)}.")
+        for name in ("tokens", "token_sizes"):
+            value = getattr(self, name)
+            if value is not None and value.shape[0] != n:
+                raise ValueError(f"`{name}` has {value.shape[0]} rows for {n} videos.")
+
+    def __len__(self) -> int:
+        return len(self.videos)
+
+    @property
+    def names(self) -> list[str]:
+        """The videos' paths (or `videos[i]` for in-memory videos), as saved in the json file."""
+        return [_video_name(item, i) for i, item in enumerate(self.videos)]
+
+    @property
+    def has_tokens(self) -> bool:
+        """Whether the aggregated tokens are stored, i.e. whether search can re-rank with the matching head."""
+        return self.tokens is not None
+
+    def save(self, directory: str | os.PathLike) -> Path:
+        """Writes `video_index.safetensors` (embeddings, tokens, token sizes) and `video_index.json` (video names and
+        `info`) into `directory` (created if needed). Returns the directory."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        tensors = {"embeddings": self.embeddings.detach().cpu().contiguous()}
+        if self.tokens is not None:
+            tensors["tokens"] = self.tokens.detach().cpu().contiguous()
+        if self.token_sizes is not None:
+            tensors["token_sizes"] = self.token_sizes.detach().cpu().contiguous()
+        save_file(tensors, str(directory / INDEX_TENSORS_FILE), metadata={"format": "pt"})
+        info = {"format_version": 1, "videos": self.names, "info": self.info}
+        (directory / INDEX_INFO_FILE).write_text(json.dumps(info, indent=2), encoding="utf-8")
+        return directory
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> "VideoIndex":
+        """Reads an index written by `save`; `videos` then holds the saved names."""
+        directory = Path(directory)
+        for name in (INDEX_TENSORS_FILE, INDEX_INFO_FILE):
+            if not (directory / name).is_file():
+                raise FileNotFoundError(f"No video index in {str(directory)!r}: {name} is missing.")
+        tensors = load_file(str(directory / INDEX_TENSORS_FILE))
+        info = json.loads((directory / INDEX_INFO_FILE).read_text(encoding="utf-8"))
+        return cls(
+            videos=list(info["videos"]),
+            embeddings=tensors["embeddings"],
+            tokens=tensors.get("tokens"),
+            token_sizes=tensors.get("token_sizes"),
+            info=dict(info.get("info", {})),
+        )
+
+    def nearest(
+        self, query_embeddings: torch.Tensor, k: int, use_faiss: bool | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """First-stage search: the `k` videos of highest cosine similarity for each query.
+
+        Uses an exact inner-product FAISS index (`IndexFlatIP`) when `faiss` is installed (`use_faiss=None`), torch
+        top-k otherwise. The embeddings are L2-normalised, so inner product = cosine.
+
+        Args:
+            query_embeddings (`torch.FloatTensor` of shape `(num_queries, projection_dim)`): normalised text features.
+            k (`int`): candidates per query (capped at the index size).
+            use_faiss (`bool`, *optional*): force (`True`, raises if missing) or avoid (`False`) FAISS.
+
+        Returns:
+            `(scores, indices)`, both `(num_queries, k)`, by decreasing similarity.
+        """
+        k = min(int(k), len(self))
+        queries = query_embeddings.detach().float().cpu()
+        database = self.embeddings.float().cpu()
+        faiss = _faiss() if use_faiss in (None, True) else None
+        if use_faiss and faiss is None:
+            raise ImportError("use_faiss=True but `faiss` is not installed (pip install faiss-cpu).")
+        if faiss is not None:
+            index = faiss.IndexFlatIP(database.shape[1])
+            index.add(np.ascontiguousarray(database.numpy(), dtype=np.float32))
+            scores, indices = index.search(np.ascontiguousarray(queries.numpy(), dtype=np.float32), k)
+            return torch.from_numpy(scores), torch.from_numpy(indices).long()
+        return (queries @ database.T).topk(k, dim=1)
+
+
+def _load_testa_processor(source: str | os.PathLike) -> TestaProcessor:
+    """Loads a saved `TestaProcessor` with this module's own classes (`TestaVideoProcessor` from the nested
+    `processor_config.json`, the BERT tokenizer from `tokenizer.json`). Unlike `AutoProcessor`, this runs no code
+    from `source`, so it needs no `trust_remote_code`, also when this module is itself Hub remote code."""
+    from transformers import AutoTokenizer
+
+    from .video_processing_testa import TestaVideoProcessor
+
+    video_processor = TestaVideoProcessor.from_pretrained(source)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    return TestaProcessor(video_processor=video_processor, tokenizer=tokenizer)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Shared pipeline machinery
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class _TestaPipeline(Pipeline):
+    """Loads the `TestaProcessor`, turns videos into `pixel_values` one at a time (so errors name the input), and
+    saves complete Hub folders."""
+
+    # The processor is loaded by `__init__` (from the model's folder or repo) rather than by `pipeline()`: `pipeline()`
+    # passes its model `dtype` (default "auto") to `AutoProcessor.from_pretrained`, which the video processor would take
+    # as its own `dtype` (the dtype of `pixel_values`) and reject.
+    _load_processor = False
+    _load_tokenizer = False
+    _load_video_processor = False
+    _load_image_processor = False
+    _load_feature_extractor = False
+    _auto_model_classes: tuple[str, ...] = ("AutoModel",)
+
+    def __init__(self, model: Any, processor: Any = None, tokenizer: Any = None, video_processor: Any = None,
+                 **kwargs: Any) -> None:
+        """
+        Args:
+            model: a TESTA model of the head the task needs.
+            processor (`TestaProcessor`, `str` or `os.PathLike`, *optional*): the processor, or where to load it from.
+                Defaults to the processor saved with the model (`model.name_or_path`), or to one built from
+                `tokenizer` and `video_processor` when both are given.
+            tokenizer, video_processor (*optional*): override the processor's components.
+            **kwargs: `device`, `batch_size`, and call arguments that become defaults (e.g. `top_k`).
+        """
+        if isinstance(processor, (str, os.PathLike)):
+            processor = _load_testa_processor(processor)
+        if processor is None and tokenizer is not None and video_processor is not None:
+            processor = TestaProcessor(video_processor=video_processor, tokenizer=tokenizer)
+        if processor is None:
+            source = getattr(model, "name_or_path", None) or getattr(model.config, "_name_or_path", None)
+            reason = "the model has no `name_or_path` to load it from"
+            if source:
+                try:
+                    processor = _load_testa_processor(source)
+                except Exception as error:  # noqa: BLE001 - reported below with the remedy
+                    reason = f"loading it from {source!r} failed: {type(error).__name__}: {error}"
+            if processor is None:
+                raise ValueError(
+                    f"{type(self).__name__} needs a TestaProcessor ({reason}). Save it next to the model "
+                    "(`processor.save_pretrained(folder)`) or pass `processor=` (or `tokenizer=` and "
+                    "`video_processor=`)."
+                )
+        tokenizer = tokenizer if tokenizer is not None else processor.tokenizer
+        video_processor = video_processor if video_processor is not None else processor.video_processor
+        super().__init__(
+            model=model, processor=processor, tokenizer=tokenizer, video_processor=video_processor, **kwargs
+        )
+
+    # -- inputs -----------------------------------------------------------------------------------------------------
+
+    def _tokenize(self, texts: list[str], text_kwargs: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
+        encoded = self.processor(text=texts, return_tensors="pt", **(text_kwargs or {}))
+        return {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
+
+    def _pixels(self, item: Any, label: str, video_kwargs: dict[str, Any] | None = None) -> torch.Tensor:
+        """`(1, frames, 3, H, W)` pixel values of one video. Decoding errors of files propagate unchanged (they name
+        the file); errors about in-memory videos are re-raised naming `label`."""
+        is_path = isinstance(item, (str, os.PathLike))
+        argument = item if is_path or _is_array(item) else [list(item)]
+        try:
+            pixels = self.video_processor(argument, return_tensors="pt", **(video_kwargs or {}))["pixel_values"]
+        except (ValueError, TypeError) as error:
+            if is_path:
+                raise
+            message = re.sub(r"^videos(\[\d+\])*", label, str(error))
+            if not message.startswith(label):
+                message = f"{label}: {message}"
+            raise type(error)(message) if type(error) in (ValueError, TypeError) else ValueError(message) from error
+        return pixels
+
+    def _progress(self, total: int, progress_bar: bool | None, desc: str) -> Any:
+        disable = (total < PROGRESS_BAR_MIN_VIDEOS) if progress_bar is None else not progress_bar
+        return logging.tqdm(total=total, desc=desc, unit="video", disable=disable)
+
+    @torch.no_grad()
+    def _encode(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Runs the video encoder once: ``(features, tokens, token_sizes)``."""
+        dtype = getattr(self.model, "dtype", torch.float32)
+        out = self.model.get_video_tokens(pixel_values.to(self.device, dtype=dtype))
+        features = self.model.get_video_features(
+            video_tokens=out.last_hidden_state, video_token_sizes=out.token_sizes
+        )
+        return features, out.last_hidden_state, out.token_sizes
+
+    # -- saving -----------------------------------------------------------------------------------------------------
+
+    def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:
+        """Saves a complete Hub folder: the model (weights, config with `auto_map` and `custom_pipelines`, all code
+        files), the processor (tokenizer + video processor, which transformers' `Pipeline.save_pretrained` leaves
+        out) and the model card with the video-processor settings."""
+        if os.path.isfile(save_directory):
+            raise ValueError(f"`save_directory` must be a directory, got the file {os.fspath(save_directory)!r}.")
+        os.makedirs(save_directory, exist_ok=True)
+        from transformers.dynamic_module_utils import custom_object_save
+
+        entry = {
+            "impl": f"{type(self).__module__.split('.')[-1]}.{type(self).__name__}",
+            "pt": list(self._auto_model_classes),
+            "type": "multimodal",
+        }
+        existing = dict(getattr(self.model.config, "custom_pipelines", None) or {})
+        self.model.config.custom_pipelines = {**existing, self.task or self._default_task: entry}
+        custom_object_save(self, save_directory)
+        self.model.save_pretrained(save_directory, **kwargs)
+        self.processor.save_pretrained(save_directory)
+        if hasattr(self.model, "write_model_card"):
+            self.model.write_model_card(save_directory, processor=self.processor)
+
+    def push_to_hub(self, repo_id: str, **kwargs: Any) -> Any:
+        """Saves with `save_pretrained` and uploads the folder, keeping the generated model card (see
+        `TestaHubMixin.push_to_hub`)."""
+        from .hub_testa import push_folder_to_hub
+
+        return push_folder_to_hub(self, repo_id, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# video-text-retrieval
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class VideoTextRetrievalPipeline(_TestaPipeline):
+    r"""
+    Text-to-video retrieval with a TESTA retrieval model (`TestaForVideoTextRetrieval`).
+
+    ```python
+    pipe = pipeline("video-text-retrieval", model="path/or/repo", trust_remote_code=True)
+    pipe(text="a man surfs", videos=["a.mp4", "b.mp4"])             # [{"video": "b.mp4", "score": 3.1}, ...]
+    pipe(text=["a man surfs", "a dog"], videos=paths, top_k=5)      # one ranked list per query
+    index = pipe.encode_videos(paths, batch_size=8)                 # encode a large collection once
+    index.save("index_dir"); index = VideoIndex.load("index_dir")
+    pipe.search("a man surfs", index, top_k=10)
+    ```
+
+    Ranking is the original two-stage one (`model.rank_videos`): the cosine similarity of the contrastive embeddings
+    selects `rerank_k` candidates per query (defaults to `config.k_test`, and at least `top_k`; all videos when
+    `top_k=None`), the matching (ITM) head re-scores them, and the score is the ITM match logit plus the cosine
+    (`itm_score="softmax"` uses the match probability, `add_cosine=False` drops the cosine). Returned videos are
+    always re-ranked ones.
+
+    Call arguments: `text` (str or list of str), `videos` (list of paths, 4-D arrays or frame lists), `top_k`,
+    `rerank_k`, `itm_score`, `add_cosine`, `batch_size` (videos encoded at a time, default 8), `num_frames` (and any
+    other video-processor argument via `video_kwargs={...}`), `text_kwargs={...}` (e.g. `{"task": "didemo"}`),
+    `progress_bar` (default: shown from 16 videos on).
+    """
+
+    _default_task = "video-text-retrieval"
+
+    def _sanitize_parameters(
+        self,
+        top_k: int | None = None,
+        rerank_k: int | None = None,
+        itm_score: str | None = None,
+        add_cosine: bool | None = None,
+        num_frames: int | None = None,
+        video_kwargs: dict[str, Any] | None = None,
+        text_kwargs: dict[str, Any] | None = None,
+        progress_bar: bool | None = None,
+        video_batch_size: int | None = None,
+        **unused: Any,
+    ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        if unused:
+            raise TypeError(f"{type(self).__name__} got unexpected arguments {sorted(unused)}.")
+        preprocess, forward, postprocess = {}, {}, {}
+        if text_kwargs is not None:
+            preprocess["text_kwargs"] = text_kwargs
+        video_kwargs = dict(video_kwargs or {})
+        if num_frames is not None:
+            video_kwargs["num_frames"] = num_frames
+        if video_kwargs:
+            forward["video_kwargs"] = video_kwargs
+        for name, value in (("rerank_k", rerank_k), ("itm_score", itm_score), ("add_cosine", add_cosine),
+                            ("progress_bar", progress_bar), ("video_batch_size", video_batch_size)):
+            if value is not None:
+                forward[name] = value
+        if top_k is not None:
+            _check_top_k(top_k)
+            forward["top_k"] = top_k
+            postprocess["top_k"] = top_k
+        return preprocess, forward, postprocess
+
+    def __call__(self, text: str | list[str] | None = None, videos: list[Any] | None = None, **kwargs: Any) -> Any:
+        """Ranks `videos` for each query in `text`.
+
+        Returns:
+            For one query, a list of `{"video": <the given item>, "score": float}` by decreasing score; for a list of
+            queries, one such list per query.
+        """
+        batch_size = kwargs.pop("batch_size", None)
+        if batch_size is not None:
+            kwargs["video_batch_size"] = batch_size
+        return super().__call__({"text": text, "videos": videos}, **kwargs)
+
+    def preprocess(self, inputs: dict[str, Any], text_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+        texts, single = _text_list(inputs.get("text"), "text")
+        videos = _video_list(inputs.get("videos"), "videos")
+        return {**self._tokenize(texts, text_kwargs), "videos": videos, "single": single}
+
+    def _forward(
+        self,
+        model_inputs: dict[str, Any],
+        top_k: int | None = None,
+        rerank_k: int | None = None,
+        itm_score: str = "logit",
+        add_cosine: bool = True,
+        video_kwargs: dict[str, Any] | None = None,
+        progress_bar: bool | None = None,
+        video_batch_size: int | None = None,
+    ) -> dict[str, Any]:
+        videos = model_inputs["videos"]
+        index = self.encode_videos(
+            videos, batch_size=video_batch_size or self._batch_size or 8, store_tokens=True,
+            progress_bar=progress_bar, **(video_kwargs or {}),
+        )
+        window = self._window(len(videos), top_k, rerank_k)
+        ranking = self.model.rank_videos(
+            model_inputs["input_ids"],
+            index.tokens,
+            attention_mask=model_inputs["attention_mask"],
+            video_token_sizes=index.token_sizes,
+            video_features=index.embeddings,
+            k=window,
+            itm_score=itm_score,
+            add_cosine=add_cosine,
+        )
+        return {"scores": ranking.scores, "videos": videos, "single": model_inputs["single"]}
+
+    def _window(self, num_videos: int, top_k: int | None, rerank_k: int | None) -> int:
+        """Candidates re-ranked per query: all videos for `top_k=None`, else `max(top_k, rerank_k or k_test)`."""
+        if top_k is None:
+            return num_videos
+        if rerank_k is not None and (isinstance(rerank_k, bool) or not isinstance(rerank_k, int) or rerank_k < 1):
+            raise ValueError(f"`rerank_k` must be a positive int, got {rerank_k!r}.")
+        base = rerank_k if rerank_k is not None else self.model.config.k_test
+        return min(num_videos, max(top_k, base))
+
+    def postprocess(self, model_outputs: dict[str, Any], top_k: int | None = None) -> Any:
+        results = []
+        for row in model_outputs["scores"]:
+            finite = torch.isfinite(row)
+            order = torch.argsort(row.masked_fill(~finite, float("-inf")), descending=True, stable=True)
+            order = [int(i) for i in order if finite[i]]
+            if top_k is not None:
+                order = order[:top_k]
+            results.append([{"video": model_outputs["videos"][i], "score": float(row[i])} for i in order])
+        return results[0] if model_outputs["single"] else results
+
+    # -- encode once, search many times ------------------------------------------------------------------------------
+
+    def encode_videos(
+        self,
+        videos: list[Any],
+        batch_size: int = 8,
+        store_tokens: bool = True,
+        token_dtype: torch.dtype | None = None,
+        progress_bar: bool | None = None,
+        **video_kwargs: Any,
+    ) -> VideoIndex:
+        """Decodes and encodes every video once and returns a [`VideoIndex`].
+
+        Args:
+            videos (`list`): paths, 4-D arrays/tensors or frame lists.
+            batch_size (`int`, defaults to 8): videos per encoder forward.
+            store_tokens (`bool`, defaults to `True`): keep the aggregated tokens (on the CPU) so that `search` can
+                re-rank with the matching head; `False` keeps only the embeddings (much smaller).
+            token_dtype (`torch.dtype`, *optional*): store the tokens in this dtype (e.g. `torch.float16`).
+            progress_bar (`bool`, *optional*): show a tqdm bar (default: from 16 videos on).
+            **video_kwargs: video-processor arguments (`num_frames=...`).
+        """
+        videos = _video_list(videos, "videos")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"`batch_size` must be a positive int, got {batch_size!r}.")
+        features, tokens, sizes = [], [], []
+        with self._progress(len(videos), progress_bar, "Encoding videos") as bar:
+            for start in range(0, len(videos), batch_size):
+                chunk = videos[start : start + batch_size]
+                pixels = torch.cat(
+                    [self._pixels(item, f"videos[{start + j}]", video_kwargs) for j, item in enumerate(chunk)]
+                )
+                feats, toks, token_sizes = self._encode(pixels)
+                features.append(feats.float().cpu())
+                if store_tokens:
+                    tokens.append(toks.detach().to("cpu", dtype=token_dtype or toks.dtype))
+                    sizes.append(token_sizes.detach().float().cpu())
+                bar.update(len(chunk))
+        vision = self.model.config.vision_config
+        info = {
+            "model_class": type(self.model).__name__,
+            "name_or_path": getattr(self.model.config, "_name_or_path", None) or "",
+            "projection_dim": int(features[0].shape[1]),
+            "num_frames": int(video_kwargs.get("num_frames", self.video_processor.num_frames)),
+            "temporal_reduction": vision.temporal_reduction_per_layer,
+            "spatial_reduction": vision.spatial_reduction_per_layer,
+        }
+        return VideoIndex(
+            videos=list(videos),
+            embeddings=torch.cat(features),
+            tokens=torch.cat(tokens) if store_tokens else None,
+            token_sizes=torch.cat(sizes) if store_tokens else None,
+            info=info,
+        )
+
+    @torch.no_grad()
+    def search(
+        self,
+        text: str | list[str],
+        index: VideoIndex,
+        top_k: int | None = 10,
+        rerank: bool | None = None,
+        rerank_k: int | None = None,
+        itm_score: str = "logit",
+        add_cosine: bool = True,
+        use_faiss: bool | None = None,
+        text_kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        """Searches an encoded collection without decoding any video.
+
+        The first stage takes the `rerank_k` (default `config.k_test`, at least `top_k`; everything for `top_k=None`)
+        nearest videos by cosine, with FAISS when installed and torch top-k otherwise. When the index holds the
+        tokens (and `rerank` is not `False`), the matching head re-scores them exactly as the pipeline call does, so
+        the results equal `pipe(text, videos)`. Without tokens (or `rerank=False`) the score is the cosine.
+
+        Returns:
+            Like the pipeline call: `[{"video", "score"}]` per query, by decreasing score.
+        """
+        if not all(hasattr(index, name) for name in ("videos", "embeddings", "tokens", "nearest")):
+            # duck-typed: the index may come from another copy of this module (installed package vs Hub code)
+            raise TypeError(
+                f"`index` must be a VideoIndex (from `encode_videos` or `VideoIndex.load`), got {type(index)}."
+            )
+        _check_top_k(top_k)
+        texts, single = _text_list(text, "text")
+        if rerank and not index.has_tokens:
+            raise ValueError("rerank=True needs an index built with store_tokens=True.")
+        rerank = index.has_tokens if rerank is None else rerank
+        encoded = self._tokenize(texts, text_kwargs)
+        input_ids = encoded["input_ids"].to(self.device)
+        attention_mask = encoded["attention_mask"].to(self.device)
+        text_features = self.model.get_text_features(input_ids, attention_mask).float().cpu()
+        if rerank:
+            window = self._window(len(index), top_k, rerank_k)
+        else:
+            window = len(index) if top_k is None else min(top_k, len(index))
+        cosines, candidates = index.nearest(text_features, window, use_faiss=use_faiss)
+        results = []
+        for q in range(len(texts)):
+            cand = candidates[q]
+            if rerank:
+                ranking = self.model.rank_videos(
+                    input_ids[q : q + 1],
+                    index.tokens[cand],
+                    attention_mask=attention_mask[q : q + 1],
+                    video_token_sizes=index.token_sizes[cand] if index.token_sizes is not None else None,
+                    text_features=text_features[q : q + 1],
+                    video_features=index.embeddings[cand],
+                    k=len(cand),
+                    itm_score=itm_score,
+                    add_cosine=add_cosine,
+                )
+                scores = ranking.scores[0].float().cpu()
+            else:
+                scores = cosines[q].float()
+            order = torch.argsort(scores, descending=True, stable=True)
+            if top_k is not None:
+                order = order[:top_k]
+            results.append([{"video": index.videos[int(cand[i])], "score": float(scores[i])} for i in order])
+        return results[0] if single else results
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# zero-shot-video-classification
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class ZeroShotVideoClassificationPipeline(_TestaPipeline):
+    r"""
+    Zero-shot video classification with a TESTA retrieval model.
+
+    ```python
+    pipe = pipeline("zero-shot-video-classification", model="path/or/repo", trust_remote_code=True)
+    pipe("clip.mp4", candidate_labels=["surfing", "cooking"])  # [{"label": "surfing", "score": 0.93}, ...]
+    pipe(["a.mp4", "b.mp4"], candidate_labels=[...])           # one list per video
+    ```
+
+    Each label becomes the text `hypothesis_template.format(label)`. The score of a label is the softmax, over the
+    labels, of `cos(video embedding, text embedding) / temperature`, with the model's learned contrastive temperature
+    (`model.temp`, clamped to [0.001, 0.5] as in training): the same quantity the contrastive loss is trained on, and
+    what zero-shot-image-classification computes with CLIP's logit scale. Scores sum to 1 and are sorted.
+
+    Call arguments: the video(s) (a path, a 4-D array, a list of frames, or a list of those), `candidate_labels`,
+    `hypothesis_template` (must contain `{}`), `top_k`, `batch_size` (videos per encoder forward), `num_frames`,
+    `progress_bar`.
+    """
+
+    _default_task = "zero-shot-video-classification"
+
+    def _sanitize_parameters(
+        self,
+        candidate_labels: list[str] | None = None,
+        hypothesis_template: str | None = None,
+        top_k: int | None = None,
+        num_frames: int | None = None,
+        video_kwargs: dict[str, Any] | None = None,
+        text_kwargs: dict[str, Any] | None = None,
+        **unused: Any,
+    ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        if unused:
+            raise TypeError(f"{type(self).__name__} got unexpected arguments {sorted(unused)}.")
+        preprocess, postprocess = {}, {}
+        if candidate_labels is not None:
+            preprocess["candidate_labels"] = candidate_labels
+        if hypothesis_template is not None:
+            preprocess["hypothesis_template"] = hypothesis_template
+        if text_kwargs is not None:
+            preprocess["text_kwargs"] = text_kwargs
+        video_kwargs = dict(video_kwargs or {})
+        if num_frames is not None:
+            video_kwargs["num_frames"] = num_frames
+        if video_kwargs:
+            preprocess["video_kwargs"] = video_kwargs
+        if top_k is not None:
+            _check_top_k(top_k)
+            postprocess["top_k"] = top_k
+        return preprocess, {}, postprocess
+
+    def __call__(self, videos: Any = None, **kwargs: Any) -> Any:
+        """Classifies one video (returns `[{"label", "score"}]`) or a list of videos (a list of such lists)."""
+        if videos is None:
+            videos = kwargs.pop("video", None)
+        if videos is None:
+            raise ValueError(
+                "Pass the video(s) to classify: a path, a 4-D array, a list of frames, or a list of those."
+            )
+        single = _is_single_video(videos) or (_is_array(videos) and videos.ndim != 5)
+        items = [videos] if single else _video_list(videos, "videos")
+        if single:
+            _check_video(videos, "video")
+        batch_size = kwargs.pop("batch_size", None) or self._batch_size or 8
+        progress_bar = kwargs.pop("progress_bar", None)
+        preprocess_params, forward_params, postprocess_params = self._sanitize_parameters(**kwargs)
+        preprocess_params = {**self._preprocess_params, **preprocess_params}
+        postprocess_params = {**self._postprocess_params, **postprocess_params}
+        self.call_count += 1
+        results = []
+        with self._progress(len(items), progress_bar, "Classifying videos") as bar:
+            for start in range(0, len(items), batch_size):
+                chunk = {"videos": items[start : start + batch_size], "offset": start, "single": single}
+                results.extend(self.run_single(chunk, preprocess_params, forward_params, postprocess_params))
+                bar.update(len(chunk["videos"]))
+        return results[0] if single else results
+
+    def preprocess(
+        self,
+        inputs: dict[str, Any],
+        candidate_labels: list[str] | None = None,
+        hypothesis_template: str = "a video of {}.",
+        text_kwargs: dict[str, Any] | None = None,
+        video_kwargs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        if candidate_labels is None:
+            raise ValueError("`candidate_labels` is missing; pass the list of class names to choose from.")
+        labels, _ = _text_list(candidate_labels, "candidate_labels")
+        if not isinstance(hypothesis_template, str) or "{}" not in hypothesis_template:
+            raise ValueError(f"`hypothesis_template` must be a string containing '{{}}', got {hypothesis_template!r}.")
+        prompts = [hypothesis_template.format(label) for label in labels]
+        labels_prefix = "video" if inputs["single"] else "videos"
+        pixels = [
+            self._pixels(item, labels_prefix if inputs["single"] else f"videos[{inputs['offset'] + j}]", video_kwargs)
+            for j, item in enumerate(inputs["videos"])
+        ]
+        return {"pixel_values": torch.cat(pixels), **self._tokenize(prompts, text_kwargs), "candidate_labels": labels}
+
+    def _forward(self, model_inputs: dict[str, Any]) -> dict[str, Any]:
+        video_features, _, _ = self._encode(model_inputs["pixel_values"])
+        text_features = self.model.get_text_features(model_inputs["input_ids"], model_inputs["attention_mask"])
+        temperature = self.model.temp.detach().clamp(0.001, 0.5)
+        logits = (video_features @ text_features.to(video_features.dtype).T) / temperature
+        return {"logits": logits, "candidate_labels": model_inputs["candidate_labels"]}
+
+    def postprocess(self, model_outputs: dict[str, Any], top_k: int | None = None) -> list[list[dict[str, Any]]]:
+        labels = model_outputs["candidate_labels"]
+        results = []
+        for row in model_outputs["logits"].float().softmax(dim=-1):
+            order = torch.argsort(row, descending=True, stable=True).tolist()
+            if top_k is not None:
+                order = order[:top_k]
+            results.append([{"label": labels[i], "score": float(row[i])} for i in order])
+        return results
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# video-question-answering
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class VideoQuestionAnsweringPipeline(_TestaPipeline):
+    r"""
+    Video question answering with `TestaForVideoQA`.
+
+    ```python
+    pipe = pipeline("video-question-answering", model="path/or/repo", trust_remote_code=True)
+    pipe(video="clip.mp4", question="what is the man doing?")                    # [{"answer": "surfing", "score": ..}]
+    pipe(video="clip.mp4", question="...", candidate_answers=["surfing", "cooking"], top_k=2)
+    ```
+
+    - Without `candidate_answers` the answer is generated (beam search; defaults `num_beams=3, max_length=10` as in
+      the original, any `generate` argument can be given in `generate_kwargs`). `top_k` answers are returned (the
+      best beams), each scored by its **sequence probability** under the model: the product of the decoder's
+      probabilities of its tokens up to and including [SEP].
+    - With `candidate_answers` the candidates are ranked like the original's `rank_answer` (`model.rank_answers`):
+      the `k` candidates with the most probable first token (`k = max(config.k_test, top_k)`) are scored by their
+      full log-likelihood. The score is again the sequence probability (exact, `label_smoothing=0`; pass
+      `label_smoothing=config.label_smoothing` to reproduce the original's smoothed ranking score, whose exponential
+      is then not a probability).
+
+    `question` may be a list (one result list per question, for the same video).
+    """
+
+    _default_task = "video-question-answering"
+    _auto_model_classes = ("AutoModelForVisualQuestionAnswering",)
+
+    def _sanitize_parameters(
+        self,
+        candidate_answers: list[str] | None = None,
+        top_k: int | None = None,
+        label_smoothing: float | None = None,
+        generate_kwargs: dict[str, Any] | None = None,
+        max_length: int | None = None,
+        max_new_tokens: int | None = None,
+        num_beams: int | None = None,
+        num_frames: int | None = None,
+        video_kwargs: dict[str, Any] | None = None,
+        text_kwargs: dict[str, Any] | None = None,
+        **unused: Any,
+    ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        if unused:
+            raise TypeError(f"{type(self).__name__} got unexpected arguments {sorted(unused)}.")
+        preprocess, forward, postprocess = {}, {}, {}
+        if candidate_answers is not None:
+            preprocess["candidate_answers"] = candidate_answers
+        if text_kwargs is not None:
+            preprocess["text_kwargs"] = text_kwargs
+        video_kwargs = dict(video_kwargs or {})
+        if num_frames is not None:
+            video_kwargs["num_frames"] = num_frames
+        if video_kwargs:
+            preprocess["video_kwargs"] = video_kwargs
+        if top_k is not None:
+            _check_top_k(top_k)
+            forward["top_k"] = top_k
+        if label_smoothing is not None:
+            forward["label_smoothing"] = label_smoothing
+        generate_kwargs = dict(generate_kwargs or {})
+        for name, value in (("max_length", max_length), ("max_new_tokens", max_new_tokens), ("num_beams", num_beams)):
+            if value is not None:
+                generate_kwargs[name] = value
+        if generate_kwargs:
+            forward["generate_kwargs"] = generate_kwargs
+        return preprocess, forward, postprocess
+
+    def __call__(self, video: Any = None, question: str | list[str] | None = None, **kwargs: Any) -> Any:
+        """Answers `question` (a string or a list of strings) about `video`.
+
+        Returns:
+            `[{"answer": str, "score": float}]` (best first, `top_k` entries, default 1); a list of such lists when
+            `question` is a list.
+        """
+        if isinstance(video, dict) and question is None:
+            video, question = video.get("video"), video.get("question")
+        return super().__call__({"video": video, "question": question}, **kwargs)
+
+    def preprocess(
+        self,
+        inputs: dict[str, Any],
+        candidate_answers: list[str] | None = None,
+        text_kwargs: dict[str, Any] | None = None,
+        video_kwargs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        video = inputs.get("video")
+        if video is None:
+            raise ValueError("`video` is missing; pass a path, a 4-D array or a list of frames.")
+        _check_video(video, "video")
+        questions, single = _text_list(inputs.get("question"), "question")
+        model_inputs = self._tokenize(questions, text_kwargs)
+        model_inputs["pixel_values"] = self._pixels(video, "video", video_kwargs)
+        model_inputs["single"] = single
+        if candidate_answers is not None:
+            answers, _ = _text_list(candidate_answers, "candidate_answers")
+            encoded = self.tokenizer(answers, padding="longest", truncation=True, return_tensors="pt")
+            model_inputs.update(
+                answer_ids=encoded["input_ids"], answer_attention_mask=encoded["attention_mask"], candidates=answers
+            )
+        return model_inputs
+
+    def _forward(
+        self,
+        model_inputs: dict[str, Any],
+        top_k: int = 1,
+        label_smoothing: float = 0.0,
+        generate_kwargs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        input_ids, attention_mask = model_inputs["input_ids"], model_inputs["attention_mask"]
+        num_questions = input_ids.shape[0]
+        dtype = getattr(self.model, "dtype", torch.float32)
+        pixel_values = model_inputs["pixel_values"].to(dtype).expand(num_questions, -1, -1, -1, -1)
+        if "candidates" in model_inputs:
+            candidates = model_inputs["candidates"]
+            ranking = self.model.rank_answers(
+                input_ids,
+                pixel_values,
+                model_inputs["answer_ids"],
+                attention_mask=attention_mask,
+                answer_attention_mask=model_inputs["answer_attention_mask"],
+                k=max(self.model.config.k_test, top_k),
+                label_smoothing=label_smoothing,
+            )
+            log_likelihoods, indices = ranking.topk_log_likelihoods, ranking.topk_indices
+            order = log_likelihoods.argsort(dim=1, descending=True, stable=True)[:, :top_k]
+            answers = [[candidates[int(indices[q, j])] for j in order[q]] for q in range(num_questions)]
+            scores = log_likelihoods.gather(1, order).exp()
+            return {"answers": answers, "scores": scores, "single": model_inputs["single"]}
+        return self._generate(input_ids, attention_mask, pixel_values, top_k, generate_kwargs or {}, model_inputs)
+
+    def _generate(self, input_ids, attention_mask, pixel_values, top_k, generate_kwargs, model_inputs):
+        """Beam search from [DEC], then the teacher-forced sequence probability of every returned answer."""
+        model = self.model
+        states, question_mask, _ = model.encode_question(input_ids, pixel_values, attention_mask)
+        text_config = model.config.text_config
+        settings = {"num_beams": 3, "max_length": 10, "eos_token_id": text_config.sep_token_id,
+                    "pad_token_id": text_config.pad_token_id}
+        settings.update(generate_kwargs)
+        if "max_new_tokens" in generate_kwargs and "max_length" not in generate_kwargs:
+            settings.pop("max_length")
+        settings["num_beams"] = max(int(settings["num_beams"]), top_k)
+        settings["num_return_sequences"] = top_k
+        start = torch.full((states.shape[0], 1), model.config.dec_token_id, dtype=torch.long, device=states.device)
+        sequences = model.text_decoder.generate(
+            input_ids=start, encoder_hidden_states=states, encoder_attention_mask=question_mask, **settings
+        )
+        if not isinstance(sequences, torch.Tensor):
+            sequences = sequences.sequences
+        # Answer tokens: everything after [DEC] up to and including the first [SEP].
+        after_sep = (sequences == text_config.sep_token_id).long().cumsum(dim=1)
+        mask = (after_sep == 0) | ((after_sep == 1) & (sequences == text_config.sep_token_id))
+        mask[:, 0] = True
+        repeated_states = states.repeat_interleave(top_k, dim=0)
+        repeated_mask = question_mask.repeat_interleave(top_k, dim=0)
+        logits = model._decode(sequences, mask.long(), repeated_states, repeated_mask)
+        log_probs = logits[:, :-1].float().log_softmax(dim=-1)
+        token_log_probs = log_probs.gather(2, sequences[:, 1:, None]).squeeze(2) * mask[:, 1:]
+        sequence_log_probs = token_log_probs.sum(dim=1).view(-1, top_k)
+        texts = self.tokenizer.decode(sequences.tolist(), skip_special_tokens=True)
+        texts = [t.strip() for t in texts]
+        order = sequence_log_probs.argsort(dim=1, descending=True, stable=True)
+        answers = [[texts[q * top_k + int(j)] for j in order[q]] for q in range(order.shape[0])]
+        scores = sequence_log_probs.gather(1, order).exp()
+        return {"answers": answers, "scores": scores, "single": model_inputs["single"]}
+
+    def postprocess(self, model_outputs: dict[str, Any]) -> Any:
+        results = [
+            [{"answer": answer, "score": float(score)} for answer, score in zip(answers, scores)]
+            for answers, scores in zip(model_outputs["answers"], model_outputs["scores"])
+        ]
+        return results[0] if model_outputs["single"] else results
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Registration
+# ----------------------------------------------------------------------------------------------------------------------
+
+PIPELINE_CLASSES = {
+    "video-text-retrieval": VideoTextRetrievalPipeline,
+    "zero-shot-video-classification": ZeroShotVideoClassificationPipeline,
+    "video-question-answering": VideoQuestionAnsweringPipeline,
+}
+
+
+def register_testa_pipelines(overwrite: bool = False) -> None:
+    """Registers the three tasks with `PIPELINE_REGISTRY` (so `pipeline(task, model=model_object, processor=...)`
+    works without a saved folder). A task that is already registered is kept unless `overwrite=True`, so importing a
+    second copy of this module (Hub remote code) does not replace the installed one."""
+    import transformers
+
+    for task, pipeline_class in PIPELINE_CLASSES.items():
+        if task in PIPELINE_REGISTRY.supported_tasks and not overwrite:
+            continue
+        auto_classes = tuple(getattr(transformers, name) for name in pipeline_class._auto_model_classes)
+        PIPELINE_REGISTRY.register_pipeline(task, pipeline_class=pipeline_class, pt_model=auto_classes,
+                                            type="multimodal")
+
+
+register_testa_pipelines()
+
+__all__ = [
+    "PIPELINE_CLASSES",
+    "VideoIndex",
+    "VideoQuestionAnsweringPipeline",
+    "VideoTextRetrievalPipeline",
+    "ZeroShotVideoClassificationPipeline",
+    "register_testa_pipelines",
+]

@@ -1,0 +1,495 @@
+"""The three TESTA pipelines on real mp4 files (made with PyAV: moving coloured shapes, different lengths, frame rates
+and sizes, one grayscale), loaded with `pipeline(task, model=folder, trust_remote_code=True)` from folders written by
+`save_pretrained`. Scores are checked against computations that do not use the pipeline."""
+
+import json
+import re
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from pipeline_helpers import (
+    build_qa,
+    build_retrieval,
+    reference_ranking,
+    save_folder,
+    tiny_processor,
+    write_bad_files,
+    write_videos,
+)
+from transformers import pipeline
+from transformers.dynamic_module_utils import get_relative_imports
+from transformers.pipelines import PIPELINE_REGISTRY
+
+from modeling_testa import (
+    MODEL_CARD_MARKER,
+    TestaForVideoTextRetrieval,
+    VideoIndex,
+    VideoQuestionAnsweringPipeline,
+    VideoTextRetrievalPipeline,
+    ZeroShotVideoClassificationPipeline,
+    token_schedule,
+)
+
+
+pytest.importorskip("av")
+
+QUERIES = ["a red square moves to the right", "a blue bar goes down", "a dark gradient"]
+LABELS = ["a red square", "a blue bar", "a cat", "a car"]
+CODE_FILES = {"aggregation.py", "configuration_testa.py", "hub_testa.py", "modeling_testa.py", "pipeline_testa.py",
+              "processing_testa.py", "video_processing_testa.py"}
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("pipelines")
+
+
+@pytest.fixture(scope="module")
+def videos(workdir):
+    return write_videos(workdir / "videos")
+
+
+@pytest.fixture(scope="module")
+def bad_files(workdir, videos):
+    return write_bad_files(workdir / "bad", videos[1])
+
+
+@pytest.fixture(scope="module")
+def processor():
+    return tiny_processor()
+
+
+@pytest.fixture(scope="module")
+def retrieval_model():
+    return build_retrieval()
+
+
+@pytest.fixture(scope="module")
+def qa_model():
+    return build_qa()
+
+
+@pytest.fixture(scope="module")
+def retrieval_folder(workdir, retrieval_model, processor):
+    return save_folder(retrieval_model, processor, workdir / "tiny-testa-retrieval")
+
+
+@pytest.fixture(scope="module")
+def qa_folder(workdir, qa_model, processor):
+    return save_folder(qa_model, processor, workdir / "tiny-testa-qa")
+
+
+@pytest.fixture(scope="module")
+def retrieval_pipe(retrieval_folder):
+    return pipeline("video-text-retrieval", model=str(retrieval_folder), trust_remote_code=True, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def zero_shot_pipe(retrieval_folder):
+    return pipeline("zero-shot-video-classification", model=str(retrieval_folder), trust_remote_code=True,
+                    device="cpu")
+
+
+@pytest.fixture(scope="module")
+def qa_pipe(qa_folder):
+    return pipeline("video-question-answering", model=str(qa_folder), trust_remote_code=True, device="cpu")
+
+
+def _assert_same_ranking(got, expected, atol=1e-5):
+    assert [str(item["video"]) for item in got] == [str(item["video"]) for item in expected]
+    np.testing.assert_allclose([i["score"] for i in got], [i["score"] for i in expected], atol=atol, rtol=0)
+
+
+def _scores_by_video(result):
+    return {str(item["video"]): item["score"] for item in result}
+
+
+# ---------------------------------------------------------------------------------------------- saved Hub folders
+
+
+def test_saved_folders_are_complete_hub_repos(retrieval_folder, qa_folder, retrieval_model):
+    for folder, auto_class, tasks in (
+        (retrieval_folder, "AutoModel", {"video-text-retrieval", "zero-shot-video-classification"}),
+        (qa_folder, "AutoModelForVisualQuestionAnswering", {"video-question-answering"}),
+    ):
+        files = {p.name for p in folder.iterdir()}
+        assert CODE_FILES <= files
+        assert {"config.json", "model.safetensors", "README.md", "processor_config.json", "tokenizer.json"} <= files
+        # every relative import of every code file resolves inside the folder (flat, single-level)
+        for code in CODE_FILES:
+            for module in get_relative_imports(folder / code):
+                assert f"{module}.py" in files, (code, module)
+        config = json.loads((folder / "config.json").read_text())
+        assert config["auto_map"]["AutoConfig"] == "configuration_testa.TestaConfig"
+        assert config["auto_map"][auto_class].startswith("modeling_testa.TestaFor")
+        assert set(config["custom_pipelines"]) == tasks
+        for info in config["custom_pipelines"].values():
+            module, name = info["impl"].split(".")
+            assert module == "pipeline_testa" and f"class {name}(" in (folder / "pipeline_testa.py").read_text()
+            assert info["pt"] == [auto_class]
+
+    # the model card carries the configuration and the aggregation settings
+    card = (retrieval_folder / "README.md").read_text()
+    assert card.startswith("---\n") and "library_name: transformers" in card and MODEL_CARD_MARKER in card
+    assert "# TESTA: TestaForVideoTextRetrieval" in card
+    assert "| temporal_reduction (R_T, frames per block) | [1, 1] |" in card
+    assert "| spatial_reduction (R_S, patches per frame per block) | [3, 3] |" in card
+    assert "| aggregation_strategy | `geometry` |" in card and "| num_frames | 4 |" in card
+    vision = retrieval_model.config.vision_config
+    schedule = token_schedule(vision)
+    assert schedule == [(3, 13), (2, 10)]
+    for layer, (frames, patches) in enumerate(schedule):
+        assert f"| {layer} | {frames} | {patches} | {1 + frames * patches} |" in card
+    assert "65 input tokens" in card and "| k_test (candidates re-ranked by the matching head) | 3 |" in card
+    assert 'pipeline("video-text-retrieval"' in card
+    assert 'pipeline("video-question-answering"' in (qa_folder / "README.md").read_text()
+
+
+def test_model_card_keeps_hand_written_cards(tmp_path, retrieval_model):
+    folder = tmp_path / "card"
+    folder.mkdir()
+    (folder / "README.md").write_text("# My own card\n")
+    retrieval_model.save_pretrained(folder)
+    assert (folder / "README.md").read_text() == "# My own card\n"
+    (folder / "README.md").write_text(f"old generated card\n{MODEL_CARD_MARKER}\n")
+    retrieval_model.save_pretrained(folder)
+    assert "| spatial_reduction" in (folder / "README.md").read_text()
+
+
+# ------------------------------------------------------------------------------------------------- retrieval
+
+
+def test_retrieval_formats_and_scores_equal_rank_videos(retrieval_pipe, retrieval_model, processor, videos):
+    assert type(retrieval_pipe).__name__ == "VideoTextRetrievalPipeline"
+    given = [videos[0], Path(videos[1]), *videos[2:]]  # str and Path items come back as given
+    single = retrieval_pipe(text=QUERIES[0], videos=given)
+    assert isinstance(single, list) and len(single) == len(videos)
+    assert all(set(item) == {"video", "score"} and isinstance(item["score"], float) for item in single)
+    assert sorted(map(str, (item["video"] for item in single))) == sorted(videos)
+    assert any(item["video"] is given[1] for item in single)
+    scores = [item["score"] for item in single]
+    assert scores == sorted(scores, reverse=True)
+
+    many = retrieval_pipe(text=QUERIES, videos=videos)
+    assert isinstance(many, list) and len(many) == len(QUERIES) and all(len(r) == len(videos) for r in many)
+    reference = reference_ranking(retrieval_model, processor, QUERIES, videos)  # no pipeline involved
+    for q, result in enumerate(many):
+        got = _scores_by_video(result)
+        expected = {v: float(reference[q, i]) for i, v in enumerate(videos)}
+        assert got.keys() == expected.keys()
+        np.testing.assert_allclose([got[v] for v in videos], [expected[v] for v in videos], atol=1e-4, rtol=0)
+        assert [str(item["video"]) for item in result] == sorted(videos, key=lambda v: -expected[v])
+    assert _scores_by_video(many[0]) == pytest.approx(_scores_by_video(single), abs=1e-5)
+    # the scores differ between videos and queries: the comparison above is not between constants
+    assert len({round(float(s), 3) for s in reference.flatten()}) == reference.numel()
+
+
+def test_retrieval_top_k_uses_the_rerank_window(retrieval_pipe, retrieval_model, processor, videos):
+    # k_test = 3: the cosine picks 3 candidates, the ITM head re-scores them, the best 2 are returned
+    result = retrieval_pipe(text=QUERIES[1], videos=videos, top_k=2)
+    assert len(result) == 2
+    tokens = []
+    for video in videos:
+        tokens.append(retrieval_model.get_video_tokens(processor(videos=video)["pixel_values"]).last_hidden_state)
+    text = processor(text=[QUERIES[1]])
+    with torch.no_grad():
+        ranking = retrieval_model.rank_videos(text["input_ids"], torch.cat(tokens), text["attention_mask"], k=3)
+    top = ranking.scores[0].topk(2)
+    assert [str(item["video"]) for item in result] == [videos[int(i)] for i in top.indices]
+    np.testing.assert_allclose([item["score"] for item in result], top.values.tolist(), atol=1e-4, rtol=0)
+    wider = retrieval_pipe(text=QUERIES[1], videos=videos, top_k=2, rerank_k=5)  # re-rank everything
+    full = retrieval_pipe(text=QUERIES[1], videos=videos)
+    _assert_same_ranking(wider, full[:2])
+
+
+def test_each_video_is_decoded_and_encoded_once_per_call(retrieval_pipe, videos):
+    batches, decoded = [], []
+    hook = retrieval_pipe.model.vision_model.register_forward_hook(
+        lambda module, args, output: batches.append(int(args[0].shape[0]))
+    )
+    video_processor = retrieval_pipe.video_processor
+    original_fetch = video_processor.fetch_videos
+
+    def counting_fetch(source, *args, **kwargs):
+        decoded.append(str(source))
+        return original_fetch(source, *args, **kwargs)
+
+    video_processor.fetch_videos = counting_fetch
+    try:
+        result = retrieval_pipe(text=QUERIES, videos=videos, batch_size=2)
+    finally:
+        hook.remove()
+        del video_processor.fetch_videos
+    assert len(result) == len(QUERIES)
+    assert batches == [2, 2, 1]  # 5 videos in batches of 2, encoded once for the 3 queries
+    assert sorted(decoded) == sorted(videos)
+
+
+def test_video_index_save_load_and_search(retrieval_pipe, videos, tmp_path, capsys):
+    index = retrieval_pipe.encode_videos(videos, batch_size=2, progress_bar=True)
+    assert "Encoding videos" in capsys.readouterr().err  # tqdm progress bar
+    assert len(index) == len(videos) and index.has_tokens
+    assert index.embeddings.shape == (len(videos), 16)
+    assert torch.allclose(index.embeddings.norm(dim=1), torch.ones(len(videos)), atol=1e-5)
+    assert index.tokens.shape == (len(videos), 21, 32) and index.token_sizes.shape == (len(videos), 21)
+    # token sizes: every output token stands for >= 1 input patches, 65 in all (CLS + 4 frames x 16 patches)
+    assert torch.allclose(index.token_sizes.sum(dim=1), torch.full((len(videos),), 65.0))
+
+    saved = index.save(tmp_path / "index")
+    assert sorted(p.name for p in saved.iterdir()) == ["video_index.json", "video_index.safetensors"]
+    loaded = VideoIndex.load(saved)
+    assert loaded.videos == videos and loaded.info == index.info
+    for name in ("embeddings", "tokens", "token_sizes"):
+        assert torch.equal(getattr(loaded, name), getattr(index, name)), name
+
+    direct = retrieval_pipe(text=QUERIES, videos=videos)
+    searched = retrieval_pipe.search(QUERIES, loaded, top_k=None)
+    for got, expected in zip(searched, direct):
+        _assert_same_ranking(got, expected)
+    top2 = retrieval_pipe.search(QUERIES[0], loaded, top_k=2)
+    _assert_same_ranking(top2, retrieval_pipe(text=QUERIES[0], videos=videos, top_k=2))
+
+    # embeddings only: first-stage cosine ranking
+    light = retrieval_pipe.encode_videos(videos, store_tokens=False)
+    assert light.tokens is None and torch.allclose(light.embeddings, index.embeddings, atol=1e-6)
+    cosine = retrieval_pipe.search(QUERIES[0], light, top_k=None)
+    text = retrieval_pipe.processor(text=[QUERIES[0]])
+    with torch.no_grad():
+        text_features = retrieval_pipe.model.get_text_features(text["input_ids"], text["attention_mask"])
+    expected = (text_features @ index.embeddings.T)[0]
+    assert [item["video"] for item in cosine] == [videos[int(i)] for i in expected.argsort(descending=True)]
+    np.testing.assert_allclose([i["score"] for i in cosine], expected.sort(descending=True).values, atol=1e-5)
+    with pytest.raises(ValueError, match="store_tokens"):
+        retrieval_pipe.search(QUERIES[0], light, rerank=True)
+
+
+def test_first_stage_search_backends(retrieval_pipe, videos):
+    index = retrieval_pipe.encode_videos(videos, store_tokens=False)
+    query = F.normalize(torch.randn(3, 16), dim=-1)
+    scores, indices = index.nearest(query, k=4, use_faiss=False)
+    expected = (query @ index.embeddings.T).topk(4)
+    assert torch.equal(indices, expected.indices) and torch.allclose(scores, expected.values)
+    try:
+        import faiss  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match="faiss"):
+            index.nearest(query, k=4, use_faiss=True)
+    else:
+        faiss_scores, faiss_indices = index.nearest(query, k=4, use_faiss=True)
+        assert torch.equal(faiss_indices, expected.indices) and torch.allclose(faiss_scores, expected.values, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------- zero-shot
+
+
+def test_zero_shot_classification(zero_shot_pipe, retrieval_model, processor, videos):
+    assert type(zero_shot_pipe).__name__ == "ZeroShotVideoClassificationPipeline"
+    result = zero_shot_pipe(videos[2], candidate_labels=LABELS, hypothesis_template="a video of {}.")
+    assert [set(item) for item in result] == [{"label", "score"}] * len(LABELS)
+    assert sorted(item["label"] for item in result) == sorted(LABELS)
+    scores = [item["score"] for item in result]
+    assert scores == sorted(scores, reverse=True) and sum(scores) == pytest.approx(1.0, abs=1e-5)
+
+    # reference: softmax over labels of cosine / temperature, computed directly with the model
+    with torch.no_grad():
+        video_features = retrieval_model.get_video_features(processor(videos=videos[2])["pixel_values"])
+        text = processor(text=[f"a video of {label}." for label in LABELS])
+        text_features = retrieval_model.get_text_features(text["input_ids"], text["attention_mask"])
+        probs = ((video_features @ text_features.T) / retrieval_model.temp).softmax(dim=-1)[0]
+    expected = {label: float(p) for label, p in zip(LABELS, probs)}
+    assert {item["label"]: item["score"] for item in result} == pytest.approx(expected, abs=1e-5)
+    assert max(expected.values()) - min(expected.values()) > 1e-3  # not a uniform distribution
+
+    batched = zero_shot_pipe(videos, candidate_labels=LABELS, batch_size=2)
+    assert len(batched) == len(videos)
+    assert [i["label"] for i in batched[2]] == [i["label"] for i in result]
+    assert [i["score"] for i in batched[2]] == pytest.approx(scores, abs=1e-5)
+    top = zero_shot_pipe(videos[0], candidate_labels=LABELS, top_k=2)
+    assert len(top) == 2 and [i["label"] for i in top] == [i["label"] for i in batched[0][:2]]
+    # other templates give other texts, hence other scores
+    other = zero_shot_pipe(videos[2], candidate_labels=LABELS, hypothesis_template="{}")
+    assert {i["label"]: i["score"] for i in other} != pytest.approx(expected, abs=1e-4)
+
+
+def test_zero_shot_accepts_arrays_and_frame_lists(zero_shot_pipe, videos):
+    import av
+
+    with av.open(videos[3]) as container:  # the grayscale video, decoded to RGB frames by PyAV
+        frames = [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
+    from_frames = zero_shot_pipe(frames, candidate_labels=LABELS)
+    from_array = zero_shot_pipe(np.stack(frames), candidate_labels=LABELS)
+    assert [i["label"] for i in from_frames] == [i["label"] for i in from_array]
+    assert [i["score"] for i in from_frames] == pytest.approx([i["score"] for i in from_array], abs=1e-6)
+    assert sum(i["score"] for i in from_frames) == pytest.approx(1.0, abs=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ question answering
+
+
+def test_vqa_ranks_candidate_answers_like_rank_answers(qa_pipe, qa_model, processor, videos):
+    assert type(qa_pipe).__name__ == "VideoQuestionAnsweringPipeline"
+    candidates = ["red", "blue square", "a dog", "the car", "moving"]
+    result = qa_pipe(video=videos[1], question="what moves?", candidate_answers=candidates, top_k=3)
+    assert len(result) == 3 and all(set(i) == {"answer", "score"} for i in result)
+    assert [i["score"] for i in result] == sorted((i["score"] for i in result), reverse=True)
+
+    # reference: the model's own ranking (shortlist of k = max(k_test, top_k) = 3 candidates by first-token
+    # probability, then the exact log-likelihood); with top_k = 5 every candidate is scored
+    question = processor(text=["what moves?"])
+    answers = processor.tokenizer(candidates, padding="longest", return_tensors="pt")
+    pixel_values = processor(videos=videos[1])["pixel_values"]
+    for top_k in (3, len(candidates)):
+        result = qa_pipe(video=videos[1], question="what moves?", candidate_answers=candidates, top_k=top_k)
+        with torch.no_grad():
+            ranking = qa_model.rank_answers(
+                question["input_ids"], pixel_values, answers["input_ids"], attention_mask=question["attention_mask"],
+                answer_attention_mask=answers["attention_mask"], k=max(3, top_k), label_smoothing=0.0,
+            )
+        log_likelihoods = ranking.topk_log_likelihoods[0]
+        order = log_likelihoods.argsort(descending=True)[:top_k]
+        assert [i["answer"] for i in result] == [candidates[int(ranking.topk_indices[0, j])] for j in order]
+        np.testing.assert_allclose([i["score"] for i in result], log_likelihoods[order].exp().tolist(), rtol=1e-4)
+    assert sorted(i["answer"] for i in result) == sorted(candidates)
+    result = result[:1]
+
+    both = qa_pipe(video=videos[1], question=["what moves?", "which colour is the bar?"], candidate_answers=candidates)
+    assert len(both) == 2 and all(len(r) == 1 for r in both) and both[0][0]["answer"] == result[0]["answer"]
+
+
+def test_vqa_generates_answers_scored_by_sequence_probability(qa_pipe, qa_model, processor, videos):
+    result = qa_pipe(video=videos[0], question="what is on the screen?")
+    assert len(result) == 1 and isinstance(result[0]["answer"], str) and result[0]["answer"]
+    assert 0.0 < result[0]["score"] <= 1.0
+
+    # reference: the model's generate() (3 beams, max_length=10) and the forward pass's decoder logits
+    question = processor(text=["what is on the screen?"])
+    pixel_values = processor(videos=videos[0])["pixel_values"]
+    with torch.no_grad():
+        generated = qa_model.generate(question["input_ids"], pixel_values, question["attention_mask"], num_beams=3,
+                                      max_length=10)
+        assert result[0]["answer"] == processor.tokenizer.decode(generated[0], skip_special_tokens=True).strip()
+        sep = (generated[0] == 102).nonzero()
+        length = int(sep[0]) + 1 if len(sep) else generated.shape[1]
+        sequence = generated[:, :length]
+        logits = qa_model(question["input_ids"], pixel_values, question["attention_mask"],
+                          decoder_input_ids=sequence).logits
+        log_prob = logits[0, :-1].log_softmax(-1).gather(1, sequence[0, 1:, None]).sum()
+    assert result[0]["score"] == pytest.approx(float(log_prob.exp()), rel=1e-4)
+
+    two = qa_pipe(video=videos[0], question="what is on the screen?", top_k=2)
+    assert len(two) == 2 and two[0]["score"] >= two[1]["score"] and two[0]["answer"] != two[1]["answer"]
+    short = qa_pipe(video=videos[0], question="what is on the screen?", max_new_tokens=2)
+    assert len(processor.tokenizer.tokenize(short[0]["answer"])) <= 2
+
+
+# ----------------------------------------------------------------------------------------------------- bad input
+
+
+def _call(task_pipe, task, video):
+    if task == "retrieval":
+        return task_pipe["retrieval"](text="a query", videos=[video])
+    if task == "zero-shot":
+        return task_pipe["zero-shot"](video, candidate_labels=LABELS)
+    return task_pipe["qa"](video=video, question="what?")
+
+
+@pytest.fixture(scope="module")
+def pipes(retrieval_pipe, zero_shot_pipe, qa_pipe):
+    return {"retrieval": retrieval_pipe, "zero-shot": zero_shot_pipe, "qa": qa_pipe}
+
+
+@pytest.mark.parametrize("task", ["retrieval", "zero-shot", "qa"])
+def test_bad_files_raise_clear_errors(pipes, task, bad_files, workdir):
+    missing = str(workdir / "does-not-exist.mp4")
+    with pytest.raises(FileNotFoundError, match=re.escape(missing)):
+        _call(pipes, task, missing)
+    reasons = {"empty": "empty", "truncated": "", "text": "", "no_frames": ""}
+    for kind, path in bad_files.items():
+        start = time.monotonic()
+        with pytest.raises(ValueError) as error:
+            _call(pipes, task, path)
+        assert time.monotonic() - start < 60, f"{kind} took too long"
+        assert type(error.value).__name__ == "VideoDecodingError", (kind, type(error.value))
+        message = str(error.value)
+        assert path in message and reasons[kind] in message, (kind, message)
+        assert len(message) > len(f"Could not decode video {path!r}: ") + 5, message  # the decoder gives a reason
+
+
+def test_bad_collections_and_arrays(pipes, videos):
+    retrieval, zero_shot, qa = pipes["retrieval"], pipes["zero-shot"], pipes["qa"]
+    with pytest.raises(ValueError, match="`videos` is an empty list"):
+        retrieval(text="a", videos=[])
+    with pytest.raises(ValueError, match="`videos` is missing"):
+        retrieval(text="a")
+    with pytest.raises(ValueError, match="`text` is an empty list"):
+        retrieval(text=[], videos=videos[:1])
+    with pytest.raises(ValueError, match="`candidate_labels` is an empty list"):
+        zero_shot(videos[0], candidate_labels=[])
+    with pytest.raises(ValueError, match="`candidate_labels` is missing"):
+        zero_shot(videos[0])
+    with pytest.raises(ValueError, match="hypothesis_template"):
+        zero_shot(videos[0], candidate_labels=LABELS, hypothesis_template="no placeholder")
+    with pytest.raises(ValueError, match="`videos` is an empty list"):
+        zero_shot([], candidate_labels=LABELS)
+    with pytest.raises(ValueError, match="`candidate_answers` is an empty list"):
+        qa(video=videos[0], question="what?", candidate_answers=[])
+    with pytest.raises(ValueError, match="`question` is missing"):
+        qa(video=videos[0])
+    with pytest.raises(ValueError, match="`video` is missing"):
+        qa(question="what?")
+    with pytest.raises(ValueError, match="top_k"):
+        retrieval(text="a", videos=videos[:2], top_k=0)
+
+    good = np.zeros((4, 32, 32, 3), dtype=np.uint8)
+    # wrong rank inside a collection: named by its position
+    with pytest.raises(ValueError, match=r"videos\[1\] is an array with 3 dimensions \(shape \(32, 32, 3\)\)"):
+        retrieval(text="a", videos=[good, good[0]])
+    with pytest.raises(ValueError, match=r"video is an array with 2 dimensions"):
+        qa(video=np.zeros((32, 32)), question="what?")
+    with pytest.raises(ValueError, match=r"videos\[0\] is an array with 6 dimensions"):
+        retrieval(text="a", videos=[np.zeros((1, 1, 4, 32, 32, 3))])
+    # wrong channel count
+    with pytest.raises(ValueError, match=r"videos\[1\] has shape \(4, 32, 32, 2\): no channel dimension"):
+        retrieval(text="a", videos=[good, np.zeros((4, 32, 32, 2), dtype=np.uint8)])
+    with pytest.raises(ValueError, match=r"video has shape \(4, 5, 32, 32\): no channel dimension"):
+        zero_shot(np.zeros((4, 5, 32, 32), dtype=np.uint8), candidate_labels=LABELS)
+    with pytest.raises(ValueError, match=r"video has 0 frames"):
+        qa(video=np.zeros((0, 32, 32, 3), dtype=np.uint8), question="what?")
+    with pytest.raises(TypeError, match=r"videos\[0\] is a dict"):
+        retrieval(text="a", videos=[{"path": videos[0]}])
+
+
+# -------------------------------------------------------------------------------------- registry and saving
+
+
+def test_registry_and_pipelines_from_model_objects(retrieval_model, processor, videos):
+    tasks = PIPELINE_REGISTRY.supported_tasks
+    assert tasks["video-text-retrieval"]["impl"] is VideoTextRetrievalPipeline
+    assert tasks["zero-shot-video-classification"]["impl"] is ZeroShotVideoClassificationPipeline
+    assert tasks["video-question-answering"]["impl"] is VideoQuestionAnsweringPipeline
+    pipe = pipeline("video-text-retrieval", model=retrieval_model, processor=processor, device="cpu")
+    assert isinstance(pipe, VideoTextRetrievalPipeline) and pipe.device.type == "cpu"
+    ranked = pipe(text=QUERIES[0], videos=videos[:3])
+    built = pipeline("video-text-retrieval", model=retrieval_model, tokenizer=processor.tokenizer,
+                     video_processor=processor.video_processor, device="cpu")
+    _assert_same_ranking(built(text=QUERIES[0], videos=videos[:3]), ranked)
+    bare = TestaForVideoTextRetrieval(retrieval_model.config)  # no folder to load a processor from
+    with pytest.raises(ValueError, match="needs a TestaProcessor"):
+        pipeline("video-text-retrieval", model=bare, device="cpu")
+
+
+def test_pipeline_save_pretrained_writes_a_loadable_repo(retrieval_pipe, tmp_path, videos):
+    folder = tmp_path / "saved-pipeline"
+    retrieval_pipe.save_pretrained(folder)
+    files = {p.name for p in folder.iterdir()}
+    assert CODE_FILES <= files and {"processor_config.json", "tokenizer.json", "README.md"} <= files
+    config = json.loads((folder / "config.json").read_text())
+    assert "video-text-retrieval" in config["custom_pipelines"]
+    assert "## Video processor" in (folder / "README.md").read_text()
+    reloaded = pipeline("video-text-retrieval", model=str(folder), trust_remote_code=True, device="cpu")
+    expected = retrieval_pipe(text=QUERIES[0], videos=videos[:3])
+    _assert_same_ranking(reloaded(text=QUERIES[0], videos=videos[:3]), expected)
