@@ -1,7 +1,7 @@
 """The built-in demo (`make demo`): synthetic long videos -> 2-process CPU fine-tuning -> retrieval with and without
 aggregation -> a table of recall, GMAC and wall time -> a model folder the pipelines load.
 
-    python train/demo.py [--output-dir outputs/demo] [--num-videos 160] [--processes 2] [--max-steps N]
+    python train/demo.py [--output-dir outputs/demo] [--num-videos 640] [--processes 2] [--max-steps N]
 
 Steps:
 1. `python -m processing.synthetic` writes the synthetic long-form dataset (mp4 + jsonl) to OUTPUT/data.
@@ -61,7 +61,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output-dir", type=Path, default=REPO / "outputs" / "demo")
     parser.add_argument("--config", type=Path, default=REPO / "configuration" / "synthetic_retrieval.yaml")
-    parser.add_argument("--num-videos", type=int, default=160)
+    parser.add_argument("--num-videos", type=int, default=640)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--max-steps", type=int, help="override the recipe's training length")
