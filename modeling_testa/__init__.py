@@ -1,114 +1,70 @@
-"""TESTA: Temporal-Spatial Token Aggregation for long-form video-language understanding, for Hugging Face."""
+"""TESTA: Temporal-Spatial Token Aggregation for long-form video-language understanding, for Hugging Face.
+
+Importing the package registers the TESTA classes with transformers' Auto classes (config, models, video processor,
+processor) and pipelines, and marks them for export, so that `save_pretrained` writes folders that load elsewhere with
+`trust_remote_code=True`.
+"""
+
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForPreTraining,
+    AutoModelForVisualQuestionAnswering,
+    AutoProcessor,
+    AutoVideoProcessor,
+)
 
 from .aggregation import Matching, geometry_matching, importance_matching, merge_tokens
 from .configuration_testa import TestaConfig, TestaVisionConfig
-from .modeling_testa import TestaPreTrainedModel, TestaVisionModel, TestaVisionModelOutput, token_schedule
+from .flops import count_encoder_gmac, estimate_encoder_gmac, suggest_reduction
+from .grounding import Grounding, draw_grounding, ground_phrases
+from .hub_testa import MODEL_CARD_MARKER, PIPELINE_TASKS, custom_pipelines_for, model_card, write_model_card
 from .modeling_testa import (
     TestaAnswerRankingOutput,
     TestaForPreTraining,
     TestaForVideoQA,
     TestaForVideoTextRetrieval,
+    TestaPreTrainedModel,
     TestaPreTrainingOutput,
     TestaRankingOutput,
     TestaVideoQAOutput,
     TestaVideoTextRetrievalOutput,
+    TestaVisionModel,
+    TestaVisionModelOutput,
+    token_schedule,
 )
-
-__version__ = "0.1.0"
-
-__all__ = [
-    "Matching",
-    "TestaConfig",
-    "TestaPreTrainedModel",
-    "TestaVisionConfig",
-    "TestaVisionModel",
-    "TestaVisionModelOutput",
-    "geometry_matching",
-    "importance_matching",
-    "merge_tokens",
-    "token_schedule",
-    "TestaAnswerRankingOutput",
-    "TestaForPreTraining",
-    "TestaForVideoQA",
-    "TestaForVideoTextRetrieval",
-    "TestaPreTrainingOutput",
-    "TestaRankingOutput",
-    "TestaVideoQAOutput",
-    "TestaVideoTextRetrievalOutput",
-]
-
-# --- processing: video processor + processor, registered with AutoVideoProcessor / AutoProcessor -----------------------
-from transformers import AutoProcessor, AutoVideoProcessor  # noqa: E402
-
-from .processing_testa import TestaProcessor, build_testa_tokenizer, pre_caption  # noqa: E402
-from .video_processing_testa import (  # noqa: E402
-    TestaVideoProcessor,
-    VideoDecodingError,
-    VideoDecodingTimeoutError,
-    decode_video,
-    sample_frame_indices,
-)
-
-
-AutoVideoProcessor.register(TestaConfig, video_processor_class=TestaVideoProcessor, exist_ok=True)
-AutoProcessor.register(TestaConfig, TestaProcessor, exist_ok=True)
-
-__all__ += [
-    "TestaProcessor",
-    "TestaVideoProcessor",
-    "VideoDecodingError",
-    "VideoDecodingTimeoutError",
-    "build_testa_tokenizer",
-    "decode_video",
-    "pre_caption",
-    "sample_frame_indices",
-]
-
-# Compute budget and aggregation pictures.
-from .flops import count_encoder_gmac, estimate_encoder_gmac, suggest_reduction  # noqa: E402
-from .visualization import (  # noqa: E402
-    AggregationGroups,
-    aggregation_groups,
-    draw_aggregation,
-    visualize_aggregation,
-)
-
-__all__ += [
-    "AggregationGroups",
-    "aggregation_groups",
-    "count_encoder_gmac",
-    "draw_aggregation",
-    "estimate_encoder_gmac",
-    "suggest_reduction",
-    "visualize_aggregation",
-]
-
-# --- models: Auto* registration, Hub remote code (auto_map, custom_pipelines, model card) and pipelines ---------------
-from transformers import (  # noqa: E402
-    AutoConfig,
-    AutoModel,
-    AutoModelForPreTraining,
-    AutoModelForVisualQuestionAnswering,
-)
-
-from .hub_testa import MODEL_CARD_MARKER, PIPELINE_TASKS, custom_pipelines_for, model_card, write_model_card  # noqa: E402
-from .pipeline_testa import (  # noqa: E402
+from .pipeline_testa import (
     VideoIndex,
     VideoQuestionAnsweringPipeline,
     VideoTextRetrievalPipeline,
     ZeroShotVideoClassificationPipeline,
     register_testa_pipelines,
 )
+from .processing_testa import TestaProcessor, build_testa_tokenizer, pre_caption
+from .video_processing_testa import (
+    TestaVideoProcessor,
+    VideoDecodingError,
+    VideoDecodingTimeoutError,
+    decode_video,
+    sample_frame_indices,
+)
+from .visualization import AggregationGroups, aggregation_groups, draw_aggregation, visualize_aggregation
 
 
+__version__ = "0.1.0"
+
+# In-process Auto* registration.
 AutoConfig.register(TestaConfig.model_type, TestaConfig, exist_ok=True)
 AutoConfig.register(TestaVisionConfig.model_type, TestaVisionConfig, exist_ok=True)
 AutoModel.register(TestaConfig, TestaForVideoTextRetrieval, exist_ok=True)
 AutoModel.register(TestaVisionConfig, TestaVisionModel, exist_ok=True)
 AutoModelForVisualQuestionAnswering.register(TestaConfig, TestaForVideoQA, exist_ok=True)
 AutoModelForPreTraining.register(TestaConfig, TestaForPreTraining, exist_ok=True)
+AutoVideoProcessor.register(TestaConfig, video_processor_class=TestaVideoProcessor, exist_ok=True)
+AutoProcessor.register(TestaConfig, TestaProcessor, exist_ok=True)
 
-# `save_pretrained` copies the code files and writes `auto_map`, so saved folders load with `trust_remote_code=True`.
+# Hub remote code: `save_pretrained` copies the code files and writes `auto_map` (the processor classes register
+# themselves in their modules).
 TestaConfig.register_for_auto_class("AutoConfig")
 TestaVisionConfig.register_for_auto_class("AutoConfig")
 TestaVisionModel.register_for_auto_class("AutoModel")
@@ -117,15 +73,51 @@ TestaForVideoQA.register_for_auto_class("AutoModelForVisualQuestionAnswering")
 TestaForPreTraining.register_for_auto_class("AutoModelForPreTraining")
 register_testa_pipelines()
 
-__all__ += [
+__all__ = [
     "MODEL_CARD_MARKER",
     "PIPELINE_TASKS",
+    "AggregationGroups",
+    "Grounding",
+    "Matching",
+    "TestaAnswerRankingOutput",
+    "TestaConfig",
+    "TestaForPreTraining",
+    "TestaForVideoQA",
+    "TestaForVideoTextRetrieval",
+    "TestaPreTrainedModel",
+    "TestaPreTrainingOutput",
+    "TestaProcessor",
+    "TestaRankingOutput",
+    "TestaVideoProcessor",
+    "TestaVideoQAOutput",
+    "TestaVideoTextRetrievalOutput",
+    "TestaVisionConfig",
+    "TestaVisionModel",
+    "TestaVisionModelOutput",
+    "VideoDecodingError",
+    "VideoDecodingTimeoutError",
     "VideoIndex",
     "VideoQuestionAnsweringPipeline",
     "VideoTextRetrievalPipeline",
     "ZeroShotVideoClassificationPipeline",
+    "aggregation_groups",
+    "build_testa_tokenizer",
+    "count_encoder_gmac",
     "custom_pipelines_for",
+    "decode_video",
+    "draw_aggregation",
+    "draw_grounding",
+    "estimate_encoder_gmac",
+    "geometry_matching",
+    "ground_phrases",
+    "importance_matching",
+    "merge_tokens",
     "model_card",
+    "pre_caption",
     "register_testa_pipelines",
+    "sample_frame_indices",
+    "suggest_reduction",
+    "token_schedule",
+    "visualize_aggregation",
     "write_model_card",
 ]
