@@ -74,9 +74,13 @@ def encoder_scaling(frames_list: list[int], repeats: int) -> list[dict]:
         target = count_encoder_gmac(testa)[0]
         joint_none = TestaVisionConfig(num_frames=frames, aggregation_dims="joint", temporal_reduction=0,
                                        spatial_reduction=0, **base)
-        _, r_joint = suggest_reduction(joint_none, target_gmac=target)
+        try:
+            _, r_joint = suggest_reduction(joint_none, target_gmac=target)
+        except ValueError:  # joint attention's quadratic cost: even halving the tokens every block stays above
+            r_joint = frames * 49  # capped at half the tokens per block: the most ToMe can remove
         joint = TestaVisionConfig(num_frames=frames, aggregation_dims="joint", temporal_reduction=0,
                                   spatial_reduction=r_joint, **base)
+        r_joint = f"{r_joint} (max)" if count_encoder_gmac(joint)[0] > target * 1.01 else r_joint
         for name, config in (("divided, no merging", divided_none), (f"TESTA R_T={r_t} R_S={r_s}", testa),
                              ("joint, no merging", joint_none), (f"ToMe joint R={r_joint}", joint)):
             model = TestaVisionModel(config).eval()

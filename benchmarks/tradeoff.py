@@ -28,7 +28,7 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=REPO / "outputs" / "demo" / "data")
     parser.add_argument("--output", type=Path, default=REPO / "docs" / "tradeoff")
     parser.add_argument("--temporal", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--spatial", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    parser.add_argument("--spatial", type=int, nargs="+", default=[0, 1, 2, 3])
     parser.add_argument("--text-length", type=int, default=64)
     parser.add_argument("--k-test", type=int, default=16)
     args = parser.parse_args()
