@@ -94,3 +94,14 @@ def test_recall_at_k_hand_worked():
     # query 0: positive 0 ranks 1st; query 1: positive 1 ranks 2nd; query 2: positive 1 ties with 0 -> counts as 2nd
     got = recall_at_k(scores, [{0}, {1}, {1}], ks=(1, 2))
     assert got == {"R@1": pytest.approx(100 / 3), "R@2": pytest.approx(100.0)}
+
+
+def test_pretraining_streams_and_trains(synthetic, tmp_path):
+    """Pretraining (VTC + VTM + CAP) on a streamed dataset: the streamed, sharded path of the loop."""
+    launch("pretrain.py", ["--config", "configuration/synthetic_retrieval.yaml", "--dataset", str(synthetic), *TINY,
+                           "--set", "data.streaming=true", "--set", "data.eval_split=", "--output-dir", str(tmp_path),
+                           "--max-steps", "2"], processes=1)
+    steps = losses(tmp_path)
+    assert sorted(steps) == [1, 2] and all(value > 0 for value in steps.values())
+    config = json.loads((tmp_path / "final" / "config.json").read_text())
+    assert config["architectures"] == ["TestaForPreTraining"]

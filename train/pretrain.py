@@ -8,23 +8,12 @@
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from modeling_testa import TestaForPreTraining  # noqa: E402
 from train.evaluation import evaluate_retrieval  # noqa: E402
-from train.finetune_retrieval import video_ids  # noqa: E402
+from train.finetune_retrieval import compute_loss  # noqa: E402  (same call: VTC + VTM (+ CAP) loss)
 from train.loop import Task, main  # noqa: E402
-
-
-def compute_loss(model, batch: dict, warmup_progress: float) -> torch.Tensor:
-    unwrapped = getattr(model, "module", model)
-    return model(
-        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], pixel_values=batch["pixel_values"],
-        video_ids=video_ids(batch["video_key"], batch["input_ids"].device),
-        alpha=unwrapped.config.alpha * warmup_progress, return_loss=True,
-    ).loss
 
 
 def evaluate(model, processor, recipe, accelerator) -> dict:
