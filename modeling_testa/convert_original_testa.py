@@ -239,12 +239,8 @@ def convert_original_testa(
     if "vision_proj.weight" in state:
         head_settings["projection_dim"] = state["vision_proj.weight"].shape[0]
     head_settings.update(config_overrides)
-    config = TestaConfig(
-        vision_config=vision_config,
-        text_config=text,
-        dec_token_id=text.bos_token_id if text.bos_token_id is not None else 30522,
-        **head_settings,
-    )
+    head_settings.setdefault("dec_token_id", text.bos_token_id if text.bos_token_id is not None else 30522)
+    config = TestaConfig(vision_config=vision_config, text_config=text, **head_settings)
     model = TASKS[task](config)
     ours = model.state_dict()
 

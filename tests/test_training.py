@@ -105,3 +105,35 @@ def test_pretraining_streams_and_trains(synthetic, tmp_path):
     assert sorted(steps) == [1, 2] and all(value > 0 for value in steps.values())
     config = json.loads((tmp_path / "final" / "config.json").read_text())
     assert config["architectures"] == ["TestaForPreTraining"]
+
+
+def test_init_from_our_folder_blip_and_original_checkpoints(synthetic, tmp_path):
+    """`--init-from` accepts one of our folders, a transformers BLIP folder (converted on the fly) and an original
+    TESTA .pth; the recipe's aggregation settings apply on top of the checkpoint."""
+    from heads_helpers import tiny_blip_config
+    from test_converters import _original_config, _original_state
+    from transformers import BlipForImageTextRetrieval
+
+    from train.finetune_retrieval import TASK
+    from train.loop import build_model, load_recipe, parse_args
+
+    blip_dir = tmp_path / "blip"
+    BlipForImageTextRetrieval(tiny_blip_config(image_size=32)).save_pretrained(blip_dir)
+    original = tmp_path / "original.pth"
+    torch.save({"model": _original_state(), "config": _original_config()}, original)
+    ours = tmp_path / "ours"
+    fresh = build_model(TASK.model_class, load_recipe(parse_args("t", ["--config", "configuration/synthetic_retrieval.yaml", *TINY])))
+    fresh.save_pretrained(ours)
+
+    for source in (ours, blip_dir, original):
+        tiny_vocab = [] if source == ours else ["--set", "model.enc_token_id=119", "--set", "model.dec_token_id=118"]
+        args = parse_args("t", ["--config", "configuration/synthetic_retrieval.yaml", *TINY, "--init-from", str(source),
+                                "--set", "model.vision_config.spatial_reduction=2", "--set", "model.alpha=0.3",
+                                *tiny_vocab])
+        model = build_model(TASK.model_class, load_recipe(args))
+        assert isinstance(model, TASK.model_class), source
+        assert model.config.vision_config.spatial_reduction == 2 and model.config.alpha == 0.3, source
+        assert all(layer.spatial_reduction == 2 for layer in model.vision_model.layers), source
+    reloaded = build_model(TASK.model_class, load_recipe(parse_args("t", [
+        "--config", "configuration/synthetic_retrieval.yaml", *TINY, "--init-from", str(ours)])))
+    torch.testing.assert_close(reloaded.itm_head.weight, fresh.itm_head.weight)

@@ -101,36 +101,50 @@ def build_model(model_class: type, recipe: dict):
     """A fresh model from the recipe's `model` section, or `init_from` a checkpoint with the recipe's settings.
 
     `init_from` may be one of our `save_pretrained` folders, an original TESTA `.pth`, or a transformers BLIP
-    checkpoint (folder or Hub id), which is converted to TESTA on the fly.
+    checkpoint (folder or Hub id), which is converted to TESTA on the fly. The recipe's aggregation and training
+    settings (R_T, R_S, queue, alpha, ...) apply on top of the checkpoint's architecture.
     """
     settings = copy.deepcopy(recipe["model"])
     init_from = settings.pop("init_from", None)
     config = TestaConfig(**settings)
     if not init_from:
         return model_class(config)
+    overrides = _recipe_overrides(config, settings)
     source = Path(init_from)
-    if source.suffix in (".pth", ".pt", ".bin") and source.is_file():
+    if source.is_file():
         from modeling_testa.convert_original_testa import convert_original_testa
 
-        return convert_original_testa(str(source), model_class=model_class, config=config)
-    if (source / "config.json").is_file():
-        model_type = json.loads((source / "config.json").read_text()).get("model_type")
-        if model_type == "testa":
-            model = model_class.from_pretrained(str(source), dtype=torch.float32)
-            model.vision_model.set_aggregation(**_aggregation_settings(config))
-            return model
+        task = {"TestaForVideoTextRetrieval": "retrieval", "TestaForVideoQA": "qa"}.get(model_class.__name__, "pretraining")
+        model, report = convert_original_testa(str(source), task=task, num_frames=config.vision_config.num_frames,
+                                               **overrides)
+        print(f"converted {source}: {report}" if len(str(report)) < 2000 else f"converted {source}")
+        return model
+    if (source / "config.json").is_file() and json.loads((source / "config.json").read_text()).get("model_type") == "testa":
+        top_level = {k: v for k, v in overrides.items() if k not in _AGGREGATION_FIELDS}
+        model = model_class.from_pretrained(str(source), dtype=torch.float32, **top_level)
+        model.vision_model.set_aggregation(**{k: v for k, v in overrides.items() if k in _AGGREGATION_FIELDS})
+        return model
     from modeling_testa.convert_blip_to_testa import convert_blip_to_testa
 
+    overrides.pop("dec_token_id", None)  # [DEC] is BLIP's bos token
     vision = config.vision_config
     return convert_blip_to_testa(init_from, num_frames=vision.num_frames, image_size=vision.image_size,
-                                 model_class=model_class, vision_overrides=_aggregation_settings(config))
+                                 model_class=model_class, **overrides)
 
 
-def _aggregation_settings(config: TestaConfig) -> dict:
-    vision = config.vision_config
-    names = ("temporal_reduction", "spatial_reduction", "aggregation_strategy", "reduction_mode", "aggregation_dims",
-             "frame_matching", "proportional_attention")
-    return {name: getattr(vision, name) for name in names}
+_AGGREGATION_FIELDS = ("temporal_reduction", "spatial_reduction", "aggregation_strategy", "reduction_mode",
+                       "aggregation_dims", "frame_matching", "proportional_attention")
+_TRAINING_FIELDS = ("momentum", "alpha", "k_test", "negative_all_rank", "label_smoothing", "video_pooling", "temperature")
+
+
+def _recipe_overrides(config: TestaConfig, settings: dict) -> dict:
+    """The recipe values that apply to a loaded checkpoint: aggregation settings and training hyper-parameters
+    (architecture fields come from the checkpoint). The queue length and the [ENC]/[DEC] ids only apply when the
+    recipe sets them."""
+    overrides = {name: getattr(config.vision_config, name) for name in _AGGREGATION_FIELDS}
+    overrides.update({name: getattr(config, name) for name in _TRAINING_FIELDS})
+    overrides.update({name: settings[name] for name in ("queue_size", "enc_token_id", "dec_token_id") if name in settings})
+    return overrides
 
 
 def build_processor(recipe: dict):
