@@ -1340,7 +1340,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def _resolve_dtype(dtype: Any) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype is None:
+    if dtype is None or dtype == "auto":  # "auto": what `pipeline()` / `from_pretrained` pass for the model's dtype
         return torch.float32
     name = str(dtype).replace("torch.", "")
     if name not in _DTYPES:

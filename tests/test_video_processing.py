@@ -458,3 +458,14 @@ def test_decoder_hang_times_out(videos, monkeypatch, fresh_decoder_process):
         TestaVideoProcessor(num_frames=4, video_backend="decord", decode_timeout=1)(videos["small"])
     assert time.monotonic() - start < 15
     assert isinstance(VideoDecodingTimeoutError("x", "y"), (ValueError, TimeoutError))
+
+
+def test_dtype_auto_means_float32(tmp_path):
+    """`pipeline()` and `from_pretrained(..., dtype="auto")` pass the model's "auto" dtype to the processor."""
+    from modeling_testa import TestaVideoProcessor
+
+    TestaVideoProcessor(num_frames=2, size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16}).save_pretrained(tmp_path)
+    loaded = TestaVideoProcessor.from_pretrained(tmp_path, dtype="auto")
+    frames = np.zeros((3, 20, 20, 3), dtype=np.uint8)
+    assert loaded(videos=[frames])["pixel_values"].dtype == torch.float32
+    assert TestaVideoProcessor(dtype="bfloat16")(videos=[frames])["pixel_values"].dtype == torch.bfloat16
