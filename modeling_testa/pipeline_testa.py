@@ -137,6 +137,14 @@ def _text_list(text: Any, name: str) -> tuple[list[str], bool]:
     return list(text), False
 
 
+def _merged_video_kwargs(video_kwargs: dict[str, Any] | None, num_frames: int | None) -> dict[str, Any]:
+    """The video-processor keyword arguments of a call, with the `num_frames` shortcut folded in."""
+    merged = dict(video_kwargs or {})
+    if num_frames is not None:
+        merged["num_frames"] = num_frames
+    return merged
+
+
 def _check_top_k(top_k: Any) -> None:
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"`top_k` must be a positive int or None, got {top_k!r}.")
@@ -450,9 +458,7 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         preprocess, forward, postprocess = {}, {}, {}
         if text_kwargs is not None:
             preprocess["text_kwargs"] = text_kwargs
-        video_kwargs = dict(video_kwargs or {})
-        if num_frames is not None:
-            video_kwargs["num_frames"] = num_frames
+        video_kwargs = _merged_video_kwargs(video_kwargs, num_frames)
         if video_kwargs:
             forward["video_kwargs"] = video_kwargs
         for name, value in (("rerank_k", rerank_k), ("itm_score", itm_score), ("add_cosine", add_cosine),
@@ -699,9 +705,7 @@ class ZeroShotVideoClassificationPipeline(_TestaPipeline):
             preprocess["hypothesis_template"] = hypothesis_template
         if text_kwargs is not None:
             preprocess["text_kwargs"] = text_kwargs
-        video_kwargs = dict(video_kwargs or {})
-        if num_frames is not None:
-            video_kwargs["num_frames"] = num_frames
+        video_kwargs = _merged_video_kwargs(video_kwargs, num_frames)
         if video_kwargs:
             preprocess["video_kwargs"] = video_kwargs
         if top_k is not None:
@@ -826,9 +830,7 @@ class VideoQuestionAnsweringPipeline(_TestaPipeline):
             preprocess["candidate_answers"] = candidate_answers
         if text_kwargs is not None:
             preprocess["text_kwargs"] = text_kwargs
-        video_kwargs = dict(video_kwargs or {})
-        if num_frames is not None:
-            video_kwargs["num_frames"] = num_frames
+        video_kwargs = _merged_video_kwargs(video_kwargs, num_frames)
         if video_kwargs:
             preprocess["video_kwargs"] = video_kwargs
         if top_k is not None:
