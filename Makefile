@@ -13,7 +13,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --disable-pip-version-check torch torchvision
-	$(VENV)/bin/pip install -q --disable-pip-version-check -e ".[test]"
+	$(VENV)/bin/pip install -q --disable-pip-version-check -e ".[test,faiss]"
 	touch $@
 
 # The main job: synthetic long videos -> 2-process CPU training -> retrieval with/without aggregation (< 10 min).

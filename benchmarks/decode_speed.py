@@ -6,11 +6,14 @@ directory, 400x224 at 30 fps (1800 frames), with two kinds of content, because H
 * `shapes`: moving coloured shapes on a smooth, slowly drifting gradient (cheap to decode, ~0.2 MB/min);
 * `noise`: the same shapes on a scrolling random-noise background (a hard case, ~3.6 MB/min, i.e. ~480 kbit/s, the
   bitrate of a typical 240p web video).
- Each backend is timed end to end, from the file path to the
-normalised `pixel_values` tensor `(1, 32, 3, 224, 224)`, with uniform sampling over the whole video. The process is
-pinned to one core (`os.sched_setaffinity` where available), torch uses one thread and the decoders one thread each.
-The first call of each backend (imports, decoder helper start-up) is a warm-up and not counted; the table gives the
-median of the timed runs.
+
+Each backend is timed end to end, from the file path to the normalised `pixel_values` tensor `(1, 32, 3, 224, 224)`,
+with uniform sampling over the whole video. The process (and with it the helper process) is pinned to one core
+(`os.sched_setaffinity` where available), torch uses one thread and the decoders one thread each.
+Both backends run in the crash-isolation helper process by default (one helper, reused across videos and backends);
+each is also timed in process (`isolate_decoder=False`) to show what the isolation costs. The first call of each
+configuration (imports, decoder helper start-up) is a warm-up and not counted; the table gives the median of the timed
+runs.
 
     python benchmarks/decode_speed.py            # 7 timed runs per backend
     python benchmarks/decode_speed.py --runs 11 --content noise
@@ -80,7 +83,8 @@ def main() -> None:
     if decord_available():
         configurations.append(("decord (helper process, default)", {"video_backend": "decord"}))
         configurations.append(("decord (in process)", {"video_backend": "decord", "isolate_decoder": False}))
-    configurations.append(("PyAV", {"video_backend": "pyav"}))
+    configurations.append(("PyAV (helper process, default)", {"video_backend": "pyav"}))
+    configurations.append(("PyAV (in process)", {"video_backend": "pyav", "isolate_decoder": False}))
 
     contents = ["shapes", "noise"] if args.content == "both" else [args.content]
     rows = []
@@ -113,6 +117,7 @@ def main() -> None:
     for content, name, median, low, high, shape in rows:
         ok = "yes" if median < 0.25 else "no"
         print(f"| {content} | {name} | {median:.3f} | {low:.3f} | {high:.3f} | {shape} | {ok} |")
+
 
 if __name__ == "__main__":
     main()

@@ -18,7 +18,14 @@ from .aggregation import Matching, geometry_matching, importance_matching, merge
 from .configuration_testa import TestaConfig, TestaVisionConfig
 from .flops import count_encoder_gmac, estimate_encoder_gmac, suggest_reduction
 from .grounding import Grounding, draw_grounding, ground_phrases
-from .hub_testa import MODEL_CARD_MARKER, PIPELINE_TASKS, custom_pipelines_for, model_card, write_model_card
+from .hub_testa import (
+    MODEL_CARD_MARKER,
+    PIPELINE_TASKS,
+    custom_pipelines_for,
+    model_card,
+    save_for_hub,
+    write_model_card,
+)
 from .modeling_testa import (
     TestaAnswerRankingOutput,
     TestaForPreTraining,
@@ -33,6 +40,7 @@ from .modeling_testa import (
     TestaVisionModelOutput,
     token_schedule,
 )
+from .patching_testa import apply_testa, remove_testa
 from .pipeline_testa import (
     VideoIndex,
     VideoQuestionAnsweringPipeline,
@@ -101,6 +109,7 @@ __all__ = [
     "VideoTextRetrievalPipeline",
     "ZeroShotVideoClassificationPipeline",
     "aggregation_groups",
+    "apply_testa",
     "build_testa_tokenizer",
     "count_encoder_gmac",
     "custom_pipelines_for",
@@ -115,7 +124,9 @@ __all__ = [
     "model_card",
     "pre_caption",
     "register_testa_pipelines",
+    "remove_testa",
     "sample_frame_indices",
+    "save_for_hub",
     "suggest_reduction",
     "token_schedule",
     "visualize_aggregation",

@@ -6,9 +6,9 @@ over batch, frames or patches. One matcher serves both of TESTA's aggregation ax
 * **patch aggregation** runs the matcher on the per-frame patch keys, shape ``(B, T, 1 + L, C)``, with the frame's
   CLS copy at index 0 protected; its result is applied to the patch tensor ``(B, T, L, D)``.
 * **frame aggregation** runs the matcher on frame tokens, ``(B, T, C)``: the mean of each frame's patch keys (the
-  paper's definition) or, with ``frame_matching="vote"``, per-position scores ``(B, L, T, C)`` reduced by a majority
-  vote. The result is applied to the frame tensor viewed as ``(B, T, L * D)``, so all L patch positions of a frame
-  move together.
+  paper's definition) or, with ``frame_matching="vote"`` / ``"original"``, per-position scores ``(B, L, T, C)``
+  reduced over the L positions (see :data:`FRAME_VOTES`). The result is applied to the frame tensor viewed as
+  ``(B, T, L * D)``, so all L patch positions of a frame move together.
 
 The cost per block is O(T^2 + L^2) similarity scores, not the O((T L)^2) of global (ToMe-style) matching.
 
@@ -61,15 +61,44 @@ def _cosine_scores(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a @ b.transpose(-1, -2)
 
 
-def _best_partner(scores: torch.Tensor, vote_dim: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+# How per-position frame scores become one decision per frame (``vote_dim`` given):
+#   "vote":     destination = majority vote over positions; pair score = mean similarity to the voted frame.
+#   "original": the released TESTA code's rule as it runs on CPU: destination = ``mode`` of the positions' best
+#               partners, pair score = ``mode`` of the positions' best similarities. Those are distinct floats, so
+#               their mode is their minimum: a frame scores as its worst position's best similarity.
+FRAME_VOTES = ("vote", "original")
+
+
+def mode(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """The most frequent value along ``dim``, ties to the smallest value: ``torch.mode(x, dim).values`` as on CPU.
+
+    ``torch.mode`` itself breaks ties differently on CUDA (pytorch #90261), so it is re-stated here with a sort and
+    two ``searchsorted`` calls: deterministic and identical on every device. For distinct values it is the minimum.
+    """
+    values = x.movedim(dim, -1).sort(dim=-1).values.contiguous()
+    counts = torch.searchsorted(values, values, right=True) - torch.searchsorted(values, values)
+    first_most_frequent = counts.argmax(dim=-1, keepdim=True)  # first maximum: the smallest of the tied values
+    return values.gather(-1, first_most_frequent).squeeze(-1)
+
+
+def _best_partner(
+    scores: torch.Tensor, vote_dim: int | None, vote: str = "vote"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Best B partner of every A token: ``(score, index)``, each ``(*batch, nA)``.
 
     With ``vote_dim`` the scores carry an extra position axis (frames compared patch position by patch position):
-    every position votes for its best partner, the majority wins (ties go to the lowest index, so the result is
-    deterministic on every device), and the score is the mean similarity to the voted partner.
+    every position picks its best partner and ``vote`` (one of :data:`FRAME_VOTES`) turns those picks into one
+    partner and one score per frame. Ties go to the lowest frame index in both rules, so the result is deterministic
+    and the same on every device.
     """
     if vote_dim is None:
         return scores.max(dim=-1)
+    if vote not in FRAME_VOTES:
+        raise ValueError(f"Unknown frame vote {vote!r}; use one of {FRAME_VOTES}.")
+    if vote == "original":
+        best_scores, best_partners = scores.max(dim=-1)  # per position; the position axis is now vote_dim + 1
+        position_dim = vote_dim + 1 if vote_dim < 0 else vote_dim
+        return mode(best_scores, position_dim), mode(best_partners, position_dim)
     votes = F.one_hot(scores.argmax(dim=-1), scores.shape[-1]).sum(dim=vote_dim)
     partner = votes.argmax(dim=-1)  # first maximum: lowest index wins ties
     mean_scores = scores.mean(dim=vote_dim)
@@ -77,7 +106,7 @@ def _best_partner(scores: torch.Tensor, vote_dim: int | None) -> tuple[torch.Ten
 
 
 def geometry_matching(
-    metric: torch.Tensor, r: int, protect_first: bool = False, vote_dim: int | None = None
+    metric: torch.Tensor, r: int, protect_first: bool = False, vote_dim: int | None = None, vote: str = "vote"
 ) -> Matching:
     """The paper's geometry-based aggregation (ToMe's bipartite soft matching).
 
@@ -89,13 +118,14 @@ def geometry_matching(
             ``(*batch, P, N, C)`` with one row per patch position P, and ``vote_dim`` = -3.
         r: pairs to merge; the caller applies :func:`capped_reduction`.
         protect_first: keep token 0 (CLS) out of the sources. It is always in A, so it is simply never chosen.
-        vote_dim: the position axis to vote over (frame matching with ``frame_matching="vote"``). Callers skip the
-            matcher when ``r == 0``: with ``r = 0`` it would still reorder the tokens.
+        vote_dim: the position axis to vote over (frame matching with ``frame_matching="vote"`` or ``"original"``).
+            Callers skip the matcher when ``r == 0``: with ``r = 0`` it would still reorder the tokens.
+        vote: how the positions decide, one of :data:`FRAME_VOTES` (used only with ``vote_dim``).
     """
     scores = _cosine_scores(metric[..., ::2, :], metric[..., 1::2, :])
     if protect_first:
         scores[..., 0, :] = -torch.inf
-    node_max, node_idx = _best_partner(scores, vote_dim)
+    node_max, node_idx = _best_partner(scores, vote_dim, vote)
     num_a, num_b = node_max.shape[-1], scores.shape[-1]
     order = node_max.argsort(dim=-1, descending=True, stable=True)
     src_a = order[..., :r]
@@ -113,6 +143,7 @@ def importance_matching(
     protect_first: bool = False,
     vote_dim: int | None = None,
     prune: bool = False,
+    vote: str = "vote",
 ) -> Matching:
     """The paper's importance-based aggregation (and the pruning baseline).
 
@@ -143,7 +174,7 @@ def importance_matching(
     scores = _cosine_scores(gather(src), gather(kept))
     if protect_first:  # the protected token is the first kept one: nothing merges into it either
         scores[..., 0] = -torch.inf
-    _, partner = _best_partner(scores, vote_dim)
+    _, partner = _best_partner(scores, vote_dim, vote)
     return Matching(kept=kept, sources=src, targets=partner)
 
 
@@ -238,12 +269,14 @@ def attention_received(
 
 
 __all__ = [
+    "FRAME_VOTES",
     "Matching",
     "attention_received",
     "capped_reduction",
     "geometry_matching",
     "importance_matching",
     "merge_tokens",
+    "mode",
     "output_slot_of_inputs",
     "shift_protected",
 ]

@@ -8,11 +8,13 @@ composite configuration of the full video-language model (video encoder + BLIP t
 from huggingface_hub.dataclasses import strict
 from transformers import BlipTextConfig, PreTrainedConfig
 
+from .aggregation import capped_reduction
+
 
 AGGREGATION_STRATEGIES = ("geometry", "importance")
 REDUCTION_MODES = ("merge", "prune")
 AGGREGATION_DIMS = ("temporal+spatial", "temporal", "spatial", "joint")
-FRAME_MATCHINGS = ("mean", "vote")
+FRAME_MATCHINGS = ("mean", "vote", "original")
 
 
 def _per_layer(value: int | list[int], num_layers: int, name: str) -> list[int]:
@@ -74,7 +76,13 @@ class TestaVisionConfig(PreTrainedConfig):
             frame token is the mean of the frame's patch keys, compared by cosine. `"vote"` is the original code's
             per-position matching, where every patch position picks a destination frame and the majority wins; here
             ties go to the earliest frame and the pair score is the mean similarity to the voted frame, so the result
-            is deterministic and the same on every device.
+            is deterministic and the same on every device. `"original"` is the released TESTA code's rule exactly,
+            as it runs on CPU: the destination is the same majority vote, and the pair score is the `torch.mode` over
+            positions of every position's best similarity, which for distinct floats is their minimum (a frame scores
+            as its worst position's best similarity). Converted original checkpoints default to it. The released code
+            runs `torch.mode` on the GPU too, whose tie rule is unspecified (pytorch #90261), so GPU runs of the
+            released code cannot be reproduced bit for bit; `"original"` reproduces the CPU run, deterministically on
+            every device.
         proportional_attention (`bool`, defaults to `False`): add log(token size) to the attention logits (ToMe). Off
             in the paper and in all original checkpoints.
         trace_source (`bool`, defaults to `False`): return `source_map`, the output token of every input patch.
@@ -223,4 +231,26 @@ class TestaConfig(PreTrainedConfig):
                 )
 
 
-__all__ = ["TestaVisionConfig", "TestaConfig"]
+def token_schedule(
+    config: TestaVisionConfig, num_frames: int | None = None, image_size: int | None = None
+) -> list[tuple[int, int]]:
+    """``(frames, patches per frame)`` after every block for an input of ``num_frames`` frames of ``image_size``
+    pixels (defaults: the config's).
+
+    The encoder output has ``1 + frames * patches`` tokens. In joint mode the tokens form one "frame" of
+    ``frames * patches`` tokens, so the entries read ``(1, tokens)``.
+    """
+    frames = config.num_frames if num_frames is None else num_frames
+    patches = ((image_size or config.image_size) // config.patch_size) ** 2
+    if config.aggregation_dims == "joint":
+        frames, patches = 1, frames * patches
+    schedule = []
+    for r_t, r_s in zip(config.temporal_reduction_per_layer, config.spatial_reduction_per_layer):
+        if config.aggregation_dims != "joint":
+            frames -= capped_reduction(r_t, frames, protected=1)
+        patches -= capped_reduction(r_s, patches + 1, protected=1)
+        schedule.append((frames, patches))
+    return schedule
+
+
+__all__ = ["TestaVisionConfig", "TestaConfig", "token_schedule"]

@@ -8,6 +8,10 @@ The original files are ``torch.save({'model': state_dict, 'config': yaml_dict, .
 merge call, and with ``merging_type: frame&patch`` every block merges twice (frames, then patches), so the list is
 interleaved ``[R_T, R_S] * 12`` (``[1, 12] * 12`` is the paper's 32-frame "f1p12").
 
+Frames are matched with ``frame_matching="original"`` by default: the released code's own rule (majority vote for the
+destination, ``torch.mode`` of the positions' best similarities for the pair score, as it runs on CPU), so a converted
+checkpoint computes what the released code computes. ``--frame-matching mean|vote`` picks another rule.
+
 Every checkpoint key is accounted for: mapped to our name, dropped with a stated reason (queues, momentum copies that
 `save_pretrained` does not keep, ``temporal_scaling``, the original loader's junk ``temporal_temporal_*`` keys), or
 reported as unmapped, which raises unless ``strict=False``.
@@ -23,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from transformers import BlipTextConfig
 
-from .configuration_testa import TestaConfig, TestaVisionConfig
+from .configuration_testa import FRAME_MATCHINGS, TestaConfig, TestaVisionConfig
 from .convert_blip_to_testa import resize_position_embedding, save_processor
 from .modeling_testa import TestaForPreTraining, TestaForVideoQA, TestaForVideoTextRetrieval, TestaPreTrainedModel
 
@@ -31,6 +35,8 @@ from .modeling_testa import TestaForPreTraining, TestaForVideoQA, TestaForVideoT
 logger = logging.getLogger(__name__)
 
 TASKS = {"retrieval": TestaForVideoTextRetrieval, "qa": TestaForVideoQA, "pretraining": TestaForPreTraining}
+# The rule the released code merges frames with; see `TestaVisionConfig.frame_matching`.
+DEFAULT_FRAME_MATCHING = "original"
 
 # Original block / embedding names -> ours (suffixes after `visual_encoder.`).
 _VISION_BLOCK_RENAMES = {
@@ -72,10 +78,16 @@ class ConversionReport:
     missing: list[str] = field(default_factory=list)  # our keys the checkpoint did not provide (freshly initialised)
     temporal_reduction: list[int] = field(default_factory=list)
     spatial_reduction: list[int] = field(default_factory=list)
+    frame_matching: str = DEFAULT_FRAME_MATCHING
 
     def summary(self) -> str:
+        rule = (
+            "the released code's rule, as it runs on CPU" if self.frame_matching == "original"
+            else "not the released code's rule: merged frames can differ from the original model's"
+        )
         lines = [
             f"mapped {len(self.mapped)} tensors; R_T={self.temporal_reduction} R_S={self.spatial_reduction}",
+            f"frame_matching={self.frame_matching!r} ({rule})",
             f"dropped {len(self.dropped)}: " + ", ".join(f"{k} ({v})" for k, v in sorted(self.dropped.items())),
             f"unmapped {len(self.unmapped)}: {self.unmapped}",
             f"missing (fresh init) {len(self.missing)}: {self.missing}",
@@ -164,6 +176,7 @@ def convert_original_testa(
     num_frames: int | None = None,
     text_config: dict | None = None,
     strict: bool = True,
+    frame_matching: str = DEFAULT_FRAME_MATCHING,
     **config_overrides,
 ) -> tuple[TestaPreTrainedModel, ConversionReport]:
     """Converts an original TESTA checkpoint.
@@ -176,29 +189,52 @@ def convert_original_testa(
             resized with nearest interpolation as the original loader does.
         text_config: overrides of the inferred `BlipTextConfig` fields (e.g. ``num_attention_heads``, token ids).
         strict: raise when a checkpoint key has no place in the model.
+        frame_matching: ``"original"`` (default: the released code's frame rule, so the converted model computes
+            what the released code computes on CPU), ``"vote"`` or ``"mean"``; see `TestaVisionConfig`.
         **config_overrides: `TestaVisionConfig` / `TestaConfig` fields, overriding what the checkpoint says.
 
     Returns:
         ``(model, report)``.
     """
+    source = str(checkpoint) if isinstance(checkpoint, (str, Path)) else "the checkpoint dict"
     if isinstance(checkpoint, (str, Path)):
+        if not Path(checkpoint).is_file():
+            raise FileNotFoundError(f"Original TESTA checkpoint {source!r} does not exist.")
         try:
             checkpoint = torch.load(checkpoint, map_location="cpu", weights_only=True)
         except Exception as error:  # unpickling refused something that is not a tensor / plain container
             raise ValueError(
-                f"Could not read {checkpoint} with torch.load(weights_only=True): {error}. Re-save it with only "
+                f"Could not read {source} with torch.load(weights_only=True): {error}. Re-save it with only "
                 "tensors and plain Python values, or inspect it in a trusted environment."
             ) from error
     if not isinstance(checkpoint, dict):
-        raise ValueError(f"Expected a checkpoint dict, got {type(checkpoint).__name__}.")
+        raise ValueError(f"{source}: expected a checkpoint dict, got {type(checkpoint).__name__}.")
+    if frame_matching not in FRAME_MATCHINGS:
+        raise ValueError(f"Unknown frame_matching={frame_matching!r}; use one of {FRAME_MATCHINGS}.")
     state = checkpoint.get("model", checkpoint)
+    if not isinstance(state, dict):
+        raise ValueError(f"{source}: 'model' holds a {type(state).__name__}, not a state dict.")
     original_config = checkpoint.get("config", {}) if "model" in checkpoint else {}
     original_config = dict(original_config or {})
     state = {k.removeprefix("module."): v for k, v in state.items() if isinstance(v, torch.Tensor)}
 
     vision_keys = [k for k in state if k.startswith("visual_encoder.")]
     if not vision_keys:
-        raise ValueError("No `visual_encoder.*` keys: this is not a TESTA/BLIP video checkpoint.")
+        raise ValueError(
+            f"{source} has no `visual_encoder.*` tensors, so it is not an original TESTA checkpoint (found e.g. "
+            f"{sorted(state)[:5]})."
+        )
+    required = ("cls_token", "pos_embed", "patch_embed.proj.weight", "blocks.0.mlp.fc1.weight")
+    absent = [f"visual_encoder.{k}" for k in required if f"visual_encoder.{k}" not in state]
+    if absent:
+        raise ValueError(f"{source} is not an original TESTA checkpoint: it lacks {absent}.")
+    if "visual_encoder.time_embed" not in state or not any(".temporal_attn." in k for k in vision_keys):
+        raise ValueError(
+            f"{source} has an image encoder without `time_embed` / `temporal_attn`: it looks like a BLIP image "
+            "checkpoint. Convert it with `modeling_testa.convert_blip_to_testa` instead."
+        )
+    if not any(k.startswith("text_encoder.") for k in state):
+        raise ValueError(f"{source} has no `text_encoder.*` tensors; the converter needs a full TESTA checkpoint.")
     cls_token = state["visual_encoder.cls_token"]
     width = cls_token.shape[-1]
     layers = {int(m.group(1)) for k in vision_keys if (m := re.match(r"visual_encoder\.blocks\.(\d+)\.", k))}
@@ -226,6 +262,7 @@ def convert_original_testa(
         layer_norm_eps=1e-6,
         temporal_reduction=r_t,
         spatial_reduction=r_s,
+        frame_matching=frame_matching,
     )
     vision_settings.update({k: config_overrides.pop(k) for k in list(config_overrides) if k in vision_fields})
     vision_config = TestaVisionConfig(**vision_settings)
@@ -244,7 +281,9 @@ def convert_original_testa(
     model = TASKS[task](config)
     ours = model.state_dict()
 
-    report = ConversionReport(temporal_reduction=r_t, spatial_reduction=r_s)
+    report = ConversionReport(
+        temporal_reduction=r_t, spatial_reduction=r_s, frame_matching=vision_config.frame_matching
+    )
     vision_prefixes = {"visual_encoder": "vision_model", "visual_encoder_m": "vision_model_m"}
     new_state: dict[str, torch.Tensor] = {}
     for key, value in state.items():
@@ -313,8 +352,14 @@ def main(argv: list[str] | None = None) -> None:
         "--tokenizer", default=None, help="tokenizer folder/Hub id for the saved processor (default: the package's)"
     )
     parser.add_argument("--no-strict", action="store_true", help="drop unmapped keys instead of raising")
+    parser.add_argument(
+        "--frame-matching", choices=FRAME_MATCHINGS, default=DEFAULT_FRAME_MATCHING,
+        help="how frames are matched (default: 'original', the released code's rule, for parity with it)",
+    )
     args = parser.parse_args(argv)
-    model, report = convert_original_testa(args.checkpoint, args.task, args.num_frames, strict=not args.no_strict)
+    model, report = convert_original_testa(
+        args.checkpoint, args.task, args.num_frames, strict=not args.no_strict, frame_matching=args.frame_matching
+    )
     model.save_pretrained(args.output_dir)
     save_processor(args.output_dir, model, args.tokenizer)
     print(f"Saved {type(model).__name__} to {args.output_dir}\n{report.summary()}")

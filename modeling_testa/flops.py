@@ -124,7 +124,7 @@ def _estimate(
         macs += 5 * tokens * dim + 5 * tokens * dim * dim + 2 * patches * frames * frames * dim
         r = capped_reduction(r_t, frames, protected=1)
         if r:
-            vote = patches if config.frame_matching == "vote" else 1
+            vote = patches if config.frame_matching != "mean" else 1
             macs += importance * patches * frames * frames * dim + _matching_macs(config, frames, r, vote)
             frames -= r
         # spatial attention over [CLS, patches] of every frame

@@ -23,35 +23,13 @@ from .aggregation import (
     output_slot_of_inputs,
     shift_protected,
 )
-from .configuration_testa import TestaConfig, TestaVisionConfig
-from .hub_testa import TestaHubMixin
+from .configuration_testa import TestaConfig, TestaVisionConfig, token_schedule  # noqa: F401 (re-exported)
+from .saving_testa import TestaHubMixin
 
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Token bookkeeping
 # ----------------------------------------------------------------------------------------------------------------------
-
-
-def token_schedule(
-    config: TestaVisionConfig, num_frames: int | None = None, image_size: int | None = None
-) -> list[tuple[int, int]]:
-    """``(frames, patches per frame)`` after every block for an input of ``num_frames`` frames of ``image_size``
-    pixels (defaults: the config's).
-
-    The encoder output has ``1 + frames * patches`` tokens. In joint mode the tokens form one "frame" of
-    ``frames * patches`` tokens, so the entries read ``(1, tokens)``.
-    """
-    frames = config.num_frames if num_frames is None else num_frames
-    patches = ((image_size or config.image_size) // config.patch_size) ** 2
-    if config.aggregation_dims == "joint":
-        frames, patches = 1, frames * patches
-    schedule = []
-    for r_t, r_s in zip(config.temporal_reduction_per_layer, config.spatial_reduction_per_layer):
-        if config.aggregation_dims != "joint":
-            frames -= capped_reduction(r_t, frames, protected=1)
-        patches -= capped_reduction(r_s, patches + 1, protected=1)
-        schedule.append((frames, patches))
-    return schedule
 
 
 def _follow_frame_merge(source_map: torch.Tensor, frame_slots: torch.Tensor, patches: int) -> torch.Tensor:
@@ -234,7 +212,10 @@ class TestaVisionEmbeddings(nn.Module):
         """``(B, T, C, H, W)`` -> ``cls (B, 1, D)`` and ``patches (B, T, L, D)``. The CLS gets no temporal term."""
         batch, frames = pixel_values.shape[:2]
         weight = self.patch_embedding.weight
-        patches = self.patch_embedding(pixel_values.flatten(0, 1).to(weight.dtype))  # (B*T, D, h, w)
+        # A fixed memory layout: a channels-last batch (what a batched video processor call can return) would run
+        # another convolution kernel, whose last-bit differences flip ties between identical patches when merging.
+        frames_in = pixel_values.flatten(0, 1).to(weight.dtype).contiguous()
+        patches = self.patch_embedding(frames_in)  # (B*T, D, h, w)
         grid_height, grid_width = patches.shape[-2:]
         patches = patches.flatten(2).transpose(1, 2)
         position = self.spatial_position_embedding(grid_height, grid_width)
@@ -278,10 +259,13 @@ class TestaVisionLayer(GradientCheckpointingLayer):
     def _match(
         self, metric: torch.Tensor, importance: torch.Tensor | None, r: int, protect_first: bool, vote_dim=None
     ) -> Matching:
+        vote = self.config.frame_matching if vote_dim is not None else "vote"
         if not self._uses_importance():
-            return geometry_matching(metric, r, protect_first=protect_first, vote_dim=vote_dim)
+            return geometry_matching(metric, r, protect_first=protect_first, vote_dim=vote_dim, vote=vote)
         prune = self.config.reduction_mode == "prune"
-        return importance_matching(metric, importance, r, protect_first=protect_first, vote_dim=vote_dim, prune=prune)
+        return importance_matching(
+            metric, importance, r, protect_first=protect_first, vote_dim=vote_dim, prune=prune, vote=vote
+        )
 
     def _size_bias(self, sizes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
         """Proportional attention: ``log(size)`` added to the logits of every key, ``(batch, 1, 1, keys)``."""
@@ -323,7 +307,7 @@ class TestaVisionLayer(GradientCheckpointingLayer):
             keys = keys.view(batch, patches_per_frame, frames, -1)
             if self.config.frame_matching == "mean":
                 metric, vote_dim = keys.mean(dim=1), None  # the paper's frame token
-            else:
+            else:  # "vote" / "original": every patch position compares the frames, then the positions decide
                 metric, vote_dim = keys, -3
             if importance is not None:
                 importance = importance.view(batch, patches_per_frame, frames).mean(dim=1)
@@ -505,7 +489,8 @@ class TestaVisionModel(TestaPreTrainedModel):
         batch, frames, patches_per_frame, hidden = patches.shape
         if self.config.aggregation_dims == "joint":
             patches = patches.reshape(batch, 1, frames * patches_per_frame, hidden)
-        sizes = patches.new_ones(patches.shape[:3], dtype=torch.float32)
+        # sizes stay at least fp32 (exact integers for merge weights) and follow a float64 model
+        sizes = patches.new_ones(patches.shape[:3], dtype=torch.promote_types(patches.dtype, torch.float32))
         source_map = None
         if trace_source:
             source_map = torch.arange(frames * patches_per_frame, device=patches.device)
@@ -574,6 +559,27 @@ def _check_same_shape_on_all_ranks(tensor: torch.Tensor, name: str, dims: tuple[
             f"contrastive/matching losses; got {[s.tolist() for s in shapes]}. Use the same per-process batch size "
             "and number of frames on every process."
         )
+
+
+def _raise_on_every_rank(error: Exception | None, device: torch.device | None = None) -> None:
+    """Collective (every process must call it at the same point): if any process passes an error, every process
+    raises, so that no process is left waiting in the next collective. The failing process raises its own error; the
+    others raise a `RuntimeError` that quotes it."""
+    if _world_size() == 1:
+        if error is not None:
+            raise error
+        return
+    flags = torch.zeros(_world_size(), dtype=torch.long, device=device)
+    flags[_rank()] = int(error is not None)
+    dist.all_reduce(flags)
+    if not bool(flags.any()):
+        return
+    messages = [None] * _world_size()
+    dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    failed = {rank: message for rank, message in enumerate(messages) if message is not None}
+    raise RuntimeError(f"the loss raised on another process, so every process stops: {failed}")
 
 
 @torch.no_grad()
@@ -798,6 +804,17 @@ class _TestaMultimodalPreTrainedModel(TestaPreTrainedModel):
             pixel_values = pixel_values.unsqueeze(1).expand(-1, frames, -1, -1, -1)
         return pixel_values
 
+    def set_aggregation(self, **settings) -> None:
+        """Changes the aggregation settings (`TestaVisionModel.set_aggregation`) of the video encoder **and** of its
+        momentum copy when the head has one, so that distillation targets and queue features come from the same
+        token schedule as the online encoder. Validates first and leaves the model unchanged on error."""
+        self.vision_model.set_aggregation(**settings)
+        momentum = getattr(self, "vision_model_m", None)
+        if momentum is not None:
+            momentum.set_aggregation(**settings)
+        for name, value in settings.items():
+            setattr(self.config.vision_config, name, value)
+
     def _pool_video(self, video_embeds: torch.Tensor, token_sizes: torch.Tensor | None) -> torch.Tensor:
         """The ``(batch, hidden)`` summary that `vision_proj` embeds, following ``config.video_pooling``."""
         pooling = self.config.video_pooling
@@ -859,6 +876,48 @@ class _TestaContrastiveMixin:
         for _, momentum_name in self._momentum_pairs:
             getattr(self, momentum_name).requires_grad_(False)
 
+    _QUEUE_BUFFERS = ("video_queue", "text_queue")
+
+    def _fp32_state(self) -> list[tuple[nn.Module, str, str]]:
+        """``(owner module, "_parameters" | "_buffers", name)`` of every tensor kept in fp32: the momentum copies'
+        parameters and buffers, and the feature queues."""
+        slots = [(self, "_buffers", name) for name in self._QUEUE_BUFFERS if self._buffers.get(name) is not None]
+        for _, momentum_name in self._momentum_pairs:
+            if momentum_name not in self._modules:  # not built yet
+                continue
+            for module in self._modules[momentum_name].modules():
+                slots += [(module, "_parameters", n) for n, t in module._parameters.items() if t is not None]
+                slots += [(module, "_buffers", n) for n, t in module._buffers.items() if t is not None]
+        return slots
+
+    def _apply(self, fn, recurse=True):
+        """Casts (`.to(torch.bfloat16)`, `.half()`, DeepSpeed's or a launcher's module cast) leave the momentum
+        encoder and the queues in fp32: an EMA with momentum 0.995 adds 0.5% of the difference per step, below bf16's
+        resolution (the weights would barely move in bf16 and drift the wrong way in fp16). Device moves apply."""
+        kept = [(owner, kind, name, getattr(owner, kind)[name]) for owner, kind, name in self._fp32_state()]
+        kept = [(owner, kind, name, tensor.data) for owner, kind, name, tensor in kept if tensor.dtype == torch.float32]
+        result = super()._apply(fn, recurse)
+        for owner, kind, name, original in kept:
+            tensor = getattr(owner, kind)[name]
+            if tensor.dtype in (torch.float16, torch.bfloat16):
+                if kind == "_parameters":
+                    tensor.data = original.to(device=tensor.device)
+                else:
+                    owner._buffers[name] = original.to(device=tensor.device)
+        return result
+
+    @torch.no_grad()
+    def _momentum_to_fp32(self) -> None:
+        """Momentum copies and queues created in half precision (e.g. `from_pretrained(dtype=torch.bfloat16)`)
+        become fp32; called when the momentum copies are (re)initialised from the online weights."""
+        for owner, kind, name in self._fp32_state():
+            tensor = getattr(owner, kind)[name]
+            if tensor.dtype in (torch.float16, torch.bfloat16):
+                if kind == "_parameters":
+                    tensor.data = tensor.data.float()
+                else:
+                    owner._buffers[name] = tensor.float()
+
     @torch.no_grad()
     def _init_training_state(self) -> None:
         config = self.config
@@ -877,15 +936,17 @@ class _TestaContrastiveMixin:
     @torch.no_grad()
     def copy_params_to_momentum(self) -> None:
         """Copies the online encoders and projections into their momentum copies (the original's ``copy_params``)."""
+        self._momentum_to_fp32()
         for online_name, momentum_name in self._momentum_pairs:
             online, momentum = getattr(self, online_name), getattr(self, momentum_name)
             for p, p_m in zip(online.parameters(), momentum.parameters()):
-                p_m.data.copy_(p.data)
+                p_m.data.copy_(p.data.to(p_m.dtype))
         self.momentum_initialized.fill_(True)
         self._freeze_momentum()
 
     @torch.no_grad()
     def _momentum_update(self) -> None:
+        """EMA of the online weights into the (fp32) momentum copies; the first call copies them instead."""
         if not bool(self.momentum_initialized):
             self.copy_params_to_momentum()
             return
@@ -893,7 +954,29 @@ class _TestaContrastiveMixin:
         for online_name, momentum_name in self._momentum_pairs:
             online, momentum = getattr(self, online_name), getattr(self, momentum_name)
             for p, p_m in zip(online.parameters(), momentum.parameters()):
-                p_m.data.mul_(m).add_(p.data, alpha=1.0 - m)
+                p_m.data.mul_(m).add_(p.data.to(p_m.dtype), alpha=1.0 - m)
+
+    def defer_momentum_updates(self, enabled: bool = True) -> None:
+        """Chooses when the momentum EMA and the queue update happen during training.
+
+        - ``False`` (the default, and the original's behaviour): every training forward with a loss first updates the
+          EMA, then enqueues its batch's momentum features.
+        - ``True`` (what `train/loop.py` uses): forwards only *collect* their momentum features; the training loop
+          calls `momentum_step()` once per optimiser step, after ``optimizer.step()``. With gradient accumulation, the
+          EMA then runs once per optimiser step (not ``m ** accumulation``), and the features of all micro-batches of
+          a step are enqueued together after it, in order, as one larger batch would be.
+        """
+        self._momentum_deferred = bool(enabled)
+        self._pending_queue = []
+
+    @torch.no_grad()
+    def momentum_step(self) -> None:
+        """Deferred mode (`defer_momentum_updates`): call once after every optimiser step. Enqueues the momentum
+        features collected since the previous step, then moves the momentum copies towards the updated weights."""
+        pending, self._pending_queue = getattr(self, "_pending_queue", []), []
+        if pending:
+            self._dequeue_and_enqueue(*(torch.cat(parts) for parts in zip(*pending)))
+        self._momentum_update()
 
     @torch.no_grad()
     def _dequeue_and_enqueue(self, video_feat: torch.Tensor, text_feat: torch.Tensor, ids: torch.Tensor) -> None:
@@ -989,6 +1072,7 @@ class _TestaContrastiveMixin:
         ids_batch = _gather_without_grad(video_ids) if video_ids is not None else None
         video_m_batch, text_m_batch = _gather_without_grad(video_feat_m), _gather_without_grad(text_feat_m)
         queue = self.config.queue_size
+        # Momentum features and queues are fp32; the online logits take the online features' dtype.
         video_m_all = torch.cat([video_m_batch, self.video_queue.T.to(video_m_batch.dtype)], dim=0)
         text_m_all = torch.cat([text_m_batch, self.text_queue.T.to(text_m_batch.dtype)], dim=0)
         if video_ids is not None:
@@ -1002,12 +1086,16 @@ class _TestaContrastiveMixin:
         with torch.no_grad():
             targets_v2t = alpha * F.softmax(video_feat_m @ text_m_all.T / temp, dim=1) + (1 - alpha) * targets
             targets_t2v = alpha * F.softmax(text_feat_m @ video_m_all.T / temp, dim=1) + (1 - alpha) * targets
-        loss_v2t = -(F.log_softmax(video_feat @ text_m_all.T / temp, dim=1) * targets_v2t).sum(dim=1).mean()
-        loss_t2v = -(F.log_softmax(text_feat @ video_m_all.T / temp, dim=1) * targets_t2v).sum(dim=1).mean()
+        loss_v2t = -(F.log_softmax(video_feat @ text_m_all.T.to(video_feat.dtype) / temp, dim=1) * targets_v2t)
+        loss_t2v = -(F.log_softmax(text_feat @ video_m_all.T.to(text_feat.dtype) / temp, dim=1) * targets_t2v)
+        loss_v2t, loss_t2v = loss_v2t.sum(dim=1).mean(), loss_t2v.sum(dim=1).mean()
         if self.training:
             if ids_batch is None:
                 ids_batch = torch.full((video_m_batch.shape[0],), -100, dtype=torch.long, device=video_feat.device)
-            self._dequeue_and_enqueue(video_m_batch, text_m_batch, ids_batch)
+            if getattr(self, "_momentum_deferred", False):
+                self._pending_queue.append((video_m_batch, text_m_batch, ids_batch))  # enqueued by momentum_step()
+            else:
+                self._dequeue_and_enqueue(video_m_batch, text_m_batch, ids_batch)
         return (loss_v2t + loss_t2v) / 2
 
     @staticmethod
@@ -1035,12 +1123,14 @@ class _TestaContrastiveMixin:
             same = torch.eye(batch, dtype=torch.bool, device=video_feat.device)
         weights_v2t = F.softmax(video_feat @ text_all.T / self.temp, dim=1).masked_fill(same, 0)
         weights_t2v = F.softmax(text_feat @ video_all.T / self.temp, dim=1).masked_fill(same, 0)
+        error = None
         for name, weights in (("video", weights_v2t), ("text", weights_t2v)):
-            if not torch.isfinite(weights).all() or (weights.sum(dim=1) <= 0).any():
-                raise ValueError(
+            if error is None and (not torch.isfinite(weights).all() or (weights.sum(dim=1) <= 0).any()):
+                error = ValueError(
                     f"Cannot draw a hard negative {name} pair: some rows have no candidate with a different video id "
                     "(every candidate shares the row's `video_ids`, or the global batch has one sample)."
                 )
+        _raise_on_every_rank(error, video_feat.device)  # a rank-local failure must not leave the others waiting
         return weights_v2t, weights_t2v
 
     def _vtm_loss(
@@ -1094,28 +1184,31 @@ class _TestaContrastiveMixin:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """VTC and VTM for one batch; returns ``(loss_vtc, loss_vtm, positive itm logits, neg videos, neg texts)``."""
         batch = input_ids.shape[0]
+        alpha = self.config.alpha if alpha is None else alpha
+        error = None
         if video_embeds.shape[0] != batch:
-            raise ValueError(f"Got {video_embeds.shape[0]} videos but {batch} texts; training needs aligned pairs.")
-        if video_ids is not None:
+            error = ValueError(f"Got {video_embeds.shape[0]} videos but {batch} texts; training needs aligned pairs.")
+        elif video_ids is not None:
             video_ids = torch.as_tensor(video_ids, device=input_ids.device).view(-1)
             if video_ids.shape[0] != batch or (video_ids < 0).any():
-                raise ValueError(f"`video_ids` must hold {batch} non-negative ids, got {video_ids.tolist()}.")
+                error = ValueError(f"`video_ids` must hold {batch} non-negative ids, got {video_ids.tolist()}.")
+        if error is None and not 0.0 <= alpha <= 1.0:
+            error = ValueError(f"`alpha` must lie in [0, 1], got {alpha}.")
+        _raise_on_every_rank(error, input_ids.device)  # raised on every process or on none
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        alpha = self.config.alpha if alpha is None else alpha
-        if not 0.0 <= alpha <= 1.0:
-            raise ValueError(f"`alpha` must lie in [0, 1], got {alpha}.")
         _check_same_shape_on_all_ranks(input_ids, "input_ids", (0,))
         with torch.no_grad():
             self.temp.clamp_(0.001, 0.5)
         video_feat = F.normalize(self.vision_proj(self._pool_video(video_embeds, video_token_sizes)), dim=-1)
         text_feat = self._text_features(self.text_encoder, self.text_proj, input_ids, attention_mask)
         with torch.no_grad():
-            if self.training:
+            if self.training and not getattr(self, "_momentum_deferred", False):
                 self._momentum_update()
             elif not bool(self.momentum_initialized):
                 self.copy_params_to_momentum()
-            out_m = self.vision_model_m(pixel_values)
+            momentum_dtype = self.vision_proj_m.weight.dtype
+            out_m = self.vision_model_m(pixel_values.to(momentum_dtype))
             video_feat_m = F.normalize(
                 self.vision_proj_m(self._pool_video(out_m.last_hidden_state, out_m.token_sizes)), dim=-1
             )
@@ -1153,7 +1246,30 @@ class _TestaContrastiveMixin:
         k = self.config.k_test if k is None else k
         if k <= 0:
             raise ValueError(f"`k` must be positive, got {k}.")
+        num_texts, num_videos = input_ids.shape[0], video_tokens.shape[0]
+        for name, value, rows, unit in (("attention_mask", attention_mask, num_texts, "text"),
+                                        ("text_features", text_features, num_texts, "text"),
+                                        ("video_features", video_features, num_videos, "video"),
+                                        ("video_token_sizes", video_token_sizes, num_videos, "video")):
+            if value is not None and (not isinstance(value, torch.Tensor) or value.shape[0] != rows):
+                shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                raise ValueError(f"`{name}` must have one row per {unit} ({rows}), got {shape}.")
+        num_queries, num_candidates = (num_texts, num_videos) if queries_are_texts else (num_videos, num_texts)
+        if num_candidates == 0:
+            empty = "video_tokens` holds no video" if queries_are_texts else "input_ids` holds no text"
+            raise ValueError(f"Nothing to rank against: `{empty}.")
         device, dtype = self.itm_head.weight.device, self.itm_head.weight.dtype
+        if num_queries == 0:
+            # This process's share of the queries is empty (fewer queries than processes, e.g. with accelerate's
+            # `split_between_processes`): empty outputs of the right widths, so that gathering them just works.
+            k = min(k, num_candidates)
+            empty = torch.empty(0, num_candidates, device=device, dtype=dtype)
+            return TestaRankingOutput(
+                scores=empty,
+                similarity=empty.clone(),
+                topk_indices=torch.empty(0, k, device=device, dtype=torch.long),
+                topk_scores=torch.empty(0, k, device=device, dtype=dtype),
+            )
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
@@ -1215,6 +1331,9 @@ class _TestaContrastiveMixin:
 
         Memory is bounded by ``batch_size`` pairs: only their video tokens are gathered (and moved to the model's
         device) at a time, so ``video_tokens`` can stay on the CPU (e.g. in fp16).
+
+        No query (e.g. a process's empty share when there are fewer queries than processes) gives empty outputs of
+        the right widths (``(0, num_videos)`` scores), so that the shares can be gathered; no candidate raises.
 
         Args:
             input_ids (`torch.LongTensor` of shape `(num_texts, length)`): tokenised queries, [CLS] first.

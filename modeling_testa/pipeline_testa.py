@@ -6,8 +6,9 @@ Three tasks are registered with `transformers.pipelines.PIPELINE_REGISTRY` and w
 
 - `"video-text-retrieval"` ([`VideoTextRetrievalPipeline`]): `pipe(text=..., videos=[...], top_k=None)` ranks the
   videos for each query with the two-stage ranking of the original (cosine of the contrastive embeddings picks the
-  candidates, the matching head re-scores them). Each video is decoded and encoded once per call, whatever the number
-  of queries. `encode_videos` builds a [`VideoIndex`] (embeddings and, optionally, the aggregated tokens for
+  `config.k_test` candidates, the matching head re-scores them; with `top_k=None` the other videos follow, ordered by
+  cosine, each result saying whether it was re-ranked). Each video is decoded and encoded once per call, whatever the
+  number of queries. `encode_videos` builds a [`VideoIndex`] (embeddings and, optionally, the aggregated tokens for
   re-ranking) that can be saved, loaded and searched (`search`) without decoding the videos again.
 - `"zero-shot-video-classification"` ([`ZeroShotVideoClassificationPipeline`]): `pipe(video, candidate_labels=[...],
   hypothesis_template="a video of {}.")` returns labels with scores that sum to 1: a softmax over the cosine
@@ -43,6 +44,14 @@ from transformers.pipelines.base import Pipeline
 from transformers.utils import logging
 
 from .processing_testa import TestaProcessor
+from .saving_testa import push_folder_to_hub
+from .video_store import (
+    STORE_INFO_FILE,
+    VideoStoreWriter,
+    VideoTokenStore,
+    finalize_store,
+    is_video_store,
+)
 
 
 logger = logging.get_logger(__name__)
@@ -150,6 +159,45 @@ def _check_top_k(top_k: Any) -> None:
         raise ValueError(f"`top_k` must be a positive int or None, got {top_k!r}.")
 
 
+def _check_rerank_k(rerank_k: Any) -> None:
+    if isinstance(rerank_k, bool) or not isinstance(rerank_k, int) or rerank_k < 1:
+        raise ValueError(
+            f"`rerank_k` must be a positive int (the candidates re-ranked per query), got {rerank_k!r}."
+        )
+
+
+def _two_tier_ranking(
+    items: list[Any],
+    reranked: torch.Tensor,
+    reranked_scores: torch.Tensor,
+    similarity: torch.Tensor | None,
+    top_k: int | None,
+) -> list[dict[str, Any]]:
+    """One query's result list: the re-ranked candidates by decreasing score, then (when `similarity` is given) every
+    other item by decreasing cosine similarity; the first `top_k` entries (all for `None`).
+
+    Args:
+        items (`list`): the videos, as they are returned.
+        reranked (`torch.LongTensor` of shape `(k,)`): indices into `items` of the re-ranked candidates.
+        reranked_scores (`torch.FloatTensor` of shape `(k,)`): their two-stage scores.
+        similarity (`torch.FloatTensor` of shape `(len(items),)`, *optional*): the cosine of every item.
+        top_k (`int`, *optional*): how many entries to return.
+    """
+    reranked, reranked_scores = reranked.cpu(), reranked_scores.float().cpu()
+    order = torch.argsort(reranked_scores, descending=True, stable=True)
+    result = [
+        {"video": items[int(reranked[i])], "score": float(reranked_scores[i]), "reranked": True} for i in order
+    ]
+    if similarity is not None and (top_k is None or top_k > len(result)):
+        similarity = similarity.float().cpu()
+        rest = torch.ones(len(items), dtype=torch.bool)
+        rest[reranked] = False
+        others = rest.nonzero().flatten()
+        others = others[torch.argsort(similarity[others], descending=True, stable=True)]
+        result += [{"video": items[int(i)], "score": float(similarity[i]), "reranked": False} for i in others]
+    return result if top_k is None else result[:top_k]
+
+
 def _video_name(item: Any, index: int) -> str:
     return os.fspath(item) if isinstance(item, (str, os.PathLike)) else f"videos[{index}]"
 
@@ -173,21 +221,31 @@ class VideoIndex:
     r"""
     A collection of videos encoded once by [`VideoTextRetrievalPipeline.encode_videos`].
 
+    Two forms, searched the same way by [`VideoTextRetrievalPipeline.search`]:
+
+    - in memory (default): `tokens` and `token_sizes` are tensors.
+    - backed by an on-disk video store (`encode_videos(..., store_dir=DIR)` or `VideoIndex.load(DIR)` of a store, see
+      `video_store.py`, the format the training evaluation writes too): `embeddings` are in memory, while `tokens`
+      and `token_sizes` are lazy tensor-likes whose indexing (`index.tokens[candidates]`) reads only those videos from
+      disk. A collection is indexed once and searched many times with memory bounded by the candidates.
+
     Args:
         videos (`list`): the videos as given (paths, or arrays for in-memory videos); after `load`, their names.
         embeddings (`torch.FloatTensor` of shape `(num_videos, projection_dim)`): L2-normalised contrastive video
             embeddings (`model.get_video_features`), used for the first stage.
         tokens (`torch.Tensor` of shape `(num_videos, tokens, hidden_size)`, *optional*): the aggregated video tokens
-            the matching head cross-attends to, for the second (re-ranking) stage.
+            the matching head cross-attends to, for the second (re-ranking) stage (lazy when store-backed).
         token_sizes (`torch.FloatTensor` of shape `(num_videos, tokens)`, *optional*): input patches per token.
         info (`dict`): how the index was built (model class, frames, ...); saved with it.
+        store (`VideoTokenStore`, *optional*): the on-disk store backing `tokens`, when there is one.
     """
 
     videos: list[Any]
     embeddings: torch.Tensor
-    tokens: torch.Tensor | None = None
-    token_sizes: torch.Tensor | None = None
+    tokens: Any = None
+    token_sizes: Any = None
     info: dict[str, Any] = field(default_factory=dict)
+    store: VideoTokenStore | None = None
 
     def __post_init__(self) -> None:
         n = len(self.videos)
@@ -211,30 +269,89 @@ class VideoIndex:
         """Whether the aggregated tokens are stored, i.e. whether search can re-rank with the matching head."""
         return self.tokens is not None
 
-    def save(self, directory: str | os.PathLike) -> Path:
-        """Writes `video_index.safetensors` (embeddings, tokens, token sizes) and `video_index.json` (video names and
-        `info`) into `directory` (created if needed). Returns the directory."""
+    @property
+    def valid(self) -> torch.Tensor:
+        """`(num_videos,)` bool: the videos that were encoded (a store written by the training evaluation may hold
+        videos that could not be decoded; they are never returned by `nearest`)."""
+        return self.store.valid if self.store is not None else torch.ones(len(self), dtype=torch.bool)
+
+    @classmethod
+    def from_store(cls, store: "VideoTokenStore | str | os.PathLike") -> "VideoIndex":
+        """An index over an on-disk video store (a `VideoTokenStore` or its directory)."""
+        if not isinstance(store, VideoTokenStore):
+            store = VideoTokenStore(store)
+        return cls(videos=list(store.videos), embeddings=store.embeddings, tokens=store.tokens,
+                   token_sizes=store.token_sizes, info=dict(store.info), store=store)
+
+    def save(self, directory: str | os.PathLike, as_store: bool | None = None) -> Path:
+        """Saves the index into `directory` (created if needed). Returns the directory.
+
+        Args:
+            as_store (`bool`, *optional*): write the on-disk video store format (`video_store.json` and shards; the
+                tokens keep their dtype, which must be float16, bfloat16 or float32). Defaults to `True` for a
+                store-backed index and to `False` otherwise, which writes the single-file format of earlier versions
+                (`video_index.safetensors` with embeddings, tokens and token sizes, and `video_index.json`). `load`
+                reads both.
+        """
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
+        as_store = self.store is not None if as_store is None else as_store
+        if as_store:
+            if not self.has_tokens:
+                raise ValueError("The video store format holds tokens; this index has none (save it with "
+                                 "as_store=False, or encode with store_tokens=True).")
+            if self.store is not None and Path(self.store.directory).resolve() == directory.resolve():
+                return directory  # already there
+            self._write_store(directory)
+            return directory
         tensors = {"embeddings": self.embeddings.detach().cpu().contiguous()}
         if self.tokens is not None:
-            tensors["tokens"] = self.tokens.detach().cpu().contiguous()
+            tokens = self.tokens if isinstance(self.tokens, torch.Tensor) else self.tokens.materialize()
+            tensors["tokens"] = tokens.detach().cpu().contiguous()
         if self.token_sizes is not None:
-            tensors["token_sizes"] = self.token_sizes.detach().cpu().contiguous()
+            sizes = self.token_sizes if isinstance(self.token_sizes, torch.Tensor) else self.token_sizes.materialize()
+            tensors["token_sizes"] = sizes.detach().cpu().contiguous()
         save_file(tensors, str(directory / INDEX_TENSORS_FILE), metadata={"format": "pt"})
         info = {"format_version": 1, "videos": self.names, "info": self.info}
         (directory / INDEX_INFO_FILE).write_text(json.dumps(info, indent=2), encoding="utf-8")
         return directory
 
+    def _write_store(self, directory: Path, chunk: int = 64) -> None:
+        valid = self.valid
+        dtype = self.tokens.dtype if self.tokens.dtype in (torch.float16, torch.bfloat16) else torch.float32
+        writer = VideoStoreWriter(directory, 0, 0, len(self), token_dtype=dtype)
+        failures = {f["index"]: f for f in (self.store.failures if self.store is not None else [])}
+        for start in range(0, len(self), chunk):
+            rows = [i for i in range(start, min(start + chunk, len(self))) if valid[i]]
+            for i in range(start, min(start + chunk, len(self))):
+                if not valid[i]:
+                    writer.add_failure(i, failures[i]["video"], failures[i]["reason"])
+            if rows:
+                index = torch.tensor(rows)
+                sizes = self.token_sizes[index] if self.token_sizes is not None else None
+                writer.add_batch(rows, self.tokens[index], sizes, self.embeddings[index])
+        writer.close()
+        finalize_store(directory, self.names, 1, self.info)
+
     @classmethod
     def load(cls, directory: str | os.PathLike) -> "VideoIndex":
-        """Reads an index written by `save`; `videos` then holds the saved names."""
+        """Reads an index written by `save` (either format) or any video store (e.g. the one the training
+        evaluation writes with `eval.store_dir`); `videos` then holds the saved names. A video store stays on disk:
+        its tokens are read when indexed."""
         directory = Path(directory)
+        if is_video_store(directory):
+            return cls.from_store(directory)
         for name in (INDEX_TENSORS_FILE, INDEX_INFO_FILE):
             if not (directory / name).is_file():
-                raise FileNotFoundError(f"No video index in {str(directory)!r}: {name} is missing.")
+                raise FileNotFoundError(
+                    f"No video index in {str(directory)!r}: it holds neither a video store ({STORE_INFO_FILE}) nor "
+                    f"the single-file index ({name} is missing)."
+                )
         tensors = load_file(str(directory / INDEX_TENSORS_FILE))
         info = json.loads((directory / INDEX_INFO_FILE).read_text(encoding="utf-8"))
+        if info.get("format_version") != 1:
+            raise ValueError(f"Unknown video index format_version {info.get('format_version')!r} in "
+                             f"{str(directory / INDEX_INFO_FILE)!r}; this version reads 1 and video stores.")
         return cls(
             videos=list(info["videos"]),
             embeddings=tensors["embeddings"],
@@ -249,19 +366,24 @@ class VideoIndex:
         """First-stage search: the `k` videos of highest cosine similarity for each query.
 
         Uses an exact inner-product FAISS index (`IndexFlatIP`) when `faiss` is installed (`use_faiss=None`), torch
-        top-k otherwise. The embeddings are L2-normalised, so inner product = cosine.
+        top-k otherwise. The embeddings are L2-normalised, so inner product = cosine. Videos that could not be
+        encoded (possible in a store written by the training evaluation) are left out.
 
         Args:
             query_embeddings (`torch.FloatTensor` of shape `(num_queries, projection_dim)`): normalised text features.
-            k (`int`): candidates per query (capped at the index size).
+            k (`int`): candidates per query (capped at the number of encoded videos).
             use_faiss (`bool`, *optional*): force (`True`, raises if missing) or avoid (`False`) FAISS.
 
         Returns:
             `(scores, indices)`, both `(num_queries, k)`, by decreasing similarity.
         """
-        k = min(int(k), len(self))
+        valid = self.valid
+        rows = None if bool(valid.all()) else valid.nonzero().flatten()
+        k = min(int(k), len(self) if rows is None else rows.numel())
         queries = query_embeddings.detach().float().cpu()
         database = self.embeddings.float().cpu()
+        if rows is not None:
+            database = database[rows]
         faiss = _faiss() if use_faiss in (None, True) else None
         if use_faiss and faiss is None:
             raise ImportError("use_faiss=True but `faiss` is not installed (pip install faiss-cpu).")
@@ -269,21 +391,37 @@ class VideoIndex:
             index = faiss.IndexFlatIP(database.shape[1])
             index.add(np.ascontiguousarray(database.numpy(), dtype=np.float32))
             scores, indices = index.search(np.ascontiguousarray(queries.numpy(), dtype=np.float32), k)
-            return torch.from_numpy(scores), torch.from_numpy(indices).long()
-        return (queries @ database.T).topk(k, dim=1)
+            scores, indices = torch.from_numpy(scores), torch.from_numpy(indices).long()
+        else:
+            scores, indices = (queries @ database.T).topk(k, dim=1)
+        return scores, (indices if rows is None else rows[indices])
 
 
-def _load_testa_processor(source: str | os.PathLike) -> TestaProcessor:
+def _load_testa_processor(source: str | os.PathLike, trust_remote_code: bool | None = None) -> TestaProcessor:
     """Loads a saved `TestaProcessor` with this module's own classes (`TestaVideoProcessor` from the nested
-    `processor_config.json`, the BERT tokenizer from `tokenizer.json`). Unlike `AutoProcessor`, this runs no code
-    from `source`, so it needs no `trust_remote_code`, also when this module is itself Hub remote code."""
+    `processor_config.json`, the tokenizer from `tokenizer.json`).
+
+    The tokenizer goes through `AutoTokenizer`, which reads the folder's `config.json` (and its `auto_map`):
+    `trust_remote_code` is passed to it, so that a folder whose custom code the caller already trusts is never
+    asked about again ("Do you wish to run the custom code?") nor, without a terminal, refused.
+
+    Args:
+        source (`str` or `os.PathLike`): a folder or Hub repo holding a saved processor.
+        trust_remote_code (`bool`, *optional*): the caller's answer for the custom code of `source`.
+    """
     from transformers import AutoTokenizer
 
     from .video_processing_testa import TestaVideoProcessor
 
     video_processor = TestaVideoProcessor.from_pretrained(source)
-    tokenizer = AutoTokenizer.from_pretrained(source)
+    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
     return TestaProcessor(video_processor=video_processor, tokenizer=tokenizer)
+
+
+def _is_remote_code(obj: Any) -> bool:
+    """Whether `obj`'s class was loaded as Hub remote code (its module lives in `transformers_modules`), which
+    transformers only does after the user passed `trust_remote_code=True` for that repository."""
+    return type(obj).__module__.split(".")[0] == "transformers_modules"
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -306,7 +444,7 @@ class _TestaPipeline(Pipeline):
     _auto_model_classes: tuple[str, ...] = ("AutoModel",)
 
     def __init__(self, model: Any, processor: Any = None, tokenizer: Any = None, video_processor: Any = None,
-                 **kwargs: Any) -> None:
+                 trust_remote_code: bool | None = None, **kwargs: Any) -> None:
         """
         Args:
             model: a TESTA model of the head the task needs.
@@ -314,18 +452,27 @@ class _TestaPipeline(Pipeline):
                 Defaults to the processor saved with the model (`model.name_or_path`), or to one built from
                 `tokenizer` and `video_processor` when both are given.
             tokenizer, video_processor (*optional*): override the processor's components.
+            trust_remote_code (`bool`, *optional*): passed to every load of the processor. `pipeline()` does not
+                hand its own `trust_remote_code` to the pipeline class, so when it is unset and the processor comes
+                from the model's own folder or repo, it is `True` if the model's class is Hub remote code (the user
+                already trusted that repository's code to load the model).
             **kwargs: `device`, `batch_size`, and call arguments that become defaults (e.g. `top_k`).
         """
+        source = getattr(model, "name_or_path", None) or getattr(model.config, "_name_or_path", None)
+        # the model's own folder/repo: its code was trusted when the model was loaded as remote code
+        trusted = True if trust_remote_code is None and _is_remote_code(model) else trust_remote_code
         if isinstance(processor, (str, os.PathLike)):
-            processor = _load_testa_processor(processor)
+            same_source = source is not None and os.fspath(processor) == os.fspath(source)
+            processor = _load_testa_processor(
+                processor, trust_remote_code=trusted if same_source else trust_remote_code
+            )
         if processor is None and tokenizer is not None and video_processor is not None:
             processor = TestaProcessor(video_processor=video_processor, tokenizer=tokenizer)
         if processor is None:
-            source = getattr(model, "name_or_path", None) or getattr(model.config, "_name_or_path", None)
             reason = "the model has no `name_or_path` to load it from"
             if source:
                 try:
-                    processor = _load_testa_processor(source)
+                    processor = _load_testa_processor(source, trust_remote_code=trusted)
                 except Exception as error:  # noqa: BLE001 - reported below with the remedy
                     reason = f"loading it from {source!r} failed: {type(error).__name__}: {error}"
             if processor is None:
@@ -334,6 +481,10 @@ class _TestaPipeline(Pipeline):
                     "(`processor.save_pretrained(folder)`) or pass `processor=` (or `tokenizer=` and "
                     "`video_processor=`)."
                 )
+        if not (hasattr(processor, "tokenizer") and hasattr(processor, "video_processor")):
+            raise TypeError(
+                f"`processor` must be a TestaProcessor (or a folder/repo holding one), got {type(processor).__name__}."
+            )
         tokenizer = tokenizer if tokenizer is not None else processor.tokenizer
         video_processor = video_processor if video_processor is not None else processor.video_processor
         super().__init__(
@@ -403,8 +554,6 @@ class _TestaPipeline(Pipeline):
     def push_to_hub(self, repo_id: str, **kwargs: Any) -> Any:
         """Saves with `save_pretrained` and uploads the folder, keeping the generated model card (see
         `TestaHubMixin.push_to_hub`)."""
-        from .hub_testa import push_folder_to_hub
-
         return push_folder_to_hub(self, repo_id, **kwargs)
 
 
@@ -427,10 +576,22 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
     ```
 
     Ranking is the original two-stage one (`model.rank_videos`): the cosine similarity of the contrastive embeddings
-    selects `rerank_k` candidates per query (defaults to `config.k_test`, and at least `top_k`; all videos when
-    `top_k=None`), the matching (ITM) head re-scores them, and the score is the ITM match logit plus the cosine
-    (`itm_score="softmax"` uses the match probability, `add_cosine=False` drops the cosine). Returned videos are
-    always re-ranked ones.
+    selects `rerank_k` candidates per query (default `config.k_test`, as in the paper's evaluation, and at least
+    `top_k`), and the matching (ITM) head re-scores them. The cost of the matching head therefore grows with
+    `rerank_k`, not with the size of the collection.
+
+    What is returned, per query (each item is `{"video", "score", "reranked"}`):
+
+    - `top_k=<int>`: the `top_k` best re-ranked videos, by decreasing score.
+    - `top_k=None` (default): **all** videos. First the `min(rerank_k, num_videos)` re-ranked candidates by decreasing
+      score (`"reranked": True`), then every other video by decreasing cosine similarity (`"reranked": False`). As in
+      the original evaluation (where non-candidates score -100), a re-ranked video always comes before a video that
+      was not re-ranked, whatever the numbers.
+
+    `"score"` of a re-ranked video is the ITM match logit plus the cosine (`itm_score="softmax"`: the match
+    probability instead of the logit; `add_cosine=False`: without the cosine). `"score"` of a video that was not
+    re-ranked is its cosine similarity (in [-1, 1]); the two kinds of score are not comparable with each other.
+    To re-rank every video, pass `rerank_k=len(videos)` (or any larger number).
 
     Call arguments: `text` (str or list of str), `videos` (list of paths, 4-D arrays or frame lists), `top_k`,
     `rerank_k`, `itm_score`, `add_cosine`, `batch_size` (videos encoded at a time, default 8), `num_frames` (and any
@@ -461,6 +622,8 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         video_kwargs = _merged_video_kwargs(video_kwargs, num_frames)
         if video_kwargs:
             forward["video_kwargs"] = video_kwargs
+        if rerank_k is not None:
+            _check_rerank_k(rerank_k)
         for name, value in (("rerank_k", rerank_k), ("itm_score", itm_score), ("add_cosine", add_cosine),
                             ("progress_bar", progress_bar), ("video_batch_size", video_batch_size)):
             if value is not None:
@@ -475,8 +638,8 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         """Ranks `videos` for each query in `text`.
 
         Returns:
-            For one query, a list of `{"video": <the given item>, "score": float}` by decreasing score; for a list of
-            queries, one such list per query.
+            For one query, a list of `{"video": <the given item>, "score": float, "reranked": bool}` (see the class
+            docstring for the order and what the scores mean); for a list of queries, one such list per query.
         """
         batch_size = kwargs.pop("batch_size", None)
         if batch_size is not None:
@@ -515,26 +678,29 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
             itm_score=itm_score,
             add_cosine=add_cosine,
         )
-        return {"scores": ranking.scores, "videos": videos, "single": model_inputs["single"]}
+        return {
+            "scores": ranking.scores.float().cpu(),
+            "similarity": ranking.similarity.float().cpu(),
+            "candidates": ranking.topk_indices.cpu(),
+            "videos": videos,
+            "single": model_inputs["single"],
+        }
 
     def _window(self, num_videos: int, top_k: int | None, rerank_k: int | None) -> int:
-        """Candidates re-ranked per query: all videos for `top_k=None`, else `max(top_k, rerank_k or k_test)`."""
-        if top_k is None:
-            return num_videos
-        if rerank_k is not None and (isinstance(rerank_k, bool) or not isinstance(rerank_k, int) or rerank_k < 1):
-            raise ValueError(f"`rerank_k` must be a positive int, got {rerank_k!r}.")
+        """Candidates re-ranked per query: `max(top_k, rerank_k or config.k_test)` (`top_k=None` counts as 0),
+        capped at the number of videos."""
+        if rerank_k is not None:
+            _check_rerank_k(rerank_k)
         base = rerank_k if rerank_k is not None else self.model.config.k_test
-        return min(num_videos, max(top_k, base))
+        return min(num_videos, max(top_k or 0, base))
 
     def postprocess(self, model_outputs: dict[str, Any], top_k: int | None = None) -> Any:
+        videos = model_outputs["videos"]
         results = []
-        for row in model_outputs["scores"]:
-            finite = torch.isfinite(row)
-            order = torch.argsort(row.masked_fill(~finite, float("-inf")), descending=True, stable=True)
-            order = [int(i) for i in order if finite[i]]
-            if top_k is not None:
-                order = order[:top_k]
-            results.append([{"video": model_outputs["videos"][i], "score": float(row[i])} for i in order])
+        for scores, similarity, candidates in zip(
+            model_outputs["scores"], model_outputs["similarity"], model_outputs["candidates"]
+        ):
+            results.append(_two_tier_ranking(videos, candidates, scores[candidates], similarity, top_k))
         return results[0] if model_outputs["single"] else results
 
     # -- encode once, search many times ------------------------------------------------------------------------------
@@ -546,6 +712,7 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         store_tokens: bool = True,
         token_dtype: torch.dtype | None = None,
         progress_bar: bool | None = None,
+        store_dir: str | os.PathLike | None = None,
         **video_kwargs: Any,
     ) -> VideoIndex:
         """Decodes and encodes every video once and returns a [`VideoIndex`].
@@ -553,15 +720,25 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         Args:
             videos (`list`): paths, 4-D arrays/tensors or frame lists.
             batch_size (`int`, defaults to 8): videos per encoder forward.
-            store_tokens (`bool`, defaults to `True`): keep the aggregated tokens (on the CPU) so that `search` can
-                re-rank with the matching head; `False` keeps only the embeddings (much smaller).
-            token_dtype (`torch.dtype`, *optional*): store the tokens in this dtype (e.g. `torch.float16`).
+            store_tokens (`bool`, defaults to `True`): keep the aggregated tokens so that `search` can re-rank with
+                the matching head; `False` keeps only the embeddings (much smaller; not with `store_dir`).
+            token_dtype (`torch.dtype`, *optional*): store the tokens in this dtype (e.g. `torch.float16`). In
+                memory the default is the model's dtype; in a store it is `torch.float16` (pass `torch.float32` for
+                results identical to `pipe(text, videos)`).
             progress_bar (`bool`, *optional*): show a tqdm bar (default: from 16 videos on).
+            store_dir (`str` or `os.PathLike`, *optional*): write the tokens to an on-disk video store in this
+                directory as they are encoded (memory stays bounded by `batch_size`, whatever the collection) and
+                return an index backed by it; `VideoIndex.load(store_dir)` reopens it later.
             **video_kwargs: video-processor arguments (`num_frames=...`).
         """
         videos = _video_list(videos, "videos")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"`batch_size` must be a positive int, got {batch_size!r}.")
+        if store_dir is not None and not store_tokens:
+            raise ValueError("`store_dir` writes the tokens: it cannot be combined with store_tokens=False.")
+        writer = None
+        if store_dir is not None:
+            writer = VideoStoreWriter(store_dir, 0, 0, len(videos), token_dtype=token_dtype or torch.float16)
         features, tokens, sizes = [], [], []
         with self._progress(len(videos), progress_bar, "Encoding videos") as bar:
             for start in range(0, len(videos), batch_size):
@@ -570,20 +747,29 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
                     [self._pixels(item, f"videos[{start + j}]", video_kwargs) for j, item in enumerate(chunk)]
                 )
                 feats, toks, token_sizes = self._encode(pixels)
-                features.append(feats.float().cpu())
-                if store_tokens:
-                    tokens.append(toks.detach().to("cpu", dtype=token_dtype or toks.dtype))
-                    sizes.append(token_sizes.detach().float().cpu())
+                if writer is not None:
+                    writer.add_batch(range(start, start + len(chunk)), toks, token_sizes, feats)
+                else:
+                    features.append(feats.float().cpu())
+                    if store_tokens:
+                        tokens.append(toks.detach().to("cpu", dtype=token_dtype or toks.dtype))
+                        sizes.append(token_sizes.detach().float().cpu())
                 bar.update(len(chunk))
         vision = self.model.config.vision_config
         info = {
             "model_class": type(self.model).__name__,
             "name_or_path": getattr(self.model.config, "_name_or_path", None) or "",
-            "projection_dim": int(features[0].shape[1]),
+            "projection_dim": int(self.model.config.projection_dim),
             "num_frames": int(video_kwargs.get("num_frames", self.video_processor.num_frames)),
             "temporal_reduction": vision.temporal_reduction_per_layer,
             "spatial_reduction": vision.spatial_reduction_per_layer,
         }
+        if writer is not None:
+            writer.close()
+            finalize_store(store_dir, [_video_name(item, i) for i, item in enumerate(videos)], 1, info)
+            index = VideoIndex.from_store(store_dir)
+            index.videos = list(videos)
+            return index
         return VideoIndex(
             videos=list(videos),
             embeddings=torch.cat(features),
@@ -607,13 +793,15 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
     ) -> Any:
         """Searches an encoded collection without decoding any video.
 
-        The first stage takes the `rerank_k` (default `config.k_test`, at least `top_k`; everything for `top_k=None`)
-        nearest videos by cosine, with FAISS when installed and torch top-k otherwise. When the index holds the
-        tokens (and `rerank` is not `False`), the matching head re-scores them exactly as the pipeline call does, so
-        the results equal `pipe(text, videos)`. Without tokens (or `rerank=False`) the score is the cosine.
+        The first stage takes the nearest videos by cosine, with FAISS when installed (`use_faiss=None`; `True`
+        requires it, `False` uses exact torch top-k) and torch top-k otherwise. When the index holds the tokens (and
+        `rerank` is not `False`), the matching head re-scores the `rerank_k` nearest ones (default `config.k_test`,
+        at least `top_k`) exactly as the pipeline call does, so the results equal `pipe(text, videos, ...)` with the
+        same arguments: with `top_k=None`, all videos, the re-ranked ones first (`"reranked": True`), then the others
+        by cosine. Without tokens (or with `rerank=False`) every score is the cosine and nothing is re-ranked.
 
         Returns:
-            Like the pipeline call: `[{"video", "score"}]` per query, by decreasing score.
+            Like the pipeline call: `[{"video", "score", "reranked"}]` per query.
         """
         if not all(hasattr(index, name) for name in ("videos", "embeddings", "tokens", "nearest")):
             # duck-typed: the index may come from another copy of this module (installed package vs Hub code)
@@ -621,41 +809,43 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
                 f"`index` must be a VideoIndex (from `encode_videos` or `VideoIndex.load`), got {type(index)}."
             )
         _check_top_k(top_k)
+        if rerank_k is not None:
+            _check_rerank_k(rerank_k)
+        if use_faiss not in (None, True, False):
+            raise ValueError(f"`use_faiss` must be None, True or False, got {use_faiss!r}.")
         texts, single = _text_list(text, "text")
         if rerank and not index.has_tokens:
             raise ValueError("rerank=True needs an index built with store_tokens=True.")
-        rerank = index.has_tokens if rerank is None else rerank
+        rerank = index.has_tokens if rerank is None else bool(rerank)
         encoded = self._tokenize(texts, text_kwargs)
         input_ids = encoded["input_ids"].to(self.device)
         attention_mask = encoded["attention_mask"].to(self.device)
         text_features = self.model.get_text_features(input_ids, attention_mask).float().cpu()
-        if rerank:
-            window = self._window(len(index), top_k, rerank_k)
-        else:
-            window = len(index) if top_k is None else min(top_k, len(index))
-        cosines, candidates = index.nearest(text_features, window, use_faiss=use_faiss)
+        num_videos = len(index)
+        window = self._window(num_videos, top_k, rerank_k) if rerank else 0
+        depth = num_videos if top_k is None else max(window, min(top_k, num_videos))
+        cosines, candidates = index.nearest(text_features, depth, use_faiss=use_faiss)
         results = []
         for q in range(len(texts)):
             cand = candidates[q]
-            if rerank:
+            items = [index.videos[int(c)] for c in cand]
+            head = cand[:window]
+            if window:
                 ranking = self.model.rank_videos(
                     input_ids[q : q + 1],
-                    index.tokens[cand],
+                    index.tokens[head],
                     attention_mask=attention_mask[q : q + 1],
-                    video_token_sizes=index.token_sizes[cand] if index.token_sizes is not None else None,
+                    video_token_sizes=index.token_sizes[head] if index.token_sizes is not None else None,
                     text_features=text_features[q : q + 1],
-                    video_features=index.embeddings[cand],
-                    k=len(cand),
+                    video_features=index.embeddings[head],
+                    k=len(head),
                     itm_score=itm_score,
                     add_cosine=add_cosine,
                 )
-                scores = ranking.scores[0].float().cpu()
+                head_scores = ranking.scores[0]
             else:
-                scores = cosines[q].float()
-            order = torch.argsort(scores, descending=True, stable=True)
-            if top_k is not None:
-                order = order[:top_k]
-            results.append([{"video": index.videos[int(cand[i])], "score": float(scores[i])} for i in order])
+                head_scores = torch.empty(0)
+            results.append(_two_tier_ranking(items, torch.arange(len(head)), head_scores, cosines[q], top_k))
         return results[0] if single else results
 
 

@@ -17,11 +17,13 @@ Differences from the original TESTA data pipeline (`data/video_dataset.py`), all
   [0, 1] unless their maximum exceeds 1 (then they are taken to be in [0, 255]). The original divided by 255 only when
   `max > 1`, so an all-dark uint8 clip was left unscaled.
 
-Decoding uses decord by default and PyAV as the fallback. decord is a C++ library whose errors are raised from
-decoder threads; it has upstream reports of segmentation faults and aborts on some corrupt files and of endless
-"rewind" loops. On POSIX systems decord therefore runs in a separate helper process by default
-(`isolate_decoder=True`), with a time limit (`decode_timeout`), so that a crash or a hang in the decoder raises a
-`VideoDecodingError` in the caller instead of killing it.
+Decoding uses decord by default and PyAV as the fallback. Both are C libraries around FFmpeg: decord has upstream
+reports of segmentation faults and aborts on some corrupt files and of endless "rewind" loops, and the PyAV fallback
+is typically asked to read the very file that just failed in decord. On POSIX systems **both** backends therefore run
+in one long-lived helper process by default (`isolate_decoder=True`; the helper is the sibling module
+`video_decoding_worker.py`, run by path), with a time limit per video (`decode_timeout`), so that a crash or a hang in
+either decoder raises a `VideoDecodingError` naming the file in the caller instead of killing or blocking it. With
+`isolate_decoder=False`, or where no helper process can be started (not POSIX), the same readers run in process.
 """
 
 import atexit
@@ -38,7 +40,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from functools import partial
 from typing import Any, Literal
 
@@ -52,8 +54,11 @@ from transformers.processing_utils import Unpack, VideosKwargs
 from transformers.video_processing_utils import BaseVideoProcessor
 from transformers.video_utils import VideoMetadata
 
+# `from .module import ...` (not `from . import module`): transformers exports the files named this way with the code
+from .video_decoding_worker import DecodeFailure, TruncatedVideo, import_av, import_decord, open_reader
 
-try:  # POSIX only; without it decord runs in process
+
+try:  # POSIX only; without it the decoders run in process
     import fcntl
 except ImportError:  # pragma: no cover
     fcntl = None
@@ -204,28 +209,10 @@ def _check_source(source: str | os.PathLike) -> str:
     return source
 
 
-def _import_decord() -> Any:
-    """Imports decord lazily (optional dependency; inside `try` so remote-code loading does not require it)."""
-    try:
-        import decord
-    except ImportError as exc:
-        raise ImportError("video_backend='decord' needs decord: `pip install decord`.") from exc
-    return decord
-
-
-def _import_av() -> Any:
-    """Imports PyAV lazily (optional dependency)."""
-    try:
-        import av
-    except ImportError as exc:
-        raise ImportError("video_backend='pyav' needs PyAV: `pip install av`.") from exc
-    return av
-
-
 def decord_available() -> bool:
     """Whether decord can be imported."""
     try:
-        _import_decord()
+        import_decord()
     except Exception:  # ImportError, or a broken shared library
         return False
     return True
@@ -234,7 +221,7 @@ def decord_available() -> bool:
 def pyav_available() -> bool:
     """Whether PyAV (`av`) can be imported."""
     try:
-        _import_av()
+        import_av()
     except Exception:
         return False
     return True
@@ -256,25 +243,6 @@ def _clean_decoder_message(message: str) -> str:
     return " | ".join(lines[:2]) if lines else str(message).strip()
 
 
-class _DecordReader:
-    """Opens a video with decord, reports its metadata, then reads the requested frames."""
-
-    def __init__(self, source: str, num_threads: int | None) -> None:
-        decord = _import_decord()
-        self.reader = decord.VideoReader(source, ctx=decord.cpu(0), num_threads=int(num_threads or 0))
-        total = len(self.reader)
-        fps = float(self.reader.get_avg_fps() or 0.0)
-        self.metadata = {
-            "total_num_frames": int(total),
-            "fps": fps if fps > 0 else None,
-            "duration": total / fps if fps > 0 else None,
-            "video_backend": "decord",
-        }
-
-    def read(self, unique_indices: Sequence[int]) -> np.ndarray:
-        return self.reader.get_batch([int(i) for i in unique_indices]).asnumpy()
-
-
 def _finish(
     frames_unique: np.ndarray, inverse: np.ndarray, indices: np.ndarray, metadata: VideoMetadata
 ) -> tuple[np.ndarray, VideoMetadata]:
@@ -286,94 +254,89 @@ def _finish(
     return np.ascontiguousarray(frames), metadata
 
 
-def _decode_with_decord(
-    source: str, sample_indices_fn: Callable[[VideoMetadata], Any], num_threads: int | None
+def _sample_and_read(
+    source: str,
+    backend: str,
+    info: dict[str, Any],
+    sample_indices_fn: Callable[[VideoMetadata], Any],
+    read: Callable[[np.ndarray], np.ndarray],
+    close: Callable[[], None],
 ) -> tuple[np.ndarray, VideoMetadata]:
-    """Decodes in this process with decord (no protection against decoder crashes)."""
+    """The part of decoding that runs in this process, whichever process runs the decoder.
+
+    Builds the metadata from the opened video's `info`, samples the indices here (this process' RNG), and reads the
+    frames with `read`. A PyAV file that turns out truncated (`TruncatedVideo`: fewer frames than declared) is sampled
+    again over the frames that are really there. `close` releases the opened video when no read follows.
+    """
+    total, fps = int(info["total_num_frames"]), info["fps"]
+    metadata = VideoMetadata(
+        total_num_frames=total,
+        fps=fps,
+        width=info.get("width"),
+        height=info.get("height"),
+        duration=total / fps if fps else None,
+        video_backend=backend,
+    )
+    if total <= 0:
+        close()
+        what = "no decodable frames" if backend == "decord" else "no frames"
+        raise VideoDecodingError(source, f"the video stream contains {what}", backend)
     try:
-        reader = _DecordReader(source, num_threads)
-    except Exception as exc:  # DECORDError / RuntimeError
-        raise VideoDecodingError(source, _clean_decoder_message(exc), "decord") from exc
-    metadata = VideoMetadata(**reader.metadata)
-    if metadata.total_num_frames <= 0:
-        raise VideoDecodingError(source, "the video stream contains no decodable frames", "decord")
-    indices = _checked_indices(sample_indices_fn(metadata), metadata.total_num_frames, source)
+        indices = _checked_indices(sample_indices_fn(metadata), total, source)
+    except BaseException:
+        close()
+        raise
     unique, inverse = np.unique(indices, return_inverse=True)
     try:
-        frames = reader.read(unique)
-    except Exception as exc:
-        raise VideoDecodingError(source, _clean_decoder_message(exc), "decord") from exc
+        frames = read(unique)
+    except TruncatedVideo as exc:
+        logger.warning(
+            "Only %d of the %d frames declared by %r could be decoded%s; sampling from those.",
+            exc.decoded, total, source, f" (FFmpeg: {exc.error})" if exc.error else "",
+        )
+        metadata.total_num_frames = exc.decoded
+        metadata.duration = exc.decoded / fps if fps else None
+        try:
+            indices = _checked_indices(sample_indices_fn(metadata), exc.decoded, source)
+        except BaseException:
+            close()
+            raise
+        unique, inverse = np.unique(indices, return_inverse=True)
+        frames = read(unique)
     return _finish(frames, inverse, indices, metadata)
 
 
-# --- decord in a separate worker process ------------------------------------------------------------------------------
+def _decode_in_process(
+    source: str, backend: str, sample_indices_fn: Callable[[VideoMetadata], Any], num_threads: int | None
+) -> tuple[np.ndarray, VideoMetadata]:
+    """Decodes in this process (no protection against decoder crashes or hangs); decoder errors name the file."""
+
+    def call(fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except (ImportError, TruncatedVideo):
+            raise
+        except DecodeFailure as exc:
+            raise VideoDecodingError(source, str(exc), backend) from exc
+        except Exception as exc:  # DECORDError, av.FFmpegError, RuntimeError, ...
+            raise VideoDecodingError(source, _clean_decoder_message(exc), backend) from exc
+
+    reader = call(open_reader, backend, source, num_threads)
+    return _sample_and_read(
+        source, backend, reader.metadata, sample_indices_fn, lambda unique: call(reader.read, unique), lambda: None
+    )
+
+
+# --- the decoder helper process ---------------------------------------------------------------------------------------
 #
-# decord runs in a long-lived helper process (`python -c _DECORD_WORKER_SOURCE`, which imports only numpy and decord)
-# that talks to this process over pipes with length-prefixed pickles. If decord crashes (segfault, C++ abort) or hangs,
-# only the helper dies or is killed; the caller gets a `VideoDecodingError` and the next call starts a new helper.
-# Starting the helper costs ~0.2 s once per process; each video then costs only the pipe transfer of its frames.
+# Both backends run in a long-lived helper process (`python video_decoding_worker.py`, a sibling module run by path,
+# which imports only numpy and the decoder libraries) that talks to this process over pipes with length-prefixed
+# pickles. If a decoder crashes (segfault, C++ abort) or hangs, only the helper dies or is killed; the caller gets a
+# `VideoDecodingError` and the next call starts a new helper. Starting the helper costs ~0.2 s once per process; each
+# video then costs only the pipe transfer of its frames.
 
-_DECORD_WORKER_SOURCE = r"""
-import os, pickle, struct, sys
-PROTO_IN = 0
-PROTO_OUT = os.dup(1)
-os.dup2(2, 1)  # anything written to stdout by C code goes to the log, never into the protocol pipe
-
-
-def read_exact(n):
-    buf = bytearray(n)
-    view = memoryview(buf)
-    while view:
-        k = os.readv(PROTO_IN, [view])
-        if k == 0:
-            os._exit(0)  # the parent closed the pipe
-        view = view[k:]
-    return buf
-
-
-def receive():
-    (n,) = struct.unpack("<Q", read_exact(8))
-    return pickle.loads(read_exact(n))
-
-
-def write_all(data):
-    view = memoryview(data).cast("B")
-    while view:
-        view = view[os.write(PROTO_OUT, view):]
-
-
-def send(obj):
-    payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    write_all(struct.pack("<Q", len(payload)) + payload)
-
-
-try:
-    import numpy as np
-    import decord
-except Exception as exc:
-    send(("error", type(exc).__name__, str(exc)))
-    os._exit(0)
-send(("ready", os.getpid()))
-reader = None
-while True:
-    request = receive()
-    try:
-        if request[0] == "open":
-            reader = None
-            reader = decord.VideoReader(request[1], ctx=decord.cpu(0), num_threads=request[2])
-            send(("metadata", len(reader), float(reader.get_avg_fps() or 0.0)))
-        elif request[0] == "read":
-            frames = np.ascontiguousarray(reader.get_batch([int(i) for i in request[1]]).asnumpy())
-            reader = None
-            send(("frames", frames.shape, frames.dtype.str))
-            write_all(frames)
-        else:  # "close"
-            reader = None
-            send(("closed",))
-    except Exception as exc:
-        reader = None
-        send(("error", type(exc).__name__, str(exc)))
-"""
+_WORKER_SCRIPT = os.path.abspath(sys.modules[open_reader.__module__].__file__)
+"""The helper's script (the `video_decoding_worker.py` next to this file, also in an exported Hub folder)."""
 
 
 class _WorkerGone(Exception):
@@ -395,12 +358,13 @@ def _read_into(fd: int, view: memoryview, deadline: float | None) -> None:
 
 
 def isolation_supported() -> bool:
-    """Whether decord can run in a helper process here (POSIX: needs `select` on pipes and a Python executable)."""
-    return os.name == "posix" and fcntl is not None and bool(sys.executable)
+    """Whether decoders can run in a helper process here (POSIX: needs `select` on pipes and a Python executable)."""
+    return os.name == "posix" and fcntl is not None and bool(sys.executable) and os.path.isfile(_WORKER_SCRIPT)
 
 
-class _DecordWorker:
-    """A helper process that decodes with decord; one per Python process (re-created after `fork`), thread-safe."""
+class _DecoderWorker:
+    """A helper process that decodes with decord or PyAV; one per Python process (re-created after `fork`),
+    thread-safe (one video at a time)."""
 
     _LOG_LIMIT = 1 << 20  # truncate the captured decoder log beyond 1 MiB
 
@@ -409,14 +373,16 @@ class _DecordWorker:
         self.owner_pid = os.getpid()
         self.process: subprocess.Popen | None = None
         self.log = None
+        self.busy = False  # a request was sent and its reply not fully read: the protocol state is unknown
 
     # process management
     def _start(self, deadline: float | None) -> None:
         self.log = tempfile.TemporaryFile()
         flags = fcntl.fcntl(self.log.fileno(), fcntl.F_GETFL)
         fcntl.fcntl(self.log.fileno(), fcntl.F_SETFL, flags | os.O_APPEND)  # the worker appends; we pread
+        self.busy = False
         self.process = subprocess.Popen(
-            [sys.executable, "-c", _DECORD_WORKER_SOURCE],
+            [sys.executable, _WORKER_SCRIPT],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.log,
@@ -426,8 +392,7 @@ class _DecordWorker:
         )
         message = self._receive(deadline)
         if message[0] != "ready":
-            self.stop()
-            raise ImportError(f"decord cannot be imported in the decoder process: {message[1]}: {message[2]}")
+            raise OSError(f"{message[1]}: {message[2]}")
 
     def stop(self) -> None:
         """Kills the helper process (if any) and forgets it."""
@@ -447,19 +412,19 @@ class _DecordWorker:
             self.log.close()
             self.log = None
 
-    def _exit_description(self) -> str:
+    def _exit_description(self, backend: str) -> str:
         process = self.process
         try:
             code = process.wait(timeout=5)
         except Exception:
-            return "the decord decoder process stopped responding"
+            return "the decoder process stopped responding"
         if code < 0:
             try:
                 name = signal.Signals(-code).name
             except ValueError:
                 name = f"signal {-code}"
-            return f"the decord decoder crashed ({name})"
-        return f"the decord decoder process exited unexpectedly (exit code {code})"
+            return f"the {backend} decoder crashed ({name})"
+        return f"the decoder process exited unexpectedly (exit code {code})"
 
     # protocol
     def _send(self, obj: Any) -> None:
@@ -493,15 +458,19 @@ class _DecordWorker:
         lines = [_FFMPEG_ADDRESS.sub("]", _DECORD_PREFIX.sub("", line.strip())) for line in text.splitlines()]
         return " | ".join([line for line in lines if line][-max_lines:])
 
-    def _error(self, source: str, message: tuple, log_offset: int) -> VideoDecodingError:
-        reason = _clean_decoder_message(message[2])
+    def _error(self, source: str, backend: str, message: tuple, log_offset: int) -> VideoDecodingError:
+        _, kind, text, final = message
+        reason = text if final else _clean_decoder_message(text)
+        if kind == "ImportError":
+            reason = f"the decoder process cannot import it: {reason}"
         tail = self._log_since(log_offset)
         if tail and tail not in reason:
             reason = f"{reason} (decoder log: {tail})"
-        return VideoDecodingError(source, reason, "decord")
+        return VideoDecodingError(source, reason, backend)
 
     def decode(
         self,
+        backend: str,
         source: str,
         sample_indices_fn: Callable[[VideoMetadata], Any],
         num_threads: int | None,
@@ -510,80 +479,81 @@ class _DecordWorker:
         """Opens `source` in the helper, samples indices here (this process' RNG), decodes them there."""
         with self.lock:
             deadline = time.monotonic() + timeout if timeout else None
-            if self.process is None or self.process.poll() is not None:
+            if self.process is None or self.process.poll() is not None or self.busy:
                 self.stop()
                 try:
                     self._start(deadline)
-                except (_WorkerGone, TimeoutError, OSError) as exc:
-                    description = self._exit_description() if self.process is not None else str(exc)
+                except (_WorkerGone, TimeoutError, OSError, ValueError) as exc:
+                    if self.process is not None and isinstance(exc, _WorkerGone):
+                        description = self._exit_description(backend)
+                    else:
+                        description = str(exc) or type(exc).__name__
+                    tail = self._log_since(0) if self.log is not None else ""
+                    description += f"; decoder log: {tail}" if tail else ""
                     self.stop()
-                    raise VideoDecodingError(source, f"could not start the decord decoder process: {description}",
-                                             "decord") from None
+                    raise VideoDecodingError(
+                        source, f"could not start the decoder process: {description}", backend
+                    ) from None
             log_offset = self._log_size()
+
+            def request(obj: tuple) -> tuple:
+                self.busy = True
+                self._send(obj)
+                message = self._receive(deadline)
+                if message[0] == "frames":
+                    frames = np.empty(message[1], dtype=np.dtype(message[2]))
+                    _read_into(self.process.stdout.fileno(), memoryview(frames).cast("B"), deadline)
+                    message = (message[0], frames)
+                self.busy = False
+                if message[0] == "error":
+                    raise self._error(source, backend, message, log_offset)
+                return message
+
+            def read(unique: np.ndarray) -> np.ndarray:
+                message = request(("read", [int(i) for i in unique]))
+                if message[0] == "truncated":
+                    raise TruncatedVideo(message[1], message[2])
+                return message[1]
+
             try:
-                self._send(("open", source, int(num_threads or 0)))
-                message = self._receive(deadline)
-                if message[0] == "error":
-                    raise self._error(source, message, log_offset)
-                total, fps = int(message[1]), float(message[2])
-                metadata = VideoMetadata(
-                    total_num_frames=total,
-                    fps=fps if fps > 0 else None,
-                    duration=total / fps if fps > 0 else None,
-                    video_backend="decord",
-                )
-                if total <= 0:
-                    self._send(("close",))
-                    self._receive(deadline)
-                    raise VideoDecodingError(source, "the video stream contains no decodable frames", "decord")
-                try:
-                    indices = _checked_indices(sample_indices_fn(metadata), total, source)
-                except BaseException:
-                    self._send(("close",))
-                    self._receive(deadline)
-                    raise
-                unique, inverse = np.unique(indices, return_inverse=True)
-                self._send(("read", [int(i) for i in unique]))
-                message = self._receive(deadline)
-                if message[0] == "error":
-                    raise self._error(source, message, log_offset)
-                frames = np.empty(message[1], dtype=np.dtype(message[2]))
-                _read_into(self.process.stdout.fileno(), memoryview(frames).cast("B"), deadline)
+                info = request(("open", backend, source, int(num_threads or 0)))[1]
+                return _sample_and_read(source, backend, info, sample_indices_fn, read, lambda: request(("close",)))
             except VideoDecodingError:
                 raise
             except (_WorkerGone, BrokenPipeError):
-                description = self._exit_description()
+                description = self._exit_description(backend)
                 tail = self._log_since(log_offset)
                 self.stop()
-                raise VideoDecodingError(source, description + (f"; decoder log: {tail}" if tail else ""),
-                                         "decord") from None
+                raise VideoDecodingError(
+                    source, description + (f"; decoder log: {tail}" if tail else ""), backend
+                ) from None
             except TimeoutError:
                 self.stop()
                 raise VideoDecodingTimeoutError(
                     source, f"decoding took longer than decode_timeout={timeout} s; the decoder process was killed",
-                    "decord",
+                    backend,
                 ) from None
             except BaseException:
-                self.stop()  # e.g. KeyboardInterrupt mid-request: the protocol state is unknown
+                if self.busy:  # e.g. KeyboardInterrupt mid-request: the protocol state is unknown
+                    self.stop()
                 raise
-        return _finish(frames, inverse, indices, metadata)
 
 
-_WORKER: _DecordWorker | None = None
+_WORKER: _DecoderWorker | None = None
 _WORKER_LOCK = threading.Lock()
 
 
-def _decord_worker() -> _DecordWorker:
+def _decoder_worker() -> _DecoderWorker:
     """This process' decoder helper (a new one after `fork`, e.g. in DataLoader workers)."""
     global _WORKER
     with _WORKER_LOCK:
         if _WORKER is None or _WORKER.owner_pid != os.getpid():
-            _WORKER = _DecordWorker()
+            _WORKER = _DecoderWorker()
         return _WORKER
 
 
 def shutdown_decoder_process() -> None:
-    """Stops this process' decord helper process, if one is running (it is restarted on demand)."""
+    """Stops this process' decoder helper process, if one is running (it is restarted on demand)."""
     with _WORKER_LOCK:
         worker = _WORKER
     if worker is not None and worker.owner_pid == os.getpid():
@@ -592,185 +562,6 @@ def shutdown_decoder_process() -> None:
 
 
 atexit.register(shutdown_decoder_process)
-
-
-def _decode_with_decord_isolated(
-    source: str,
-    sample_indices_fn: Callable[[VideoMetadata], Any],
-    num_threads: int | None,
-    timeout: float | None,
-) -> tuple[np.ndarray, VideoMetadata]:
-    """Decodes with decord in the helper process; a decoder crash or hang raises `VideoDecodingError`."""
-    _import_decord()  # clear ImportError here if decord is missing
-    return _decord_worker().decode(source, sample_indices_fn, num_threads, timeout)
-
-# --- PyAV -------------------------------------------------------------------------------------------------------------
-
-
-def _pyav_open(source: str, num_threads: int | None):
-    av = _import_av()
-    # With FFmpeg logging off (PyAV's default), errors only say e.g. "Invalid data found"; capture FFmpeg's own
-    # error lines (e.g. "moov atom not found") during the open, without printing them.
-    previous_level = av.logging.get_level()
-    if previous_level is None:
-        av.logging.set_level(av.logging.ERROR)
-    try:
-        with av.logging.Capture() as ffmpeg_log:
-            container = av.open(source, metadata_errors="ignore")
-    except av.FFmpegError as exc:
-        reason = f"FFmpeg could not open it as a video: {exc}"
-        details = [message.strip() for _, _, message in ffmpeg_log if message.strip() and message.strip() not in reason]
-        if details:
-            reason += f" ({'; '.join(details[-2:])})"
-        raise VideoDecodingError(source, reason, "pyav") from exc
-    finally:
-        if previous_level is None:
-            av.logging.set_level(None)
-    if not container.streams.video:
-        container.close()
-        raise VideoDecodingError(source, "the file has no video stream", "pyav")
-    stream = container.streams.video[0]
-    if num_threads == 1:
-        stream.codec_context.thread_count = 1
-    else:
-        stream.thread_type = "AUTO"
-        stream.codec_context.thread_count = int(num_threads or 0)
-    return container, stream
-
-
-def _pyav_collect(
-    source: str, wanted: np.ndarray, num_threads: int | None
-) -> tuple[dict[int, np.ndarray], int, str | None]:
-    """Decodes every frame in order up to the last wanted index.
-
-    Returns `({index: RGB frame}, number of frames decoded, FFmpeg error or None)`; frame `i` is the i-th frame the
-    decoder outputs (presentation order), as with decord.
-    """
-    av = _import_av()
-    wanted_set = {int(i) for i in wanted}
-    last = int(wanted.max())
-    frames: dict[int, np.ndarray] = {}
-    decoded = 0
-    error = None
-    container, stream = _pyav_open(source, num_threads)
-    with container:
-        try:
-            for frame in container.decode(stream):
-                if decoded in wanted_set:
-                    frames[decoded] = frame.to_ndarray(format="rgb24")
-                decoded += 1
-                if decoded > last:
-                    break
-        except av.FFmpegError as exc:
-            error = str(exc)
-    return frames, decoded, error
-
-
-def _pyav_collect_skipping(
-    source: str, wanted: np.ndarray, sorted_pts: list[int], num_threads: int | None
-) -> dict[int, np.ndarray] | None:
-    """Like `_pyav_collect`, but skips decoding non-reference frames that are not wanted (FFmpeg `skip_frame`).
-
-    Frames are identified by their presentation timestamp: frame `i` is the one with the i-th smallest pts, which is
-    what `_pyav_collect` counts when every packet yields one frame (the caller checks that the packet count equals the
-    frame count and that timestamps are unique). Non-reference frames (most B-frames) are never used to decode other
-    frames, so skipping them leaves every decoded frame bit-identical. Returns `None` (the caller then decodes every
-    frame) if any wanted frame was not produced.
-    """
-    av = _import_av()
-    wanted_pts = {sorted_pts[int(i)]: int(i) for i in np.unique(wanted)}
-    frames: dict[int, np.ndarray] = {}
-    container, stream = _pyav_open(source, num_threads)
-    context = stream.codec_context
-    with container:
-        try:
-            for packet in container.demux(stream):
-                if packet.pts is not None:
-                    context.skip_frame = "DEFAULT" if packet.pts in wanted_pts else "NONREF"
-                for frame in packet.decode():
-                    index = wanted_pts.get(frame.pts)
-                    if index is not None and index not in frames:
-                        frames[index] = frame.to_ndarray(format="rgb24")
-                if len(frames) == len(wanted_pts):
-                    break
-        except av.FFmpegError:
-            return None
-    return frames if len(frames) == len(wanted_pts) else None
-
-
-def _pyav_probe(source: str) -> dict[str, Any]:
-    """Stream metadata plus a demux pass (no decoding): packet count and the sorted packet timestamps."""
-    av = _import_av()
-    container, stream = _pyav_open(source, 1)
-    with container:
-        rate = stream.average_rate or stream.guessed_rate
-        info = {
-            "declared_frames": int(stream.frames or 0),
-            "fps": float(rate) if rate else None,
-            "width": stream.codec_context.width,
-            "height": stream.codec_context.height,
-        }
-        pts: list[int] | None = []
-        packets = 0
-        try:
-            for packet in container.demux(stream):
-                if packet.size == 0:
-                    continue  # the flush packet at the end
-                packets += 1
-                if pts is not None:
-                    if packet.pts is None or getattr(packet, "is_discard", False):
-                        pts = None  # no timestamp mapping: decode every frame instead of skipping
-                    else:
-                        pts.append(int(packet.pts))
-        except av.FFmpegError:
-            pts = None
-    info["packets"] = packets
-    info["sorted_pts"] = sorted(pts) if pts is not None and len(set(pts)) == len(pts) else None
-    return info
-
-
-def _decode_with_pyav(
-    source: str, sample_indices_fn: Callable[[VideoMetadata], Any], num_threads: int | None
-) -> tuple[np.ndarray, VideoMetadata]:
-    """Decodes with PyAV (in process; FFmpeg errors surface as Python exceptions)."""
-    probe = _pyav_probe(source)
-    total = probe["declared_frames"] or probe["packets"]
-    if total <= 0:
-        raise VideoDecodingError(source, "the video stream contains no frames", "pyav")
-    fps = probe["fps"]
-    metadata = VideoMetadata(
-        total_num_frames=total,
-        fps=fps,
-        width=probe["width"],
-        height=probe["height"],
-        duration=total / fps if fps else None,
-        video_backend="pyav",
-    )
-    indices = _checked_indices(sample_indices_fn(metadata), total, source)
-    frames = None
-    sorted_pts = probe["sorted_pts"]
-    if sorted_pts is not None and len(sorted_pts) == total:
-        frames = _pyav_collect_skipping(source, indices, sorted_pts, num_threads)
-    if frames is None:
-        frames, decoded, error = _pyav_collect(source, indices, num_threads)
-        if decoded <= int(indices.max()):
-            # truncated or partly corrupt: only `decoded` frames can be read. Sample again over what is there.
-            if decoded == 0:
-                reason = "the video stream contains no decodable frames"
-                raise VideoDecodingError(source, reason + (f" (FFmpeg: {error})" if error else ""), "pyav")
-            logger.warning(
-                "Only %d of the %d frames declared by %r could be decoded%s; sampling from those.",
-                decoded, total, source, f" (FFmpeg: {error})" if error else "",
-            )
-            metadata.total_num_frames = decoded
-            metadata.duration = decoded / fps if fps else None
-            indices = _checked_indices(sample_indices_fn(metadata), decoded, source)
-            frames, decoded_again, error = _pyav_collect(source, indices, num_threads)
-            if decoded_again <= int(indices.max()):
-                raise VideoDecodingError(source, f"decoding is not reproducible (FFmpeg: {error})", "pyav")
-    unique, inverse = np.unique(indices, return_inverse=True)
-    stacked = np.stack([frames[int(i)] for i in unique])
-    return _finish(stacked, inverse, indices, metadata)
 
 
 def decode_video(
@@ -787,13 +578,14 @@ def decode_video(
         source (`str` or `os.PathLike`): path (or `file://`/http(s) URL) of the video.
         sample_indices_fn (`Callable[[VideoMetadata], indices]`, *optional*): receives the video's metadata
             (`total_num_frames`, `fps`, ...) and returns the frame indices to decode (repeats allowed, any order).
-            All frames when `None`.
+            All frames when `None`. It runs in this process (so this process' RNG and seeds apply).
         backend (`str`, defaults to `"auto"`): `"decord"`, `"pyav"`, or `"auto"` (decord when installed, and PyAV if
             decord is missing or fails on this file).
-        isolate_decoder (`bool`, defaults to `True`): run decord in a helper process (POSIX only; elsewhere it runs
-            in process) so that a decoder crash or hang cannot take down the caller.
-        decode_timeout (`float`, *optional*, defaults to 120): seconds after which an isolated decord decode is killed
-            (`VideoDecodingTimeoutError`). `None` waits forever.
+        isolate_decoder (`bool`, defaults to `True`): run the decoder, decord or PyAV alike, in a helper process
+            (POSIX only; elsewhere decoding runs in process) so that a decoder crash or hang cannot take down the
+            caller. The helper is started once per process and reused for every video.
+        decode_timeout (`float`, *optional*, defaults to 120): seconds after which an isolated decode is killed
+            (`VideoDecodingTimeoutError`); with `"auto"`, each backend tried gets this long. `None` waits forever.
         num_threads (`int`, *optional*): decoder threads; `None` or 0 lets the decoder choose.
 
     Returns:
@@ -803,8 +595,9 @@ def decode_video(
 
     Raises:
         `FileNotFoundError`: the file does not exist (the message gives the path).
-        `VideoDecodingError` (a `ValueError`): empty, truncated, corrupt or non-video file, no video stream, or no
-            decodable frame. The message names the file and gives the decoder's reason.
+        `VideoDecodingError` (a `ValueError`): empty, truncated, corrupt or non-video file, no video stream, no
+            decodable frame, or a decoder that crashed in the helper process. The message names the file and gives
+            the decoder's reason.
         `VideoDecodingTimeoutError`: the isolated decoder exceeded `decode_timeout`.
     """
     if backend not in VIDEO_BACKENDS:
@@ -822,18 +615,17 @@ def decode_video(
     else:
         backends = [backend]
 
+    isolate = isolate_decoder and isolation_supported()
     failures: list[tuple[str, VideoDecodingError]] = []
     for name in backends:
         try:
-            if name == "decord":
-                if not decord_available():
-                    raise ImportError("video_backend='decord' needs decord: `pip install decord`.")
-                if isolate_decoder and isolation_supported():
-                    return _decode_with_decord_isolated(source, sample_indices_fn, num_threads, decode_timeout)
-                return _decode_with_decord(source, sample_indices_fn, num_threads)
-            if not pyav_available():
+            if name == "decord" and not decord_available():
+                raise ImportError("video_backend='decord' needs decord: `pip install decord`.")
+            if name == "pyav" and not pyav_available():
                 raise ImportError("video_backend='pyav' needs PyAV: `pip install av`.")
-            return _decode_with_pyav(source, sample_indices_fn, num_threads)
+            if isolate:
+                return _decoder_worker().decode(name, source, sample_indices_fn, num_threads, decode_timeout)
+            return _decode_in_process(source, name, sample_indices_fn, num_threads)
         except VideoDecodingError as exc:
             failures.append((name, exc))
             if len(backends) > 1:
@@ -1011,7 +803,7 @@ class TestaVideoProcessorKwargs(VideosKwargs, total=False):
     video_backend (`str`): `"auto"`, `"decord"` or `"pyav"`.
     seed (`int`): seed for `"random"`/`"headtail"` sampling in this call; the global torch RNG when unset.
     dtype (`str` or `torch.dtype`): dtype of `pixel_values` (`"float32"`, `"bfloat16"`, `"float16"`, ...).
-    isolate_decoder (`bool`): decode with decord in a helper process (POSIX).
+    isolate_decoder (`bool`): decode (decord or PyAV) in a crash-isolated helper process (POSIX).
     decode_timeout (`float`): seconds before an isolated decode is killed; `None` for no limit.
     decode_threads (`int`): decoder threads per video; `None`/0 lets the decoder choose.
     """

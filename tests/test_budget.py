@@ -14,9 +14,10 @@ ALL_SETTINGS = [
     dict(aggregation_strategy=s, reduction_mode=m, aggregation_dims=d, frame_matching=f)
     for s, m, d, f in itertools.product(
         ["geometry", "importance"], ["merge", "prune"], ["temporal+spatial", "temporal", "spatial", "joint"],
-        ["mean", "vote"],
+        ["mean", "vote", "original"],
     )
     if not (m == "prune" and s == "importance")
+    and not (f == "original" and d in ("spatial", "joint"))  # frame rules only matter where frames merge
 ]
 
 

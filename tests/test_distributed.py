@@ -142,3 +142,42 @@ def test_vtm_loss_and_gradients_through_gathered_video_tokens_equal_single_proce
         for name, grad in single["grads_loss_vtm"].items():
             torch.testing.assert_close(result["grads_loss_vtm"][name], grad, atol=1e-5, rtol=0, msg=name)
     assert any(n.startswith("vision_model.") for n in single["grads_loss_vtm"])
+
+
+def _failing_worker(rank: int, store: str, out_dir: str) -> None:
+    """Rank 0's local batch has one video id only, so (without `negative_all_rank`) it has no hard negative and
+    raises; rank 1's batch is fine. Afterwards both enter a collective, as DDP's backward would."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    try:
+        ids, mask, clips = _inputs()
+        local = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+        video_ids = torch.tensor([7, 7]) if rank == 0 else torch.tensor([1, 2])
+        try:
+            _model(negative_all_rank=False)(ids[local], clips[local], attention_mask=mask[local], return_loss=True,
+                                            video_ids=video_ids)
+            outcome = "no error"
+        except Exception as error:  # noqa: BLE001 - the test records what each process raised
+            outcome = f"{type(error).__name__}: {error}"
+        dist.barrier()
+        with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as f:
+            f.write(outcome)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_loss_error_on_one_process_is_raised_on_every_process(tmp_path):
+    import time
+
+    context = mp.start_processes(_failing_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD,
+                                 join=False, start_method="spawn")
+    deadline = time.monotonic() + 120
+    while not context.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail("a process hung after the loss raised on another process")
+    outcomes = [(tmp_path / f"error{rank}.txt").read_text() for rank in range(WORLD)]
+    assert outcomes[0].startswith("ValueError: Cannot draw a hard negative"), outcomes
+    assert outcomes[1].startswith("RuntimeError: the loss raised on another process"), outcomes
+    assert "Cannot draw a hard negative" in outcomes[1] and "0:" in outcomes[1]

@@ -3,13 +3,17 @@ and sizes, one grayscale), loaded with `pipeline(task, model=folder, trust_remot
 `save_pretrained`. Scores are checked against computations that do not use the pipeline."""
 
 import json
+import os
 import re
+import socket
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 from pipeline_helpers import (
     build_qa,
@@ -39,7 +43,7 @@ pytest.importorskip("av")
 
 QUERIES = ["a red square moves to the right", "a blue bar goes down", "a dark gradient"]
 LABELS = ["a red square", "a blue bar", "a cat", "a car"]
-CODE_FILES = {"aggregation.py", "configuration_testa.py", "hub_testa.py", "modeling_testa.py", "pipeline_testa.py",
+CODE_FILES = {"aggregation.py", "configuration_testa.py", "saving_testa.py", "modeling_testa.py", "pipeline_testa.py",
               "processing_testa.py", "video_processing_testa.py"}
 
 
@@ -101,6 +105,7 @@ def qa_pipe(qa_folder):
 
 def _assert_same_ranking(got, expected, atol=1e-5):
     assert [str(item["video"]) for item in got] == [str(item["video"]) for item in expected]
+    assert [item["reranked"] for item in got] == [item["reranked"] for item in expected]
     np.testing.assert_allclose([i["score"] for i in got], [i["score"] for i in expected], atol=atol, rtol=0)
 
 
@@ -166,15 +171,17 @@ def test_model_card_keeps_hand_written_cards(tmp_path, retrieval_model):
 def test_retrieval_formats_and_scores_equal_rank_videos(retrieval_pipe, retrieval_model, processor, videos):
     assert type(retrieval_pipe).__name__ == "VideoTextRetrievalPipeline"
     given = [videos[0], Path(videos[1]), *videos[2:]]  # str and Path items come back as given
-    single = retrieval_pipe(text=QUERIES[0], videos=given)
+    everything = {"rerank_k": len(videos)}  # re-rank every video (the default re-ranks config.k_test = 3)
+    single = retrieval_pipe(text=QUERIES[0], videos=given, **everything)
     assert isinstance(single, list) and len(single) == len(videos)
-    assert all(set(item) == {"video", "score"} and isinstance(item["score"], float) for item in single)
+    assert all(set(item) == {"video", "score", "reranked"} and isinstance(item["score"], float) for item in single)
+    assert all(item["reranked"] is True for item in single)
     assert sorted(map(str, (item["video"] for item in single))) == sorted(videos)
     assert any(item["video"] is given[1] for item in single)
     scores = [item["score"] for item in single]
     assert scores == sorted(scores, reverse=True)
 
-    many = retrieval_pipe(text=QUERIES, videos=videos)
+    many = retrieval_pipe(text=QUERIES, videos=videos, **everything)
     assert isinstance(many, list) and len(many) == len(QUERIES) and all(len(r) == len(videos) for r in many)
     reference = reference_ranking(retrieval_model, processor, QUERIES, videos)  # no pipeline involved
     for q, result in enumerate(many):
@@ -202,7 +209,7 @@ def test_retrieval_top_k_uses_the_rerank_window(retrieval_pipe, retrieval_model,
     assert [str(item["video"]) for item in result] == [videos[int(i)] for i in top.indices]
     np.testing.assert_allclose([item["score"] for item in result], top.values.tolist(), atol=1e-4, rtol=0)
     wider = retrieval_pipe(text=QUERIES[1], videos=videos, top_k=2, rerank_k=5)  # re-rank everything
-    full = retrieval_pipe(text=QUERIES[1], videos=videos)
+    full = retrieval_pipe(text=QUERIES[1], videos=videos, rerank_k=len(videos))
     _assert_same_ranking(wider, full[:2])
 
 
@@ -267,20 +274,176 @@ def test_video_index_save_load_and_search(retrieval_pipe, videos, tmp_path, caps
         retrieval_pipe.search(QUERIES[0], light, rerank=True)
 
 
-def test_first_stage_search_backends(retrieval_pipe, videos):
+def test_first_stage_search_backends(retrieval_pipe, videos, monkeypatch):
     index = retrieval_pipe.encode_videos(videos, store_tokens=False)
-    query = F.normalize(torch.randn(3, 16), dim=-1)
+    query = F.normalize(torch.randn(3, 16, generator=torch.Generator().manual_seed(0)), dim=-1)
     scores, indices = index.nearest(query, k=4, use_faiss=False)
     expected = (query @ index.embeddings.T).topk(4)
     assert torch.equal(indices, expected.indices) and torch.allclose(scores, expected.values)
+    # without faiss: use_faiss=True names the missing package, the default falls back to torch
+    module = sys.modules[type(index).__module__]
+    monkeypatch.setattr(module, "_faiss", lambda: None)
+    with pytest.raises(ImportError, match="faiss-cpu"):
+        index.nearest(query, k=4, use_faiss=True)
+    fallback_scores, fallback_indices = index.nearest(query, k=4)
+    assert torch.equal(fallback_indices, expected.indices) and torch.allclose(fallback_scores, expected.values)
+    with pytest.raises(ImportError, match="faiss-cpu"):
+        retrieval_pipe.search(QUERIES[0], index, use_faiss=True)
+    with pytest.raises(ValueError, match="use_faiss"):
+        retrieval_pipe.search(QUERIES[0], index, use_faiss="yes")
+
+
+def _random_index(module, num_videos: int, dim: int = 16, seed: int = 0):
+    """A VideoIndex of random unit embeddings (no tokens), large enough for FAISS and torch to be compared."""
+    embeddings = F.normalize(torch.randn(num_videos, dim, generator=torch.Generator().manual_seed(seed)), dim=-1)
+    return module.VideoIndex(videos=[f"v{i}.mp4" for i in range(num_videos)], embeddings=embeddings)
+
+
+def test_faiss_search_equals_the_exact_torch_search(retrieval_pipe, videos):
+    """The FAISS branch (installed by the `faiss` extra, which `make test` uses) against the exact torch search."""
+    faiss = pytest.importorskip("faiss")
+    module = sys.modules[type(retrieval_pipe).__module__]
+    assert module._faiss() is faiss
+    index = _random_index(module, 300)
+    queries = F.normalize(torch.randn(7, 16, generator=torch.Generator().manual_seed(1)), dim=-1)
+    exact = (queries @ index.embeddings.T).topk(25)  # the reference: plain matrix product
+    for use_faiss in (True, False, None):
+        scores, indices = index.nearest(queries, k=25, use_faiss=use_faiss)
+        assert torch.equal(indices, exact.indices), use_faiss
+        torch.testing.assert_close(scores, exact.values, atol=1e-5, rtol=0)
+
+    # through the pipeline: the same videos in the same order with the same scores, with and without FAISS, with
+    # cosine-only search (this index has no tokens) and with re-ranking (a real index with tokens)
+    for top_k in (10, None):
+        with_faiss = retrieval_pipe.search(QUERIES, index, top_k=top_k, use_faiss=True)
+        without = retrieval_pipe.search(QUERIES, index, top_k=top_k, use_faiss=False)
+        for got, expected in zip(with_faiss, without):
+            assert len(got) == (top_k or len(index))
+            _assert_same_ranking(got, expected)
+    real = retrieval_pipe.encode_videos(videos)
+    for top_k in (2, None):
+        _assert_same_ranking(retrieval_pipe.search(QUERIES[1], real, top_k=top_k, use_faiss=True),
+                             retrieval_pipe.search(QUERIES[1], real, top_k=top_k, use_faiss=False))
+
+
+# ------------------------------------------------------------------------------------ collection-scale ranking
+
+
+def test_top_k_none_reranks_only_k_test_candidates(retrieval_pipe, retrieval_model, processor, videos):
+    """Default `top_k=None`: all videos come back, the `k_test` (3) nearest by cosine re-ranked by the matching
+    head and first, the other 2 after them by cosine. Checked against the model's plain forward (ITM logits of
+    each pair) and its embeddings, without `rank_videos`; and the matching head sees only 3 pairs per query."""
+    k_test = retrieval_model.config.k_test
+    assert k_test == 3 and len(videos) == 5
+    pairs = []
+    hook = retrieval_pipe.model.itm_head.register_forward_hook(lambda m, a, out: pairs.append(out.shape[0]))
     try:
-        import faiss  # noqa: F401
-    except ImportError:
-        with pytest.raises(ImportError, match="faiss"):
-            index.nearest(query, k=4, use_faiss=True)
-    else:
-        faiss_scores, faiss_indices = index.nearest(query, k=4, use_faiss=True)
-        assert torch.equal(faiss_indices, expected.indices) and torch.allclose(faiss_scores, expected.values, atol=1e-5)
+        result = retrieval_pipe(text=QUERIES, videos=videos)
+    finally:
+        hook.remove()
+    assert sum(pairs) == k_test * len(QUERIES)  # not len(videos) * len(QUERIES)
+
+    pixel_values = torch.cat([processor(videos=v)["pixel_values"] for v in videos])
+    text = processor(text=QUERIES)
+    with torch.no_grad():
+        video_features = retrieval_model.get_video_features(pixel_values)
+        text_features = retrieval_model.get_text_features(text["input_ids"], text["attention_mask"])
+        cosine = text_features @ video_features.T
+        for q, ranked in enumerate(result):
+            assert [item["reranked"] for item in ranked] == [True] * k_test + [False] * (len(videos) - k_test)
+            by_cosine = cosine[q].argsort(descending=True).tolist()
+            head, tail = by_cosine[:k_test], by_cosine[k_test:]
+            ids = text["input_ids"][q : q + 1].expand(k_test, -1)
+            mask = text["attention_mask"][q : q + 1].expand(k_test, -1)
+            itm = retrieval_model(ids, pixel_values[head], attention_mask=mask).itm_score[:, 1]
+            expected_head = {videos[v]: float(itm[j] + cosine[q, v]) for j, v in enumerate(head)}
+            got_head = {item["video"]: item["score"] for item in ranked[:k_test]}
+            assert got_head.keys() == expected_head.keys()
+            np.testing.assert_allclose([got_head[v] for v in expected_head], list(expected_head.values()), atol=1e-4)
+            assert [i["score"] for i in ranked[:k_test]] == sorted((i["score"] for i in ranked[:k_test]), reverse=True)
+            assert [item["video"] for item in ranked[k_test:]] == [videos[v] for v in tail]
+            np.testing.assert_allclose([i["score"] for i in ranked[k_test:]], cosine[q, tail].tolist(), atol=1e-5)
+
+    # the same semantics when searching an index, and rerank_k widens the re-ranked head
+    index = retrieval_pipe.encode_videos(videos)
+    for got, expected in zip(retrieval_pipe.search(QUERIES, index, top_k=None), result):
+        _assert_same_ranking(got, expected)
+    four = retrieval_pipe(text=QUERIES[0], videos=videos, rerank_k=4)
+    assert [item["reranked"] for item in four] == [True] * 4 + [False]
+    _assert_same_ranking(retrieval_pipe.search(QUERIES[0], index, top_k=None, rerank_k=4), four)
+    with pytest.raises(ValueError, match="rerank_k"):
+        retrieval_pipe(text=QUERIES[0], videos=videos, rerank_k=0)
+    with pytest.raises(ValueError, match="rerank_k"):
+        retrieval_pipe.search(QUERIES[0], index, rerank_k=2.5)
+
+
+def test_rank_videos_with_an_empty_share_of_queries(retrieval_model):
+    """A process with no query (fewer queries than processes) gets empty outputs of the right widths."""
+    ids, mask, tokens = _ranking_inputs()
+    for method, queries, candidates in (("rank_videos", (ids[:0], tokens, mask[:0]), len(tokens)),
+                                        ("rank_texts", (ids, tokens[:0], mask), len(ids))):
+        out = getattr(retrieval_model, method)(*queries, k=3)
+        assert out.scores.shape == (0, candidates) and out.similarity.shape == (0, candidates)
+        k = min(3, candidates)  # k is capped at the number of candidates, as for a non-empty share
+        assert out.topk_indices.shape == (0, k) and out.topk_indices.dtype == torch.long
+    with pytest.raises(ValueError, match="video_tokens` holds no video"):
+        retrieval_model.rank_videos(ids, tokens[:0], mask)
+    with pytest.raises(ValueError, match=r"`video_features` must have one row per video \(5\)"):
+        retrieval_model.rank_videos(ids, tokens, mask, video_features=torch.zeros(4, 16))
+
+
+def _ranking_inputs():
+    """One query and five cached video token sets of the tiny retrieval model (hidden size 32)."""
+    generator = torch.Generator().manual_seed(5)
+    ids = torch.randint(1000, 2000, (1, 6), generator=generator)
+    ids[:, 0] = 101
+    return ids, torch.ones_like(ids), torch.randn(5, 9, 32, generator=generator)
+
+
+def _empty_share_worker(rank: int, port: int, out_dir: str) -> None:
+    """One of 2 gloo processes: ranks its share (accelerate's `split_between_processes`, as the training evaluation
+    does) of 1 query (`rank_videos`) and of 1 video (`rank_texts`), and gathers the shares like the evaluation."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    from accelerate import PartialState
+    from accelerate.utils import gather_object
+
+    state = PartialState(cpu=True)
+    try:
+        assert state.num_processes == 2 and state.process_index == rank
+        model = build_retrieval()
+        ids, mask, tokens = _ranking_inputs()
+        with state.split_between_processes([0]) as text_rows:
+            t2v = model.rank_videos(ids[text_rows], tokens, mask[text_rows], k=3)
+        with state.split_between_processes([2]) as video_rows:
+            v2t = model.rank_texts(ids, tokens[video_rows], mask, k=3)
+        shares = gather_object([(len(text_rows), tuple(t2v.scores.shape), len(video_rows), tuple(v2t.scores.shape))])
+        t2v_all = torch.cat(gather_object([t2v.scores]))
+        v2t_all = torch.cat(gather_object([v2t.scores]))
+        if rank == 0:
+            torch.save({"shares": shares, "t2v": t2v_all, "v2t": v2t_all}, os.path.join(out_dir, "ranked.pt"))
+        state.wait_for_everyone()
+    finally:
+        state.destroy_process_group()
+
+
+def test_two_processes_rank_one_query(tmp_path):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_empty_share_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    got = torch.load(tmp_path / "ranked.pt")
+    # process 1 had nothing to rank, in both directions
+    assert got["shares"] == [(1, (1, 5), 1, (1, 1)), (0, (0, 5), 0, (0, 1))]
+    model = build_retrieval()
+    ids, mask, tokens = _ranking_inputs()
+    with torch.no_grad():
+        t2v = model.rank_videos(ids, tokens, mask, k=3).scores
+        v2t = model.rank_texts(ids, tokens[2:3], mask, k=3).scores
+    torch.testing.assert_close(got["t2v"], t2v, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got["v2t"], v2t, atol=1e-5, rtol=0)
+    assert torch.isfinite(t2v).sum() == 3  # k = 3 of the 5 videos were re-ranked
 
 
 # ------------------------------------------------------------------------------------------------- zero-shot
@@ -480,6 +643,38 @@ def test_registry_and_pipelines_from_model_objects(retrieval_model, processor, v
     bare = TestaForVideoTextRetrieval(retrieval_model.config)  # no folder to load a processor from
     with pytest.raises(ValueError, match="needs a TestaProcessor"):
         pipeline("video-text-retrieval", model=bare, device="cpu")
+    with pytest.raises(TypeError, match="`processor` must be a TestaProcessor .* got dict"):
+        VideoTextRetrievalPipeline(model=retrieval_model, processor={"tokenizer": None})
+
+
+def test_hub_export_knows_the_pipeline_classes_and_saves_one_folder(retrieval_model, processor, retrieval_pipe,
+                                                                     tmp_path, videos):
+    from modeling_testa import PIPELINE_TASKS, custom_pipelines_for, save_for_hub
+
+    assert PIPELINE_TASKS["TestaForVideoTextRetrieval"]["video-text-retrieval"]["impl"] is VideoTextRetrievalPipeline
+    assert PIPELINE_TASKS["TestaForPreTraining"]["zero-shot-video-classification"]["impl"] is (
+        ZeroShotVideoClassificationPipeline)
+    assert PIPELINE_TASKS["TestaForVideoQA"]["video-question-answering"]["impl"] is VideoQuestionAnsweringPipeline
+    assert custom_pipelines_for("TestaForVideoQA") == {"video-question-answering": {
+        "impl": "pipeline_testa.VideoQuestionAnsweringPipeline", "pt": ["AutoModelForVisualQuestionAnswering"],
+        "type": "multimodal"}}
+    assert custom_pipelines_for("TestaVisionModel") == {}
+
+    # a model and its processor in one call: the card lists the processor's video settings (a plain
+    # model.save_pretrained, before the processor is saved, cannot)
+    folder = save_for_hub(retrieval_model, tmp_path / "one-call", processor=processor, repo_id="me/tiny-testa")
+    card = (folder / "README.md").read_text()
+    assert "## Video processor" in card and "| crop_size | `32x32` |" in card and 'model="me/tiny-testa"' in card
+    assert CODE_FILES <= {p.name for p in folder.iterdir()}
+    reloaded = pipeline("video-text-retrieval", model=str(folder), trust_remote_code=True, device="cpu")
+    expected = retrieval_pipe(text=QUERIES[0], videos=videos[:3])
+    _assert_same_ranking(reloaded(text=QUERIES[0], videos=videos[:3]), expected)
+    # a pipeline loaded as remote code is accepted too; it saves its own processor
+    assert "## Video processor" in (save_for_hub(retrieval_pipe, tmp_path / "from-pipe") / "README.md").read_text()
+    with pytest.raises(ValueError, match="saves its own processor"):
+        save_for_hub(retrieval_pipe, tmp_path / "x", processor=processor)
+    with pytest.raises(TypeError, match="TESTA model or a TESTA pipeline, got dict"):
+        save_for_hub({}, tmp_path / "y")
 
 
 def test_pipeline_save_pretrained_writes_a_loadable_repo(retrieval_pipe, tmp_path, videos):

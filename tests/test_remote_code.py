@@ -1,7 +1,8 @@
 """Saved TESTA folders are complete Hub repositories: a fresh interpreter outside the repo, where `modeling_testa`
 cannot be imported, loads them with AutoModel / AutoProcessor / pipeline(..., trust_remote_code=True) and gets the
-same scores as the installed package. Also: Auto* registration, the pre-training and bare-encoder folders, and
-`push_to_hub` (offline, with the Hub client replaced by a recorder)."""
+same scores as the installed package, with stdin closed and without ever being asked "Do you wish to run the custom
+code?". Also: Auto* registration, the pre-training and bare-encoder folders, and `push_to_hub` (offline, with the
+Hub client replaced by a recorder)."""
 
 import json
 import os
@@ -41,6 +42,8 @@ QUERIES = ["a red square moves", "a blue bar", "stripes at the top"]
 LABELS = ["a red square", "a blue bar", "a cat"]
 QUESTION = "what is moving?"
 ANSWERS = ["red", "blue square", "a cat", "the bar"]
+PROMPT = "Do you wish to run the custom code"
+"""What transformers' `resolve_trust_remote_code` asks when `trust_remote_code` is not given for custom code."""
 
 
 @pytest.fixture(scope="module")
@@ -85,15 +88,18 @@ def _in_process_results(setup) -> dict:
     tokens = torch.cat([setup.retrieval.get_video_tokens(processor(videos=v)["pixel_values"]).last_hidden_state
                         for v in videos])
     text = processor(text=QUERIES)
-    direct = setup.retrieval.rank_videos(text["input_ids"], tokens, text["attention_mask"], k=len(videos)).scores
+    ranking = setup.retrieval.rank_videos(text["input_ids"], tokens, text["attention_mask"], k=len(videos))
     retrieval_pipe = pipeline("video-text-retrieval", model=setup.retrieval, processor=processor, device="cpu")
+    ranked_all = retrieval_pipe(text=QUERIES, videos=videos, rerank_k=len(videos))
     zero_shot = pipeline("zero-shot-video-classification", model=setup.retrieval, processor=processor, device="cpu")
     qa_pipe = pipeline("video-question-answering", model=setup.qa, processor=processor, device="cpu")
     assert type(retrieval_pipe).__module__ == "modeling_testa.pipeline_testa"  # the installed package's class
     vision_out = setup.vision(processor(videos=videos[0])["pixel_values"]).last_hidden_state
     return {
-        "direct": direct.tolist(),
+        "direct": ranking.scores.tolist(),
+        "similarity": ranking.similarity.tolist(),
         "ranked": [[(str(i["video"]), i["score"]) for i in r] for r in retrieval_pipe(text=QUERIES, videos=videos)],
+        "ranked_all": [[(str(i["video"]), i["score"]) for i in r] for r in ranked_all],
         "zero_shot": [(i["label"], i["score"]) for i in zero_shot(videos[0], candidate_labels=LABELS)],
         "qa_generate": [(i["answer"], i["score"]) for i in qa_pipe(video=videos[1], question=QUESTION)],
         "qa_rank": [(i["answer"], i["score"]) for i in qa_pipe(video=videos[1], question=QUESTION,
@@ -103,7 +109,7 @@ def _in_process_results(setup) -> dict:
 
 
 REMOTE_SCRIPT = """
-import json, os, sys
+import contextlib, io, json, os, sys
 repo = {repo!r}
 sys.path = [p for p in sys.path if p not in ("", ".", repo) and not (p.startswith(repo) and ".venv" not in p)]
 sys.modules["modeling_testa"] = None  # blocks any other route (e.g. an editable install)
@@ -117,11 +123,14 @@ from transformers import AutoModel, AutoModelForVisualQuestionAnswering, AutoPro
 
 retrieval_dir, qa_dir, vision_dir, out_dir = {retrieval!r}, {qa!r}, {vision!r}, {out!r}
 videos, queries, labels = {videos!r}, {queries!r}, {labels!r}
+untrusted = io.StringIO()  # without trust_remote_code transformers asks (stdin is closed: the answer is no)
 try:
-    AutoModel.from_pretrained(retrieval_dir)
+    with contextlib.redirect_stdout(untrusted), contextlib.redirect_stderr(untrusted):
+        AutoModel.from_pretrained(retrieval_dir)
     raise SystemExit("loading custom code without trust_remote_code must fail")
 except ValueError as error:
     assert "trust_remote_code" in str(error), error
+assert {prompt!r} in untrusted.getvalue(), "the check of the prompt would not see it"
 
 def remote(obj):
     module = type(obj).__module__
@@ -130,6 +139,8 @@ def remote(obj):
 
 with torch.no_grad():
     model = AutoModel.from_pretrained(retrieval_dir, trust_remote_code=True).eval()
+    # re-saving a remote-code model before any pipeline code was loaded still writes the pipeline code
+    model.save_pretrained(os.path.join(out_dir, "model_only"))
     processor = AutoProcessor.from_pretrained(retrieval_dir, trust_remote_code=True)
     classes = [remote(model), remote(processor), remote(processor.video_processor)]
     tokens = torch.cat([model.get_video_tokens(processor(videos=v)["pixel_values"]).last_hidden_state for v in videos])
@@ -180,13 +191,16 @@ def test_remote_code_loads_without_the_package(setup, tmp_path):
     script = REMOTE_SCRIPT.format(
         repo=str(REPO), retrieval=str(setup.retrieval_folder), qa=str(setup.qa_folder),
         vision=str(setup.vision_folder), out=str(tmp_path), videos=setup.videos, queries=QUERIES, labels=LABELS,
-        question=QUESTION, answers=ANSWERS,
+        question=QUESTION, answers=ANSWERS, prompt=PROMPT,
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"), TOKENIZERS_PARALLELISM="false")
+    # stdin closed, as in a job: a prompt would read EOF and fail the load, and must not even be printed
     result = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=300)
+                            stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    assert PROMPT not in result.stdout and PROMPT not in result.stderr, result.stdout[-3000:] + result.stderr[-3000:]
+    assert not str(tmp_path).startswith(str(REPO))  # the script ran outside the repository
     got = json.loads(result.stdout.split("RESULT ", 1)[1])
 
     assert got["leaked"] == []
@@ -200,24 +214,42 @@ def test_remote_code_loads_without_the_package(setup, tmp_path):
         _assert_pairs_close(remote_list, local_list)
     for remote_list, local_list in zip(got["searched"], expected["ranked"]):
         _assert_pairs_close(remote_list, local_list)
-    # the pipeline's scores are the model's own two-stage scores
-    for q, ranked in enumerate(expected["ranked"]):
+    # the pipeline's scores are the model's own two-stage scores (re-ranking every video)
+    for q, ranked in enumerate(expected["ranked_all"]):
         by_video = dict(ranked)
         np.testing.assert_allclose([by_video[v] for v in setup.videos], expected["direct"][q], atol=1e-4)
+    # by default (top_k=None) the k_test best by cosine are re-ranked and come first, with those same scores
+    k_test = setup.retrieval.config.k_test
+    for q, ranked in enumerate(expected["ranked"]):
+        assert len(ranked) == len(setup.videos)
+        head = [v for v, _ in ranked[:k_test]]
+        nearest = np.argsort(expected["similarity"][q])[::-1][:k_test]
+        assert sorted(head) == sorted(setup.videos[int(i)] for i in nearest)
+        by_video = dict(expected["ranked_all"][q])
+        np.testing.assert_allclose([s for _, s in ranked[:k_test]], [by_video[v] for v in head], atol=1e-5)
+        tail = [v for v, _ in ranked[k_test:]]
+        by_index = {v: i for i, v in enumerate(setup.videos)}
+        np.testing.assert_allclose([s for _, s in ranked[k_test:]],
+                                   [expected["similarity"][q][by_index[v]] for v in tail], atol=1e-5)
     _assert_pairs_close(got["zero_shot"], expected["zero_shot"])
     _assert_pairs_close(got["qa_generate"], expected["qa_generate"])
     _assert_pairs_close(got["qa_rank"], expected["qa_rank"])
     np.testing.assert_allclose(got["vision"], expected["vision"], atol=1e-5, rtol=0)
 
+    code = {"modeling_testa.py", "pipeline_testa.py", "saving_testa.py", "processing_testa.py",
+            "video_processing_testa.py", "configuration_testa.py", "aggregation.py"}
     resaved = tmp_path / "resaved"
     files = {p.name for p in resaved.iterdir()}
-    assert {"modeling_testa.py", "pipeline_testa.py", "hub_testa.py", "processing_testa.py",
-            "video_processing_testa.py", "configuration_testa.py", "aggregation.py", "README.md",
-            "processor_config.json", "tokenizer.json", "model.safetensors"} <= files
+    assert code | {"README.md", "processor_config.json", "tokenizer.json", "model.safetensors"} <= files
+    assert "hub_testa.py" not in files  # the export code is not part of the remote code
     config = json.loads((resaved / "config.json").read_text())
     assert config["auto_map"]["AutoModel"] == "modeling_testa.TestaForVideoTextRetrieval"
     assert "video-text-retrieval" in config["custom_pipelines"]
     assert "## Video processor" in (resaved / "README.md").read_text()
+    model_only = tmp_path / "model_only"
+    assert code <= {p.name for p in model_only.iterdir()}
+    assert set(json.loads((model_only / "config.json").read_text())["custom_pipelines"]) == {
+        "video-text-retrieval", "zero-shot-video-classification"}
 
 
 def test_pretraining_and_encoder_folders(setup, tmp_path):

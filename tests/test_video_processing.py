@@ -1,14 +1,19 @@
 """Tests of TestaVideoProcessor on real mp4 files written with PyAV, and on arrays, tensors and PIL frames."""
 
 import json
+import os
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import PIL.Image
 import pytest
 import torch
 import torchvision.transforms.v2.functional as tvF
-from video_helpers import read_index, write_video, zero_media_data
+from video_helpers import mp4_boxes, read_index, write_video, zero_media_data
 
+import modeling_testa.video_decoding_worker as worker
 import modeling_testa.video_processing_testa as vpt
 from modeling_testa import TestaVideoProcessor, VideoDecodingError, VideoDecodingTimeoutError, decode_video
 from modeling_testa.video_processing_testa import sample_frame_indices
@@ -18,8 +23,8 @@ CLIP_MEAN = torch.tensor([0.48145466, 0.4578275, 0.40821073]).view(1, 3, 1, 1)
 CLIP_STD = torch.tensor([0.26862954, 0.26130258, 0.27577711]).view(1, 3, 1, 1)
 RAW = dict(do_resize=False, do_rescale=False, do_normalize=False)  # keep decoded pixel values (0-255)
 
-# (decoder backend, run decord in the helper process)
-BACKENDS = [("decord", True), ("decord", False), ("pyav", True)]
+# (decoder backend, run the decoder in the helper process)
+BACKENDS = [("decord", True), ("decord", False), ("pyav", True), ("pyav", False)]
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +51,7 @@ def videos(tmp_path_factory):
 
 @pytest.fixture
 def fresh_decoder_process():
-    """Stops the decord helper process before and after a test that patches it."""
+    """Stops the decoder helper process before and after a test that patches it."""
     vpt.shutdown_decoder_process()
     yield
     vpt.shutdown_decoder_process()
@@ -177,25 +182,28 @@ def test_pyav_skips_unneeded_non_reference_frames_without_changing_pixels(videos
         types = [int(frame.pict_type) for frame in container.decode(video=0)]
     assert types.count(3) > 10  # AV_PICTURE_TYPE_B: the file really has B-frames
     calls = []
-    original = vpt._pyav_collect_skipping
+    original = worker.pyav_collect_skipping
 
     def spy(*args, **kwargs):
         result = original(*args, **kwargs)
         calls.append(result is not None)
         return result
 
-    monkeypatch.setattr(vpt, "_pyav_collect_skipping", spy)
-    vp = TestaVideoProcessor(num_frames=7, video_backend="pyav")
+    monkeypatch.setattr(worker, "pyav_collect_skipping", spy)  # seen in this process: decode in process
+    vp = TestaVideoProcessor(num_frames=7, video_backend="pyav", isolate_decoder=False)
     fast = vp(videos["bframes"], return_metadata=True, **RAW)
     assert calls == [True]  # the skipping path was used and produced every wanted frame
     assert [read_index(f.permute(1, 2, 0).numpy()) for f in fast["pixel_values"][0]] == uniform(60, 7)
-    monkeypatch.setattr(vpt, "_pyav_collect_skipping", lambda *args, **kwargs: None)  # force the plain path
+    isolated = vp(videos["bframes"], isolate_decoder=True, **RAW)  # the helper process runs the same code
+    assert calls == [True] and torch.equal(fast["pixel_values"], isolated["pixel_values"])
+    monkeypatch.setattr(worker, "pyav_collect_skipping", lambda *args, **kwargs: None)  # force the plain path
     plain = vp(videos["bframes"], **RAW)
     assert torch.equal(fast["pixel_values"], plain["pixel_values"])
     assert torch.equal(plain["pixel_values"], vp(videos["bframes"], video_backend="decord", **RAW)["pixel_values"])
 
 
-def test_truncated_faststart_file_decodes_the_frames_that_are_there(videos, tmp_path, caplog):
+@pytest.mark.parametrize("isolate", [True, False])
+def test_truncated_faststart_file_decodes_the_frames_that_are_there(videos, tmp_path, caplog, isolate):
     import av
 
     src = tmp_path / "faststart.mp4"
@@ -208,7 +216,8 @@ def test_truncated_faststart_file_decodes_the_frames_that_are_there(videos, tmp_
     data = src.read_bytes()
     cut = tmp_path / "cut.mp4"
     cut.write_bytes(data[: int(len(data) * 0.6)])  # the index survives, the last frames' data does not
-    out = TestaVideoProcessor(num_frames=4, video_backend="pyav")(cut, return_metadata=True, **RAW)
+    out = TestaVideoProcessor(num_frames=4, video_backend="pyav", isolate_decoder=isolate)(cut, return_metadata=True,
+                                                                                          **RAW)
     meta = out["video_metadata"][0]
     assert 0 < meta.total_num_frames < 90
     assert "could be decoded" in caplog.text and "cut.mp4" in caplog.text
@@ -328,7 +337,8 @@ def test_save_and_load_round_trip(tmp_path):
     vp = TestaVideoProcessor(num_frames=8, frame_sampling="headtail", resize_mode="shortest_edge",
                              dtype=torch.bfloat16, video_backend="pyav", crop_size={"height": 112, "width": 96})
     vp.save_pretrained(tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["video_preprocessor_config.json", "video_processing_testa.py"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["video_decoding_worker.py", "video_preprocessor_config.json",
+                                                          "video_processing_testa.py"]
     saved = json.loads((tmp_path / "video_preprocessor_config.json").read_text())
     assert saved["auto_map"] == {"AutoVideoProcessor": "video_processing_testa.TestaVideoProcessor"}
     assert saved["num_frames"] == 8 and saved["dtype"] == "bfloat16" and saved["frame_sampling"] == "headtail"
@@ -345,22 +355,81 @@ def test_save_and_load_round_trip(tmp_path):
         assert torch.equal(loaded(clip, seed=0)["pixel_values"], expected)
 
 
+def test_exported_folder_decodes_in_its_own_helper_without_the_package(videos, tmp_path):
+    """The helper is exported with the remote code and runs from there: a fresh interpreter outside the repo, where
+    `modeling_testa` cannot be imported, decodes with both backends in the helper, and a helper crash is an
+    exception there too."""
+    import subprocess
+    import textwrap
+
+    folder = tmp_path / "exported"
+    TestaVideoProcessor(num_frames=4).save_pretrained(folder)
+    assert (folder / "video_decoding_worker.py").read_text() == Path(worker.__file__).read_text()
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = textwrap.dedent(f"""
+        import os, sys
+        repo = {repo!r}
+        sys.path = [p for p in sys.path if p not in ("", ".", repo) and not (p.startswith(repo) and ".venv" not in p)]
+        sys.modules["modeling_testa"] = None
+        try:
+            import modeling_testa
+            raise SystemExit("modeling_testa must not be importable here")
+        except ImportError:
+            pass
+        from transformers import AutoVideoProcessor
+        vp = AutoVideoProcessor.from_pretrained({str(folder)!r}, trust_remote_code=True)
+        module = sys.modules[type(vp).__module__]
+        assert module.__name__.startswith("transformers_modules"), module.__name__
+        assert module._WORKER_SCRIPT.startswith(os.environ["HF_MODULES_CACHE"]), module._WORKER_SCRIPT
+        for backend in ("decord", "pyav"):
+            out = vp({str(videos["small"])!r}, video_backend=backend, return_metadata=True)
+            assert out["video_metadata"][0].video_backend == backend
+            assert out["pixel_values"].shape == (1, 4, 3, 224, 224)
+            process = module._WORKER.process
+            assert process is not None and process.poll() is None
+            print("HELPER", backend, process.pid, process.args[-1])
+        text = open(module._WORKER_SCRIPT).read()
+        faulty = os.path.join({str(tmp_path)!r}, "faulty.py")
+        open(faulty, "w").write(text.replace({_READ_STEP!r}, "frames = os.abort() or reader.read(request[1])"))
+        module._WORKER_SCRIPT = faulty
+        module.shutdown_decoder_process()
+        try:
+            vp({str(videos["small"])!r}, video_backend="pyav")
+        except module.VideoDecodingError as exc:
+            print("CAUGHT", exc)
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"))
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=240)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    helpers = [line.split() for line in result.stdout.splitlines() if line.startswith("HELPER")]
+    assert [h[1] for h in helpers] == ["decord", "pyav"] and helpers[0][2] == helpers[1][2]  # one helper, reused
+    assert helpers[0][3].startswith(str(tmp_path / "modules")) and helpers[0][3].endswith("video_decoding_worker.py")
+    assert "CAUGHT Could not decode video" in result.stdout and "pyav decoder crashed (SIGABRT)" in result.stdout
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # bad input: clear exceptions that name the input
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("isolate", [True, False])
 @pytest.mark.parametrize("backend", ["auto", "decord", "pyav"])
-def test_bad_files(videos, tmp_path, backend):
-    vp = TestaVideoProcessor(num_frames=4, video_backend=backend)
+def test_bad_files(videos, tmp_path, backend, isolate):
+    vp = TestaVideoProcessor(num_frames=4, video_backend=backend, isolate_decoder=isolate)
     missing = tmp_path / "missing.mp4"
     with pytest.raises(FileNotFoundError, match="missing.mp4"):
         vp(missing)
     with pytest.raises(ValueError, match=r"empty\.mp4.*empty \(0 bytes\)"):
         vp(videos["empty"])
-    with pytest.raises(ValueError, match=r"truncated\.mp4.*moov atom not found"):
+    # FFmpeg's own reason comes from PyAV's log capture or from the helper's log; decord in process only prints it
+    in_process_decord = (backend, isolate) == ("decord", False)
+    with pytest.raises(ValueError, match=r"truncated\.mp4.*" + ("Error reading" if in_process_decord else
+                                                                   "moov atom not found")):
         vp(videos["truncated"])
-    with pytest.raises(ValueError, match=r"notes\.mp4.*Invalid data found"):
+    with pytest.raises(ValueError, match=r"notes\.mp4.*" + ("Error reading" if in_process_decord else
+                                                               "Invalid data found")):
         vp(videos["text"])
     with pytest.raises(VideoDecodingError, match=r"no_frames\.mp4") as info:
         vp(videos["no_frames"])
@@ -426,38 +495,158 @@ def test_bad_arrays_and_lists():
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# the decord guard: a decoder crash or hang cannot kill or block the caller
+# the decoder guard: whichever backend runs, a decoder crash or hang cannot kill or block the caller
 # ----------------------------------------------------------------------------------------------------------------------
 
+# The helper script's read step; the fault tests run a copy of the script with a fault injected right there.
+_READ_STEP = "frames = reader.read(request[1])"
 
-@pytest.mark.parametrize("fault,signal_name", [("os.kill(os.getpid(), 11)", "SIGSEGV"), ("os.abort()", "SIGABRT")])
-def test_decoder_crash_is_an_exception(videos, monkeypatch, fresh_decoder_process, fault, signal_name):
-    source = vpt._DECORD_WORKER_SOURCE.replace("reader.get_batch(", f"{fault} or reader.get_batch(")
-    assert source != vpt._DECORD_WORKER_SOURCE
-    monkeypatch.setattr(vpt, "_DECORD_WORKER_SOURCE", source)
-    with pytest.raises(VideoDecodingError, match=rf"small\.mp4.*decord.*crashed \({signal_name}\)"):
-        TestaVideoProcessor(num_frames=4, video_backend="decord")(videos["small"])
-    # "auto" falls back to PyAV and still returns the exact frames
-    out = TestaVideoProcessor(num_frames=4, video_backend="auto")(videos["small"], return_metadata=True, **RAW)
-    assert out["video_metadata"][0].video_backend == "pyav"
-    assert [read_index(f.permute(1, 2, 0).numpy()) for f in out["pixel_values"][0]] == uniform(50, 4)
-    # once the fault is gone, a new helper process serves the next call
-    monkeypatch.undo()
+
+def _faulty_worker(tmp_path, monkeypatch, fault: str, backends: tuple[str, ...]) -> None:
+    """Makes this process start its decoder helper from a copy of `video_decoding_worker.py` that runs `fault` (a
+    Python expression: a segfault, an abort, a sleep) before reading frames with one of `backends`."""
+    text = Path(vpt._WORKER_SCRIPT).read_text(encoding="utf-8")
+    assert text.count(_READ_STEP) == 1
+    faulty_step = f"frames = (reader.backend in {backends!r} and ({fault})) or reader.read(request[1])"
+    text = text.replace(_READ_STEP, faulty_step)
+    script = tmp_path / "faulty_worker" / "video_decoding_worker.py"
+    script.parent.mkdir()
+    script.write_text(text, encoding="utf-8")
+    monkeypatch.setattr(vpt, "_WORKER_SCRIPT", str(script))
     vpt.shutdown_decoder_process()
-    out = TestaVideoProcessor(num_frames=4, video_backend="decord")(videos["small"], return_metadata=True)
-    assert out["video_metadata"][0].video_backend == "decord"
 
 
-def test_decoder_hang_times_out(videos, monkeypatch, fresh_decoder_process):
-    import time
+def _without_decord(tmp_path, monkeypatch) -> None:
+    """Simulates an install without decord, here and in the helper process (whose environment shadows it)."""
+    fake = tmp_path / "no_decord"
+    (fake / "decord").mkdir(parents=True)
+    (fake / "decord" / "__init__.py").write_text("raise ImportError('No module named decord (simulated)')\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(fake), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setitem(sys.modules, "decord", None)
+    vpt.shutdown_decoder_process()
+    assert not vpt.decord_available() and vpt.pyav_available()
 
-    source = vpt._DECORD_WORKER_SOURCE.replace("reader.get_batch(", "__import__('time').sleep(60) or reader.get_batch(")
-    monkeypatch.setattr(vpt, "_DECORD_WORKER_SOURCE", source)
+
+def _helper_pid() -> int | None:
+    worker_process = vpt._WORKER.process if vpt._WORKER is not None else None
+    return worker_process.pid if worker_process is not None and worker_process.poll() is None else None
+
+
+# (scenario, video_backend, backends the fault hits, the error message after the file name)
+FAULT_SCENARIOS = [
+    ("decord", "decord", ("decord",), r" with decord: the decord decoder crashed \({signal}\)"),
+    ("explicit pyav", "pyav", ("pyav",), r" with pyav: the pyav decoder crashed \({signal}\)"),
+    ("auto, both fail", "auto", ("decord", "pyav"),
+     r": no decoder could read it \(decord: the decord decoder crashed \({signal}\); pyav: the pyav decoder crashed "
+     r"\({signal}\)\)"),
+    ("no decord installed", "auto", ("pyav",), r" with pyav: the pyav decoder crashed \({signal}\)"),
+]
+
+
+@pytest.mark.parametrize("scenario,backend,hit,message", FAULT_SCENARIOS, ids=[s[0] for s in FAULT_SCENARIOS])
+@pytest.mark.parametrize("fault,signal_name", [("os.kill(os.getpid(), 11)", "SIGSEGV"), ("os.abort()", "SIGABRT")])
+def test_decoder_crash_is_an_exception(videos, tmp_path, monkeypatch, fresh_decoder_process, scenario, backend, hit,
+                                       message, fault, signal_name):
+    if scenario == "no decord installed":
+        _without_decord(tmp_path, monkeypatch)
+    _faulty_worker(tmp_path, monkeypatch, fault, hit)
+    vp = TestaVideoProcessor(num_frames=4, video_backend=backend)
+    with pytest.raises(VideoDecodingError, match=r"small\.mp4'" + message.format(signal=signal_name)):
+        vp(videos["small"])
+    assert vpt._WORKER.process is None  # the crashed helper was reaped; this process goes on
+    if scenario == "decord":  # "auto" falls back to PyAV, in a new helper, and still returns the exact frames
+        out = TestaVideoProcessor(num_frames=4, video_backend="auto")(videos["small"], return_metadata=True, **RAW)
+        assert out["video_metadata"][0].video_backend == "pyav" and _helper_pid() is not None
+        assert [read_index(f.permute(1, 2, 0).numpy()) for f in out["pixel_values"][0]] == uniform(50, 4)
+    # once the fault is gone, a new helper process serves the next call with the backend that crashed
+    monkeypatch.setattr(vpt, "_WORKER_SCRIPT", worker.__file__)
+    vpt.shutdown_decoder_process()
+    out = vp(videos["small"], return_metadata=True, **RAW)
+    assert out["video_metadata"][0].video_backend == hit[0] and _helper_pid() is not None
+    assert [read_index(f.permute(1, 2, 0).numpy()) for f in out["pixel_values"][0]] == uniform(50, 4)
+
+
+@pytest.mark.parametrize("scenario,backend,hit,_", FAULT_SCENARIOS, ids=[s[0] for s in FAULT_SCENARIOS])
+def test_decoder_hang_times_out(videos, tmp_path, monkeypatch, fresh_decoder_process, scenario, backend, hit, _):
+    if scenario == "no decord installed":
+        _without_decord(tmp_path, monkeypatch)
+    _faulty_worker(tmp_path, monkeypatch, "__import__('time').sleep(60)", hit)
     start = time.monotonic()
-    with pytest.raises(VideoDecodingTimeoutError, match=r"small\.mp4.*decode_timeout=1"):
-        TestaVideoProcessor(num_frames=4, video_backend="decord", decode_timeout=1)(videos["small"])
-    assert time.monotonic() - start < 15
+    with pytest.raises(VideoDecodingTimeoutError, match=r"small\.mp4.*decode_timeout=1 s"):
+        TestaVideoProcessor(num_frames=4, video_backend=backend, decode_timeout=1)(videos["small"])
+    assert time.monotonic() - start < 15 * len(hit)
+    assert vpt._WORKER.process is None  # the hung helper was killed
     assert isinstance(VideoDecodingTimeoutError("x", "y"), (ValueError, TimeoutError))
+
+
+def test_helper_that_cannot_start_is_an_exception(videos, tmp_path, monkeypatch, fresh_decoder_process):
+    script = tmp_path / "video_decoding_worker.py"
+    script.write_text("import sys\nsys.exit('the helper is broken')\n")
+    monkeypatch.setattr(vpt, "_WORKER_SCRIPT", str(script))
+    for backend in ("decord", "pyav"):
+        with pytest.raises(VideoDecodingError, match=rf"small\.mp4' with {backend}: could not start the decoder "
+                                                     r"process: .*exit code 1.*decoder log: the helper is broken"):
+            decode_video(videos["small"], backend=backend)
+
+
+def test_no_decord_install_decodes_with_pyav_in_the_helper(videos, tmp_path, monkeypatch, fresh_decoder_process):
+    _without_decord(tmp_path, monkeypatch)
+    out = TestaVideoProcessor(num_frames=4)(videos["small"], return_metadata=True, **RAW)
+    assert out["video_metadata"][0].video_backend == "pyav" and _helper_pid() is not None
+    assert [read_index(f.permute(1, 2, 0).numpy()) for f in out["pixel_values"][0]] == uniform(50, 4)
+    with pytest.raises(ImportError, match="decord"):
+        TestaVideoProcessor(video_backend="decord")(videos["small"])
+    # the simulation holds in the helper process too
+    with pytest.raises(VideoDecodingError, match=r"small\.mp4.*decoder process cannot import it.*simulated"):
+        vpt._decoder_worker().decode("decord", str(videos["small"]), lambda metadata: [0], None, 30)
+
+
+def test_one_helper_process_serves_both_backends_and_survives_decoding_errors(videos, fresh_decoder_process):
+    pids = set()
+    for backend in ("pyav", "decord", "auto", "pyav"):
+        for name in ("small", "long", "truncated", "text"):
+            try:
+                decode_video(videos[name], lambda metadata: [0, 1], backend=backend)
+            except VideoDecodingError as exc:
+                assert name in ("truncated", "text") and exc.source == str(videos[name])
+            pids.add(_helper_pid())
+    assert len(pids) == 1 and None not in pids  # started once, reused for every video, file error and backend
+
+
+@pytest.fixture(scope="module")
+def corrupt_videos(videos, tmp_path_factory):
+    """Real mp4s with damaged bytes: the frame data replaced by noise, and a hole punched into the index (moov)."""
+    d = tmp_path_factory.mktemp("corrupt")
+    data = videos["small"].read_bytes()
+    rng = np.random.default_rng(0)
+    out = {"truncated": videos["truncated"]}
+    names = {b"mdat": "noise_frames", b"moov": "broken_index"}
+    for kind, offset, size in mp4_boxes(videos["small"]):
+        if kind not in names:
+            continue
+        damaged = bytearray(data)
+        if kind == b"mdat":
+            damaged[offset + 8 : offset + size] = rng.integers(0, 256, size - 8, dtype=np.uint8).tobytes()
+        else:
+            middle = offset + size // 2
+            damaged[middle : middle + 64] = rng.integers(0, 256, 64, dtype=np.uint8).tobytes()
+        out[names[kind]] = d / f"{names[kind]}.mp4"
+        out[names[kind]].write_bytes(bytes(damaged))
+    assert len(out) == 3
+    return out
+
+
+@pytest.mark.parametrize("isolate", [True, False])
+@pytest.mark.parametrize("backend", ["decord", "pyav"])
+@pytest.mark.parametrize("name", ["truncated", "noise_frames", "broken_index"])
+def test_corrupt_real_files_raise_an_error_naming_the_file(corrupt_videos, backend, isolate, name):
+    path = corrupt_videos[name]
+    with pytest.raises(VideoDecodingError) as info:
+        decode_video(path, lambda metadata: [0, 1, 2], backend=backend, isolate_decoder=isolate, decode_timeout=60)
+    error = info.value
+    assert error.source == str(path) and error.backend == backend
+    assert str(error).startswith(f"Could not decode video {str(path)!r} with {backend}: ")
+    assert "crashed" not in error.reason and "exited" not in error.reason and len(error.reason) > 10
 
 
 def test_dtype_auto_means_float32(tmp_path):

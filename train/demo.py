@@ -47,7 +47,7 @@ def evaluate(folder: Path, data_dir: Path, recipe_path: Path, aggregate: bool) -
     recipe["data"]["dataset"] = str(data_dir)
     model = TestaForVideoTextRetrieval.from_pretrained(str(folder)).eval()
     if not aggregate:
-        model.vision_model.set_aggregation(temporal_reduction=0, spatial_reduction=0)
+        model.set_aggregation(temporal_reduction=0, spatial_reduction=0)  # online and momentum encoders
     processor = TestaProcessor.from_pretrained(str(folder))
     accelerator = Accelerator(cpu=True)
     start = time.perf_counter()

@@ -1,76 +1,278 @@
 """Evaluation shared by the training scripts and the demo: paragraph-to-video retrieval and VideoQA accuracy.
 
-Retrieval follows the original protocol: every video is encoded once (sharded over processes, gathered with
-``gather_for_metrics``, which drops the padding of uneven shards), texts are embedded, and the two-stage ranking
-(VTC top-``k_test``, then the VTM head) is sharded over processes by query. Recall@K is reported in both
-directions plus their mean.
+Retrieval follows the original protocol (two-stage ranking: the cosine of the contrastive embeddings picks the top
+``eval.k_test`` candidates of every query, the matching head re-scores them with ``itm_logit[:, 1] + cosine``) with
+memory bounded by the number of candidates, not by the collection:
+
+1. Every evaluated video is decoded and encoded **once**, each process encoding a contiguous share, into an on-disk
+   token store (`modeling_testa.video_store`: tokens in fp16 by default, one shard per process, plus the
+   embeddings). A video that cannot be decoded is reported (path and reason) and counted as a miss.
+2. Every process reads all embeddings (``num_videos x projection_dim``) and embeds all texts, then ranks its share
+   of the queries in chunks of ``rerank_batch_size`` queries: the chunk's similarity row, its top-k, and the ITM
+   re-rank of the chunk's candidates, reading only their tokens from the store. Only the rank of each query's
+   positive is kept and gathered.
+
+Batch sizes in the recipe are global: ``eval.batch_size`` videos per encoder step over all processes. The store goes
+to ``store_dir`` (argument), else ``eval.store_dir`` (recipe), else a temporary directory that is deleted
+afterwards; with several machines it must be a directory on a filesystem every process sees. Recall@K is reported
+in both directions plus their mean.
 """
 
+import os
+import shutil
+import tempfile
 import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import gather_object
+from accelerate.utils import broadcast_object_list, gather_object
 from torch.utils.data import DataLoader
+
+from modeling_testa.video_store import (
+    STORE_INFO_FILE,
+    VideoStoreWriter,
+    VideoTokenStore,
+    finalize_store,
+    missing_shards,
+    rerank_pairs,
+    shard_range,
+)
 
 from .loop import load_rows
 
-
-def recall_at_k(scores: torch.Tensor, positives: list[set[int]], ks=(1, 5, 10)) -> dict[str, float]:
-    """``scores (queries, candidates)``; a query counts as found at K when its best positive ranks in the top K.
-    The rank counts the non-positive candidates scoring at least as high (ties count against the query)."""
-    found = {k: 0 for k in ks}
-    for row, targets in zip(scores, positives):
-        best = max(row[t].item() for t in targets)
-        rank = int((row >= best).sum().item()) - sum(int(row[t].item() >= best) for t in targets)
-        for k in ks:
-            found[k] += rank < k
-    return {f"R@{k}": 100.0 * found[k] / len(positives) for k in ks}
+RERANK_BATCH_SIZE = 128
+"""(query, candidate) pairs per matching-head forward, and queries per ranking chunk (as `model.rank_videos`)."""
 
 
-class _VideoRows(torch.utils.data.Dataset):
-    def __init__(self, paths: list[str]):
-        self.paths = paths
+METRICS_DIR = Path(__file__).resolve().parent / "metrics"
+"""The `evaluate` modules that compute every reported number (``train/metrics/<name>/<name>.py``)."""
+RETRIEVAL_KS = (1, 5, 10)
+
+
+def load_metric(name: str, config_name: str | None = None):
+    """``evaluate.load`` of one of the repository's metric modules (a local folder: works offline)."""
+    import evaluate  # imported here: it takes seconds and only evaluation needs it
+
+    return evaluate.load(str(METRICS_DIR / name), config_name)
+
+
+def ranked_candidates(scores: torch.Tensor, similarity: torch.Tensor, positives: set[int], length: int) -> list[int]:
+    """One query's ranking, ``length`` items best first: the re-ranked candidates (the finite entries of ``scores``)
+    by their two-stage score, then the other items by their cosine ``similarity`` (finite entries only: a video that
+    could not be encoded is never ranked). Equal scores put the non-positives first, so ties count against the query
+    (the `video_text_retrieval` convention). Only the head of the cosine order is sorted."""
+    head = torch.isfinite(scores).nonzero().flatten().tolist()
+    ranked = sorted(head, key=lambda i: (-float(scores[i]), i in positives))
+    room = length - len(ranked)
+    if room > 0:
+        rest = similarity.clone()
+        rest[head] = float("-inf")
+        finite = torch.isfinite(rest)
+        if bool(finite.any()):
+            # every item at least as similar as the room-th best one (ties at the cut included, then truncated)
+            cut = rest[finite].topk(min(room, int(finite.sum()))).values[-1]
+            tail = ((rest >= cut) & finite).nonzero().flatten().tolist()
+            ranked += sorted(tail, key=lambda i: (-float(rest[i]), i in positives))[:room]
+    return ranked[:length]
+
+
+class _Items(torch.utils.data.Dataset):
+    def __init__(self, items: list[tuple[int, Any]]):
+        self.items = items
 
     def __len__(self) -> int:
-        return len(self.paths)
+        return len(self.items)
 
-    def __getitem__(self, index: int) -> str:
-        return self.paths[index]
+    def __getitem__(self, index: int) -> tuple[int, Any]:
+        return self.items[index]
+
+
+class DecodeVideos:
+    """DataLoader collation for evaluation: decodes and samples each video on its own (``uniform`` sampling), so that
+    a file that cannot be read fails alone. Returns ``(indices, pixel_values or None, failures)`` with failures as
+    ``(index, path, reason)``."""
+
+    def __init__(self, video_processor, num_frames: int):
+        self.video_processor, self.num_frames = video_processor, num_frames
+
+    def __call__(self, batch: list[tuple[int, str]]) -> tuple[list[int], torch.Tensor | None, list[tuple]]:
+        indices, pixels, failures = [], [], []
+        for index, path in batch:
+            try:
+                pixels.append(self.video_processor(videos=[path], num_frames=self.num_frames,
+                                                   frame_sampling="uniform")["pixel_values"])
+            except (ValueError, OSError) as error:  # VideoDecodingError is a ValueError; missing files are OSErrors
+                failures.append((index, str(path), f"{type(error).__name__}: {error}"))
+                continue
+            indices.append(index)
+        return indices, (torch.cat(pixels) if pixels else None), failures
+
+
+def per_process_batch_size(global_batch_size: int, num_processes: int) -> int:
+    """A global batch size split over processes (at least 1 per process; never more than the global size)."""
+    if int(global_batch_size) < 1:
+        raise ValueError(f"eval.batch_size must be a positive int, got {global_batch_size!r}.")
+    return max(1, int(global_batch_size) // num_processes)
 
 
 @torch.no_grad()
-def encode_videos(model, processor, paths: list[str], accelerator: Accelerator, batch_size: int, num_frames: int,
-                  num_workers: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
-    """Encodes every video once, sharded over processes. Returns tokens, token sizes, features (in `paths` order,
-    on the CPU) and the encoder's wall time on this process."""
-
-    def collate(batch_paths: list[str]) -> torch.Tensor:
-        return processor.video_processor(videos=batch_paths, num_frames=num_frames, frame_sampling="uniform")[
-            "pixel_values"
-        ]
-
-    loader = accelerator.prepare(DataLoader(_VideoRows(paths), batch_size=batch_size, collate_fn=collate,
-                                            num_workers=num_workers))
-    tokens, sizes, features = [], [], []
+def encode_to_store(model, items: list, collate: Callable, accelerator: Accelerator, directory: str | os.PathLike,
+                    batch_size: int, num_workers: int = 0, token_dtype: torch.dtype = torch.float16,
+                    names: list[str] | None = None, info: dict | None = None) -> tuple[VideoTokenStore, float]:
+    """Encodes every item once into a token store in ``directory``: process ``r`` encodes its contiguous share and
+    writes shard ``r``. ``collate([(index, item), ...])`` returns ``(indices, pixel_values or None, failures)`` (see
+    `DecodeVideos`); ``batch_size`` is global. Returns the opened store (on every process) and the encoder's wall
+    time on this process. Failures are reported on the main process."""
+    rank, world = accelerator.process_index, accelerator.num_processes
+    start, stop = shard_range(len(items), rank, world)
+    # a directory reused from an earlier run: its index and this process's closed-shard marker are stale
+    stale = [Path(directory) / f"shard-{rank:05d}.json"] + ([Path(directory) / STORE_INFO_FILE] if rank == 0 else [])
+    for path in stale:
+        path.unlink(missing_ok=True)
+    accelerator.wait_for_everyone()
+    writer = VideoStoreWriter(directory, rank, start, stop, token_dtype=token_dtype)
+    # one decoded batch in flight per worker (the default is 2): decoded pixels are the largest host buffers
+    loader = DataLoader(_Items([(i, items[i]) for i in range(start, stop)]),
+                        batch_size=per_process_batch_size(batch_size, world), collate_fn=collate,
+                        num_workers=num_workers, prefetch_factor=1 if num_workers else None)
     encoder_seconds = 0.0
-    for pixel_values in loader:
-        start = time.perf_counter()
+    for indices, pixel_values, failures in loader:
+        for index, path, reason in failures:
+            writer.add_failure(index, path, reason)
+        if pixel_values is None:
+            continue
+        begin = time.perf_counter()
         out = model.get_video_tokens(pixel_values.to(accelerator.device))
-        feats = model.get_video_features(video_tokens=out.last_hidden_state, video_token_sizes=out.token_sizes)
-        encoder_seconds += time.perf_counter() - start
-        gathered = accelerator.gather_for_metrics((out.last_hidden_state, out.token_sizes, feats))
-        tokens.append(gathered[0].cpu())
-        sizes.append(gathered[1].cpu())
-        features.append(gathered[2].cpu())
-    return torch.cat(tokens), torch.cat(sizes), torch.cat(features), encoder_seconds
+        features = model.get_video_features(video_tokens=out.last_hidden_state, video_token_sizes=out.token_sizes)
+        encoder_seconds += time.perf_counter() - begin
+        writer.add_batch(indices, out.last_hidden_state, out.token_sizes, features)
+        del out, features, pixel_values
+    writer.close()
+    accelerator.wait_for_everyone()
+    missing = missing_shards(directory, world)
+    if missing:  # raised on every process that misses a shard (with several machines: on all of them)
+        raise FileNotFoundError(
+            f"The evaluation store {os.fspath(directory)!r} lacks the shards of processes {missing}: with several "
+            "machines, set eval.store_dir (or pass store_dir) to a directory on a filesystem every process sees."
+        )
+    names = [str(item) for item in items] if names is None else names
+    if accelerator.is_main_process:
+        finalize_store(directory, names, world, info)
+    accelerator.wait_for_everyone()
+    store = VideoTokenStore(directory)
+    if accelerator.is_main_process:
+        for failure in store.failures:
+            print(f"evaluation: video {failure['video']!r} could not be encoded and counts as a miss: "
+                  f"{failure['reason']}", flush=True)
+    return store, encoder_seconds
 
 
 @torch.no_grad()
-def evaluate_retrieval(model, processor, recipe: dict, accelerator: Accelerator, split: str | None = None) -> dict:
+def _rank_direction(model, store: VideoTokenStore, input_ids, attention_mask, text_features, queries_are_texts: bool,
+                    queries: list[int], positives: list[set[int]], k: int, batch_size: int,
+                    itm_score: str = "logit", add_cosine: bool = True) -> list[tuple[int, list[int]]]:
+    """Two-stage ranking of ``queries`` (text rows, or video indices when ``queries_are_texts`` is False), in chunks
+    of ``batch_size`` queries; returns ``(query, its ranking)``: the ``k`` re-ranked candidates, then the next items
+    by cosine, ``max(k, max(RETRIEVAL_KS))`` items in all (see `ranked_candidates`), so R@K is exact for every
+    reported K whatever ``k``. Videos that could not be encoded are never ranked; a query without a findable
+    positive gets an empty ranking (a miss)."""
+    device, dtype = model.itm_head.weight.device, model.itm_head.weight.dtype
+    video_features = store.embeddings.to(device, dtype)
+    text_features = text_features.to(device, dtype)
+    invalid = (~store.valid).to(device)
+    results = [(q, []) for q in queries if not positives[q]]
+    queries = [q for q in queries if positives[q]]
+    for start in range(0, len(queries), batch_size):
+        chunk = torch.tensor(queries[start : start + batch_size], dtype=torch.long)
+        if queries_are_texts:
+            similarity = text_features[chunk.to(device)] @ video_features.T
+            if invalid.any():
+                similarity = similarity.masked_fill(invalid.view(1, -1), float("-inf"))
+        else:
+            similarity = video_features[chunk.to(device)] @ text_features.T
+        topk_sim, topk_indices = similarity.topk(k, dim=1)
+        query_rows = chunk.to(device).repeat_interleave(k)
+        candidates = topk_indices.flatten()
+        texts, videos = (query_rows, candidates) if queries_are_texts else (candidates, query_rows)
+        itm = rerank_pairs(model, input_ids, attention_mask, texts, videos, store.read_tokens, batch_size, itm_score)
+        topk_scores = itm.view(-1, k).to(similarity.dtype)
+        if add_cosine:
+            topk_scores = topk_scores + topk_sim
+        # a video that could not be encoded is no candidate at all (-inf, like every non-candidate)
+        scores = torch.full_like(similarity, float("-inf")).scatter(1, topk_indices, topk_scores).cpu()
+        length = max(k, max(RETRIEVAL_KS))
+        for row, cosine, query in zip(scores, similarity.cpu(), chunk.tolist()):
+            results.append((query, ranked_candidates(row, cosine, positives[query], length)))
+    return results
+
+
+@torch.no_grad()
+def retrieval_metrics(model, store: VideoTokenStore, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      text_video: list[int], accelerator: Accelerator, k_test: int,
+                      rerank_batch_size: int = RERANK_BATCH_SIZE) -> dict:
+    """t2v and v2t R@1/5/10 (and means) of texts ``input_ids`` (text ``t`` describes video ``text_video[t]``)
+    against the videos of ``store``; the queries of both directions are split over processes (a process may get
+    none). Every process gathers the queries' ranked candidate lists (``k_test`` each) and computes the numbers with
+    the `video_text_retrieval` metric module; a positive outside its query's ranking is a miss."""
+    device = accelerator.device
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    num_texts, num_videos = input_ids.shape[0], len(store)
+    text_features = torch.cat([
+        model.get_text_features(input_ids[i : i + 256], attention_mask[i : i + 256]) for i in range(0, num_texts, 256)
+    ]) if num_texts else torch.empty(0, store.embeddings.shape[1], device=device)
+    valid = store.valid.tolist()
+    num_valid = sum(valid)
+    k = min(int(k_test), num_valid, num_texts)
+    rank, world = accelerator.process_index, accelerator.num_processes
+    text_positives = [{v} if valid[v] else set() for v in text_video]
+    video_positives = [set() for _ in range(num_videos)]
+    for t, v in enumerate(text_video):
+        if valid[v]:
+            video_positives[v].add(t)
+    if k < 1:  # nothing could be encoded (or no texts): every query is a miss
+        t2v = [(q, []) for q in range(num_texts)]
+        v2t = [(q, []) for q in range(num_videos)]
+    else:
+        t2v_share = list(range(*shard_range(num_texts, rank, world)))
+        v2t_share = list(range(*shard_range(num_videos, rank, world)))
+        t2v = gather_object(_rank_direction(model, store, input_ids, attention_mask, text_features, True, t2v_share,
+                                            text_positives, k, rerank_batch_size))
+        v2t = gather_object(_rank_direction(model, store, input_ids, attention_mask, text_features, False, v2t_share,
+                                            video_positives, k, rerank_batch_size))
+    t2v_lists = [ranked for _, ranked in sorted(t2v, key=lambda item: item[0])]
+    v2t_lists = [ranked for _, ranked in sorted(v2t, key=lambda item: item[0])]
+    if len(t2v_lists) != num_texts or len(v2t_lists) != num_videos:
+        raise RuntimeError(f"Gathered {len(t2v_lists)}/{num_texts} text and {len(v2t_lists)}/{num_videos} video "
+                           "rankings: the processes disagree on the evaluated data.")
+    texts_of_video = [[] for _ in range(num_videos)]
+    for t, v in enumerate(text_video):
+        texts_of_video[v].append(t)
+    # A video no text describes has nothing to find: it stays a query and a miss (-1 is never a candidate).
+    texts_of_video = [texts or [-1] for texts in texts_of_video]
+    result = load_metric("video_text_retrieval", "ranked_lists").compute(
+        predictions=t2v_lists, references=[[v] for v in text_video], reverse_predictions=v2t_lists,
+        reverse_references=texts_of_video, ks=RETRIEVAL_KS, truncated="miss", return_ranks=True,
+    )
+    metrics = {f"{direction}_R@{k}": result[f"{direction}_R@{k}"] for direction in ("t2v", "v2t") for k in RETRIEVAL_KS}
+    metrics["t2v_mean_recall"], metrics["v2t_mean_recall"] = result["t2v_R_mean"], result["v2t_R_mean"]
+    metrics["mean_recall"] = result["R_mean"]
+    metrics["t2v_ranks"], metrics["v2t_ranks"] = result["t2v_ranks"], result["v2t_ranks"]
+    return metrics
+
+
+@torch.no_grad()
+def evaluate_retrieval(model, processor, recipe: dict, accelerator: Accelerator, split: str | None = None,
+                       store_dir: str | os.PathLike | None = None, token_dtype: torch.dtype = torch.float16,
+                       rerank_batch_size: int = RERANK_BATCH_SIZE) -> dict:
     """Paragraph-to-video (t2v) and video-to-paragraph (v2t) R@1/5/10 with two-stage ranking, plus mean recall.
 
-    Also reports the chance level of R@1 (``100 / number of videos``) and the encoder's wall time.
+    Also reports the chance level of R@1 (``100 / number of videos``), the encoder's wall time on this process, and
+    the videos that could not be decoded (``failed_videos``: path and reason; each counts as a miss). The token
+    store goes to ``store_dir``, else the recipe's ``eval.store_dir``, else a temporary directory (removed
+    afterwards); ``token_dtype`` is its token precision (fp16 as the original's ``--low_resource_eval``).
     """
     model.eval()
     data, evaluation = recipe["data"], recipe.get("eval", {})
@@ -84,42 +286,37 @@ def evaluate_retrieval(model, processor, recipe: dict, accelerator: Accelerator,
             paths.append(row["video"])
         texts.append(row["text"])
         text_video.append(video_index[key])
-    device = accelerator.device
-    tokens, sizes, video_features, encoder_seconds = encode_videos(
-        model, processor, paths, accelerator, int(evaluation.get("batch_size", 8)), int(data.get("num_frames", 32)),
-        int(data.get("num_workers", 0)),
-    )
-    encoded = processor.tokenizer(texts, padding="max_length", truncation=True,
-                                  max_length=int(data.get("max_text_length", 64)), return_tensors="pt")
-    input_ids, attention_mask = encoded["input_ids"].to(device), encoded["attention_mask"].to(device)
-    text_features = torch.cat([
-        model.get_text_features(input_ids[i : i + 256], attention_mask[i : i + 256]) for i in range(0, len(texts), 256)
-    ])
-    video_features = video_features.to(device)
-    k = min(int(evaluation.get("k_test", 128)), len(paths), len(texts))
+    if not paths:
+        raise ValueError(f"The evaluation split {split or data.get('eval_split', 'test')!r} of "
+                         f"{data.get('dataset')!r} has no rows.")
 
-    # Two-stage ranking, sharded by query over processes.
-    with accelerator.split_between_processes(list(range(len(texts)))) as text_rows:
-        t2v = model.rank_videos(input_ids[text_rows], tokens, attention_mask[text_rows], video_token_sizes=sizes,
-                                text_features=text_features[text_rows], video_features=video_features, k=k).scores
-    with accelerator.split_between_processes(list(range(len(paths)))) as video_rows:
-        v2t = model.rank_texts(input_ids, tokens[video_rows], attention_mask, video_token_sizes=sizes[video_rows],
-                               text_features=text_features, video_features=video_features[video_rows], k=k).scores
-    t2v = torch.cat([s.cpu() for s in gather_object([t2v.cpu()])])
-    v2t = torch.cat([s.cpu() for s in gather_object([v2t.cpu()])])
-
-    texts_of_video = [set() for _ in paths]
-    for t, v in enumerate(text_video):
-        texts_of_video[v].add(t)
-    metrics = {f"t2v_{k_}": v for k_, v in recall_at_k(t2v, [{v} for v in text_video]).items()}
-    metrics.update({f"v2t_{k_}": v for k_, v in recall_at_k(v2t, texts_of_video).items()})
-    metrics["t2v_mean_recall"] = sum(metrics[f"t2v_R@{k_}"] for k_ in (1, 5, 10)) / 3
-    metrics["v2t_mean_recall"] = sum(metrics[f"v2t_R@{k_}"] for k_ in (1, 5, 10)) / 3
-    metrics["mean_recall"] = (metrics["t2v_mean_recall"] + metrics["v2t_mean_recall"]) / 2
-    metrics["num_videos"], metrics["num_texts"] = len(paths), len(texts)
-    metrics["chance_R@1"] = 100.0 / len(paths)
-    metrics["encoder_seconds"] = encoder_seconds
-    metrics["video_tokens"] = tokens.shape[1]
+    store_dir = store_dir or evaluation.get("store_dir")
+    temporary = store_dir is None
+    if temporary:
+        made = [tempfile.mkdtemp(prefix="testa-eval-store-") if accelerator.is_main_process else None]
+        store_dir = broadcast_object_list(made)[0] if accelerator.num_processes > 1 else made[0]
+    try:
+        store, encoder_seconds = encode_to_store(
+            model, paths, DecodeVideos(processor.video_processor, int(data.get("num_frames", 32))), accelerator,
+            store_dir, int(evaluation.get("batch_size", 8)), int(data.get("num_workers", 0)), token_dtype,
+            info={"num_frames": int(data.get("num_frames", 32))},
+        )
+        encoded = processor.tokenizer(texts, padding="max_length", truncation=True,
+                                      max_length=int(data.get("max_text_length", 64)), return_tensors="pt")
+        metrics = retrieval_metrics(model, store, encoded["input_ids"], encoded["attention_mask"], text_video,
+                                    accelerator, int(evaluation.get("k_test", 128)), rerank_batch_size)
+        del metrics["t2v_ranks"], metrics["v2t_ranks"]
+        metrics["num_videos"], metrics["num_texts"] = len(paths), len(texts)
+        metrics["chance_R@1"] = 100.0 / len(paths)
+        metrics["encoder_seconds"] = encoder_seconds
+        metrics["video_tokens"] = store.num_tokens
+        metrics["num_failed_videos"] = len(store.failures)
+        metrics["failed_videos"] = [{"video": f["video"], "reason": f["reason"]} for f in store.failures]
+        store.close()
+        accelerator.wait_for_everyone()  # every process is done reading before the store is removed
+    finally:
+        if temporary and accelerator.is_main_process:
+            shutil.rmtree(store_dir, ignore_errors=True)
     return metrics
 
 
@@ -132,9 +329,9 @@ def evaluate_qa(model, processor, recipe: dict, accelerator: Accelerator, answer
     rows = load_rows(recipe, data.get("eval_split", "test"), "qa", streaming=False)
     device = accelerator.device
     answers = processor.tokenizer(answer_list, padding="longest", return_tensors="pt")
-    correct = total = 0
+    predicted: list[tuple[int, str]] = []
     with accelerator.split_between_processes(list(range(len(rows)))) as mine:
-        batch_size = int(evaluation.get("batch_size", 8))
+        batch_size = per_process_batch_size(int(evaluation.get("batch_size", 8)), accelerator.num_processes)
         for start in range(0, len(mine), batch_size):
             batch = [rows[i] for i in mine[start : start + batch_size]]
             pixel_values = processor.video_processor(videos=[r["video"] for r in batch],
@@ -147,9 +344,15 @@ def evaluate_qa(model, processor, recipe: dict, accelerator: Accelerator, answer
                 answer_attention_mask=answers["attention_mask"].to(device),
                 k=min(int(evaluation.get("k_test", 128)), len(answer_list)),
             )
-            for row, index in zip(batch, ranked.answer_indices.tolist()):
-                correct += int(answer_list[index] == row["answer"])
-                total += 1
-    counts = accelerator.reduce(torch.tensor([correct, total], device=device), reduction="sum").tolist()
-    return {"accuracy": 100.0 * counts[0] / max(counts[1], 1), "num_questions": counts[1],
-            "num_candidate_answers": len(answer_list)}
+            for position, index in zip(mine[start : start + batch_size], ranked.answer_indices.tolist()):
+                predicted.append((position, answer_list[index]))
+    predicted = sorted(gather_object(predicted)) if accelerator.num_processes > 1 else predicted
+    if len(predicted) != len(rows):
+        raise RuntimeError(f"Gathered {len(predicted)} answers for {len(rows)} questions.")
+    types = [row.get("type") for row in rows]
+    typed = all(t is not None for t in types)
+    result = load_metric("video_qa_accuracy").compute(
+        predictions=[answer for _, answer in predicted], references=[row["answer"] for row in rows],
+        question_types=types if typed else None,
+    )
+    return {**result, "num_candidate_answers": len(answer_list)}

@@ -1,0 +1,993 @@
+"""Training-free TESTA for transformers' own video encoders: ``apply_testa(model, ...)`` / ``remove_testa(model)``.
+
+``apply_testa`` replaces the ``forward`` of a model *instance* (never its class, never a module-level object) with one
+that runs the same weights, block by block, with TESTA's token aggregation from :mod:`.aggregation` and attention
+through ``torch.nn.functional.scaled_dot_product_attention``. ``remove_testa`` puts the previous ``forward`` back.
+
+Supported models and where the aggregation happens:
+
+* ``TimesformerModel`` / ``TimesformerForVideoClassification`` (``attention_type="divided_space_time"``): TESTA's
+  exact placement. Frame aggregation (R_T frames per block, all patch positions together) after temporal attention,
+  patch aggregation (R_S patches within every frame, CLS protected) after spatial attention, then the MLP. The
+  classifier reads the CLS token, as it does unpatched.
+* ``VideoMAEModel`` / ``VideoMAEForVideoClassification`` and ``VivitModel`` / ``VivitForVideoClassification``
+  (joint space-time attention over tubelets): after each block's attention, the tubelet *time slices* are aggregated
+  (R_T slices, the frame token is the mean of the slice's keys), then the tokens within each slice (R_S), then the
+  MLP. Tokens then stand for several tubelets, so proportional attention (log-size bias, ToMe) is on by default.
+  ``aggregation_dims="joint"`` is ToMe's merging over all space-time tokens instead (``spatial_reduction`` tokens per
+  block). VideoMAE's mean-pooling head becomes a size-weighted mean; ViViT's head reads the CLS token.
+* ``CLIPVisionModel`` run frame by frame (frames in the batch axis, as CLIP4Clip-style video encoders do): patch
+  aggregation within every frame, CLS protected (ToMe on each frame); it has no temporal stage, so R_T must be 0.
+  For ``CLIPVisionModelWithProjection`` and ``CLIPModel`` the image tower (``.vision_model``) is patched; their
+  projections read its pooled CLS as before.
+
+At ``temporal_reduction = spatial_reduction = 0`` the patched model computes what the unpatched one computes (the
+tests check 1e-5 in fp32 for every class). Outputs gain ``token_sizes`` (input patches / tubelets per output token)
+and, with ``trace_source=True``, ``source_map``: for every input patch (``(batch, time slices, patches per slice)``)
+the index of the output token it ended in, counted in ``last_hidden_state`` without the CLS token (-1 = pruned).
+:func:`visualize_patched_aggregation` draws it with :func:`.visualization.draw_aggregation`.
+
+Imports are sibling-relative so that the module works as Hub remote code.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint
+from torch import nn
+from transformers.modeling_outputs import BaseModelOutputWithPooling, ImageClassifierOutput
+
+from .aggregation import (
+    Matching,
+    attention_received,
+    capped_reduction,
+    geometry_matching,
+    importance_matching,
+    merge_tokens,
+    output_slot_of_inputs,
+    shift_protected,
+)
+from .configuration_testa import AGGREGATION_DIMS, AGGREGATION_STRATEGIES, FRAME_MATCHINGS, REDUCTION_MODES
+from .modeling_testa import _follow_frame_merge, _follow_patch_merge
+from .visualization import AggregationGroups, draw_aggregation
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Outputs and settings
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TestaPatchedModelOutput(BaseModelOutputWithPooling):
+    r"""
+    Output of a base encoder patched by [`apply_testa`]: the model's usual fields, plus
+
+    Args:
+        token_sizes (`torch.FloatTensor` of shape `(batch, tokens)`): how many input patches (tubelets) every token of
+            `last_hidden_state` stands for; a CLS token counts 1. Without pruning they sum to the input token count.
+        source_map (`torch.LongTensor` of shape `(batch, time slices, patches per slice)`, *optional*): with
+            `trace_source=True`, the index of the output token (in `last_hidden_state` without its CLS token) that
+            every input patch ended in; -1 where pruned.
+    """
+
+    token_sizes: torch.FloatTensor | None = None
+    source_map: torch.LongTensor | None = None
+
+
+@dataclass
+class TestaPatchedClassifierOutput(ImageClassifierOutput):
+    r"""
+    Output of a video classifier patched by [`apply_testa`]: `ImageClassifierOutput` plus the encoder's `token_sizes`
+    and `source_map` (see [`TestaPatchedModelOutput`]).
+    """
+
+    token_sizes: torch.FloatTensor | None = None
+    source_map: torch.LongTensor | None = None
+
+
+@dataclass(frozen=True)
+class TestaPatchSettings:
+    """The validated aggregation settings of a patched model (one R per block)."""
+
+    temporal_reduction: tuple[int, ...]
+    spatial_reduction: tuple[int, ...]
+    aggregation_strategy: str
+    reduction_mode: str
+    aggregation_dims: str
+    frame_matching: str
+    proportional_attention: bool
+    trace_source: bool
+
+    @property
+    def uses_importance(self) -> bool:
+        return self.aggregation_strategy == "importance" or self.reduction_mode == "prune"
+
+
+class _Family(NamedTuple):
+    name: str  # "timesformer", "videomae", "vivit", "clip"
+    base_attribute: str | None  # where a head model keeps its base encoder (None: the model is the base)
+
+
+# Class name -> family. Matched along the MRO, so subclasses of these classes are supported too.
+_SUPPORTED = {
+    "TimesformerModel": _Family("timesformer", None),
+    "TimesformerForVideoClassification": _Family("timesformer", "timesformer"),
+    "VideoMAEModel": _Family("videomae", None),
+    "VideoMAEForVideoClassification": _Family("videomae", "videomae"),
+    "VivitModel": _Family("vivit", None),
+    "VivitForVideoClassification": _Family("vivit", "vivit"),
+    "CLIPVisionModel": _Family("clip", None),
+    # CLIP4Clip-style: the image tower of CLIP; its projection reads the pooled CLS, so only the tower is patched
+    "CLIPVisionModelWithProjection": _Family("clip", "vision_model"),
+    "CLIPModel": _Family("clip", "vision_model"),
+}
+
+_STATE_ATTRIBUTE = "_testa_patch"
+
+
+@dataclass
+class _PatchState:
+    settings: TestaPatchSettings
+    family: str
+    # (module, the `forward` found in the instance's __dict__ before patching, or None when there was none)
+    replaced: list[tuple[nn.Module, Any]]
+    # a stack of lists that the base forward appends (token_sizes, source_map) to, read by CLS-head wrappers
+    captures: list[list]
+
+
+def _family_of(model: nn.Module) -> _Family:
+    for cls in type(model).__mro__:
+        if cls.__name__ in _SUPPORTED:
+            return _SUPPORTED[cls.__name__]
+    raise TypeError(
+        f"apply_testa does not support {type(model).__name__}. Supported classes (and their subclasses): "
+        f"{', '.join(_SUPPORTED)}."
+    )
+
+
+def _base_of(model: nn.Module, family: _Family) -> nn.Module:
+    return model if family.base_attribute is None else getattr(model, family.base_attribute)
+
+
+def _layers(base: nn.Module, family: str) -> nn.ModuleList:
+    if family == "timesformer":
+        return base.encoder.layer
+    if family == "videomae":
+        return base.encoder.layer
+    if family == "vivit":
+        return base.layers
+    return base.encoder.layers
+
+
+def _per_layer(value: Any, num_layers: int, name: str) -> tuple[int, ...]:
+    values = [value] * num_layers if isinstance(value, int) and not isinstance(value, bool) else value
+    if not isinstance(values, (list, tuple)) or len(values) != num_layers:
+        raise ValueError(
+            f"`{name}` must be an int or a list of {num_layers} ints (one per block of this model); got {value!r}."
+        )
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"`{name}` must hold ints >= 0 (tokens removed per block); got {v!r} in {value!r}.")
+    return tuple(values)
+
+
+def _check_choice(value: Any, allowed: tuple[str, ...], name: str) -> None:
+    if value not in allowed:
+        raise ValueError(f"Unknown {name}={value!r}; allowed values are {', '.join(map(repr, allowed))}.")
+
+
+def _settings_for(
+    base: nn.Module, family: str, temporal_reduction, spatial_reduction, **options
+) -> TestaPatchSettings:
+    num_layers = len(_layers(base, family))
+    r_t = _per_layer(temporal_reduction, num_layers, "temporal_reduction")
+    r_s = _per_layer(spatial_reduction, num_layers, "spatial_reduction")
+    _check_choice(options["aggregation_strategy"], AGGREGATION_STRATEGIES, "aggregation_strategy")
+    _check_choice(options["reduction_mode"], REDUCTION_MODES, "reduction_mode")
+    _check_choice(options["aggregation_dims"], AGGREGATION_DIMS, "aggregation_dims")
+    _check_choice(options["frame_matching"], FRAME_MATCHINGS, "frame_matching")
+    dims = options["aggregation_dims"]
+    name = type(base).__name__
+    if family == "timesformer" and getattr(base.config, "attention_type", None) != "divided_space_time":
+        raise ValueError(
+            f"apply_testa supports {name} with attention_type='divided_space_time' only; this model has "
+            f"attention_type={base.config.attention_type!r}."
+        )
+    if family == "timesformer" and dims == "joint":
+        raise ValueError(
+            f"aggregation_dims='joint' (ToMe over all space-time tokens) needs joint space-time attention; {name} "
+            "uses divided space-time attention. Use it with VideoMAE or ViViT, or pick 'temporal+spatial', "
+            "'temporal' or 'spatial'."
+        )
+    if family == "clip" and any(r_t):
+        raise ValueError(
+            f"{name} encodes every frame on its own and has no temporal stage: temporal_reduction must be 0; got "
+            f"{temporal_reduction!r}."
+        )
+    if dims in ("joint", "spatial") and any(r_t):
+        raise ValueError(
+            f"With aggregation_dims={dims!r} nothing is merged along time by frames (in 'joint' mode "
+            f"spatial_reduction is the number of space-time tokens merged per block): temporal_reduction must be 0; "
+            f"got {temporal_reduction!r}."
+        )
+    if dims == "temporal" and any(r_s):
+        raise ValueError(
+            f"With aggregation_dims='temporal' only frames are merged: spatial_reduction must be 0; got "
+            f"{spatial_reduction!r}."
+        )
+    proportional = options["proportional_attention"]
+    if proportional is None:  # the paper's setting for divided attention, ToMe's for joint attention
+        proportional = family != "timesformer"
+    if not isinstance(proportional, bool) or not isinstance(options["trace_source"], bool):
+        raise TypeError("`proportional_attention` (or None) and `trace_source` must be bools.")
+    return TestaPatchSettings(
+        temporal_reduction=r_t,
+        spatial_reduction=r_s,
+        aggregation_strategy=options["aggregation_strategy"],
+        reduction_mode=options["reduction_mode"],
+        aggregation_dims=dims,
+        frame_matching=options["frame_matching"],
+        proportional_attention=proportional,
+        trace_source=options["trace_source"],
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Attention and the per-family pieces of a block
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _sdpa(query, key, value, bias, scale, dropout, training, need_importance):
+    """``(batch, heads, tokens, head_dim)`` q/k/v -> ``(context (batch, tokens, heads * head_dim), keys averaged over
+    heads (batch, tokens, head_dim), Eq. 1 importance (batch, tokens) or None)``."""
+    context = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=bias, dropout_p=dropout if training else 0.0, scale=scale
+    )
+    batch, heads, tokens, head_dim = query.shape
+    context = context.transpose(1, 2).reshape(batch, tokens, heads * head_dim)
+    importance = attention_received(query, key, scale, bias) if need_importance else None
+    return context, key.mean(dim=1), importance
+
+
+def _heads(x: torch.Tensor, linear: nn.Module, head_dim: int) -> torch.Tensor:
+    batch, tokens = x.shape[:2]
+    return linear(x).view(batch, tokens, -1, head_dim).transpose(1, 2)
+
+
+def _timesformer_attention(attention: nn.Module, x, bias, need_importance):
+    """``TimeSformerAttention`` (``.attention.qkv``, ``.output.dense``) through SDPA."""
+    inner = attention.attention
+    batch, tokens, hidden = x.shape
+    qkv = inner.qkv(x).reshape(batch, tokens, 3, inner.num_heads, hidden // inner.num_heads).permute(2, 0, 3, 1, 4)
+    context, keys, importance = _sdpa(
+        qkv[0], qkv[1], qkv[2], bias, inner.scale, inner.attn_drop.p, attention.training, need_importance
+    )
+    return attention.output(context), keys, importance
+
+
+class _JointParts(NamedTuple):
+    """How one pre-norm joint-attention block of a family computes its pieces."""
+
+    attention: Callable  # (layer, normed tokens, bias, need_importance) -> (projected output, keys, importance)
+    attention_residual: Callable  # (layer, tokens, attention output) -> tokens
+    mlp_residual: Callable  # (layer, tokens) -> tokens
+    norm_before: Callable  # (layer) -> LayerNorm
+
+
+def _videomae_attention(layer, x, bias, need_importance):
+    inner = layer.attention.attention
+    d = inner.attention_head_size
+    q, k, v = _heads(x, inner.query, d), _heads(x, inner.key, d), _heads(x, inner.value, d)
+    context, keys, importance = _sdpa(q, k, v, bias, inner.scaling, inner.dropout_prob, inner.training, need_importance)
+    return layer.attention.output(context, None), keys, importance
+
+
+def _vivit_attention(layer, x, bias, need_importance):
+    inner = layer.attention
+    d = inner.head_dim
+    q, k, v = _heads(x, inner.q_proj, d), _heads(x, inner.k_proj, d), _heads(x, inner.v_proj, d)
+    context, keys, importance = _sdpa(
+        q, k, v, bias, inner.scaling, inner.attention_dropout, inner.training, need_importance
+    )
+    return inner.o_proj(context), keys, importance
+
+
+def _clip_attention(layer, x, bias, need_importance):
+    inner = layer.self_attn
+    d = inner.head_dim
+    q, k, v = _heads(x, inner.q_proj, d), _heads(x, inner.k_proj, d), _heads(x, inner.v_proj, d)
+    context, keys, importance = _sdpa(q, k, v, bias, inner.scale, inner.dropout, inner.training, need_importance)
+    return inner.out_proj(context), keys, importance
+
+
+_JOINT_PARTS = {
+    "videomae": _JointParts(
+        attention=_videomae_attention,
+        attention_residual=lambda layer, x, out: x + out,
+        mlp_residual=lambda layer, x: layer.output(layer.intermediate(layer.layernorm_after(x)), x),
+        norm_before=lambda layer: layer.layernorm_before,
+    ),
+    "vivit": _JointParts(
+        attention=_vivit_attention,
+        attention_residual=lambda layer, x, out: x + layer.dropout(out),
+        mlp_residual=lambda layer, x: x + layer.dropout(layer.mlp(layer.layernorm_after(x))),
+        norm_before=lambda layer: layer.layernorm_before,
+    ),
+    "clip": _JointParts(
+        attention=_clip_attention,
+        attention_residual=lambda layer, x, out: x + out,
+        mlp_residual=lambda layer, x: x + layer.mlp(layer.layer_norm2(x)),
+        norm_before=lambda layer: layer.layer_norm1,
+    ),
+}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Aggregation steps (the algorithm itself is in aggregation.py)
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _match(settings: TestaPatchSettings, metric, importance, r, protect_first, vote_dim=None) -> Matching:
+    vote = settings.frame_matching if vote_dim is not None else "vote"
+    if not settings.uses_importance:
+        return geometry_matching(metric, r, protect_first=protect_first, vote_dim=vote_dim, vote=vote)
+    return importance_matching(
+        metric,
+        importance,
+        r,
+        protect_first=protect_first,
+        vote_dim=vote_dim,
+        prune=settings.reduction_mode == "prune",
+        vote=vote,
+    )
+
+
+def _frame_matching(settings: TestaPatchSettings, keys: torch.Tensor, importance, r: int) -> Matching:
+    """Frame aggregation from per-frame patch keys ``(B, T, L, C)`` and importance ``(B, T, L)`` or None."""
+    if settings.frame_matching == "mean":
+        metric, vote_dim = keys.mean(dim=2), None  # the paper's frame token
+    else:  # every patch position compares the frames, then the positions decide
+        metric, vote_dim = keys.transpose(1, 2), -3
+    if importance is not None:
+        importance = importance.mean(dim=2)
+    return _match(settings, metric, importance, r, protect_first=False, vote_dim=vote_dim)
+
+
+def _size_bias(settings: TestaPatchSettings, sizes: torch.Tensor, dtype, merged: bool):
+    """Proportional attention, ``(batch, 1, 1, keys)``; None before anything was merged (all sizes are 1)."""
+    if not (settings.proportional_attention and merged):
+        return None
+    return sizes.log().to(dtype)[:, None, None, :]
+
+
+def _after_frame_merge(matching, frames_in, source_map, patches_per_frame):
+    if source_map is None:
+        return None
+    return _follow_frame_merge(source_map, output_slot_of_inputs(matching, frames_in), patches_per_frame)
+
+
+def _after_patch_merge(matching, patches_in, patches_out, source_map):
+    if source_map is None:
+        return None
+    slots = output_slot_of_inputs(matching, patches_in)
+    return _follow_patch_merge(source_map, slots, patches_in, patches_out)
+
+
+def _divided_block(layer, settings, index, cls, patches, sizes, source_map, merged):
+    """One TimeSformer divided space-time block with TESTA's aggregation (see TestaVisionLayer for the same order).
+
+    cls ``(B, 1, D)``, patches ``(B, T, L, D)`` frame-major, sizes ``(B, T, L)``.
+    """
+    batch, frames, patches_per_frame, hidden = patches.shape
+    r_t = settings.temporal_reduction[index] if settings.aggregation_dims != "spatial" else 0
+    r_s = settings.spatial_reduction[index] if settings.aggregation_dims != "temporal" else 0
+
+    # 1. Temporal attention at every patch position (CLS excluded), temporal_dense, residual.
+    frame_reduction = capped_reduction(r_t, frames, protected=1)
+    temporal_in = patches.transpose(1, 2).reshape(batch * patches_per_frame, frames, hidden)
+    temporal_sizes = sizes.transpose(1, 2).reshape(batch * patches_per_frame, frames)
+    output, keys, importance = _timesformer_attention(
+        layer.temporal_attention,
+        layer.temporal_layernorm(temporal_in),
+        _size_bias(settings, temporal_sizes, patches.dtype, merged),
+        frame_reduction > 0 and settings.uses_importance,
+    )
+    residual = layer.temporal_dense(layer.drop_path(output))
+    patches = patches + residual.view(batch, patches_per_frame, frames, hidden).transpose(1, 2)
+
+    # 2. Frame aggregation: whole frames, every patch position with its own size weight.
+    if frame_reduction > 0:
+        keys = keys.view(batch, patches_per_frame, frames, -1).transpose(1, 2)
+        if importance is not None:
+            importance = importance.view(batch, patches_per_frame, frames).transpose(1, 2)
+        matching = _frame_matching(settings, keys, importance, frame_reduction)
+        patches, sizes = merge_tokens(patches, sizes, matching)
+        source_map = _after_frame_merge(matching, frames, source_map, patches_per_frame)
+        frames, merged = patches.shape[1], True
+
+    # 3. Spatial attention over [CLS, patches] of every frame; the CLS outputs are averaged over the frames.
+    patch_reduction = capped_reduction(r_s, patches_per_frame + 1, protected=1)
+    spatial_in = torch.cat([cls.unsqueeze(1).expand(-1, frames, -1, -1), patches], dim=2)
+    spatial_in = spatial_in.reshape(batch * frames, patches_per_frame + 1, hidden)
+    spatial_sizes = F.pad(sizes, (1, 0), value=1.0).reshape(batch * frames, patches_per_frame + 1)
+    output, keys, importance = _timesformer_attention(
+        layer.attention,
+        layer.layernorm_before(spatial_in),
+        _size_bias(settings, spatial_sizes, patches.dtype, merged),
+        patch_reduction > 0 and settings.uses_importance,
+    )
+    residual = layer.drop_path(output).view(batch, frames, patches_per_frame + 1, hidden)
+    cls = cls + residual[:, :, 0].mean(dim=1, keepdim=True)
+    patches = patches + residual[:, :, 1:]
+
+    # 4. Patch aggregation within every frame (CLS takes part in the split but is protected).
+    if patch_reduction > 0:
+        keys = keys.view(batch, frames, patches_per_frame + 1, -1)
+        if importance is not None:
+            importance = importance.view(batch, frames, patches_per_frame + 1)
+        matching = shift_protected(_match(settings, keys, importance, patch_reduction, protect_first=True))
+        patches, sizes = merge_tokens(patches, sizes, matching)
+        source_map = _after_patch_merge(matching, patches_per_frame, patches.shape[2], source_map)
+        patches_per_frame, merged = patches.shape[2], True
+
+    # 5. MLP over all tokens.
+    tokens = torch.cat([cls, patches.flatten(1, 2)], dim=1)
+    tokens = tokens + layer.drop_path(layer.output(layer.intermediate(layer.layernorm_after(tokens))))
+    cls, patches = tokens[:, :1], tokens[:, 1:].view(batch, frames, patches_per_frame, hidden)
+    return cls, patches, sizes, source_map, merged
+
+
+def _joint_block(layer, parts: _JointParts, settings, index, cls, patches, sizes, source_map, merged):
+    """One joint-attention block (VideoMAE, ViViT, CLIP): attention over ``[CLS?, all tokens]``, then TESTA's
+    aggregation (time slices, then tokens within every slice) or ToMe's (``aggregation_dims="joint"``, with
+    ``patches`` of shape ``(B, 1, N, D)``), then the MLP.
+
+    cls ``(B, 1, D)`` or None, patches ``(B, T, L, D)`` slice-major, sizes ``(B, T, L)``.
+    """
+    batch, frames, per_frame, hidden = patches.shape
+    has_cls = cls is not None
+    joint = settings.aggregation_dims == "joint"
+    r_t = settings.temporal_reduction[index] if settings.aggregation_dims in ("temporal", "temporal+spatial") else 0
+    r_s = settings.spatial_reduction[index] if settings.aggregation_dims != "temporal" else 0
+    frame_reduction = 0 if joint else capped_reduction(r_t, frames, protected=1)
+    patch_reduction = capped_reduction(r_s, per_frame + has_cls, protected=int(has_cls))
+
+    tokens, token_sizes = patches.reshape(batch, frames * per_frame, hidden), sizes.reshape(batch, -1)
+    if has_cls:
+        tokens = torch.cat([cls, tokens], dim=1)
+        token_sizes = F.pad(token_sizes, (1, 0), value=1.0)
+    output, keys, importance = parts.attention(
+        layer,
+        parts.norm_before(layer)(tokens),
+        _size_bias(settings, token_sizes, tokens.dtype, merged),
+        (frame_reduction > 0 or patch_reduction > 0) and settings.uses_importance,
+    )
+    tokens = parts.attention_residual(layer, tokens, output)
+
+    first = int(has_cls)
+    if joint and patch_reduction > 0:  # ToMe: all space-time tokens at once (frames == 1 here)
+        matching = _match(settings, keys, importance, patch_reduction, protect_first=has_cls)
+        tokens, token_sizes = merge_tokens(tokens, token_sizes, matching)
+        if source_map is not None:
+            slots = output_slot_of_inputs(matching, per_frame + first)
+            slots = slots[:, 1:] - 1 if has_cls else slots  # pruned slots stay < 0
+            source_map = _follow_patch_merge(source_map, slots.unsqueeze(1), per_frame, tokens.shape[1] - first)
+        sizes, per_frame, merged = token_sizes[:, first:].unsqueeze(1), tokens.shape[1] - first, True
+    elif frame_reduction > 0 or patch_reduction > 0:
+        cls_token = tokens[:, :1]
+        patches = tokens[:, first:].view(batch, frames, per_frame, hidden)
+        patch_keys = keys[:, first:].view(batch, frames, per_frame, -1)
+        patch_importance = importance[:, first:].view(batch, frames, per_frame) if importance is not None else None
+        if frame_reduction > 0:  # tubelet time slices, every position with its own size weight
+            matching = _frame_matching(settings, patch_keys, patch_importance, frame_reduction)
+            patch_keys = merge_tokens(patch_keys, sizes, matching)[0]  # the slice step below matches merged keys
+            if patch_importance is not None:
+                patch_importance = merge_tokens(patch_importance.unsqueeze(-1), sizes, matching)[0].squeeze(-1)
+            patches, sizes = merge_tokens(patches, sizes, matching)
+            source_map = _after_frame_merge(matching, frames, source_map, per_frame)
+            frames = patches.shape[1]
+        if patch_reduction > 0:  # tokens within every time slice
+            metric, slice_importance = patch_keys, patch_importance
+            if has_cls:  # the CLS takes part in every slice's split, protected, as in TESTA's spatial step
+                metric = torch.cat([keys[:, None, :1].expand(-1, frames, -1, -1), patch_keys], dim=2)
+                if patch_importance is not None:
+                    cls_importance = importance[:, None, :1].expand(-1, frames, -1)
+                    slice_importance = torch.cat([cls_importance, patch_importance], dim=2)
+            matching = _match(settings, metric, slice_importance, patch_reduction, protect_first=has_cls)
+            if has_cls:
+                matching = shift_protected(matching)
+            patches, sizes = merge_tokens(patches, sizes, matching)
+            source_map = _after_patch_merge(matching, per_frame, patches.shape[2], source_map)
+            per_frame = patches.shape[2]
+        tokens = patches.flatten(1, 2)
+        if has_cls:
+            tokens = torch.cat([cls_token, tokens], dim=1)
+        merged = True
+    tokens = parts.mlp_residual(layer, tokens)
+    cls = tokens[:, :1] if has_cls else None
+    return cls, tokens[:, first:].view(batch, frames, per_frame, hidden), sizes, source_map, merged
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Patched forwards
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _run_block(block: Callable, layer: nn.Module, *args):
+    """Runs one patched block, under activation checkpointing when the layer has it switched on (training)."""
+    if getattr(layer, "gradient_checkpointing", False) and layer.training and torch.is_grad_enabled():
+        return torch.utils.checkpoint.checkpoint(block, layer, *args, use_reentrant=False)
+    return block(layer, *args)
+
+
+def _check_flags(config, kwargs: dict) -> tuple[bool, bool]:
+    """``(output_hidden_states, return_dict)``; attention weights cannot come out of SDPA."""
+    output_attentions = kwargs.pop("output_attentions", None)
+    if output_attentions is None:
+        output_attentions = getattr(config, "output_attentions", False)
+    if output_attentions:
+        raise ValueError(
+            "A model patched by apply_testa runs attention through scaled_dot_product_attention and cannot return "
+            "attention weights; call remove_testa(model) to get them."
+        )
+    output_hidden_states = kwargs.pop("output_hidden_states", None)
+    if output_hidden_states is None:
+        output_hidden_states = getattr(config, "output_hidden_states", False)
+    return_dict = kwargs.pop("return_dict", None)
+    if return_dict is None:
+        return_dict = getattr(config, "return_dict", True)
+    return bool(output_hidden_states), bool(return_dict)
+
+
+def _initial_state(patches: torch.Tensor, settings: TestaPatchSettings):
+    batch, frames, per_frame = patches.shape[:3]
+    # sizes stay at least fp32 (exact integers for the merge weights)
+    sizes = patches.new_ones((batch, frames, per_frame), dtype=torch.promote_types(patches.dtype, torch.float32))
+    source_map = None
+    if settings.trace_source:
+        source_map = torch.arange(frames * per_frame, device=patches.device).view(1, frames, per_frame)
+        source_map = source_map.expand(batch, -1, -1).contiguous()
+    return sizes, source_map
+
+
+def _finish(state: _PatchState, output: TestaPatchedModelOutput, return_dict: bool):
+    if state.captures:
+        state.captures[-1].append((output.token_sizes, output.source_map))
+    return output if return_dict else output.to_tuple()
+
+
+def _timesformer_layout(cls: torch.Tensor, patches: torch.Tensor) -> torch.Tensor:
+    """TimeSformer's token order: ``[CLS, (patch, frame)]``."""
+    return torch.cat([cls, patches.transpose(1, 2).flatten(1, 2)], dim=1)
+
+
+def _timesformer_forward(state: _PatchState):
+    def forward(self, pixel_values: torch.Tensor, **kwargs):
+        output_hidden_states, return_dict = _check_flags(self.config, kwargs)
+        settings = state.settings
+        embeddings = self.embeddings(pixel_values)  # [CLS, (patch, frame)]
+        batch, frames = pixel_values.shape[:2]
+        hidden = embeddings.shape[-1]
+        per_frame = (embeddings.shape[1] - 1) // frames
+        cls = embeddings[:, :1]
+        patches = embeddings[:, 1:].reshape(batch, per_frame, frames, hidden).transpose(1, 2)  # frame-major
+        sizes, source_map = _initial_state(patches, settings)
+        merged = False
+        all_hidden = (_timesformer_layout(cls, patches),) if output_hidden_states else None
+        for index, layer in enumerate(self.encoder.layer):
+            cls, patches, sizes, source_map, merged = _run_block(
+                _divided_block, layer, settings, index, cls, patches, sizes, source_map, merged
+            )
+            if output_hidden_states:
+                all_hidden += (_timesformer_layout(cls, patches),)
+        sequence = _timesformer_layout(cls, patches)
+        if self.layernorm is not None:
+            sequence = self.layernorm(sequence)
+        frames, per_frame = patches.shape[1:3]
+        if source_map is not None:  # frame-major t * L + l -> TimeSformer's output position l * T + t
+            valid = source_map >= 0
+            position = (source_map % per_frame) * frames + source_map // per_frame
+            source_map = torch.where(valid, position, -1)
+        output = TestaPatchedModelOutput(
+            last_hidden_state=sequence,
+            hidden_states=all_hidden,
+            token_sizes=F.pad(sizes.transpose(1, 2).flatten(1), (1, 0), value=1.0),
+            source_map=source_map,
+        )
+        return _finish(state, output, return_dict)
+
+    return forward
+
+
+def _run_joint(state: _PatchState, family: str, layers, cls, patches, output_hidden_states: bool):
+    """Runs the blocks of a joint-attention encoder; returns ``(tokens, token_sizes, source_map, hidden_states)``."""
+    settings, parts = state.settings, _JOINT_PARTS[family]
+    sizes, source_map = _initial_state(patches, settings)
+    if settings.aggregation_dims == "joint":
+        patches, sizes = patches.flatten(1, 2).unsqueeze(1), sizes.flatten(1).unsqueeze(1)
+
+    def layout(cls, patches):
+        tokens = patches.flatten(1, 2)
+        return tokens if cls is None else torch.cat([cls, tokens], dim=1)
+
+    merged = False
+    all_hidden = (layout(cls, patches),) if output_hidden_states else None
+    for index, layer in enumerate(layers):
+        cls, patches, sizes, source_map, merged = _run_block(
+            _joint_block, layer, parts, settings, index, cls, patches, sizes, source_map, merged
+        )
+        if output_hidden_states:
+            all_hidden += (layout(cls, patches),)
+    token_sizes = sizes.flatten(1)
+    if cls is not None:
+        token_sizes = F.pad(token_sizes, (1, 0), value=1.0)
+    return layout(cls, patches), token_sizes, source_map, all_hidden
+
+
+def _videomae_forward(state: _PatchState):
+    def forward(self, pixel_values: torch.Tensor, bool_masked_pos: torch.Tensor | None = None, **kwargs):
+        output_hidden_states, return_dict = _check_flags(self.config, kwargs)
+        if bool_masked_pos is not None:
+            raise ValueError(
+                "A VideoMAE model patched by apply_testa needs every tubelet (masked pre-training input has no full "
+                "token grid to aggregate); pass bool_masked_pos=None or call remove_testa(model)."
+            )
+        embeddings = self.embeddings(pixel_values, None)  # (B, slices * L, D), slice-major
+        batch, _, hidden = embeddings.shape
+        slices = pixel_values.shape[1] // self.config.tubelet_size
+        patches = embeddings.view(batch, slices, -1, hidden)
+        sequence, token_sizes, source_map, all_hidden = _run_joint(
+            state, "videomae", self.encoder.layer, None, patches, output_hidden_states
+        )
+        if self.layernorm is not None:
+            sequence = self.layernorm(sequence)
+        output = TestaPatchedModelOutput(
+            last_hidden_state=sequence, hidden_states=all_hidden, token_sizes=token_sizes, source_map=source_map
+        )
+        return _finish(state, output, return_dict)
+
+    return forward
+
+
+def _vivit_forward(state: _PatchState):
+    def forward(
+        self,
+        pixel_values: torch.Tensor,
+        interpolate_pos_encoding: bool = False,
+        attention_mask: torch.Tensor | None = None,
+        **kwargs,
+    ):
+        output_hidden_states, return_dict = _check_flags(self.config, kwargs)
+        if attention_mask is not None:
+            raise ValueError("A ViViT model patched by apply_testa does not take an attention_mask over tubelets.")
+        embeddings = self.embeddings(pixel_values, interpolate_pos_encoding=interpolate_pos_encoding)
+        batch, _, hidden = embeddings.shape
+        slices = pixel_values.shape[1] // self.config.tubelet_size[0]
+        patches = embeddings[:, 1:].reshape(batch, slices, -1, hidden)
+        sequence, token_sizes, source_map, all_hidden = _run_joint(
+            state, "vivit", self.layers, embeddings[:, :1], patches, output_hidden_states
+        )
+        sequence = self.layernorm(sequence)
+        output = TestaPatchedModelOutput(
+            last_hidden_state=sequence,
+            pooler_output=self.pooler(sequence) if self.pooler is not None else None,
+            hidden_states=all_hidden,
+            token_sizes=token_sizes,
+            source_map=source_map,
+        )
+        return _finish(state, output, return_dict)
+
+    return forward
+
+
+def _clip_forward(state: _PatchState):
+    def forward(self, pixel_values: torch.Tensor, interpolate_pos_encoding: bool | None = False, **kwargs):
+        output_hidden_states, return_dict = _check_flags(self.config, kwargs)
+        if pixel_values is None or pixel_values.ndim != 4:
+            shape = None if pixel_values is None else tuple(pixel_values.shape)
+            raise ValueError(
+                "A CLIPVisionModel patched by apply_testa encodes frames: pixel_values must be (frames, channels, "
+                f"height, width), e.g. video.flatten(0, 1) for a (batch, frames, ...) video; got {shape}."
+            )
+        hidden_states = self.embeddings(pixel_values, interpolate_pos_encoding=interpolate_pos_encoding)
+        hidden_states = self.pre_layrnorm(hidden_states)
+        cls, patches = hidden_states[:, :1], hidden_states[:, 1:].unsqueeze(1)  # every frame is its own sample
+        sequence, token_sizes, source_map, all_hidden = _run_joint(
+            state, "clip", self.encoder.layers, cls, patches, output_hidden_states
+        )
+        output = TestaPatchedModelOutput(
+            last_hidden_state=sequence,
+            pooler_output=self.post_layernorm(sequence[:, 0, :]),
+            hidden_states=all_hidden,
+            token_sizes=token_sizes,
+            source_map=source_map,
+        )
+        return _finish(state, output, return_dict)
+
+    return forward
+
+
+_BASE_FORWARDS = {
+    "timesformer": _timesformer_forward,
+    "videomae": _videomae_forward,
+    "vivit": _vivit_forward,
+    "clip": _clip_forward,
+}
+
+
+def _weighted_mean(tokens: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    """Mean over the tokens weighted by how many input tubelets each stands for (= the unpatched mean at R = 0)."""
+    weights = sizes.to(tokens.dtype).unsqueeze(-1)
+    return (tokens * weights).sum(dim=1) / weights.sum(dim=1)
+
+
+def _videomae_classifier_forward(state: _PatchState):
+    """VideoMAEForVideoClassification with a size-weighted mean pool (its head averages all tokens)."""
+
+    def forward(self, pixel_values: torch.Tensor | None = None, labels: torch.Tensor | None = None, **kwargs):
+        return_dict = kwargs.pop("return_dict", None)
+        return_dict = getattr(self.config, "return_dict", True) if return_dict is None else return_dict
+        outputs = self.videomae(pixel_values, return_dict=True, **kwargs)
+        sequence = outputs.last_hidden_state
+        if self.fc_norm is not None:
+            pooled = self.fc_norm(_weighted_mean(sequence, outputs.token_sizes))
+        else:  # the head reads the first token, as the unpatched model does
+            pooled = sequence[:, 0]
+        logits = self.classifier(pooled)
+        loss = self.loss_function(labels, logits, self.config, **kwargs) if labels is not None else None
+        output = TestaPatchedClassifierOutput(
+            loss=loss,
+            logits=logits,
+            hidden_states=outputs.hidden_states,
+            token_sizes=outputs.token_sizes,
+            source_map=outputs.source_map,
+        )
+        return output if return_dict else output.to_tuple()
+
+    return forward
+
+
+def _cls_classifier_forward(state: _PatchState, original: Callable):
+    """Heads that read the CLS token (TimeSformer, ViViT) run unchanged; their output gains the encoder's
+    ``token_sizes`` and ``source_map``."""
+
+    def forward(self, *args, **kwargs):
+        capture: list = []
+        state.captures.append(capture)
+        try:
+            output = original(*args, **kwargs)
+        finally:
+            state.captures.pop()
+        if not capture or not isinstance(output, ImageClassifierOutput):
+            return output
+        token_sizes, source_map = capture[-1]
+        return TestaPatchedClassifierOutput(
+            loss=output.loss,
+            logits=output.logits,
+            hidden_states=output.hidden_states,
+            attentions=output.attentions,
+            token_sizes=token_sizes,
+            source_map=source_map,
+        )
+
+    return forward
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _replace_forward(state: _PatchState, module: nn.Module, forward: Callable) -> None:
+    previous = module.__dict__.get("forward")
+    module.forward = forward.__get__(module, type(module))
+    state.replaced.append((module, previous))
+
+
+def apply_testa(
+    model: nn.Module,
+    temporal_reduction: int | list[int] = 0,
+    spatial_reduction: int | list[int] = 0,
+    *,
+    aggregation_strategy: str = "geometry",
+    reduction_mode: str = "merge",
+    aggregation_dims: str = "temporal+spatial",
+    frame_matching: str = "mean",
+    proportional_attention: bool | None = None,
+    trace_source: bool = False,
+) -> nn.Module:
+    """Makes ``model`` (a supported transformers video encoder, see the module docstring) aggregate tokens with TESTA,
+    training-free, by replacing the ``forward`` of the model instance. Calling it again replaces the settings.
+
+    Args:
+        model: ``TimesformerModel``, ``TimesformerForVideoClassification``, ``VideoMAEModel``,
+            ``VideoMAEForVideoClassification``, ``VivitModel``, ``VivitForVideoClassification``,
+            ``CLIPVisionModel``, ``CLIPVisionModelWithProjection`` or ``CLIPModel`` (image tower only), or a subclass.
+            Other classes raise ``TypeError``.
+        temporal_reduction: R_T, frames (tubelet time slices) merged per block: an int, or one int per block. Capped at
+            ``(T - 1) // 2`` per block, as in TESTA.
+        spatial_reduction: R_S, patches merged within every frame per block (capped at half), or with
+            ``aggregation_dims="joint"`` the number of space-time tokens merged per block (ToMe's r).
+        aggregation_strategy, reduction_mode, frame_matching: as in `TestaVisionConfig` (`"geometry"`/`"importance"`,
+            `"merge"`/`"prune"`, `"mean"`/`"vote"`/`"original"`).
+        aggregation_dims: `"temporal+spatial"` (default), `"temporal"`, `"spatial"`, or `"joint"` (ToMe over all
+            space-time tokens; VideoMAE and ViViT only).
+        proportional_attention: add log(token size) to the attention logits. Default (None): off for TimeSformer (as
+            in the TESTA paper), on for the joint-attention models (as ToMe does).
+        trace_source: return `source_map` (see the module docstring).
+
+    Returns:
+        ``model`` itself, patched.
+    """
+    family = _family_of(model)
+    base = _base_of(model, family)
+    settings = _settings_for(
+        base,
+        family.name,
+        temporal_reduction,
+        spatial_reduction,
+        aggregation_strategy=aggregation_strategy,
+        reduction_mode=reduction_mode,
+        aggregation_dims=aggregation_dims,
+        frame_matching=frame_matching,
+        proportional_attention=proportional_attention,
+        trace_source=trace_source,
+    )
+    if getattr(model, _STATE_ATTRIBUTE, None) is not None:
+        remove_testa(model)
+    state = _PatchState(settings=settings, family=family.name, replaced=[], captures=[])
+    _replace_forward(state, base, _BASE_FORWARDS[family.name](state))
+    if family.base_attribute is not None and family.name != "clip":
+        if family.name == "videomae":
+            _replace_forward(state, model, _videomae_classifier_forward(state))
+        else:
+            _replace_forward(state, model, _cls_classifier_forward(state, model.forward))
+    setattr(model, _STATE_ATTRIBUTE, state)
+    return model
+
+
+def remove_testa(model: nn.Module) -> nn.Module:
+    """Undoes :func:`apply_testa`: every replaced ``forward`` is restored (the class's own method again, or whatever
+    instance-level ``forward`` was there before). A model that is not patched is returned unchanged."""
+    state = model.__dict__.get(_STATE_ATTRIBUTE)
+    if state is None:
+        return model
+    for module, previous in reversed(state.replaced):
+        if previous is None:
+            del module.__dict__["forward"]
+        else:
+            module.forward = previous
+    delattr(model, _STATE_ATTRIBUTE)
+    return model
+
+
+def get_testa_settings(model: nn.Module) -> TestaPatchSettings | None:
+    """The settings ``model`` was patched with, or None when it is not patched."""
+    state = model.__dict__.get(_STATE_ATTRIBUTE)
+    return None if state is None else state.settings
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Token grid and visualisation
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def patched_token_grid(model: nn.Module, frames: int, patches_per_frame: int) -> list[tuple[int, int]]:
+    """``(time slices, tokens per slice)`` after every block for an input of ``frames`` time slices (tubelet slices
+    for VideoMAE / ViViT, 1 for a CLIP frame) of ``patches_per_frame`` patches. In joint mode ``(1, tokens)``."""
+    state = model.__dict__.get(_STATE_ATTRIBUTE)
+    if state is None:
+        raise ValueError(f"{type(model).__name__} is not patched; call apply_testa(model, ...) first.")
+    settings = state.settings
+    has_cls = state.family != "videomae"
+    joint = settings.aggregation_dims == "joint"
+    if joint:
+        frames, patches_per_frame = 1, frames * patches_per_frame
+    grid = []
+    for r_t, r_s in zip(settings.temporal_reduction, settings.spatial_reduction):
+        if settings.aggregation_dims in ("temporal", "temporal+spatial"):
+            frames -= capped_reduction(r_t, frames, protected=1)
+        if settings.aggregation_dims != "temporal":
+            patches_per_frame -= capped_reduction(r_s, patches_per_frame + has_cls, protected=int(has_cls))
+        grid.append((frames, patches_per_frame))
+    return grid
+
+
+def _patch_size(config, family: str) -> int:
+    return config.tubelet_size[1] if family == "vivit" else config.patch_size
+
+
+@torch.no_grad()
+def patched_aggregation_groups(
+    model: nn.Module, pixel_values: torch.Tensor, image_mean: Any = None, image_std: Any = None
+) -> AggregationGroups:
+    """The frame and patch groups of one video after the last block of a patched model, as
+    :class:`.visualization.AggregationGroups` for :func:`.visualization.draw_aggregation`.
+
+    Args:
+        pixel_values: one video, ``(frames, channels, height, width)`` or ``(1, frames, channels, height, width)``,
+            normalised as the model expects (for CLIP: its frames). Tubelet models show the first frame of every
+            tubelet time slice.
+        image_mean, image_std: the normalisation to undo for drawing (default: stretch to [0, 1]).
+    """
+    state = model.__dict__.get(_STATE_ATTRIBUTE)
+    if state is None:
+        raise ValueError(f"{type(model).__name__} is not patched; call apply_testa(model, ...) first.")
+    family = state.family
+    base = _base_of(model, _family_of(model))
+    video = pixel_values[0] if pixel_values.ndim == 5 else pixel_values
+    if video.ndim != 4 or (pixel_values.ndim == 5 and pixel_values.shape[0] != 1):
+        raise ValueError(f"`pixel_values` must be one video (frames, channels, height, width); got {tuple(pixel_values.shape)}.")
+    settings, was_training = state.settings, base.training
+    state.settings = TestaPatchSettings(**{**settings.__dict__, "trace_source": True})
+    base.eval()
+    try:
+        device = next(base.parameters()).device
+        inputs = video.to(device) if family == "clip" else video[None].to(device)
+        output = base(inputs, return_dict=True)
+    finally:
+        state.settings = settings
+        base.train(was_training)
+    source_map = output.source_map.cpu()
+    frames, channels, height, width = video.shape
+    patch = _patch_size(base.config, family)
+    patch_grid = (height // patch, width // patch)
+    slices = source_map.shape[0] if family == "clip" else source_map.shape[1]
+    tubelet = frames // slices
+    grid = patched_token_grid(model, 1 if family == "clip" else slices, patch_grid[0] * patch_grid[1])[-1]
+    joint = settings.aggregation_dims == "joint"
+    if family == "clip":  # frame t's tokens follow each other: flat id t * L' + l
+        offsets = torch.arange(frames).view(frames, 1) * grid[1]
+        tokens = torch.where(source_map[:, 0] >= 0, source_map[:, 0] + offsets, -1)
+        grid = (frames, grid[1])
+    elif family == "timesformer":  # output position l * T' + t -> frame-major t * L' + l
+        sm = source_map[0]
+        tokens = torch.where(sm >= 0, (sm % grid[0]) * grid[1] + sm // grid[0], -1)
+    else:
+        tokens = source_map[0]
+    if joint:
+        frame_groups = torch.arange(slices)
+    else:
+        frame_groups = torch.where(tokens >= 0, tokens // grid[1], -1).max(dim=1).values
+    pixels = video[::tubelet].detach().float().cpu()
+    if image_mean is not None and image_std is not None:
+        mean = torch.as_tensor(image_mean, dtype=torch.float32).view(-1, 1, 1)
+        std = torch.as_tensor(image_std, dtype=torch.float32).view(-1, 1, 1)
+        pixels = pixels * std + mean
+    else:
+        pixels = (pixels - pixels.min()) / (pixels.max() - pixels.min()).clamp(min=1e-6)
+    pixels = pixels.expand(-1, 3, -1, -1) if channels == 1 else pixels[:, :3]
+    return AggregationGroups(
+        pixels=pixels.clamp(0, 1),
+        source_map=tokens,
+        frame_groups=frame_groups,
+        grid=tuple(grid),
+        patch_grid=patch_grid,
+        layer=len(_layers(base, family)) - 1,
+        aggregation_dims="joint" if joint else settings.aggregation_dims,
+    )
+
+
+def visualize_patched_aggregation(
+    model: nn.Module, pixel_values: torch.Tensor, image_mean: Any = None, image_std: Any = None, **draw_kwargs
+):
+    """Draws which frames and patches a patched model merged (as ``visualize_aggregation`` does for TESTA's own
+    encoder); ``draw_kwargs`` go to :func:`.visualization.draw_aggregation` (``patch_pixels``, ``columns``,
+    ``alpha``). Returns a ``PIL.Image``."""
+    return draw_aggregation(patched_aggregation_groups(model, pixel_values, image_mean, image_std), **draw_kwargs)
+
+
+__all__ = [
+    "TestaPatchSettings",
+    "TestaPatchedClassifierOutput",
+    "TestaPatchedModelOutput",
+    "apply_testa",
+    "get_testa_settings",
+    "patched_aggregation_groups",
+    "patched_token_grid",
+    "remove_testa",
+    "visualize_patched_aggregation",
+]

@@ -1,0 +1,373 @@
+"""An on-disk store of encoded videos: the aggregated tokens the matching head cross-attends to, and the embeddings.
+
+A collection is encoded once (possibly by several processes, each writing the shard of a contiguous range of
+videos) and then searched many times. Ranking needs only the embeddings, which are small and live in memory
+(``num_videos x projection_dim`` fp32); re-ranking reads the tokens of the candidates only, with positioned reads
+(``os.preadv``) into a fresh buffer, so that the resident memory of a process is bounded by the number of candidates
+read at a time, not by the collection (a memory map would keep every page it touched resident).
+
+Layout of a store directory::
+
+    video_store.json               format, shapes, dtypes, the shards, the video names, failed videos, `info`
+    shard-00000.json               one shard's range, failures and token shape (written by the process that encoded it)
+    shard-00000.safetensors        `embeddings` (count, projection_dim) fp32 and `rows` (count,) int64: the row of
+                                   each video in the token file, -1 for a video that could not be encoded
+    tokens-00000.bin               (rows, num_tokens, hidden_size) in the store's token dtype, C order, no header
+    token_sizes-00000.bin          (rows, num_tokens) fp32 (when the encoder reports token sizes)
+
+The ``.bin`` files are raw arrays: ``np.memmap(path, dtype, mode="r", shape=(rows, num_tokens, hidden_size))`` opens
+them (bfloat16 tokens are stored as their 16-bit patterns). The token count is fixed per store: aggregation settings
+that give another count need another store.
+
+This file is Hub remote code: flat relative imports only, absolute imports of installed packages only.
+"""
+
+import json
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+STORE_INFO_FILE = "video_store.json"
+STORE_FORMAT = "testa-video-store"
+STORE_VERSION = 1
+TOKEN_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def _dtype_name(dtype: torch.dtype | str) -> str:
+    name = str(dtype).replace("torch.", "")
+    if name not in TOKEN_DTYPES:
+        raise ValueError(f"Unsupported token dtype {dtype!r}; use one of {sorted(TOKEN_DTYPES)}.")
+    return name
+
+
+def shard_range(num_items: int, rank: int, world_size: int) -> tuple[int, int]:
+    """The contiguous ``[start, stop)`` share of process ``rank``: sizes differ by at most one, and may be 0."""
+    return num_items * rank // world_size, num_items * (rank + 1) // world_size
+
+
+def _shard_name(kind: str, shard: int, extension: str) -> str:
+    return f"{kind}-{shard:05d}.{extension}"
+
+
+class VideoStoreWriter:
+    """Writes one shard of a store: the videos ``[start, stop)`` of the collection, appended in any order.
+
+    Tokens go to disk as they arrive (nothing of them is kept in memory); the embeddings of the shard are kept
+    (``(stop - start) x projection_dim`` fp32) and written by `close`. Call `add_batch` for encoded videos and
+    `add_failure` for videos that could not be decoded or encoded; `close` checks that every video of the range was
+    given exactly once.
+    """
+
+    def __init__(self, directory: str | os.PathLike, shard: int, start: int, stop: int,
+                 token_dtype: torch.dtype | str = torch.float16):
+        if not 0 <= start <= stop:
+            raise ValueError(f"Invalid shard range [{start}, {stop}).")
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.shard, self.start, self.stop = int(shard), int(start), int(stop)
+        self.token_dtype = TOKEN_DTYPES[_dtype_name(token_dtype)]
+        self.rows = torch.full((stop - start,), -2, dtype=torch.long)  # -2: not given yet, -1: failed
+        self.embeddings: torch.Tensor | None = None
+        self.failures: list[dict[str, Any]] = []
+        self.num_tokens = self.hidden_size = None
+        self.has_token_sizes: bool | None = None
+        self._written = 0
+        self._tokens_file = open(self.directory / _shard_name("tokens", shard, "bin"), "wb")  # noqa: SIM115
+        self._sizes_file = open(self.directory / _shard_name("token_sizes", shard, "bin"), "wb")  # noqa: SIM115
+
+    def _local(self, index: int) -> int:
+        if not self.start <= index < self.stop:
+            raise IndexError(f"Video {index} is outside this shard's range [{self.start}, {self.stop}).")
+        local = index - self.start
+        if self.rows[local] != -2:
+            raise ValueError(f"Video {index} was already added to the store.")
+        return local
+
+    def add_batch(self, indices: Iterable[int], tokens: torch.Tensor, token_sizes: torch.Tensor | None,
+                  embeddings: torch.Tensor) -> None:
+        """Appends encoded videos: ``tokens (batch, num_tokens, hidden)``, ``token_sizes (batch, num_tokens)`` or
+        None, ``embeddings (batch, projection_dim)``; ``indices`` are their positions in the collection."""
+        indices = [int(i) for i in indices]
+        if tokens.ndim != 3 or tokens.shape[0] != len(indices) or embeddings.shape[0] != len(indices):
+            raise ValueError(
+                f"add_batch needs tokens (batch, tokens, hidden) and embeddings (batch, dim) for {len(indices)} "
+                f"videos, got {tuple(tokens.shape)} and {tuple(embeddings.shape)}."
+            )
+        if self.num_tokens is None:
+            self.num_tokens, self.hidden_size = int(tokens.shape[1]), int(tokens.shape[2])
+            self.has_token_sizes = token_sizes is not None
+            self.embeddings = torch.zeros(self.stop - self.start, embeddings.shape[1], dtype=torch.float32)
+        if tuple(tokens.shape[1:]) != (self.num_tokens, self.hidden_size):
+            raise ValueError(
+                f"A store holds a fixed number of tokens per video: this one holds ({self.num_tokens}, "
+                f"{self.hidden_size}) per video, got {tuple(tokens.shape[1:])} for videos {indices}. Encode each "
+                "aggregation setting into its own store."
+            )
+        if (token_sizes is not None) != self.has_token_sizes:
+            raise ValueError("Give `token_sizes` for every batch of a store or for none.")
+        locals_ = [self._local(i) for i in indices]
+        cpu_tokens = tokens.detach().to("cpu", self.token_dtype).contiguous()
+        self._tokens_file.write(cpu_tokens.view(torch.uint8).numpy().tobytes())
+        if token_sizes is not None:
+            cpu_sizes = token_sizes.detach().to("cpu", torch.float32).contiguous()
+            self._sizes_file.write(cpu_sizes.numpy().tobytes())
+        for j, local in enumerate(locals_):
+            self.rows[local] = self._written + j
+        self._written += len(indices)
+        self.embeddings[locals_] = embeddings.detach().to("cpu", torch.float32)
+
+    def add_failure(self, index: int, video: str, reason: str) -> None:
+        """Marks a video that could not be encoded; it is never a candidate, and a query about it is a miss."""
+        self.rows[self._local(int(index))] = -1
+        self.failures.append({"index": int(index), "video": str(video), "reason": str(reason)})
+
+    def close(self) -> None:
+        self._tokens_file.close()
+        self._sizes_file.close()
+        missing = (self.rows == -2).nonzero().flatten()
+        if missing.numel():
+            raise ValueError(f"Videos {(missing + self.start).tolist()[:10]} of shard {self.shard} were never added.")
+        embeddings = self.embeddings if self.embeddings is not None else torch.zeros(self.stop - self.start, 0)
+        save_file({"embeddings": embeddings.contiguous(), "rows": self.rows.contiguous()},
+                  str(self.directory / _shard_name("shard", self.shard, "safetensors")))
+        meta = {
+            "shard": self.shard, "start": self.start, "stop": self.stop, "num_rows": self._written,
+            "num_tokens": self.num_tokens, "hidden_size": self.hidden_size, "has_token_sizes": self.has_token_sizes,
+            "token_dtype": _dtype_name(self.token_dtype), "failures": self.failures,
+        }
+        (self.directory / _shard_name("shard", self.shard, "json")).write_text(json.dumps(meta), encoding="utf-8")
+
+
+def missing_shards(directory: str | os.PathLike, num_shards: int) -> list[int]:
+    """The shards among ``0..num_shards-1`` whose writer has not closed them in ``directory``."""
+    return [s for s in range(num_shards) if not (Path(directory) / _shard_name("shard", s, "json")).is_file()]
+
+
+def finalize_store(directory: str | os.PathLike, videos: list[str], num_shards: int,
+                   info: dict[str, Any] | None = None) -> Path:
+    """Writes ``video_store.json`` once every shard is closed (call it on one process, after a barrier). Raises
+    `FileNotFoundError` naming the missing shards when the directory does not hold them all, e.g. when processes on
+    different machines wrote to directories that are not one shared filesystem."""
+    directory = Path(directory)
+    missing = missing_shards(directory, num_shards)
+    if missing:
+        raise FileNotFoundError(
+            f"The video store {str(directory)!r} lacks shards {missing} of {num_shards}: every process must write to "
+            "the same directory (on several machines, a shared filesystem)."
+        )
+    shards = [json.loads((directory / _shard_name("shard", s, "json")).read_text(encoding="utf-8"))
+              for s in range(num_shards)]
+    ranges = sorted((m["start"], m["stop"]) for m in shards)
+    position = 0
+    for start, stop in ranges:
+        if start != position:
+            raise ValueError(f"The shards of {str(directory)!r} do not cover videos {position}..{start - 1}.")
+        position = stop
+    if position != len(videos):
+        raise ValueError(f"The shards of {str(directory)!r} cover {position} videos, but {len(videos)} were given.")
+    shapes = {(m["num_tokens"], m["hidden_size"], m["has_token_sizes"]) for m in shards if m["num_tokens"] is not None}
+    if len(shapes) > 1:
+        raise ValueError(f"The shards of {str(directory)!r} hold different token shapes {sorted(shapes)}.")
+    num_tokens, hidden_size, has_sizes = shapes.pop() if shapes else (None, None, None)
+    meta = {
+        "format": STORE_FORMAT, "version": STORE_VERSION, "num_videos": len(videos), "num_tokens": num_tokens,
+        "hidden_size": hidden_size, "has_token_sizes": has_sizes, "token_dtype": shards[0]["token_dtype"],
+        "shards": [{k: m[k] for k in ("shard", "start", "stop", "num_rows")} for m in shards],
+        "failures": sorted((f for m in shards for f in m["failures"]), key=lambda f: f["index"]),
+        "videos": [str(v) for v in videos], "info": dict(info or {}),
+    }
+    (directory / STORE_INFO_FILE).write_text(json.dumps(meta, indent=1), encoding="utf-8")
+    return directory
+
+
+def is_video_store(directory: str | os.PathLike) -> bool:
+    return (Path(directory) / STORE_INFO_FILE).is_file()
+
+
+class VideoTokenStore:
+    """Read access to a finalised store: embeddings in memory, tokens read from disk on demand.
+
+    Attributes:
+        embeddings (`torch.FloatTensor` of shape `(num_videos, projection_dim)`): rows of failed videos are zeros.
+        valid (`torch.BoolTensor` of shape `(num_videos,)`): whether each video was encoded.
+        failures (`list[dict]`): ``{"index", "video", "reason"}`` of every video that could not be encoded.
+        videos (`list[str]`), info (`dict`), num_tokens, hidden_size, token_dtype, has_token_sizes.
+    """
+
+    def __init__(self, directory: str | os.PathLike):
+        directory = Path(directory)
+        path = directory / STORE_INFO_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"No video store in {str(directory)!r}: {STORE_INFO_FILE} is missing.")
+        meta = json.loads(path.read_text(encoding="utf-8"))
+        if meta.get("format") != STORE_FORMAT or meta.get("version") != STORE_VERSION:
+            raise ValueError(f"{str(path)!r} is not a version-{STORE_VERSION} {STORE_FORMAT} (got "
+                             f"{meta.get('format')!r} version {meta.get('version')!r}).")
+        self.directory, self.meta = directory, meta
+        self.videos: list[str] = list(meta["videos"])
+        self.info: dict[str, Any] = dict(meta.get("info", {}))
+        self.failures: list[dict[str, Any]] = list(meta["failures"])
+        self.num_tokens, self.hidden_size = meta["num_tokens"], meta["hidden_size"]
+        self.has_token_sizes = bool(meta["has_token_sizes"])
+        self.token_dtype = TOKEN_DTYPES[meta["token_dtype"]]
+        n = int(meta["num_videos"])
+        self._shard_of = torch.empty(n, dtype=torch.long)
+        self._row_of = torch.empty(n, dtype=torch.long)
+        embeddings = []
+        for shard in meta["shards"]:
+            tensors = load_file(str(directory / _shard_name("shard", shard["shard"], "safetensors")))
+            self._shard_of[shard["start"] : shard["stop"]] = shard["shard"]
+            self._row_of[shard["start"] : shard["stop"]] = tensors["rows"]
+            embeddings.append(tensors["embeddings"])
+        dims = {e.shape[1] for e in embeddings if e.shape[0] and e.shape[1]}
+        dim = dims.pop() if dims else 0
+        self.embeddings = torch.cat([e if e.shape[1] == dim else torch.zeros(e.shape[0], dim) for e in embeddings]) \
+            if embeddings else torch.zeros(0, dim)
+        self.valid = self._row_of >= 0
+        self._files: dict[tuple[str, int], int] = {}
+
+    def __len__(self) -> int:
+        return len(self.videos)
+
+    def __del__(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for fd in getattr(self, "_files", {}).values():
+            os.close(fd)
+        self._files = {}
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one video's tokens on disk."""
+        return (self.num_tokens or 0) * (self.hidden_size or 0) * torch.empty(0, dtype=self.token_dtype).element_size()
+
+    def _fd(self, kind: str, shard: int) -> int:
+        key = (kind, shard)
+        if key not in self._files:
+            self._files[key] = os.open(self.directory / _shard_name(kind, shard, "bin"), os.O_RDONLY)
+        return self._files[key]
+
+    def _read(self, kind: str, indices: torch.Tensor, row_shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        out = torch.empty((indices.shape[0], *row_shape), dtype=dtype)
+        if indices.shape[0] == 0:
+            return out
+        flat = out.view(indices.shape[0], -1).view(torch.uint8).numpy()
+        row_bytes = flat.shape[1]
+        order = sorted(range(indices.shape[0]), key=lambda j: (int(self._shard_of[indices[j]]),
+                                                               int(self._row_of[indices[j]])))
+        for j in order:
+            video = int(indices[j])
+            shard, row = int(self._shard_of[video]), int(self._row_of[video])
+            fd, offset, done = self._fd(kind, shard), row * row_bytes, 0
+            while done < row_bytes:
+                got = os.preadv(fd, [memoryview(flat[j])[done:]], offset + done)
+                if got <= 0:
+                    raise OSError(f"{_shard_name(kind, shard, 'bin')} in {str(self.directory)!r} is truncated "
+                                  f"(video {video}, row {row}).")
+                done += got
+        return out
+
+    def _indices(self, indices: Any) -> torch.Tensor:
+        if isinstance(indices, slice):
+            indices = range(*indices.indices(len(self)))
+        indices = torch.as_tensor(indices, dtype=torch.long).flatten().cpu()
+        if indices.numel() and (indices.min() < 0 or indices.max() >= len(self)):
+            raise IndexError(f"Video indices must lie in [0, {len(self)}), got {indices.tolist()[:10]}.")
+        failed = indices[~self.valid[indices]]
+        if failed.numel():
+            names = [self.videos[int(i)] for i in failed[:3]]
+            raise ValueError(f"Videos {failed.tolist()[:10]} ({names}) could not be encoded and have no tokens.")
+        return indices
+
+    def read_tokens(self, indices: Any) -> torch.Tensor:
+        """``(len(indices), num_tokens, hidden_size)`` tokens of the given videos, in the store's dtype."""
+        indices = self._indices(indices)
+        return self._read("tokens", indices, (self.num_tokens, self.hidden_size), self.token_dtype)
+
+    def read_token_sizes(self, indices: Any) -> torch.Tensor | None:
+        """``(len(indices), num_tokens)`` fp32 token sizes, or None when the store has none."""
+        if not self.has_token_sizes:
+            return None
+        indices = self._indices(indices)
+        return self._read("token_sizes", indices, (self.num_tokens,), torch.float32)
+
+    @property
+    def tokens(self) -> "StoredTensor":
+        """The tokens as a lazy ``(num_videos, num_tokens, hidden_size)`` tensor-like (indexing reads from disk)."""
+        return StoredTensor(self, "tokens")
+
+    @property
+    def token_sizes(self) -> "StoredTensor | None":
+        return StoredTensor(self, "token_sizes") if self.has_token_sizes else None
+
+
+class StoredTensor:
+    """A tensor-like view of a store's tokens (or token sizes): ``view[indices]`` reads those rows from disk and
+    returns a `torch.Tensor`; ``shape``, ``dtype`` and ``len`` work without reading anything."""
+
+    def __init__(self, store: VideoTokenStore, kind: str):
+        self.store, self.kind = store, kind
+
+    @property
+    def shape(self) -> torch.Size:
+        rows = (len(self.store), self.store.num_tokens or 0)
+        return torch.Size(rows + ((self.store.hidden_size or 0,) if self.kind == "tokens" else ()))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.store.token_dtype if self.kind == "tokens" else torch.float32
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __len__(self) -> int:
+        return len(self.store)
+
+    def __getitem__(self, indices: Any) -> torch.Tensor:
+        single = isinstance(indices, int) or (isinstance(indices, torch.Tensor) and indices.ndim == 0)
+        read = self.store.read_tokens if self.kind == "tokens" else self.store.read_token_sizes
+        out = read([int(indices)] if single else indices)
+        return out[0] if single else out
+
+    def materialize(self) -> torch.Tensor:
+        """All rows, in memory."""
+        return self[slice(None)]
+
+
+@torch.no_grad()
+def rerank_pairs(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    text_rows: torch.Tensor,
+    video_rows: torch.Tensor,
+    read_tokens: Callable[[torch.Tensor], torch.Tensor],
+    batch_size: int = 128,
+    itm_score: str = "logit",
+) -> torch.Tensor:
+    """Matching-head scores of the (text, video) pairs ``(input_ids[text_rows[i]], video video_rows[i])``, as
+    `model.rank_videos` computes them: the ITM "match" logit (or its softmax probability with
+    ``itm_score="softmax"``), ``batch_size`` pairs at a time; ``read_tokens(video_indices)`` supplies the tokens of
+    each batch's pairs (e.g. `VideoTokenStore.read_tokens`; a repeated video is read again, from the page cache), so
+    memory is bounded by ``batch_size`` videos' tokens."""
+    if itm_score not in ("logit", "softmax"):
+        raise ValueError(f"Unknown itm_score={itm_score!r}; use 'logit' (original) or 'softmax'.")
+    if batch_size <= 0:
+        raise ValueError(f"`batch_size` must be positive, got {batch_size}.")
+    device, dtype = model.itm_head.weight.device, model.itm_head.weight.dtype
+    scores = []
+    for start in range(0, text_rows.shape[0], batch_size):
+        texts, videos = text_rows[start : start + batch_size], video_rows[start : start + batch_size].cpu()
+        tokens = read_tokens(videos).to(device, dtype)  # one row per pair, as the in-memory ranking gathers them
+        logits, _ = model._itm_logits(input_ids[texts.to(input_ids.device)],
+                                      attention_mask[texts.to(attention_mask.device)], tokens)
+        scores.append(logits[:, 1] if itm_score == "logit" else logits.float().softmax(dim=-1)[:, 1])
+    if not scores:
+        return torch.empty(0, device=device, dtype=dtype)
+    return torch.cat(scores)
