@@ -561,7 +561,7 @@ def _check_same_shape_on_all_ranks(tensor: torch.Tensor, name: str, dims: tuple[
         )
 
 
-def _raise_on_every_rank(error: Exception | None, device: torch.device | None = None) -> None:
+def raise_on_every_rank(error: Exception | None, device: torch.device | None = None) -> None:
     """Collective (every process must call it at the same point): if any process passes an error, every process
     raises, so that no process is left waiting in the next collective. The failing process raises its own error; the
     others raise a `RuntimeError` that quotes it."""
@@ -579,7 +579,7 @@ def _raise_on_every_rank(error: Exception | None, device: torch.device | None = 
     if error is not None:
         raise error
     failed = {rank: message for rank, message in enumerate(messages) if message is not None}
-    raise RuntimeError(f"the loss raised on another process, so every process stops: {failed}")
+    raise RuntimeError(f"another process raised, so every process stops: {failed}")
 
 
 @torch.no_grad()
@@ -1130,7 +1130,7 @@ class _TestaContrastiveMixin:
                     f"Cannot draw a hard negative {name} pair: some rows have no candidate with a different video id "
                     "(every candidate shares the row's `video_ids`, or the global batch has one sample)."
                 )
-        _raise_on_every_rank(error, video_feat.device)  # a rank-local failure must not leave the others waiting
+        raise_on_every_rank(error, video_feat.device)  # a rank-local failure must not leave the others waiting
         return weights_v2t, weights_t2v
 
     def _vtm_loss(
@@ -1194,7 +1194,7 @@ class _TestaContrastiveMixin:
                 error = ValueError(f"`video_ids` must hold {batch} non-negative ids, got {video_ids.tolist()}.")
         if error is None and not 0.0 <= alpha <= 1.0:
             error = ValueError(f"`alpha` must lie in [0, 1], got {alpha}.")
-        _raise_on_every_rank(error, input_ids.device)  # raised on every process or on none
+        raise_on_every_rank(error, input_ids.device)  # raised on every process or on none
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         _check_same_shape_on_all_ranks(input_ids, "input_ids", (0,))

@@ -740,21 +740,26 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         if store_dir is not None:
             writer = VideoStoreWriter(store_dir, 0, 0, len(videos), token_dtype=token_dtype or torch.float16)
         features, tokens, sizes = [], [], []
-        with self._progress(len(videos), progress_bar, "Encoding videos") as bar:
-            for start in range(0, len(videos), batch_size):
-                chunk = videos[start : start + batch_size]
-                pixels = torch.cat(
-                    [self._pixels(item, f"videos[{start + j}]", video_kwargs) for j, item in enumerate(chunk)]
-                )
-                feats, toks, token_sizes = self._encode(pixels)
-                if writer is not None:
-                    writer.add_batch(range(start, start + len(chunk)), toks, token_sizes, feats)
-                else:
-                    features.append(feats.float().cpu())
-                    if store_tokens:
-                        tokens.append(toks.detach().to("cpu", dtype=token_dtype or toks.dtype))
-                        sizes.append(token_sizes.detach().float().cpu())
-                bar.update(len(chunk))
+        try:
+            with self._progress(len(videos), progress_bar, "Encoding videos") as bar:
+                for start in range(0, len(videos), batch_size):
+                    chunk = videos[start : start + batch_size]
+                    pixels = torch.cat(
+                        [self._pixels(item, f"videos[{start + j}]", video_kwargs) for j, item in enumerate(chunk)]
+                    )
+                    feats, toks, token_sizes = self._encode(pixels)
+                    if writer is not None:
+                        writer.add_batch(range(start, start + len(chunk)), toks, token_sizes, feats)
+                    else:
+                        features.append(feats.float().cpu())
+                        if store_tokens:
+                            tokens.append(toks.detach().to("cpu", dtype=token_dtype or toks.dtype))
+                            sizes.append(token_sizes.detach().float().cpu())
+                    bar.update(len(chunk))
+        except BaseException:
+            if writer is not None:
+                writer.abort()  # files closed; the store has no index, so it cannot be opened half-written
+            raise
         vision = self.model.config.vision_config
         info = {
             "model_class": type(self.model).__name__,

@@ -320,7 +320,37 @@ def serve(fd_in: int, fd_out: int) -> None:
             send(("error", type(exc).__name__, str(exc), False))
 
 
+def _exit_with_parent() -> None:
+    """The helper normally ends when it reads end-of-file on stdin, but a decoder hung inside a call never reads it;
+    if the caller is killed meanwhile the helper would run forever. On Linux the kernel kills it with its parent
+    (``PR_SET_PDEATHSIG``); elsewhere a daemon thread exits when the parent process is gone."""
+    import signal
+    import threading
+    import time
+
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.prctl(1, int(signal.SIGKILL), 0, 0, 0) == 0:  # 1 = PR_SET_PDEATHSIG
+                if os.getppid() != parent:  # the parent died before prctl: nothing would signal us
+                    os._exit(0)
+                return
+        except (OSError, AttributeError):
+            pass
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True, name="exit-with-parent").start()
+
+
 def main() -> None:
+    _exit_with_parent()
     # Run by path, this file's folder (the package, or a Hub code folder) is sys.path[0]; drop it so that no sibling
     # file can shadow a module that numpy, decord or PyAV import.
     here = os.path.dirname(os.path.realpath(__file__))

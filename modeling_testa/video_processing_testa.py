@@ -483,7 +483,7 @@ class _DecoderWorker:
                 self.stop()
                 try:
                     self._start(deadline)
-                except (_WorkerGone, TimeoutError, OSError, ValueError) as exc:
+                except (_WorkerGone, TimeoutError, OSError, ValueError, pickle.UnpicklingError) as exc:
                     if self.process is not None and isinstance(exc, _WorkerGone):
                         description = self._exit_description(backend)
                     else:

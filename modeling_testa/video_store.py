@@ -60,6 +60,11 @@ class VideoStoreWriter:
     (``(stop - start) x projection_dim`` fp32) and written by `close`. Call `add_batch` for encoded videos and
     `add_failure` for videos that could not be decoded or encoded; `close` checks that every video of the range was
     given exactly once.
+
+    A directory reused from an earlier run is made safe first: the shard's closed marker (``shard-NNNNN.json``) and,
+    for shard 0, the store's index (``video_store.json``) are removed, so a run that fails halfway can never leave an
+    old index describing new, partial shards. Use it as a context manager (or call `abort` on failure) so that its
+    files are closed whatever happens.
     """
 
     def __init__(self, directory: str | os.PathLike, shard: int, start: int, stop: int,
@@ -76,6 +81,9 @@ class VideoStoreWriter:
         self.num_tokens = self.hidden_size = None
         self.has_token_sizes: bool | None = None
         self._written = 0
+        (self.directory / _shard_name("shard", self.shard, "json")).unlink(missing_ok=True)
+        if self.shard == 0:
+            (self.directory / STORE_INFO_FILE).unlink(missing_ok=True)
         self._tokens_file = open(self.directory / _shard_name("tokens", shard, "bin"), "wb")  # noqa: SIM115
         self._sizes_file = open(self.directory / _shard_name("token_sizes", shard, "bin"), "wb")  # noqa: SIM115
 
@@ -124,6 +132,20 @@ class VideoStoreWriter:
         """Marks a video that could not be encoded; it is never a candidate, and a query about it is a miss."""
         self.rows[self._local(int(index))] = -1
         self.failures.append({"index": int(index), "video": str(video), "reason": str(reason)})
+
+    def __enter__(self) -> "VideoStoreWriter":
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        if kind is None:
+            self.close()
+        else:
+            self.abort()
+
+    def abort(self) -> None:
+        """Closes the shard's files without marking it complete (the store stays unreadable)."""
+        self._tokens_file.close()
+        self._sizes_file.close()
 
     def close(self) -> None:
         self._tokens_file.close()

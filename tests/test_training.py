@@ -418,6 +418,10 @@ def test_an_empty_reservoir_is_filled_from_spare_rows_and_strict_data_stops(tmp_
     assert any("spare row" in failure for failure in batch["stats"]["failures"])
     with pytest.raises(DecodeFailures, match="no decodable video"):
         _collator(spare=[corrupt[1]])(corrupt)
+    # A batch with one good video never fails, even with an empty reservoir and only failing spare rows: the good
+    # sample fills the failed slot.
+    half = _collator(spare=[corrupt[1]])([good[0], corrupt[0]])
+    assert half["stats"]["replaced"] == 1 and half["video_key"] == ["id0", "id0"]
     with pytest.raises(ValueError, match="corrupt0.mp4") as error:  # --strict-data: the decoder's own error
         _collator(strict=True, spare=[good[0]])(corrupt)
     assert not isinstance(error.value, DecodeFailures)

@@ -32,7 +32,6 @@ from accelerate.utils import broadcast_object_list, gather_object
 from torch.utils.data import DataLoader
 
 from modeling_testa.video_store import (
-    STORE_INFO_FILE,
     VideoStoreWriter,
     VideoTokenStore,
     finalize_store,
@@ -41,7 +40,9 @@ from modeling_testa.video_store import (
     shard_range,
 )
 
-from .loop import load_rows
+from modeling_testa.modeling_testa import raise_on_every_rank
+
+from .loop import MEDIA_ERRORS, load_rows
 
 RERANK_BATCH_SIZE = 128
 """(query, candidate) pairs per matching-head forward, and queries per ranking chunk (as `model.rank_videos`)."""
@@ -104,7 +105,7 @@ class DecodeVideos:
             try:
                 pixels.append(self.video_processor(videos=[path], num_frames=self.num_frames,
                                                    frame_sampling="uniform")["pixel_values"])
-            except (ValueError, OSError) as error:  # VideoDecodingError is a ValueError; missing files are OSErrors
+            except MEDIA_ERRORS as error:  # VideoDecodingError is a ValueError; missing files are OSErrors
                 failures.append((index, str(path), f"{type(error).__name__}: {error}"))
                 continue
             indices.append(index)
@@ -128,29 +129,31 @@ def encode_to_store(model, items: list, collate: Callable, accelerator: Accelera
     time on this process. Failures are reported on the main process."""
     rank, world = accelerator.process_index, accelerator.num_processes
     start, stop = shard_range(len(items), rank, world)
-    # a directory reused from an earlier run: its index and this process's closed-shard marker are stale
-    stale = [Path(directory) / f"shard-{rank:05d}.json"] + ([Path(directory) / STORE_INFO_FILE] if rank == 0 else [])
-    for path in stale:
-        path.unlink(missing_ok=True)
     accelerator.wait_for_everyone()
+    # (the writer removes a reused directory's stale index and closed-shard marker before writing)
     writer = VideoStoreWriter(directory, rank, start, stop, token_dtype=token_dtype)
     # one decoded batch in flight per worker (the default is 2): decoded pixels are the largest host buffers
     loader = DataLoader(_Items([(i, items[i]) for i in range(start, stop)]),
                         batch_size=per_process_batch_size(batch_size, world), collate_fn=collate,
                         num_workers=num_workers, prefetch_factor=1 if num_workers else None)
-    encoder_seconds = 0.0
-    for indices, pixel_values, failures in loader:
-        for index, path, reason in failures:
-            writer.add_failure(index, path, reason)
-        if pixel_values is None:
-            continue
-        begin = time.perf_counter()
-        out = model.get_video_tokens(pixel_values.to(accelerator.device))
-        features = model.get_video_features(video_tokens=out.last_hidden_state, video_token_sizes=out.token_sizes)
-        encoder_seconds += time.perf_counter() - begin
-        writer.add_batch(indices, out.last_hidden_state, out.token_sizes, features)
-        del out, features, pixel_values
-    writer.close()
+    encoder_seconds, error = 0.0, None
+    try:
+        with writer:
+            for indices, pixel_values, failures in loader:
+                for index, path, reason in failures:
+                    writer.add_failure(index, path, reason)
+                if pixel_values is None:
+                    continue
+                begin = time.perf_counter()
+                out = model.get_video_tokens(pixel_values.to(accelerator.device))
+                features = model.get_video_features(video_tokens=out.last_hidden_state,
+                                                    video_token_sizes=out.token_sizes)
+                encoder_seconds += time.perf_counter() - begin
+                writer.add_batch(indices, out.last_hidden_state, out.token_sizes, features)
+                del out, features, pixel_values
+    except Exception as caught:  # shared below: no process may be left waiting at the barrier
+        error = caught
+    raise_on_every_rank(error, accelerator.device)
     accelerator.wait_for_everyone()
     missing = missing_shards(directory, world)
     if missing:  # raised on every process that misses a shard (with several machines: on all of them)

@@ -248,8 +248,10 @@ class DecodeFailures(RuntimeError):
     """No decodable video was found for a batch (its own rows, the reservoir and the spare rows all failed)."""
 
 
-# Exceptions that mean "this file is missing, corrupt or undecodable" (decord raises RuntimeError subclasses).
-_MEDIA_ERRORS = (OSError, ValueError, RuntimeError, EOFError)
+# Exceptions that mean "this file is missing, corrupt or undecodable": the video processor raises
+# `VideoDecodingError` (a ValueError) for every decoder failure, missing files and unreadable images are OSErrors.
+# Anything else is a bug and is raised. The evaluation uses the same tuple.
+MEDIA_ERRORS = (OSError, ValueError)
 
 
 class VideoTextCollator:
@@ -302,11 +304,14 @@ class VideoTextCollator:
     def _replacements(self, count: int, taken: set[str], failures: list[str]) -> list[tuple[torch.Tensor, dict]]:
         """`count` recent good samples, distinct and not already in the batch when the reservoir allows (a batch of
         one repeated video has no hard negative); spare rows are decoded while the reservoir holds too few."""
-        while len(self.reservoir) < min(count, self.reservoir.maxlen) and self.spare_rows:
+        def distinct() -> int:
+            return sum(self._key(row) not in taken for _, row in self.reservoir)
+
+        while distinct() < min(count, self.reservoir.maxlen) and self.spare_rows:
             row = self.spare_rows.pop(0)
             try:
                 self.reservoir.append((self.decode(row), row))
-            except _MEDIA_ERRORS as error:
+            except MEDIA_ERRORS as error:
                 failures.append(f"spare row {row.get('video') or row.get('image')}: {error}")
         if not self.reservoir:
             raise DecodeFailures(
@@ -323,7 +328,7 @@ class VideoTextCollator:
         for row in rows:
             try:
                 video = self.decode(row)
-            except _MEDIA_ERRORS as error:  # missing, corrupt or undecodable media
+            except MEDIA_ERRORS as error:  # missing, corrupt or undecodable media
                 if self.strict:
                     raise
                 failures.append(f"{row.get('video') or row.get('image')}: {type(error).__name__}: {error}")
@@ -332,11 +337,13 @@ class VideoTextCollator:
             samples.append((video, row))
         good = [sample for sample in samples if sample is not None]
         failed = [i for i, sample in enumerate(samples) if sample is None]
+        # The batch's own good samples join the reservoir first: a batch with one good video never fails, even
+        # while the reservoir is empty and the spare rows fail (other videos are still preferred as replacements).
+        self.reservoir.extend(good)
         if failed:
             taken = {self._key(row) for _, row in good}
             for i, sample in zip(failed, self._replacements(len(failed), taken, failures)):
                 samples[i] = sample
-        self.reservoir.extend(good)
         batch = {"pixel_values": torch.stack([video for video, _ in samples])}
         rows = [row for _, row in samples]
         for position, (name, length) in enumerate(self.text_lengths.items()):
@@ -425,7 +432,7 @@ class TrainState:
     epoch: int = 0
     micro_batches_in_epoch: int = 0
     global_step: int = 0
-    decode_failures: int = 0
+    decode_failures: int = 0  # replaced videos on all processes, up to this checkpoint
 
     def state_dict(self) -> dict:
         return dict(self.__dict__)
@@ -631,6 +638,14 @@ def main(task: Task, argv: list[str] | None = None) -> dict:
         accelerator.load_state(args.resume_from)
         accelerator.print(f"resumed from {args.resume_from} at step {state.global_step} (epoch {state.epoch})")
 
+    # Replacements counted on this process since the start (or resume); the checkpointed state holds the global
+    # total (Accelerate saves custom state from the main process only, so a per-process count would be wrong there).
+    failures_at_start, local_failures = state.decode_failures, 0
+
+    def global_failures() -> int:  # collective
+        total = accelerator.reduce(torch.tensor([local_failures], device=accelerator.device), reduction="sum")
+        return failures_at_start + int(total.item())
+
     text_lengths = {name: int(data_cfg.get(key, default)) for name, (key, default) in task.text_lengths.items()}
     reservoir = int(train_cfg.get("reservoir_size", 8))
     collator = VideoTextCollator(processor, text_lengths, data_cfg.get("sampling", "random"),
@@ -662,9 +677,9 @@ def main(task: Task, argv: list[str] | None = None) -> dict:
             throughput["decode_seconds"] += stats["decode_seconds"]
             throughput["videos"] += stats["videos"]
             if stats["replaced"]:
-                state.decode_failures += stats["replaced"]
+                local_failures += stats["replaced"]
                 print(f"warning (process {accelerator.process_index}): {stats['replaced']} videos failed to decode "
-                      f"and were replaced by recent good samples ({state.decode_failures} so far on this process): "
+                      f"and were replaced by recent good samples ({local_failures} so far on this process): "
                       f"{stats['failures'][0]}", flush=True)
             batch = move_to_device(batch, accelerator.device)
             warmup_progress = 1.0 if micro_per_epoch is None or state.epoch > 0 else state.micro_batches_in_epoch / micro_per_epoch
@@ -694,17 +709,23 @@ def main(task: Task, argv: list[str] | None = None) -> dict:
                             log.write(json.dumps({"step": state.global_step, "loss": loss_value, "lr": step_lr})
                                       + "\n")
                 if save_every and state.global_step % save_every == 0:
+                    state.decode_failures = global_failures()
                     accelerator.save_state(str(output_dir / "checkpoints" / f"step_{state.global_step}"))
                 if state.global_step >= max_steps:
                     break
             wait_start = time.perf_counter()
         else:  # the epoch's data ran out
+            if state.micro_batches_in_epoch == 0:  # on some process: the split is smaller than one global batch
+                raise ValueError(
+                    f"Epoch {state.epoch} gave no complete batch on every process: the training split is smaller than "
+                    f"one global batch ({per_device_batch} rows x {accelerator.num_processes} processes). Lower "
+                    "train.batch_size or add data."
+                )
             state.epoch += 1
             state.micro_batches_in_epoch = 0
     progress.close()
     _report_throughput(accelerator, throughput, workers, time.perf_counter() - loop_start)
-    failures = int(accelerator.reduce(torch.tensor([state.decode_failures], device=accelerator.device),
-                                      reduction="sum").item())
+    failures = global_failures()
     if failures:
         accelerator.print(f"{failures} training videos failed to decode and were replaced (all processes)")
 
