@@ -376,8 +376,8 @@ def rerank_pairs(
     """Matching-head scores of the (text, video) pairs ``(input_ids[text_rows[i]], video video_rows[i])``, as
     `model.rank_videos` computes them: the ITM "match" logit (or its softmax probability with
     ``itm_score="softmax"``), ``batch_size`` pairs at a time; ``read_tokens(video_indices)`` supplies the tokens of
-    each batch's pairs (e.g. `VideoTokenStore.read_tokens`; a repeated video is read again, from the page cache), so
-    memory is bounded by ``batch_size`` videos' tokens."""
+    each batch's pairs (e.g. `VideoTokenStore.read_tokens`; a video repeated within a batch, as the query video of a
+    video-to-text chunk is, is read once), so memory is bounded by ``batch_size`` videos' tokens."""
     if itm_score not in ("logit", "softmax"):
         raise ValueError(f"Unknown itm_score={itm_score!r}; use 'logit' (original) or 'softmax'.")
     if batch_size <= 0:
@@ -386,7 +386,8 @@ def rerank_pairs(
     scores = []
     for start in range(0, text_rows.shape[0], batch_size):
         texts, videos = text_rows[start : start + batch_size], video_rows[start : start + batch_size].cpu()
-        tokens = read_tokens(videos).to(device, dtype)  # one row per pair, as the in-memory ranking gathers them
+        unique, row_of_pair = videos.unique(return_inverse=True)
+        tokens = read_tokens(unique).to(device, dtype)[row_of_pair.to(device)]  # one row per pair
         logits, _ = model._itm_logits(input_ids[texts.to(input_ids.device)],
                                       attention_mask[texts.to(attention_mask.device)], tokens)
         scores.append(logits[:, 1] if itm_score == "logit" else logits.float().softmax(dim=-1)[:, 1])
