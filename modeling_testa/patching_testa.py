@@ -50,7 +50,14 @@ from .aggregation import (
     output_slot_of_inputs,
     shift_protected,
 )
-from .configuration_testa import AGGREGATION_DIMS, AGGREGATION_STRATEGIES, FRAME_MATCHINGS, REDUCTION_MODES
+from .configuration_testa import (
+    AGGREGATION_DIMS,
+    AGGREGATION_STRATEGIES,
+    FRAME_MATCHINGS,
+    REDUCTION_MODES,
+    _check_choice,
+    _per_layer,
+)
 from .modeling_testa import _follow_frame_merge, _follow_patch_merge
 from .visualization import AggregationGroups, draw_aggregation
 
@@ -162,29 +169,12 @@ def _layers(base: nn.Module, family: str) -> nn.ModuleList:
     return base.encoder.layers
 
 
-def _per_layer(value: Any, num_layers: int, name: str) -> tuple[int, ...]:
-    values = [value] * num_layers if isinstance(value, int) and not isinstance(value, bool) else value
-    if not isinstance(values, (list, tuple)) or len(values) != num_layers:
-        raise ValueError(
-            f"`{name}` must be an int or a list of {num_layers} ints (one per block of this model); got {value!r}."
-        )
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ValueError(f"`{name}` must hold ints >= 0 (tokens removed per block); got {v!r} in {value!r}.")
-    return tuple(values)
-
-
-def _check_choice(value: Any, allowed: tuple[str, ...], name: str) -> None:
-    if value not in allowed:
-        raise ValueError(f"Unknown {name}={value!r}; allowed values are {', '.join(map(repr, allowed))}.")
-
-
 def _settings_for(
     base: nn.Module, family: str, temporal_reduction, spatial_reduction, **options
 ) -> TestaPatchSettings:
     num_layers = len(_layers(base, family))
-    r_t = _per_layer(temporal_reduction, num_layers, "temporal_reduction")
-    r_s = _per_layer(spatial_reduction, num_layers, "spatial_reduction")
+    r_t = tuple(_per_layer(temporal_reduction, num_layers, "temporal_reduction"))
+    r_s = tuple(_per_layer(spatial_reduction, num_layers, "spatial_reduction"))
     _check_choice(options["aggregation_strategy"], AGGREGATION_STRATEGIES, "aggregation_strategy")
     _check_choice(options["reduction_mode"], REDUCTION_MODES, "reduction_mode")
     _check_choice(options["aggregation_dims"], AGGREGATION_DIMS, "aggregation_dims")

@@ -442,7 +442,7 @@ def test_unsupported_model_names_the_class_and_the_supported_ones():
         ("TimesformerModel", dict(spatial_reduction=4, aggregation_dims="joint"), "joint space-time attention"),
         ("CLIPVisionModel", dict(temporal_reduction=1), "no temporal stage"),
         ("VivitModel", dict(temporal_reduction=1, aggregation_dims="joint"), "temporal_reduction must be 0"),
-        ("VideoMAEModel", dict(spatial_reduction=[1, 2]), "list of 3 ints"),
+        ("VideoMAEModel", dict(spatial_reduction=[1, 2]), "list of exactly 3 ints"),
         ("VideoMAEModel", dict(spatial_reduction=-1), ">= 0"),
         ("VivitModel", dict(aggregation_strategy="random"), "aggregation_strategy"),
     ],
