@@ -32,7 +32,8 @@ flops: install
 speed: install
 	$(PY) benchmarks/encoder_speed.py
 
-# Regenerates every table and picture of the README on CPU (about 25 minutes on 2 cores).
+# Regenerates the README's tables and pictures on CPU (about 45 minutes on 2 cores; parity_with_released.py needs
+# a checkout of the released code and is run by hand, see README).
 evidence: install
 	$(VENV)/bin/pip install -q --disable-pip-version-check matplotlib
 	test -f outputs/demo/train/final/model.safetensors || $(PY) train/demo.py --output-dir outputs/demo
@@ -44,6 +45,10 @@ evidence: install
 	$(PY) benchmarks/tradeoff.py --model outputs/demo/train/final --data outputs/demo/data --output docs/tradeoff
 	$(PY) benchmarks/make_visualization.py
 	$(PY) benchmarks/make_grounding.py --model outputs/demo/train/final --data outputs/demo/data
+	$(PY) benchmarks/evaluation_equivalence.py --model outputs/demo/train/final --data outputs/demo/data
+	$(PY) benchmarks/eval_memory.py
+	$(PY) benchmarks/transformers_encoders.py
+	$(PY) benchmarks/training_free.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
