@@ -1,7 +1,7 @@
 """The paper's ablations (Table 5 and section 4.7) on the synthetic long-video benchmark, with a model trained by our
 scripts (the demo's, by default), all training-free: the same weights evaluated with different aggregation settings.
 
-    python benchmarks/ablations.py --model outputs/demo/train/final --data outputs/demo/data [--output docs/ablations]
+    python benchmarks/ablations.py --model outputs/synthetic/train/final --data outputs/synthetic/data [--output docs/ablations]
 
 1. token aggregation vs token pruning (same R_T, R_S, so matched GMAC);
 2. geometry-based vs importance-based aggregation;
@@ -118,8 +118,8 @@ def _peak_memory(config: TestaVisionConfig, frames: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, default=REPO / "outputs" / "demo" / "train" / "final")
-    parser.add_argument("--data", type=Path, default=REPO / "outputs" / "demo" / "data")
+    parser.add_argument("--model", type=Path, default=REPO / "outputs" / "synthetic" / "train" / "final")
+    parser.add_argument("--data", type=Path, default=REPO / "outputs" / "synthetic" / "data")
     parser.add_argument("--output", type=Path, default=REPO / "docs" / "ablations")
     parser.add_argument("--text-length", type=int, default=64)
     parser.add_argument("--k-test", type=int, default=16)

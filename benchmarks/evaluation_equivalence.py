@@ -1,6 +1,6 @@
 """Checks that the store-and-module retrieval evaluation gives the numbers of the evaluation it replaced.
 
-    python benchmarks/evaluation_equivalence.py --model outputs/demo/train/final --data outputs/demo/data \\
+    python benchmarks/evaluation_equivalence.py --model outputs/synthetic/train/final --data outputs/synthetic/data \\
         [--old-commit eeffc78] [--config configuration/synthetic_retrieval.yaml]
 
 The earlier evaluation (all video tokens in memory, `model.rank_videos`/`rank_texts`, recall computed by hand) is read

@@ -1,6 +1,6 @@
 """Draws the text-grounding heat map (the paper's Figure 4) for one synthetic test video with the demo's model.
 
-    python benchmarks/make_grounding.py [--model outputs/demo/train/final] [--data outputs/demo/data] \
+    python benchmarks/make_grounding.py [--model outputs/synthetic/train/final] [--data outputs/synthetic/data] \
         [--output docs/grounding_example.png]
 
 The phrases are the sentences of the video's own paragraph; each row shows, for one phrase, the cosine similarity of
@@ -22,8 +22,8 @@ from modeling_testa.processing_testa import TestaProcessor  # noqa: E402
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, default=REPO / "outputs" / "demo" / "train" / "final")
-    parser.add_argument("--data", type=Path, default=REPO / "outputs" / "demo" / "data")
+    parser.add_argument("--model", type=Path, default=REPO / "outputs" / "synthetic" / "train" / "final")
+    parser.add_argument("--data", type=Path, default=REPO / "outputs" / "synthetic" / "data")
     parser.add_argument("--output", type=Path, default=REPO / "docs" / "grounding_example.png")
     parser.add_argument("--row", type=int, default=0, help="which test video")
     args = parser.parse_args()

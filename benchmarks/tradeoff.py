@@ -1,7 +1,7 @@
 """GFLOPs–recall trade-off: sweeps R_T and R_S on a trained model (training-free) and plots recall against the
 encoder's GMAC, like the paper's appendix figures.
 
-    python benchmarks/tradeoff.py --model outputs/demo/train/final --data outputs/demo/data --output docs/tradeoff
+    python benchmarks/tradeoff.py --model outputs/synthetic/train/final --data outputs/synthetic/data --output docs/tradeoff
 
 Writes OUTPUT.png (needs matplotlib: `pip install matplotlib`), OUTPUT.md and OUTPUT.json.
 """
@@ -24,8 +24,8 @@ from modeling_testa.processing_testa import TestaProcessor  # noqa: E402
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, default=REPO / "outputs" / "demo" / "train" / "final")
-    parser.add_argument("--data", type=Path, default=REPO / "outputs" / "demo" / "data")
+    parser.add_argument("--model", type=Path, default=REPO / "outputs" / "synthetic" / "train" / "final")
+    parser.add_argument("--data", type=Path, default=REPO / "outputs" / "synthetic" / "data")
     parser.add_argument("--output", type=Path, default=REPO / "docs" / "tradeoff")
     parser.add_argument("--temporal", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--spatial", type=int, nargs="+", default=[0, 1, 2, 3])

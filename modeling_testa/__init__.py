@@ -26,6 +26,7 @@ from .hub_testa import (
     save_for_hub,
     write_model_card,
 )
+from .inference_testa import PRECISIONS, Bf16Linear, Int8DynamicLinear, optimize_for_inference
 from .modeling_testa import (
     TestaAnswerRankingOutput,
     TestaForPreTraining,
@@ -84,8 +85,11 @@ register_testa_pipelines()
 __all__ = [
     "MODEL_CARD_MARKER",
     "PIPELINE_TASKS",
+    "PRECISIONS",
     "AggregationGroups",
+    "Bf16Linear",
     "Grounding",
+    "Int8DynamicLinear",
     "Matching",
     "TestaAnswerRankingOutput",
     "TestaConfig",
@@ -122,6 +126,7 @@ __all__ = [
     "importance_matching",
     "merge_tokens",
     "model_card",
+    "optimize_for_inference",
     "pre_caption",
     "register_testa_pipelines",
     "remove_testa",

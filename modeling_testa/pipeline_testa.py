@@ -31,6 +31,9 @@ optional and imported inside `try`).
 import json
 import os
 import re
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,8 +46,9 @@ from transformers.pipelines import PIPELINE_REGISTRY
 from transformers.pipelines.base import Pipeline
 from transformers.utils import logging
 
+from .inference_testa import optimize_for_inference
 from .processing_testa import TestaProcessor
-from .saving_testa import push_folder_to_hub
+from .saving_testa import check_savable, push_folder_to_hub
 from .video_store import (
     STORE_INFO_FILE,
     VideoStoreWriter,
@@ -238,6 +242,9 @@ class VideoIndex:
         token_sizes (`torch.FloatTensor` of shape `(num_videos, tokens)`, *optional*): input patches per token.
         info (`dict`): how the index was built (model class, frames, ...); saved with it.
         store (`VideoTokenStore`, *optional*): the on-disk store backing `tokens`, when there is one.
+        stats (`dict`): how fast `encode_videos` built it (not saved): `videos`, `seconds` (wall time),
+            `videos_per_second`, `decode_wait_seconds` (time the encoder waited for decoded videos; all the decoding
+            time without workers), `encode_seconds` (encoder forwards) and `num_workers`.
     """
 
     videos: list[Any]
@@ -246,6 +253,7 @@ class VideoIndex:
     token_sizes: Any = None
     info: dict[str, Any] = field(default_factory=dict)
     store: VideoTokenStore | None = None
+    stats: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         n = len(self.videos)
@@ -424,6 +432,54 @@ def _is_remote_code(obj: Any) -> bool:
     return type(obj).__module__.split(".")[0] == "transformers_modules"
 
 
+class _DecodeAhead:
+    """Decodes `videos[i]` (`pipeline._pixels`) in `num_workers` threads, at most `window` videos ahead of the
+    next one asked for, in order; with `num_workers=0`, decodes each video when it is asked for. A context manager:
+    leaving it cancels what is pending and stops the threads' decoder processes.
+
+    Each thread decodes in a decoder helper process of its own (the video processor module's
+    `own_decoder_process`), so the threads decode in parallel instead of queueing for the shared helper."""
+
+    def __init__(self, pipeline: Any, videos: list[Any], video_kwargs: dict[str, Any], num_workers: int,
+                 window: int) -> None:
+        self.pipeline, self.videos, self.video_kwargs = pipeline, videos, video_kwargs
+        self.num_workers, self.window = num_workers, window
+        self.futures: dict[int, Any] = {}
+        self.submitted = 0
+        self.executor = None
+        self.workers: list[Any] = []
+
+    def _decode(self, i: int) -> torch.Tensor:
+        return self.pipeline._pixels(self.videos[i], f"videos[{i}]", self.video_kwargs)
+
+    def _attach_decoder(self) -> None:
+        module = sys.modules.get(type(self.pipeline.video_processor).__module__)
+        own = getattr(module, "own_decoder_process", None)
+        if own is not None:
+            self.workers.append(own())
+
+    def __enter__(self) -> "_DecodeAhead":
+        if self.num_workers:
+            self.executor = ThreadPoolExecutor(
+                self.num_workers, thread_name_prefix="testa-decode", initializer=self._attach_decoder
+            )
+        return self
+
+    def get(self, i: int) -> torch.Tensor:
+        if self.executor is None:
+            return self._decode(i)
+        while self.submitted < min(len(self.videos), i + 1 + self.window):
+            self.futures[self.submitted] = self.executor.submit(self._decode, self.submitted)
+            self.submitted += 1
+        return self.futures.pop(i).result()
+
+    def __exit__(self, *exc_info: Any) -> None:
+        if self.executor is not None:
+            self.executor.shutdown(wait=True, cancel_futures=True)
+        for worker in self.workers:
+            worker.stop()
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Shared pipeline machinery
 # ----------------------------------------------------------------------------------------------------------------------
@@ -444,7 +500,8 @@ class _TestaPipeline(Pipeline):
     _auto_model_classes: tuple[str, ...] = ("AutoModel",)
 
     def __init__(self, model: Any, processor: Any = None, tokenizer: Any = None, video_processor: Any = None,
-                 trust_remote_code: bool | None = None, **kwargs: Any) -> None:
+                 trust_remote_code: bool | None = None, precision: str | None = None, compile: bool = False,
+                 include_text: bool = False, **kwargs: Any) -> None:
         """
         Args:
             model: a TESTA model of the head the task needs.
@@ -456,6 +513,11 @@ class _TestaPipeline(Pipeline):
                 hand its own `trust_remote_code` to the pipeline class, so when it is unset and the processor comes
                 from the model's own folder or repo, it is `True` if the model's class is Hub remote code (the user
                 already trusted that repository's code to load the model).
+            precision (`str`, *optional*): `"fp32"`, `"bf16"` or `"int8"`: prepares the model with
+                `optimize_for_inference(model, precision, compile=compile, include_text=include_text)` (in place,
+                after it is moved to the pipeline's device). `None` (default) leaves the model as it is. An
+                optimized pipeline cannot be saved (`save_pretrained` raises).
+            compile, include_text (`bool`, defaults to `False`): passed to `optimize_for_inference` with `precision`.
             **kwargs: `device`, `batch_size`, and call arguments that become defaults (e.g. `top_k`).
         """
         source = getattr(model, "name_or_path", None) or getattr(model.config, "_name_or_path", None)
@@ -490,6 +552,10 @@ class _TestaPipeline(Pipeline):
         super().__init__(
             model=model, processor=processor, tokenizer=tokenizer, video_processor=video_processor, **kwargs
         )
+        if precision is not None:
+            optimize_for_inference(self.model, precision, compile=compile, include_text=include_text)
+        elif compile or include_text:
+            raise ValueError("`compile` and `include_text` go with `precision` (e.g. precision='fp32', compile=True).")
 
     # -- inputs -----------------------------------------------------------------------------------------------------
 
@@ -533,6 +599,7 @@ class _TestaPipeline(Pipeline):
         """Saves a complete Hub folder: the model (weights, config with `auto_map` and `custom_pipelines`, all code
         files), the processor (tokenizer + video processor, which transformers' `Pipeline.save_pretrained` leaves
         out) and the model card with the video-processor settings."""
+        check_savable(self.model)  # an optimized model (`precision=`) is for inference only; nothing is written
         if os.path.isfile(save_directory):
             raise ValueError(f"`save_directory` must be a directory, got the file {os.fspath(save_directory)!r}.")
         os.makedirs(save_directory, exist_ok=True)
@@ -713,6 +780,7 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         token_dtype: torch.dtype | None = None,
         progress_bar: bool | None = None,
         store_dir: str | os.PathLike | None = None,
+        num_workers: int = 0,
         **video_kwargs: Any,
     ) -> VideoIndex:
         """Decodes and encodes every video once and returns a [`VideoIndex`].
@@ -725,29 +793,45 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
             token_dtype (`torch.dtype`, *optional*): store the tokens in this dtype (e.g. `torch.float16`). In
                 memory the default is the model's dtype; in a store it is `torch.float16` (pass `torch.float32` for
                 results identical to `pipe(text, videos)`).
-            progress_bar (`bool`, *optional*): show a tqdm bar (default: from 16 videos on).
+            progress_bar (`bool`, *optional*): show a tqdm bar (default: from 16 videos on). Its rate is videos/s;
+                its postfix says which share of the time the encoder waited for decoded videos.
             store_dir (`str` or `os.PathLike`, *optional*): write the tokens to an on-disk video store in this
                 directory as they are encoded (memory stays bounded by `batch_size`, whatever the collection) and
                 return an index backed by it; `VideoIndex.load(store_dir)` reopens it later.
+            num_workers (`int`, defaults to 0): decode in this many threads, each with its own decoder process
+                (`isolate_decoder=True`), while the encoder runs: the next batches (up to two batches, and at least
+                `num_workers` videos, ahead) are decoded during the current forward. 0 decodes each batch before
+                encoding it, in this thread. The results are the same, in the same order, and a video that cannot be
+                decoded raises the same error (naming it) at the same point.
             **video_kwargs: video-processor arguments (`num_frames=...`).
+
+        The returned index's `stats` say how fast it went: videos/s, the time the encoder waited for decoding and
+        the encoder's own time (decoding is the bottleneck when the wait dominates).
         """
         videos = _video_list(videos, "videos")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"`batch_size` must be a positive int, got {batch_size!r}.")
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+            raise ValueError(f"`num_workers` must be a non-negative int, got {num_workers!r}.")
         if store_dir is not None and not store_tokens:
             raise ValueError("`store_dir` writes the tokens: it cannot be combined with store_tokens=False.")
         writer = None
         if store_dir is not None:
             writer = VideoStoreWriter(store_dir, 0, 0, len(videos), token_dtype=token_dtype or torch.float16)
         features, tokens, sizes = [], [], []
+        begin = time.perf_counter()
+        wait_seconds = encode_seconds = 0.0
+        decoded = _DecodeAhead(self, videos, video_kwargs, num_workers, max(2 * batch_size, num_workers))
         try:
-            with self._progress(len(videos), progress_bar, "Encoding videos") as bar:
+            with self._progress(len(videos), progress_bar, "Encoding videos") as bar, decoded:
                 for start in range(0, len(videos), batch_size):
                     chunk = videos[start : start + batch_size]
-                    pixels = torch.cat(
-                        [self._pixels(item, f"videos[{start + j}]", video_kwargs) for j, item in enumerate(chunk)]
-                    )
+                    started = time.perf_counter()
+                    pixels = torch.cat([decoded.get(start + j) for j in range(len(chunk))])
+                    encoding = time.perf_counter()
+                    wait_seconds += encoding - started
                     feats, toks, token_sizes = self._encode(pixels)
+                    encode_seconds += time.perf_counter() - encoding
                     if writer is not None:
                         writer.add_batch(range(start, start + len(chunk)), toks, token_sizes, feats)
                     else:
@@ -756,10 +840,23 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
                             tokens.append(toks.detach().to("cpu", dtype=token_dtype or toks.dtype))
                             sizes.append(token_sizes.detach().float().cpu())
                     bar.update(len(chunk))
+                    elapsed = time.perf_counter() - begin
+                    bar.set_postfix_str(f"waiting for decoding {100 * wait_seconds / elapsed:.0f}%", refresh=False)
         except BaseException:
             if writer is not None:
                 writer.abort()  # files closed; the store has no index, so it cannot be opened half-written
             raise
+        seconds = time.perf_counter() - begin
+        stats = {
+            "videos": len(videos),
+            "seconds": seconds,
+            "videos_per_second": len(videos) / seconds if seconds > 0 else float("inf"),
+            "decode_wait_seconds": wait_seconds,
+            "encode_seconds": encode_seconds,
+            "num_workers": num_workers,
+        }
+        logger.info("Encoded %d videos in %.1f s (%.2f videos/s; waited %.1f s for decoding, encoder %.1f s).",
+                    len(videos), seconds, stats["videos_per_second"], wait_seconds, encode_seconds)
         vision = self.model.config.vision_config
         info = {
             "model_class": type(self.model).__name__,
@@ -774,6 +871,7 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
             finalize_store(store_dir, [_video_name(item, i) for i, item in enumerate(videos)], 1, info)
             index = VideoIndex.from_store(store_dir)
             index.videos = list(videos)
+            index.stats = stats
             return index
         return VideoIndex(
             videos=list(videos),
@@ -781,6 +879,7 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
             tokens=torch.cat(tokens) if store_tokens else None,
             token_sizes=torch.cat(sizes) if store_tokens else None,
             info=info,
+            stats=stats,
         )
 
     @torch.no_grad()

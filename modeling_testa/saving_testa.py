@@ -42,6 +42,24 @@ CODE_URL = "https://github.com/RenShuhuai-Andy/TESTA"
 PIPELINE_MODULE = "pipeline_testa"
 """The module (file name without `.py`) that holds the pipeline classes named in `CUSTOM_PIPELINES`."""
 
+INFERENCE_ATTRIBUTE = "inference_settings"
+"""Set by `optimize_for_inference` on an optimized model (and its sub-models): a dict of its settings. Such a model
+is for inference only and `save_pretrained` refuses it (`check_savable`)."""
+
+
+def check_savable(model: Any) -> None:
+    """Raises a `RuntimeError` when `model` was prepared by `optimize_for_inference`: its converted layers (int8 or
+    bfloat16 weights, compiled blocks) are not what `from_pretrained` loads, so it must not be saved."""
+    settings = getattr(model, INFERENCE_ATTRIBUTE, None)
+    if settings:
+        described = ", ".join(f"{key}={value!r}" for key, value in settings.items())
+        raise RuntimeError(
+            f"This {type(model).__name__} was prepared with optimize_for_inference ({described}) and is for "
+            "inference only: save_pretrained refuses to save it. Save the original model instead (load it again "
+            "with from_pretrained), and call optimize_for_inference after loading."
+        )
+
+
 _RETRIEVAL_TASKS = {
     "video-text-retrieval": {"impl": "VideoTextRetrievalPipeline", "pt": ["AutoModel"], "type": "multimodal"},
     "zero-shot-video-classification": {
@@ -326,7 +344,10 @@ class TestaHubMixin:
         never loaded), `custom_pipelines` is left out with a warning rather than pointing at missing code.
 
         With `push_to_hub=True` the card is written before the upload starts, so it is uploaded too.
+
+        A model prepared by `optimize_for_inference` is refused (`RuntimeError`): save the original model.
         """
+        check_savable(self)
         name = type(self).__name__
         exports_code = getattr(self, "_auto_class", None) is not None
         pipelines = custom_pipelines_for(name)
@@ -402,6 +423,7 @@ def push_folder_to_hub(
     from huggingface_hub.errors import EntryNotFoundError
     from transformers.utils.hub import hf_api
 
+    check_savable(getattr(obj, "model", obj))  # before the repository is created
     repo_id = hf_api().create_repo(repo_id, private=private, token=token, exist_ok=True).repo_id
     hub_card = None
     try:
@@ -434,8 +456,10 @@ def push_folder_to_hub(
 
 __all__ = [
     "CUSTOM_PIPELINES",
+    "INFERENCE_ATTRIBUTE",
     "MODEL_CARD_MARKER",
     "TestaHubMixin",
+    "check_savable",
     "custom_pipelines_for",
     "model_card",
     "pipeline_code_files",

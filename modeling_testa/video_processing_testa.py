@@ -40,6 +40,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from functools import partial
 from typing import Any, Literal
@@ -541,11 +542,28 @@ class _DecoderWorker:
 
 _WORKER: _DecoderWorker | None = None
 _WORKER_LOCK = threading.Lock()
+_THREAD_WORKER = threading.local()
+_OWN_WORKERS: "weakref.WeakSet[_DecoderWorker]" = weakref.WeakSet()
+
+
+def own_decoder_process() -> _DecoderWorker:
+    """Gives the calling thread a decoder helper process of its own, so that several threads decode in parallel
+    (by default every thread of a process shares one helper, which decodes one video at a time). The helper starts at
+    the thread's first isolated decode. Returns it: call its `stop()` when the thread is done decoding."""
+    worker = _DecoderWorker()
+    _THREAD_WORKER.worker = worker
+    with _WORKER_LOCK:
+        _OWN_WORKERS.add(worker)
+    return worker
 
 
 def _decoder_worker() -> _DecoderWorker:
-    """This process' decoder helper (a new one after `fork`, e.g. in DataLoader workers)."""
+    """The calling thread's own decoder helper (`own_decoder_process`), else this process' shared one (a new one
+    after `fork`, e.g. in DataLoader workers)."""
     global _WORKER
+    own = getattr(_THREAD_WORKER, "worker", None)
+    if own is not None and own.owner_pid == os.getpid():
+        return own
     with _WORKER_LOCK:
         if _WORKER is None or _WORKER.owner_pid != os.getpid():
             _WORKER = _DecoderWorker()
@@ -553,12 +571,14 @@ def _decoder_worker() -> _DecoderWorker:
 
 
 def shutdown_decoder_process() -> None:
-    """Stops this process' decoder helper process, if one is running (it is restarted on demand)."""
+    """Stops this process' decoder helper processes (the shared one and the threads' own ones, see
+    `own_decoder_process`), if running (the shared one is restarted on demand)."""
     with _WORKER_LOCK:
-        worker = _WORKER
-    if worker is not None and worker.owner_pid == os.getpid():
-        with worker.lock:
-            worker.stop()
+        workers = [_WORKER, *_OWN_WORKERS]
+    for worker in workers:
+        if worker is not None and worker.owner_pid == os.getpid():
+            with worker.lock:
+                worker.stop()
 
 
 atexit.register(shutdown_decoder_process)

@@ -35,7 +35,7 @@ def test_every_recipe_is_present_and_parses():
     names = {p.name for p in RECIPES}
     expected = {f"retrieval_{d}_f{f}.yaml" for d in TEXT_LENGTHS for f in (32, 96)}
     expected |= {"vqa_activitynet_f32.yaml", "vqa_activitynet_f96.yaml", "pretrain.yaml", "synthetic_retrieval.yaml",
-                 "synthetic_qa.yaml"}
+                 "synthetic_qa.yaml", "short_events.yaml"}
     assert expected <= names
     from train.loop import validate_recipe
 
@@ -295,3 +295,21 @@ def test_mixed_precision_recipe_value_or_launch_config(launch_config, expected):
                             env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split("\n")[-2] == expected
+
+
+def test_decoder_settings_reach_the_video_processor(tmp_path):
+    """`data.video_backend` / `data.isolate_decoder` configure the processor the loop builds (and saves)."""
+    from train.loop import build_processor
+
+    chosen = build_processor({"data": {"num_frames": 4, "image_size": 32, "video_backend": "pyav",
+                                       "isolate_decoder": False}})
+    assert chosen.video_processor.video_backend == "pyav" and chosen.video_processor.isolate_decoder is False
+    chosen.save_pretrained(tmp_path)
+    from modeling_testa.processing_testa import TestaProcessor
+
+    reloaded = TestaProcessor.from_pretrained(tmp_path)
+    assert reloaded.video_processor.video_backend == "pyav" and reloaded.video_processor.isolate_decoder is False
+    default = build_processor({"data": {"num_frames": 4, "image_size": 32}})
+    assert default.video_processor.video_backend == "auto" and default.video_processor.isolate_decoder is True
+    with pytest.raises(ValueError, match="video_backend"):
+        build_processor({"data": {"num_frames": 4, "image_size": 32, "video_backend": "ffmpeg"}})

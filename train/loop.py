@@ -76,7 +76,8 @@ def parse_args(description: str, argv: list[str] | None = None) -> argparse.Name
 # configuration/README.md); `model` keys are those of `TestaConfig` (+ `init_from`), checked in `validate_recipe`.
 RECIPE_KEYS: dict[str, set[str]] = {
     "data": {"dataset", "train_split", "eval_split", "streaming", "shuffle_buffer", "num_frames", "sampling",
-             "image_size", "max_text_length", "max_question_length", "max_answer_length", "num_workers"},
+             "image_size", "max_text_length", "max_question_length", "max_answer_length", "num_workers",
+             "video_backend", "isolate_decoder"},
     "train": {"lr", "min_lr", "warmup_start_lr", "scheduler", "warmup_ratio", "warmup_steps", "weight_decay",
               "epochs", "max_steps", "batch_size", "grad_accum", "max_grad_norm", "mixed_precision",
               "gradient_checkpointing", "find_unused_parameters", "seed", "save_every", "log_every",
@@ -219,7 +220,8 @@ def build_processor(recipe: dict):
     data = recipe["data"]
     size = data.get("image_size", 224)
     video_processor = TestaVideoProcessor(
-        num_frames=data.get("num_frames", 32), size={"shortest_edge": size}, crop_size={"height": size, "width": size}
+        num_frames=data.get("num_frames", 32), size={"shortest_edge": size}, crop_size={"height": size, "width": size},
+        video_backend=data.get("video_backend", "auto"), isolate_decoder=data.get("isolate_decoder", True),
     )
     return TestaProcessor(video_processor=video_processor)
 

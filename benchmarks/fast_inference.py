@@ -1,0 +1,324 @@
+"""Fast CPU inference (`optimize_for_inference`): speed against transformers' TimesformerModel and our unmerged
+encoder, batch throughput, and the quality contract on a trained model.
+
+    python benchmarks/fast_inference.py                        # speed rows: ViT-B/16, 32 frames, 224 px, batch 1
+    python benchmarks/fast_inference.py --batches 1 4 8        # + videos/s at batch 1, 4 and 8 (fastest variants)
+    python benchmarks/fast_inference.py --compile              # + a merged fp32 + torch.compile row (slow to compile)
+    python benchmarks/fast_inference.py --small                # a quick look (8 frames, 112 px, 6 layers)
+    python benchmarks/fast_inference.py --no-speed --model /tmp/demo_run/train/final --data /tmp/demo_run/data
+                                                               # the quality contract only
+
+**Speed** (random weights, one process, inference mode): the contenders are run in turn, ``--repeats`` times, and
+medians are reported with their ratios, so every ratio comes from one run (as in `encoder_speed.py`). The merged
+variants are copies of one model (the paper's 32-frame setting R_T=1, R_S=12), so their pooled embeddings are
+compared with the merged fp32 one: the cosine of the CLS token and of the mean over all output tokens (what the
+retrieval head pools by default), per video.
+
+**Batch throughput** (``--batches``): videos/s of the merged fp32 and int8 encoders (``--throughput-variants``) at
+each batch size, alternating the variants.
+
+**Quality contract** (``--model DIR --data DIR``): the test split of a trained retrieval model (e.g. the demo's,
+`train/demo.py`) is ranked with `train/evaluation.py`'s `evaluate_retrieval`, as the demo does, once per precision,
+with fp32 as the reference: t2v R@1 and R@5 must stay within 1 point, and every video's embedding must keep a cosine
+of at least 0.995 (bf16) and 0.98 (int8) with its fp32 embedding. Each item is printed with pass/fail.
+"""
+
+import argparse
+import copy
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from modeling_testa import TestaVisionConfig, TestaVisionModel, optimize_for_inference  # noqa: E402
+
+
+LABELS = {
+    "timesformer": "transformers TimesformerModel, fp32",
+    "testa-none": "TESTA unmerged, fp32",
+    "testa": "TESTA merged, fp32",
+    "testa-compile": "TESTA merged, fp32 + torch.compile",
+    "testa-bf16": "TESTA merged, bf16",
+    "testa-int8": "TESTA merged, int8",
+}
+PRECISION_OF = {"testa": "fp32", "testa-compile": "fp32", "testa-bf16": "bf16", "testa-int8": "int8"}
+CONTRACT = {"bf16": 0.995, "int8": 0.98}
+"""Minimum per-video embedding cosine with fp32."""
+CLOCKS = {
+    "wall": "wall-clock time",
+    "cpu": "this process's CPU time (with --threads 1: the time on one core, robust to other load on the machine)",
+}
+RECALL_TOLERANCE = 1.0
+"""t2v R@1 and R@5 must stay within this many points of fp32."""
+
+
+def cpu_description() -> str:
+    flags = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    model = platform.processor() or platform.machine()
+    try:
+        model = next(l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
+                     if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    wanted = ["avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16", "amx_int8"]
+    present = [f for f in wanted if f in flags] or ["(flags unknown)"]
+    load = "load average {:.1f} {:.1f} {:.1f}".format(*os.getloadavg()) if hasattr(os, "getloadavg") else ""
+    return (f"{model}; {os.cpu_count()} cores, {torch.get_num_threads()} threads; torch {torch.__version__}, "
+            f"capability {torch.backends.cpu.get_cpu_capability()}; flags: {' '.join(present)}; {load}")
+
+
+def build(variant: str, args, base: TestaVisionModel | None = None) -> torch.nn.Module:
+    common = dict(num_frames=args.frames, image_size=args.image_size, hidden_size=args.hidden_size,
+                  num_hidden_layers=args.layers, num_attention_heads=args.heads, intermediate_size=4 * args.hidden_size)
+    if variant == "timesformer":
+        from transformers import TimesformerConfig, TimesformerModel
+
+        config = TimesformerConfig(**common, attention_type="divided_space_time", qkv_bias=True)
+        return TimesformerModel(config).eval()
+    if variant == "testa-none":
+        return TestaVisionModel(TestaVisionConfig(**common, temporal_reduction=0, spatial_reduction=0)).eval()
+    if base is None:
+        config = TestaVisionConfig(**common, temporal_reduction=args.temporal_reduction,
+                                   spatial_reduction=args.spatial_reduction)
+        return TestaVisionModel(config).eval()
+    return optimize_for_inference(copy.deepcopy(base), PRECISION_OF[variant], compile=variant == "testa-compile")
+
+
+def forward(model, video) -> tuple[dict, torch.Tensor | None, torch.Tensor | None]:
+    """`{"wall": s, "cpu": s}` of one forward pass (wall clock, and this process's CPU time), and the CLS and
+    mean-pooled output of a TESTA model (None otherwise)."""
+    start, start_cpu = time.perf_counter(), time.process_time()
+    with torch.inference_mode():
+        out = model(pixel_values=video)
+    seconds = {"wall": time.perf_counter() - start, "cpu": time.process_time() - start_cpu}
+    if isinstance(model, TestaVisionModel):
+        return seconds, out.pooler_output.float(), out.last_hidden_state.float().mean(dim=1)
+    return seconds, None, None
+
+
+def speed(args) -> dict:
+    torch.manual_seed(0)
+    variants = ["timesformer", "testa-none", "testa"] + (["testa-compile"] if args.compile else []) + \
+        ["testa-bf16", "testa-int8"]
+    base = build("testa", args)
+    models = {v: base if v == "testa" else build(v, args, base) for v in variants}
+    video = torch.randn(args.batch, args.frames, 3, args.image_size, args.image_size)
+
+    first, outputs = {}, {}
+    for v in variants:  # warm-up; the compiled variant compiles here
+        first[v], cls, mean = forward(models[v], video)
+        outputs[v] = (cls, mean)
+        print(f"warm-up {LABELS[v]}: {first[v]['wall']:.2f} s", flush=True)
+    times = {clock: defaultdict(list) for clock in ("wall", "cpu")}
+    for repeat in range(args.repeats):
+        for v in variants:
+            seconds = forward(models[v], video)[0]
+            for clock in times:
+                times[clock][v].append(seconds[clock])
+        print(f"repeat {repeat + 1}/{args.repeats}: " + ", ".join(
+            f"{v} {times['wall'][v][-1]:.2f} s (CPU {times['cpu'][v][-1]:.2f} s)" for v in variants), flush=True)
+    median = {clock: {v: statistics.median(t) for v, t in per.items()} for clock, per in times.items()}
+    ratio_of = median[args.clock]
+
+    print(f"\n{args.frames} frames, {args.image_size} px, hidden {args.hidden_size}, {args.layers} layers, batch "
+          f"{args.batch}, R_T={args.temporal_reduction}, R_S={args.spatial_reduction}; median of {args.repeats}, "
+          f"contenders alternating; speed-ups from {CLOCKS[args.clock]}\n{cpu_description()}\n")
+    print("| encoder | wall time (s) | CPU time (s) | videos/s (wall) | speed-up vs TimesformerModel | "
+          "speed-up vs ours unmerged | cosine CLS vs merged fp32 (min over videos) | cosine mean-pooled vs merged fp32 "
+          "(min) |")
+    print("|---|---|---|---|---|---|---|---|")
+    cosines = {}
+    for v in variants:
+        cls, mean = outputs[v]
+        if v in PRECISION_OF:
+            ref_cls, ref_mean = outputs["testa"]
+            cosines[v] = (float(F.cosine_similarity(cls, ref_cls).min()), float(F.cosine_similarity(mean, ref_mean).min()))
+            cos = f"{cosines[v][0]:.5f} | {cosines[v][1]:.5f}"
+        else:
+            cos = "- | -"
+        print(f"| {LABELS[v]} | {median['wall'][v]:.3f} | {median['cpu'][v]:.3f} | {args.batch / median['wall'][v]:.3f} | "
+              f"{ratio_of['timesformer'] / ratio_of[v]:.2f}x | {ratio_of['testa-none'] / ratio_of[v]:.2f}x | {cos} |")
+    if "testa-compile" in first:
+        print(f"\ntorch.compile: the first forward (compilation) took {first['testa-compile']['wall']:.0f} s.")
+    ratio = ratio_of["testa-none"] / ratio_of["testa"]
+    print(f"\nmerged fp32 vs our unmerged fp32: {ratio:.2f}x (target >= 1.8x): {'PASS' if ratio >= 1.8 else 'FAIL'}")
+    return {"median_s": median, "times_s": {c: dict(t) for c, t in times.items()}, "first_forward_s": first,
+            "cosine_cls_mean": cosines, "clock": args.clock}
+
+
+def throughput(args) -> dict:
+    torch.manual_seed(0)
+    base = build("testa", args)
+    variants = args.throughput_variants
+    models = {v: base if v == "testa" else build(v, args, base) for v in variants}
+    result = {}
+    print(f"\nvideos/s from {CLOCKS[args.clock]}, median of {args.throughput_repeats}, variants alternating\n")
+    print("| batch | " + " | ".join(f"{LABELS[v]}: videos/s" for v in variants) + " |")
+    print("|---|" + "---|" * len(variants))
+    for batch in args.batches:
+        video = torch.randn(batch, args.frames, 3, args.image_size, args.image_size)
+        for v in variants:
+            forward(models[v], video)  # warm-up at this shape
+        times = defaultdict(list)
+        for _ in range(args.throughput_repeats):
+            for v in variants:
+                times[v].append(forward(models[v], video)[0][args.clock])
+        rates = {v: batch / statistics.median(times[v]) for v in variants}
+        result[batch] = rates
+        print(f"| {batch} | " + " | ".join(f"{rates[v]:.3f}" for v in variants) + " |", flush=True)
+    print(cpu_description())
+    return result
+
+
+def _perturb_pixels(factor: float):
+    def hook(module, args, kwargs):
+        if args:
+            return (args[0] * factor, *args[1:]), kwargs
+        return args, {**kwargs, "pixel_values": kwargs["pixel_values"] * factor}
+
+    return hook
+
+
+def quality(args) -> dict:
+    import yaml
+    from accelerate import Accelerator
+
+    from modeling_testa import TestaForVideoTextRetrieval, TestaProcessor
+    from modeling_testa.video_store import VideoTokenStore
+    from train.evaluation import evaluate_retrieval
+
+    recipe = yaml.safe_load(args.config.read_text())
+    recipe["data"]["dataset"] = str(args.data)
+    processor = TestaProcessor.from_pretrained(str(args.model))
+    accelerator = Accelerator(cpu=True)
+    rows = ["fp32", "bf16", "int8"] + (["int8 + text"] if args.text else [])
+    if not args.no_noise_floor:
+        rows += ["fp64", "fp32, pixels x (1 + 1e-6)"]
+    results, embeddings, source_maps = {}, {}, {}
+    with tempfile.TemporaryDirectory(prefix="testa-fast-quality-") as tmp:
+        for i, name in enumerate(rows):
+            model = TestaForVideoTextRetrieval.from_pretrained(str(args.model))
+            model.set_aggregation(trace_source=True)  # to compare the merge decisions with fp32
+            if name in ("bf16", "int8", "int8 + text"):
+                optimize_for_inference(model, name.split()[0], include_text=name.endswith("text"))
+            elif name == "fp64":
+                model.double()
+            elif name.startswith("fp32, pixels"):
+                model.vision_model.register_forward_pre_hook(_perturb_pixels(1 + 1e-6), with_kwargs=True)
+            maps = []
+            model.vision_model.register_forward_hook(lambda module, inputs, out: maps.append(out.source_map))
+            store_dir = Path(tmp) / f"store{i}"
+            metrics = evaluate_retrieval(model, processor, recipe, accelerator, store_dir=store_dir)
+            store = VideoTokenStore(store_dir)
+            embeddings[name] = F.normalize(store.embeddings.float(), dim=-1)
+            store.close()
+            results[name], source_maps[name] = metrics, torch.cat(maps)
+            print(f"{name}: t2v R@1 {metrics['t2v_R@1']:.2f}, R@5 {metrics['t2v_R@5']:.2f}", flush=True)
+    reference = results["fp32"]
+    print(f"\nQuality contract on {args.model} ({reference['num_videos']} test videos, {reference['num_texts']} "
+          f"texts; fp32 is the reference; the last rows are fp32's own noise floor, not contenders)\n")
+    print("| precision | t2v R@1 | t2v R@5 | ΔR@1 | ΔR@5 | embedding cosine vs fp32: min | mean | videos with "
+          "fp32's merge decisions | min cosine over those | R@1/R@5 within 1 point | cosine contract |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    verdicts = {}
+    for name, m in results.items():
+        d1, d5 = m["t2v_R@1"] - reference["t2v_R@1"], m["t2v_R@5"] - reference["t2v_R@5"]
+        cos = (embeddings[name] * embeddings["fp32"]).sum(dim=-1)
+        same = (source_maps[name] == source_maps["fp32"]).flatten(1).all(dim=1)
+        valid = embeddings["fp32"].norm(dim=-1) > 0  # a video that could not be decoded has no embedding
+        cos = cos[valid]  # (source maps exist for the encoded videos only, in order)
+        recall_ok = abs(d1) <= RECALL_TOLERANCE and abs(d5) <= RECALL_TOLERANCE
+        threshold = CONTRACT.get(name.split()[0]) if name in ("bf16", "int8", "int8 + text") else None
+        cos_ok = threshold is None or float(cos.min()) >= threshold
+        same_cos = f"{float(cos[same].min()):.5f}" if bool(same.any()) else "-"
+        verdicts[name] = {"recall": recall_ok, "cosine": cos_ok, "min_cosine": float(cos.min()),
+                          "mean_cosine": float(cos.mean()), "same_decisions": float(same.float().mean()),
+                          "delta_R@1": d1, "delta_R@5": d5}
+        contract = "-" if threshold is None else f"{'PASS' if cos_ok else 'FAIL'} (min >= {threshold})"
+        print(f"| {name} | {m['t2v_R@1']:.2f} | {m['t2v_R@5']:.2f} | {d1:+.2f} | {d5:+.2f} | {float(cos.min()):.5f} | "
+              f"{float(cos.mean()):.5f} | {100 * float(same.float().mean()):.1f}% | {same_cos} | "
+              f"{'PASS' if recall_ok else 'FAIL'} | {contract} |")
+    return {"metrics": {k: {m: v for m, v in r.items() if not isinstance(v, list)} for k, r in results.items()},
+            "verdicts": verdicts}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--frames", type=int, default=32)
+    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--hidden-size", type=int, default=768)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--temporal-reduction", type=int, default=1)
+    parser.add_argument("--spatial-reduction", type=int, default=12)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--compile", action="store_true", help="add merged fp32 + torch.compile (compiles for minutes)")
+    parser.add_argument("--small", action="store_true", help="8 frames, 112 px, 6 layers: a quick look")
+    parser.add_argument("--no-speed", action="store_true", help="skip the batch-1 speed rows")
+    parser.add_argument("--batches", type=int, nargs="*", default=[], help="batch sizes for videos/s, e.g. 1 4 8")
+    parser.add_argument("--throughput-variants", nargs="+", default=["testa", "testa-int8"],
+                        choices=["testa", "testa-compile", "testa-bf16", "testa-int8"])
+    parser.add_argument("--throughput-repeats", type=int, default=2)
+    parser.add_argument("--model", type=Path, help="a trained TestaForVideoTextRetrieval folder (quality contract)")
+    parser.add_argument("--data", type=Path, help="its dataset folder (test.jsonl and the videos)")
+    parser.add_argument("--config", type=Path, default=Path(__file__).resolve().parents[1] / "configuration" /
+                        "synthetic_retrieval.yaml", help="the recipe whose data/eval settings are used")
+    parser.add_argument("--text", action="store_true", help="quality: also int8 with include_text=True")
+    parser.add_argument("--no-noise-floor", action="store_true",
+                        help="quality: skip the fp64 and perturbed-fp32 rows (fp32's own sensitivity)")
+    parser.add_argument("--threads", type=int, help="torch threads (default: PyTorch's, one per core)")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="what the speed-ups and videos/s are computed from; on a shared machine use "
+                             "--threads 1 --clock cpu")
+    parser.add_argument("--json", type=Path, help="also write the results to this file")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"start: {cpu_description()}", flush=True)
+    if args.small:
+        args.frames, args.image_size, args.layers, args.temporal_reduction, args.spatial_reduction = 8, 112, 6, 1, 6
+    if (args.model is None) != (args.data is None):
+        parser.error("--model and --data go together")
+
+    results = {"cpu": cpu_description()}
+    if not args.no_speed:
+        results["speed"] = speed(args)
+    if args.batches:
+        results["throughput"] = throughput(args)
+    if args.model is not None:
+        results["quality"] = quality(args)
+    if "speed" in results and "quality" in results:
+        verdicts = results["quality"]["verdicts"]
+        median = results["speed"]["median_s"][args.clock]
+        meeting = [v for v in ("testa-int8", "testa-bf16", "testa") if verdicts.get(PRECISION_OF[v], {}).get("cosine")
+                   and verdicts.get(PRECISION_OF[v], {}).get("recall") and v in median]
+        if meeting:
+            best = min(meeting, key=lambda v: median[v])
+            ratio = median["timesformer"] / median[best]
+            print(f"\nFastest merged variant meeting the quality contract: {LABELS[best]}, {ratio:.2f}x "
+                  f"TimesformerModel fp32 (target >= 6x): {'PASS' if ratio >= 6 else 'FAIL'}")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
