@@ -17,7 +17,7 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	touch $@
 
 # The main job: the short-event task -> (a) 8 frames, (b) 16 frames + TESTA at the GMAC of (a), (c) 16 frames,
-# trained on CPU -> retrieval table (< 10 min; `python train/demo.py --quick` in about 2).
+# trained on CPU -> retrieval table (`python train/demo.py --quick`: under 2 minutes, a smoke run).
 demo: install
 	$(PY) train/demo.py --output-dir outputs/demo
 

@@ -49,12 +49,20 @@ def main() -> None:
     parser.add_argument("--output", type=Path, default=REPO / "docs" / "frames_vs_compute")
     parser.add_argument("--num-videos", type=int, default=512)
     parser.add_argument("--processes", type=int, default=1, help="as train/demo.py --processes")
+    parser.add_argument("--replot", action="store_true",
+                        help="only re-render OUTPUT.md/.png from OUTPUT.json (e.g. after installing matplotlib)")
     args = parser.parse_args()
     started = time.perf_counter()
     recipe = load_recipe()
     costs = check_equal_compute(recipe)
     keys = list(VARIANTS)
     data_dir = args.work_dir / "data"
+    if args.replot:
+        saved = json.loads(args.output.with_suffix(".json").read_text())
+        per_seed = {int(seed): runs for seed, runs in saved["per_seed"].items()}
+        args.seeds = len(per_seed)
+        report(args, costs, keys, per_seed, None, started - saved.get("wall_seconds", 0.0), saved.get("seen_share"))
+        return
     make_data(data_dir, args.num_videos)
 
     per_seed: dict[int, dict] = {}
@@ -70,9 +78,9 @@ def main() -> None:
         report(args, costs, keys, per_seed, data_dir, started)
 
 
-def report(args, costs, keys, per_seed, data_dir, started) -> None:
+def report(args, costs, keys, per_seed, data_dir, started, seen=None) -> None:
     """Prints and writes the table of the seeds done so far."""
-    seen = json.loads((data_dir / "metadata.json").read_text())["seen_share"]
+    seen = seen or json.loads((data_dir / "metadata.json").read_text())["seen_share"]
     first = per_seed[0]["a"]
     lines = [
         f"Short-event retrieval ({first['num_videos']} test videos; chance R@1 {first['chance_R@1']:.1f}%, scene-only "
@@ -90,11 +98,13 @@ def report(args, costs, keys, per_seed, data_dir, started) -> None:
     range_a = max(per_seed[s]["a"]["t2v_R@1"] for s in per_seed) - min(per_seed[s]["a"]["t2v_R@1"] for s in per_seed)
     range_b = max(per_seed[s]["b"]["t2v_R@1"] for s in per_seed) - min(per_seed[s]["b"]["t2v_R@1"] for s in per_seed)
     beyond = len(per_seed) > 1 and min(gains) > max(range_a, range_b)
+    separated = min(per_seed[s]["b"]["t2v_R@1"] for s in per_seed) > max(per_seed[s]["a"]["t2v_R@1"] for s in per_seed)
     lines += [
         "",
         f"(b) − (a), t2v R@1 per seed: {', '.join(f'{g:+.1f}' for g in gains)} (mean {statistics.fmean(gains):+.1f}); "
         f"seed-to-seed range of t2v R@1: (a) {range_a:.1f}, (b) {range_b:.1f} points. "
-        (f"Smallest gain {'exceeds' if beyond else 'does NOT exceed'} the larger range." if len(per_seed) > 1
+        + (f"Smallest gain {'exceeds' if beyond else 'does NOT exceed'} the larger range; the worst seed of (b) is "
+         f"{'above' if separated else 'NOT above'} the best seed of (a)." if len(per_seed) > 1
          else "One seed so far: no spread yet."),
         f"Wall time {time.perf_counter() - started:.0f} s; training seconds per run (side by side): "
         + ", ".join(f"({k}) {statistics.fmean(per_seed[s][k]['train_seconds'] for s in per_seed):.0f}" for k in keys)
@@ -106,7 +116,9 @@ def report(args, costs, keys, per_seed, data_dir, started) -> None:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.with_suffix(".md").write_text(text + "\n")
     args.output.with_suffix(".json").write_text(json.dumps(
-        {"costs": costs, "per_seed": per_seed, "gains_t2v_R@1": gains, "gain_beyond_spread": beyond}, indent=1))
+        {"costs": costs, "per_seed": per_seed, "gains_t2v_R@1": gains, "gain_beyond_spread": beyond,
+         "b_worst_above_a_best": separated,
+         "seen_share": seen, "wall_seconds": time.perf_counter() - started}, indent=1))
     points = {}
     for k in keys:
         r1 = [per_seed[s][k]["t2v_R@1"] for s in per_seed]

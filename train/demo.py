@@ -2,7 +2,8 @@
 
     python train/demo.py [--output-dir outputs/demo] [--quick] [--no-upper-bound] [--seed 0]
 
-Steps (about 8 minutes on 2 CPU cores; ``--quick`` about 2 minutes):
+Steps (one run of the three models took about 22 minutes here with another CPU-heavy job on the two cores; an
+idle-machine time was not measured. ``--quick``: under 2 minutes):
 
 1. ``python -m processing.short_events`` writes the short-event task (OUTPUT/data): 512 synthetic videos of three
    long colour scenes and 2-3 short flashes that each last 1/20 to 1/10 of the video; families of 4 videos share
