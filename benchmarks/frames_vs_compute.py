@@ -29,7 +29,7 @@ from train.demo import (  # noqa: E402
     evaluate_variant,
     load_recipe,
     make_data,
-    plot_recall_vs_gmac,
+    plot_r1_vs_gmac,
     train_variants,
 )
 
@@ -123,7 +123,7 @@ def report(args, costs, keys, per_seed, data_dir, started, seen=None) -> None:
     for k in keys:
         r1 = [per_seed[s][k]["t2v_R@1"] for s in per_seed]
         points[k] = (costs[k][0], statistics.fmean(r1), (max(r1) - min(r1)) / 2)
-    plot_recall_vs_gmac(points, args.output.with_suffix(".png"),
+    plot_r1_vs_gmac(points, args.output.with_suffix(".png"),
                         f"short-event retrieval, mean of {len(per_seed)} seeds (bars: half the min-max range)")
 
 

@@ -230,7 +230,7 @@ def table_row(key: str, costs: dict, metrics: dict, train_seconds: float) -> str
             f"{metrics['test_seconds']:.1f} |")
 
 
-def plot_recall_vs_gmac(points: dict[str, tuple[float, float, float]], path: Path, title: str) -> bool:
+def plot_r1_vs_gmac(points: dict[str, tuple[float, float, float]], path: Path, title: str) -> bool:
     """Writes a recall-vs-GMAC chart: `points` maps a variant key to (GMAC, mean R@1, spread). False without
     matplotlib."""
     try:
@@ -308,7 +308,7 @@ def main() -> None:
               f"Model (b) for the pipelines: {out / 'runs' / 'b' / 'final'}",
               f"Total demo time: {time.perf_counter() - started:.0f} s."]
     points = {k: (costs[k][0], results[k]["t2v_R@1"], 0.0) for k in keys}
-    if plot_recall_vs_gmac(points, out / "recall_vs_gmac.png", f"short-event retrieval, seed {args.seed}"):
+    if plot_r1_vs_gmac(points, out / "recall_vs_gmac.png", f"short-event retrieval, seed {args.seed}"):
         lines.append(f"Chart: {out / 'recall_vs_gmac.png'}")
     table = "\n".join(lines)
     print("\n" + table)
