@@ -225,7 +225,7 @@ def optimize_for_inference(
               activations quantized per call and per video); CPU only.
         compile (`bool`, defaults to `False`): also `torch.compile` every encoder block (weights frozen). The first
             forward of each input shape compiles (minutes for ViT-B on a small CPU). Skipped with a warning when
-            no C++ compiler is found.
+            no C++ compiler is found. Tested with `"fp32"`.
         include_text (`bool`, defaults to `False`): also convert the linear layers of the text encoder/decoder.
 
     Returns:
