@@ -47,7 +47,7 @@ from multiprocessing import get_context
 
 import numpy as np
 
-from .synthetic import COLOURS, _split_families, _write_jsonl
+from .synthetic import COLOURS, _split_families, _write_jsonl, write_mp4
 
 
 #: frame counts whose uniform sampling is recorded in the metadata (``seen_by``) and the dataset card
@@ -209,23 +209,8 @@ def render_frames(video: ShortEventVideo) -> Iterator[np.ndarray]:
 
 
 def encode_video(video: ShortEventVideo, path: str, crf: int = 20) -> None:
-    """Writes `video` as H.264 mp4 (libx264 through PyAV, one thread: a deterministic bitstream)."""
-    import av
-
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = f"{path}.tmp.mp4"
-    with av.open(tmp, mode="w") as container:
-        stream = container.add_stream("libx264", rate=video.fps)
-        stream.width = stream.height = video.size
-        stream.pix_fmt = "yuv420p"
-        stream.options = {"preset": "fast", "crf": str(crf), "g": str(video.fps)}  # a keyframe a second: cheap seeks
-        stream.codec_context.thread_count = 1
-        for frame in render_frames(video):
-            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    os.replace(tmp, path)
+    """Writes `video` as H.264 mp4 (:func:`processing.synthetic.write_mp4`), a keyframe a second: cheap seeks."""
+    write_mp4(render_frames(video), path, video.fps, video.size, crf, keyframe_interval=video.fps)
 
 
 def _encode_job(job: tuple[ShortEventVideo, str, int]) -> str:

@@ -348,24 +348,31 @@ def render_frames(spec: VideoSpec) -> Iterator[np.ndarray]:
         yield frame
 
 
-def encode_video(spec: VideoSpec, path: str, crf: int = 20) -> None:
-    """Renders `spec` and writes it as H.264 mp4 with PyAV's bundled libx264 (preset fast, one thread)."""
+def write_mp4(frames: Iterator[np.ndarray], path: str, fps: int, size: int, crf: int = 20,
+              keyframe_interval: int | None = None) -> None:
+    """Writes `(size, size, 3)` uint8 RGB frames as H.264 mp4 with PyAV's bundled libx264 (preset fast, one thread),
+    through a temporary file so that `path` never holds a half-written video. `keyframe_interval` defaults to 10 s."""
     import av
 
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = f"{path}.tmp.mp4"
     with av.open(tmp, mode="w") as container:
-        stream = container.add_stream("libx264", rate=spec.fps)
-        stream.width = stream.height = spec.size
+        stream = container.add_stream("libx264", rate=fps)
+        stream.width = stream.height = size
         stream.pix_fmt = "yuv420p"
-        stream.options = {"preset": "fast", "crf": str(crf), "g": str(10 * spec.fps)}
+        stream.options = {"preset": "fast", "crf": str(crf), "g": str(keyframe_interval or 10 * fps)}
         stream.codec_context.thread_count = 1  # deterministic bitstream, and fair to a shared CPU
-        for frame in render_frames(spec):
+        for frame in frames:
             for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
                 container.mux(packet)
         for packet in stream.encode():
             container.mux(packet)
     os.replace(tmp, path)
+
+
+def encode_video(spec: VideoSpec, path: str, crf: int = 20) -> None:
+    """Renders `spec` and writes it as H.264 mp4 (:func:`write_mp4`)."""
+    write_mp4(render_frames(spec), path, spec.fps, spec.size, crf)
 
 
 def _encode_job(job: tuple[VideoSpec, str, int]) -> str:
