@@ -232,6 +232,24 @@ def test_decord_and_pyav_give_identical_pixels(videos):
     assert torch.equal(a, b)
 
 
+def test_reused_rgb_converter_matches_per_frame_conversion(videos):
+    """One `_RGBConverter` across videos of different sizes and pixel formats gives exactly PyAV's own
+    ``to_ndarray(format="rgb24")`` for every frame (a cached swscale context must follow size/format changes)."""
+    import av
+
+    convert = worker._RGBConverter(av)
+    assert convert.reformatter is not None  # the fast path is what is tested
+    checked = 0
+    for name in ("long", "small", "gray", "bframes", "short"):
+        with av.open(str(videos[name])) as container:
+            for frame in container.decode(video=0):
+                fast, reference = convert(frame), frame.to_ndarray(format="rgb24")
+                assert fast.shape == reference.shape == (frame.height, frame.width, 3), name
+                assert np.array_equal(fast, reference), name
+                checked += 1
+    assert checked == 90 + 50 + 40 + 60 + 5
+
+
 def test_batch_of_files_with_different_sizes_and_fps(videos):
     vp = TestaVideoProcessor(num_frames=4)
     paths = [videos["long"], str(videos["small"]), videos["gray"], videos["short"]]
