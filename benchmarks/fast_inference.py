@@ -241,10 +241,12 @@ def quality(args) -> dict:
     # fp32's noise band: the recall of fp32 itself and of fp32 on pixels scaled by 1 + k * 1e-6. Where merge
     # decisions are nearly tied, such noise already moves recall; a precision inside the band (+- the tolerance)
     # changes recall no more than fp32's own rounding does.
-    band = {metric: (min(results[r][metric] for r in ["fp32", *noise_rows]),
-                     max(results[r][metric] for r in ["fp32", *noise_rows])) for metric in ("t2v_R@1", "t2v_R@5")}
+    band = None if not noise_rows else {
+        metric: (min(results[r][metric] for r in ["fp32", *noise_rows]),
+                 max(results[r][metric] for r in ["fp32", *noise_rows])) for metric in ("t2v_R@1", "t2v_R@5")}
+    floor = "" if args.no_noise_floor else "; the last rows are fp32's own noise floor, not contenders"
     print(f"\nQuality contract on {args.model} ({reference['num_videos']} test videos, {reference['num_texts']} "
-          f"texts; fp32 is the reference; the last rows are fp32's own noise floor, not contenders)\n")
+          f"texts; fp32 is the reference{floor})\n")
     if noise_rows:
         print(f"fp32 noise band over fp32 and its {len(noise_rows)} perturbed runs: t2v R@1 "
               f"{band['t2v_R@1'][0]:.2f}-{band['t2v_R@1'][1]:.2f}, R@5 {band['t2v_R@5'][0]:.2f}-"
@@ -261,7 +263,8 @@ def quality(args) -> dict:
         valid = embeddings["fp32"].norm(dim=-1) > 0  # a video that could not be decoded has no embedding
         cos = cos[valid]  # (source maps exist for the encoded videos only, in order)
         recall_ok = abs(d1) <= RECALL_TOLERANCE and abs(d5) <= RECALL_TOLERANCE
-        in_band = all(band[k][0] - RECALL_TOLERANCE <= m[k] <= band[k][1] + RECALL_TOLERANCE for k in band)
+        in_band = None if band is None else all(
+            band[k][0] - RECALL_TOLERANCE <= m[k] <= band[k][1] + RECALL_TOLERANCE for k in band)
         threshold = CONTRACT.get(name.split()[0]) if name in ("bf16", "int8", "int8 + text") else None
         cos_ok = threshold is None or float(cos.min()) >= threshold
         same_cos = f"{float(cos[same].min()):.5f}" if bool(same.any()) else "-"
@@ -271,7 +274,7 @@ def quality(args) -> dict:
         contract = "-" if threshold is None else f"{'PASS' if cos_ok else 'FAIL'} (min >= {threshold})"
         print(f"| {name} | {m['t2v_R@1']:.2f} | {m['t2v_R@5']:.2f} | {d1:+.2f} | {d5:+.2f} | {float(cos.min()):.5f} | "
               f"{float(cos.mean()):.5f} | {100 * float(same.float().mean()):.1f}% | {same_cos} | "
-              f"{'PASS' if recall_ok else 'FAIL'} | {'PASS' if in_band else 'FAIL'} | {contract} |")
+              f"{'PASS' if recall_ok else 'FAIL'} | {'-' if in_band is None else 'PASS' if in_band else 'FAIL'} | {contract} |")
     return {"metrics": {k: {m: v for m, v in r.items() if not isinstance(v, list)} for k, r in results.items()},
             "verdicts": verdicts, "noise_band": band}
 
@@ -309,6 +312,8 @@ def main() -> None:
                              "--threads 1 --clock cpu")
     parser.add_argument("--json", type=Path, help="also write the results to this file")
     args = parser.parse_args()
+    if args.noise_draws < 0:
+        parser.error("--noise-draws must be 0 or more")
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"start: {cpu_description()}", flush=True)

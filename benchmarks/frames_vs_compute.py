@@ -6,7 +6,8 @@ Runs the demo's comparison (`train/demo.py`: the short-event task, variants (a) 
 (b) 16 frames with TESTA at the GMAC of (a), (c) 16 frames without aggregation) once per training seed on the same
 data, and prints mean +- standard deviation and the min-max range of every recall, the per-seed gain (b) - (a), and
 whether the smallest per-seed gain exceeds the spread of (a) and (b). Writes OUTPUT.md, OUTPUT.json and OUTPUT.png
-(recall against GMAC, error bars = min-max over seeds). About 8 minutes per seed on 2 CPU cores.
+(recall against GMAC, error bars = min-max over seeds). About 13 minutes per seed on an idle 2-core CPU (one seed is
+`train/demo.py --upper-bound`: 765 s measured).
 """
 
 from __future__ import annotations

@@ -18,20 +18,30 @@ import torch.nn.functional as F
 
 
 def contenders(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> dict:
+    """The GEMMs that run on this build; each is called once here, so that one failing is skipped with a message."""
     found = {"F.linear (PyTorch default)": lambda: F.linear(x, weight, bias)}
-    if torch.backends.mkldnn.is_available():
+    if not torch.backends.mkldnn.is_available():
+        print("oneDNN (mkldnn) is not available in this PyTorch build")
+        return found
+
+    def packed():
+        weight_packed = torch.ops.mkldnn._reorder_linear_weight(weight, x.shape[0])
+        return lambda: torch.ops.mkldnn._linear_pointwise(x, weight_packed, bias, "none", [], "")
+
+    def mkldnn_tensors():
+        x_mkldnn, w_mkldnn, b_mkldnn = x.to_mkldnn(), weight.to_mkldnn(), bias.to_mkldnn()
+        # the output is a mkldnn tensor; a drop-in linear has to return a dense one, so the conversion is timed too
+        return lambda: torch._C._nn.mkldnn_linear(x_mkldnn, w_mkldnn, b_mkldnn).to_dense()
+
+    for name, make in (("oneDNN linear, packed weight (mkldnn._linear_pointwise)", packed),
+                       ("oneDNN linear, mkldnn tensors (mkldnn_linear + to_dense)", mkldnn_tensors)):
         try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight, x.shape[0])
-            found["oneDNN linear, packed weight (mkldnn._linear_pointwise)"] = (
-                lambda: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""))
-        except (RuntimeError, AttributeError) as error:
-            print(f"oneDNN packed linear unavailable: {error}")
-        try:
-            x_mkldnn, w_mkldnn, b_mkldnn = x.to_mkldnn(), weight.to_mkldnn(), bias.to_mkldnn()
-            found["oneDNN linear, mkldnn tensors (mkldnn_linear)"] = (
-                lambda: torch._C._nn.mkldnn_linear(x_mkldnn, w_mkldnn, b_mkldnn).to_dense())
-        except (RuntimeError, AttributeError) as error:
-            print(f"mkldnn tensors unavailable: {error}")
+            fn = make()
+            fn()
+        except (RuntimeError, AttributeError, NotImplementedError) as error:
+            print(f"{name}: unavailable ({type(error).__name__}: {error})")
+            continue
+        found[name] = fn
     return found
 
 

@@ -154,10 +154,13 @@ def pyav_probe(source: str) -> dict:
 
 
 class _RGBConverter:
-    """Converts decoded frames to RGB arrays through one reused `VideoReformatter`.
+    """Converts decoded frames to RGB arrays through one reused `VideoReformatter` (one per decode call; not shared
+    between threads).
 
-    ``frame.to_ndarray(format="rgb24")`` builds a new swscale context for every frame; reusing one reformatter keeps
-    the context (FFmpeg's cached context), which halves the decode time of small videos. Same pixels either way.
+    ``frame.to_ndarray(format="rgb24")`` sets up a new conversion for every frame; one reformatter keeps its swscale
+    state between frames of the same size and format (and reconfigures when they change). Same pixels either way;
+    `benchmarks/pyav_conversion.py` measures the difference (large on small, keyframe-dense videos, where conversion
+    is a big share of the work). Older PyAV without `av.video.reformatter` falls back to ``to_ndarray``.
     """
 
     def __init__(self, av) -> None:

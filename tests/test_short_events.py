@@ -147,6 +147,18 @@ def test_demo_variants_are_at_equal_compute():
         check_equal_compute(heavier, tolerance=0.001)
 
 
+def test_demo_refuses_quick_with_upper_bound(tmp_path):
+    """--quick trains (a) and (b) only: asking for (c) too is an error that names both flags, before any work."""
+    import subprocess
+
+    result = subprocess.run([sys.executable, str(REPO / "train" / "demo.py"), "--quick", "--upper-bound",
+                             "--output-dir", str(tmp_path / "demo")], cwd=REPO, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 2
+    assert "--quick" in result.stderr and "--upper-bound" in result.stderr
+    assert not (tmp_path / "demo_quick").exists()
+
+
 @pytest.mark.slow
 def test_demo_quick_runs_end_to_end(tmp_path):
     """`train/demo.py --quick` (about 2 minutes): data, two training runs, evaluation, the table."""
