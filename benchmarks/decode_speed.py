@@ -52,6 +52,9 @@ def make_video(path: str, seconds: int, fps: int, content: str = "noise", width:
         stream = container.add_stream("libx264", rate=fps)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         stream.options = {"crf": "23", "preset": "veryfast"}
+        # One encoder thread: x264's output depends on its thread count (auto = the cores this process may use), and
+        # so does the decoding cost of the file; fixed, the file is the same pinned or not, on any machine.
+        stream.codec_context.thread_count = 1
         for i in range(n):
             frame = np.roll(background, i, axis=1).copy()
             x = (5 * i) % (width - 60)
