@@ -43,11 +43,10 @@ import random
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from multiprocessing import get_context
 
 import numpy as np
 
-from .synthetic import COLOURS, _split_families, _write_jsonl, write_mp4
+from .synthetic import COLOURS, _split_families, _write_jsonl, write_mp4, write_videos
 
 
 #: frame counts whose uniform sampling is recorded in the metadata (``seen_by``) and the dataset card
@@ -276,27 +275,12 @@ def generate_short_events_dataset(
 ) -> dict:
     """Writes the dataset to `output_dir` (see the module docstring) and returns a summary dict with the chance
     levels and, per frame count in :data:`SAMPLED_FRAME_COUNTS`, the share of flashes uniform sampling sees."""
-    from tqdm.auto import tqdm
-
     start_time = time.perf_counter()
     videos = make_videos(num_videos, seed, fps, size, min_frames, max_frames, num_scenes, min_flashes, max_flashes,
                          min_flash, max_flash, family_size, 0.0, test_fraction)
-    os.makedirs(os.path.join(output_dir, "videos"), exist_ok=True)
-    wanted = {f"{v.video_id}.mp4" for v in videos}
-    for name in os.listdir(os.path.join(output_dir, "videos")):
-        if name.startswith("flash") and name.endswith(".mp4") and name not in wanted:
-            os.remove(os.path.join(output_dir, "videos", name))
     jobs = [(v, os.path.join(output_dir, v.video_path), crf) for v in videos]
-    bar = tqdm(total=len(jobs), desc="short-event videos", unit="video", disable=not progress)
-    if num_workers > 1:
-        with get_context("fork" if os.name == "posix" else "spawn").Pool(num_workers) as pool:
-            for _ in pool.imap_unordered(_encode_job, jobs, chunksize=8):
-                bar.update()
-    else:
-        for job in jobs:
-            _encode_job(job)
-            bar.update()
-    bar.close()
+    write_videos(os.path.join(output_dir, "videos"), "flash", jobs, _encode_job, num_workers, progress,
+                 "short-event videos")
 
     rows = {"train": [], "test": []}
     for v in videos:

@@ -381,6 +381,30 @@ def _encode_job(job: tuple[VideoSpec, str, int]) -> str:
     return spec.video_id
 
 
+def write_videos(videos_dir: str, prefix: str, jobs: list[tuple], encode_job, num_workers: int, progress: bool,
+                 desc: str) -> None:
+    """Encodes ``jobs`` (``(video, path, crf)``, written by the module-level ``encode_job``) into `videos_dir`, in
+    ``num_workers`` processes with a progress bar, after removing the ``{prefix}*.mp4`` files there that no job writes
+    (left by an earlier, larger run). Shared by this generator and :mod:`processing.short_events`."""
+    from tqdm.auto import tqdm
+
+    os.makedirs(videos_dir, exist_ok=True)
+    wanted = {os.path.basename(path) for _, path, _ in jobs}
+    for name in os.listdir(videos_dir):
+        if name.startswith(prefix) and name.endswith(".mp4") and name not in wanted:
+            os.remove(os.path.join(videos_dir, name))
+    bar = tqdm(total=len(jobs), desc=desc, unit="video", disable=not progress)
+    if num_workers > 1:
+        with get_context("fork" if os.name == "posix" else "spawn").Pool(num_workers) as pool:
+            for _ in pool.imap_unordered(encode_job, jobs, chunksize=8):
+                bar.update()
+    else:
+        for job in jobs:
+            encode_job(job)
+            bar.update()
+    bar.close()
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # writing the dataset
 
@@ -470,28 +494,12 @@ def generate_synthetic_dataset(
     Returns:
         ``{"videos": {split: n}, "qa_pairs": {split: n}, "seconds": float, "output_dir": str, "chance_r1": float}``.
     """
-    from tqdm.auto import tqdm
-
     start_time = time.perf_counter()
     specs = make_specs(num_videos, seed, fps, size, min_duration, max_duration, min_events, max_events, family_size,
                        val_fraction, test_fraction)
-    os.makedirs(os.path.join(output_dir, "videos"), exist_ok=True)
-    wanted = {f"{s.video_id}.mp4" for s in specs}
-    for name in os.listdir(os.path.join(output_dir, "videos")):
-        if name.startswith("synth") and name.endswith(".mp4") and name not in wanted:
-            os.remove(os.path.join(output_dir, "videos", name))
-
     jobs = [(s, os.path.join(output_dir, s.video_path), crf) for s in specs]
-    bar = tqdm(total=len(jobs), desc="synthetic videos", unit="video", disable=not progress)
-    if num_workers > 1:
-        with get_context("fork" if os.name == "posix" else "spawn").Pool(num_workers) as pool:
-            for _ in pool.imap_unordered(_encode_job, jobs):
-                bar.update()
-    else:
-        for job in jobs:
-            _encode_job(job)
-            bar.update()
-    bar.close()
+    write_videos(os.path.join(output_dir, "videos"), "synth", jobs, _encode_job, num_workers, progress,
+                 "synthetic videos")
 
     splits = ("train", "val", "test")
     retrieval = {s: [] for s in splits}

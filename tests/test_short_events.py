@@ -26,6 +26,19 @@ def dataset_dir(tmp_path_factory):
     return out
 
 
+def test_rewriting_a_smaller_dataset_removes_only_its_own_stale_videos(tmp_path):
+    """A second, smaller run into the same folder (2 workers: the process pool) leaves exactly its own videos plus
+    files that are not generated videos."""
+    for count in (8, 4):
+        main(["--output-dir", str(tmp_path), "--num-videos", str(count), "--num-workers", "2", "--no-progress"])
+        if count == 8:
+            (tmp_path / "videos" / "notes.mp4").write_text("not ours")
+    rows = [json.loads(line) for split in ("train", "test") for line in (tmp_path / f"{split}.jsonl").open()]
+    assert sorted(p.name for p in (tmp_path / "videos").iterdir()) == sorted(
+        [Path(row["video"]).name for row in rows] + ["notes.mp4"])
+    assert len(rows) == 4
+
+
 def test_deterministic_and_unique():
     first, second = make_videos(64, seed=4), make_videos(64, seed=4)
     assert [caption(v) for v in first] == [caption(v) for v in second]
