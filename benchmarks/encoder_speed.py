@@ -31,17 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import modeling_testa.modeling_testa as testa_modeling  # noqa: E402
 from modeling_testa import TestaVisionConfig, TestaVisionModel  # noqa: E402
 from modeling_testa.flops import count_encoder_gmac  # noqa: E402
+from benchmarks.encoder_args import add_encoder_arguments, encoder_settings, status_kib  # noqa: E402
 
 
 def build(variant: str, args) -> torch.nn.Module:
-    common = dict(
-        num_frames=args.frames,
-        image_size=args.image_size,
-        hidden_size=args.hidden_size,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        intermediate_size=4 * args.hidden_size,
-    )
+    common = encoder_settings(args)
     if variant == "timesformer":
         from transformers import TimesformerConfig, TimesformerModel
 
@@ -147,10 +141,6 @@ def memory_child(variant: str, args) -> None:
         time_forward(model, video, args.device)
         print((torch.cuda.max_memory_allocated() - base) / 2**20)
     else:  # Linux: reset the resident-set high-water mark after building, then read it after the forward pass
-        def status_kib(field: str) -> int:
-            line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(field))
-            return int(line.split()[1])
-
         Path("/proc/self/clear_refs").write_text("5")
         base = status_kib("VmRSS:")
         time_forward(model, video, args.device)
@@ -159,13 +149,7 @@ def memory_child(variant: str, args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--frames", type=int, default=32)
-    parser.add_argument("--image-size", type=int, default=224)
-    parser.add_argument("--hidden-size", type=int, default=768)
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--temporal-reduction", type=int, default=1)
-    parser.add_argument("--spatial-reduction", type=int, default=12)
+    add_encoder_arguments(parser, frames=32, temporal_reduction=1, spatial_reduction=12)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from modeling_testa import TestaVisionConfig, TestaVisionModel, optimize_for_inference  # noqa: E402
+from benchmarks.encoder_args import add_encoder_arguments, encoder_settings  # noqa: E402
 
 
 LABELS = {
@@ -89,8 +90,7 @@ def cpu_description() -> str:
 
 
 def build(variant: str, args, base: TestaVisionModel | None = None) -> torch.nn.Module:
-    common = dict(num_frames=args.frames, image_size=args.image_size, hidden_size=args.hidden_size,
-                  num_hidden_layers=args.layers, num_attention_heads=args.heads, intermediate_size=4 * args.hidden_size)
+    common = encoder_settings(args)
     if variant == "timesformer":
         from transformers import TimesformerConfig, TimesformerModel
 
@@ -281,13 +281,7 @@ def quality(args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--frames", type=int, default=32)
-    parser.add_argument("--image-size", type=int, default=224)
-    parser.add_argument("--hidden-size", type=int, default=768)
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--temporal-reduction", type=int, default=1)
-    parser.add_argument("--spatial-reduction", type=int, default=12)
+    add_encoder_arguments(parser, frames=32, temporal_reduction=1, spatial_reduction=12)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--compile", action="store_true", help="add merged fp32 + torch.compile (compiles for minutes)")

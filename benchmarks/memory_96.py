@@ -36,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from modeling_testa import TestaVisionConfig, TestaVisionModel, optimize_for_inference, token_schedule  # noqa: E402
+from benchmarks.encoder_args import add_encoder_arguments, encoder_settings, status_kib  # noqa: E402
 
 
 MiB = 2**20
@@ -43,17 +44,11 @@ MiB = 2**20
 
 def config_of(args, merged: bool) -> TestaVisionConfig:
     return TestaVisionConfig(
-        num_frames=args.frames, image_size=args.image_size, hidden_size=args.hidden_size,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, intermediate_size=4 * args.hidden_size,
+        **encoder_settings(args),
         temporal_reduction=args.temporal_reduction if merged else 0,
         spatial_reduction=args.spatial_reduction if merged else 0,
         attn_implementation=args.attention,
     )
-
-
-def _status_kib(field: str) -> int:
-    line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(field))
-    return int(line.split()[1])
 
 
 class Meter:
@@ -68,13 +63,13 @@ class Meter:
             torch.cuda.reset_peak_memory_stats()
             return torch.cuda.memory_allocated() / MiB
         Path("/proc/self/clear_refs").write_text("5")
-        return _status_kib("VmRSS:") / 1024
+        return status_kib("VmRSS:") / 1024
 
     def peak(self) -> float:
         if self.cuda:
             torch.cuda.synchronize()
             return torch.cuda.max_memory_allocated() / MiB
-        return _status_kib("VmHWM:") / 1024
+        return status_kib("VmHWM:") / 1024
 
 
 def child(args) -> None:
@@ -160,13 +155,7 @@ def activation_rows(config: TestaVisionConfig, attention: str) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--frames", type=int, default=96)
-    parser.add_argument("--image-size", type=int, default=224)
-    parser.add_argument("--hidden-size", type=int, default=768)
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--temporal-reduction", type=int, default=4)
-    parser.add_argument("--spatial-reduction", type=int, default=8)
+    add_encoder_arguments(parser, frames=96, temporal_reduction=4, spatial_reduction=8)
     parser.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--train", action="store_true", help="also measure forward + backward (fp32)")
