@@ -28,10 +28,10 @@ test-slow: install
 	$(PY) -m pytest -q -m slow
 
 flops: install
-	$(PY) benchmarks/flops.py
+	$(PY) -m benchmarks.flops
 
 speed: install
-	$(PY) benchmarks/encoder_speed.py
+	$(PY) -m benchmarks.encoder_speed
 
 # Regenerates the README's tables and pictures on CPU (over an hour on 2 cores; parity_with_released.py needs
 # a checkout of the released code and is run by hand, see README).
@@ -43,27 +43,27 @@ evidence: install
 	    --mixed_precision no --dynamo_backend no train/finetune_retrieval.py \
 	    --config configuration/synthetic_retrieval.yaml --dataset outputs/synthetic/data \
 	    --output-dir outputs/synthetic/train --no-eval )
-	$(PY) benchmarks/frames_vs_compute.py --seeds 3
-	$(PY) benchmarks/flops.py
-	$(PY) benchmarks/rerank_cost.py
-	$(PY) benchmarks/encoder_speed.py
-	$(PY) benchmarks/decode_speed.py --runs 9
-	$(PY) benchmarks/ablations.py --model outputs/synthetic/train/final --data outputs/synthetic/data --output docs/ablations
-	$(PY) benchmarks/tradeoff.py --model outputs/synthetic/train/final --data outputs/synthetic/data --output docs/tradeoff
-	$(PY) benchmarks/make_visualization.py
-	$(PY) benchmarks/make_grounding.py --model outputs/synthetic/train/final --data outputs/synthetic/data
-	$(PY) benchmarks/evaluation_equivalence.py --model outputs/synthetic/train/final --data outputs/synthetic/data
-	$(PY) benchmarks/eval_memory.py
-	$(PY) benchmarks/transformers_encoders.py
-	$(PY) benchmarks/training_free.py
-	$(PY) benchmarks/gemm_backends.py
-	$(PY) benchmarks/pyav_conversion.py
-	$(PY) benchmarks/memory_96.py --threads 1
-	$(PY) benchmarks/memory_96.py --train --no-int8 --no-blocks  # about 16 GB of RAM and 10 minutes
+	$(PY) -m benchmarks.frames_vs_compute --seeds 3
+	$(PY) -m benchmarks.flops
+	$(PY) -m benchmarks.rerank_cost
+	$(PY) -m benchmarks.encoder_speed
+	$(PY) -m benchmarks.decode_speed --runs 9
+	$(PY) -m benchmarks.ablations --model outputs/synthetic/train/final --data outputs/synthetic/data --output docs/ablations
+	$(PY) -m benchmarks.tradeoff --model outputs/synthetic/train/final --data outputs/synthetic/data --output docs/tradeoff
+	$(PY) -m benchmarks.make_visualization
+	$(PY) -m benchmarks.make_grounding --model outputs/synthetic/train/final --data outputs/synthetic/data
+	$(PY) -m benchmarks.evaluation_equivalence --model outputs/synthetic/train/final --data outputs/synthetic/data
+	$(PY) -m benchmarks.eval_memory
+	$(PY) -m benchmarks.transformers_encoders
+	$(PY) -m benchmarks.training_free
+	$(PY) -m benchmarks.gemm_backends
+	$(PY) -m benchmarks.pyav_conversion
+	$(PY) -m benchmarks.memory_96 --threads 1
+	$(PY) -m benchmarks.memory_96 --train --no-int8 --no-blocks  # about 16 GB of RAM and 10 minutes
 	test -f outputs/demo/runs/b/final/model.safetensors || $(PY) train/demo.py --output-dir outputs/demo
-	$(PY) benchmarks/fast_inference.py --no-speed --model outputs/demo/runs/b/final --data outputs/demo/data \
+	$(PY) -m benchmarks.fast_inference --no-speed --model outputs/demo/runs/b/final --data outputs/demo/data \
 	  --config configuration/short_events.yaml --text --noise-draws 4 --json docs/quality_contract_demo_b.json
-	$(PY) benchmarks/fast_inference.py --no-speed --model outputs/demo/runs/a/final --data outputs/demo/data \
+	$(PY) -m benchmarks.fast_inference --no-speed --model outputs/demo/runs/a/final --data outputs/demo/data \
 	  --config configuration/short_events.yaml --noise-draws 4 --json docs/quality_contract_demo_a.json
 
 clean:

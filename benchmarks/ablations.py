@@ -1,7 +1,7 @@
 """The paper's ablations (Table 5 and section 4.7) on the synthetic long-video benchmark, with a model trained by our
 scripts (the demo's, by default), all training-free: the same weights evaluated with different aggregation settings.
 
-    python benchmarks/ablations.py --model outputs/synthetic/train/final --data outputs/synthetic/data [--output docs/ablations]
+    python -m benchmarks.ablations --model outputs/synthetic/train/final --data outputs/synthetic/data [--output docs/ablations]
 
 1. token aggregation vs token pruning (same R_T, R_S, so matched GMAC);
 2. geometry-based vs importance-based aggregation;
@@ -28,11 +28,10 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from modeling_testa import TestaForVideoTextRetrieval, TestaVisionConfig, TestaVisionModel  # noqa: E402
-from modeling_testa.flops import count_encoder_gmac, suggest_reduction  # noqa: E402
-from modeling_testa.processing_testa import TestaProcessor  # noqa: E402
+from modeling_testa import TestaForVideoTextRetrieval, TestaVisionConfig, TestaVisionModel
+from modeling_testa.flops import count_encoder_gmac, suggest_reduction
+from modeling_testa.processing_testa import TestaProcessor
 
 
 def retrieval(model, processor, data: Path, num_frames: int, text_length: int, k_test: int) -> dict:
@@ -103,7 +102,7 @@ def _peak_memory(config: TestaVisionConfig, frames: int) -> float:
     import subprocess
 
     code = (
-        "import sys, torch, json; sys.path.insert(0, %r)\n"
+        "import torch, json\n"
         "from pathlib import Path\n"
         "from modeling_testa import TestaVisionConfig, TestaVisionModel\n"
         "m = TestaVisionModel(TestaVisionConfig(**json.loads(%r))).eval(); v = torch.randn(1, %d, 3, 112, 112)\n"
@@ -111,7 +110,7 @@ def _peak_memory(config: TestaVisionConfig, frames: int) -> float:
         "Path('/proc/self/clear_refs').write_text('5'); base = kib('VmRSS:')\n"
         "with torch.inference_mode(): m(v)\n"
         "print((kib('VmHWM:') - base) / 1024)\n"
-    ) % (str(REPO), json.dumps({k: v for k, v in config.to_dict().items() if k in TestaVisionConfig.__dataclass_fields__}), frames)
+    ) % (json.dumps({k: v for k, v in config.to_dict().items() if k in TestaVisionConfig.__dataclass_fields__}), frames)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return float(out.stdout.strip().splitlines()[-1])
 

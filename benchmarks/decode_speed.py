@@ -15,25 +15,20 @@ each is also timed in process (`isolate_decoder=False`) to show what the isolati
 configuration (imports, decoder helper start-up) is a warm-up and not counted; the table gives the median of the timed
 runs.
 
-    python benchmarks/decode_speed.py            # 7 timed runs per backend
-    python benchmarks/decode_speed.py --runs 11 --content noise
+    python -m benchmarks.decode_speed            # 7 timed runs per backend
+    python -m benchmarks.decode_speed --runs 11 --content noise
 """
 
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from modeling_testa.video_processing_testa import TestaVideoProcessor, decord_available  # noqa: E402
+from modeling_testa.video_processing_testa import TestaVideoProcessor, decord_available
 
 
 def make_video(path: str, seconds: int, fps: int, content: str = "noise", width: int = 400, height: int = 224) -> int:

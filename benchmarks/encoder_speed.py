@@ -1,8 +1,8 @@
 """Encoder speed on CPU: TESTA with and without aggregation vs transformers' TimesformerModel.
 
-    python benchmarks/encoder_speed.py            # ViT-B/16, 32 frames, 224 px (about 2 minutes on 2 cores)
-    python benchmarks/encoder_speed.py --small    # a small config, for a quick look (the demo runs this)
-    python benchmarks/encoder_speed.py --dtype bfloat16 --device cuda   # on a GPU
+    python -m benchmarks.encoder_speed            # ViT-B/16, 32 frames, 224 px (about 2 minutes on 2 cores)
+    python -m benchmarks.encoder_speed --small    # a small config, for a quick look (the demo runs this)
+    python -m benchmarks.encoder_speed --dtype bfloat16 --device cuda   # on a GPU
 
 One process, batch 1 (``--batch`` to change), inference mode. The variants are run in turn, ``--repeats`` times
 (3 or more: these machines drift by +-10%), and medians are reported with their ratios, so every ratio comes from
@@ -25,13 +25,10 @@ from pathlib import Path
 
 import torch
 
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import modeling_testa.modeling_testa as testa_modeling  # noqa: E402
-from modeling_testa import TestaVisionConfig, TestaVisionModel  # noqa: E402
-from modeling_testa.flops import count_encoder_gmac  # noqa: E402
-from benchmarks.encoder_args import add_encoder_arguments, encoder_settings, status_kib  # noqa: E402
+import modeling_testa.aggregation_block as aggregation_block
+from modeling_testa import TestaVisionConfig, TestaVisionModel
+from modeling_testa.flops import count_encoder_gmac
+from benchmarks.encoder_args import add_encoder_arguments, encoder_settings, status_kib
 
 
 def build(variant: str, args) -> torch.nn.Module:
@@ -96,9 +93,9 @@ class Breakdown:
                 self._hook(module, "MLP")
             elif leaf in ("self_attn", "temporal_attention"):
                 self._hook(module, "attention modules")
-        self._originals = {fn: getattr(testa_modeling, fn) for fn in self.AGGREGATION_FUNCTIONS}
+        self._originals = {fn: getattr(aggregation_block, fn) for fn in self.AGGREGATION_FUNCTIONS}
         for fn, original in self._originals.items():
-            setattr(testa_modeling, fn, self._timed(original))
+            setattr(aggregation_block, fn, self._timed(original))
 
     def _hook(self, module, category):
         def pre(mod, args):
@@ -122,13 +119,13 @@ class Breakdown:
         for handle in self._handles:
             handle.remove()
         for fn, original in self._originals.items():
-            setattr(testa_modeling, fn, original)
+            setattr(aggregation_block, fn, original)
 
 
 def measure_memory(variant: str, args) -> float:
     """Peak extra memory (MiB) of one forward pass, in a fresh process so that peaks do not mix."""
-    command = [sys.executable, __file__, "--memory-of", variant] + [a for a in sys.argv[1:] if a != "--memory-of"]
-    result = subprocess.run(command, capture_output=True, text=True, check=True)
+    command = [sys.executable, "-m", __spec__.name, "--memory-of", variant] + [a for a in sys.argv[1:] if a != "--memory-of"]
+    result = subprocess.run(command, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, check=True)
     return float(result.stdout.strip().splitlines()[-1])
 
 

@@ -1,7 +1,7 @@
 """Peak memory of the retrieval evaluation against the collection size, and a memory plan for ActivityNet.
 
-    python benchmarks/eval_memory.py                       # 200, 800 and 3200 videos, store path and the old path
-    python benchmarks/eval_memory.py --modes store --malloc-mmap-threshold 65536 --no-plan   # allocator isolated
+    python -m benchmarks.eval_memory                       # 200, 800 and 3200 videos, store path and the old path
+    python -m benchmarks.eval_memory --modes store --malloc-mmap-threshold 65536 --no-plan   # allocator isolated
 
 Part 1 runs `train.evaluation` (`encode_to_store` + `retrieval_metrics`: the code `evaluate_retrieval` runs after
 reading the rows) on N synthetic videos with one paragraph each, **each size in a fresh process**, with a tiny
@@ -33,7 +33,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 MiB = 2**20
 GB = 1e9
@@ -100,7 +99,7 @@ def child(size: int, mode: str, k_test: int, batch_size: int, threads: int) -> d
     text_video = list(range(size))
     with torch.no_grad():  # warm up the kernels outside the measurement
         warm = model.get_video_tokens(torch.zeros(2, 8, 3, 64, 64)).last_hidden_state
-        model._itm_logits(input_ids[:2], attention_mask[:2], warm)
+        model.itm_logits(input_ids[:2], attention_mask[:2], warm)
     load_metric("video_text_retrieval", "ranked_lists")  # import `evaluate` (seconds, ~100 MiB) before measuring
     rss_before = _status("VmRSS")
     reset = _reset_peak()
@@ -146,7 +145,7 @@ def child(size: int, mode: str, k_test: int, batch_size: int, threads: int) -> d
 
 
 def run_child(size: int, mode: str, args) -> dict:
-    command = [sys.executable, __file__, "--child", str(size), "--mode", mode, "--k-test", str(args.k_test),
+    command = [sys.executable, "-m", __spec__.name, "--child", str(size), "--mode", mode, "--k-test", str(args.k_test),
                "--batch-size", str(args.batch_size), "--threads", str(args.threads)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(args.threads)}
     if args.malloc_mmap_threshold:

@@ -1,6 +1,6 @@
 """Checks that the store-and-module retrieval evaluation gives the numbers of the evaluation it replaced.
 
-    python benchmarks/evaluation_equivalence.py --model outputs/synthetic/train/final --data outputs/synthetic/data \\
+    python -m benchmarks.evaluation_equivalence --model outputs/synthetic/train/final --data outputs/synthetic/data \\
         [--old-commit eeffc78] [--config configuration/synthetic_retrieval.yaml]
 
 The earlier evaluation (all video tokens in memory, `model.rank_videos`/`rank_texts`, recall computed by hand) is read
@@ -22,13 +22,12 @@ import yaml
 
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from accelerate import Accelerator  # noqa: E402
+from accelerate import Accelerator
 
-from modeling_testa import TestaForVideoTextRetrieval  # noqa: E402
-from modeling_testa.processing_testa import TestaProcessor  # noqa: E402
-from train.evaluation import evaluate_retrieval  # noqa: E402
+from modeling_testa import TestaForVideoTextRetrieval
+from modeling_testa.processing_testa import TestaProcessor
+from train.evaluation import evaluate_retrieval
 
 
 KEYS = [f"{direction}_R@{k}" for direction in ("t2v", "v2t") for k in (1, 5, 10)]

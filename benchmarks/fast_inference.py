@@ -1,11 +1,11 @@
 """Fast CPU inference (`optimize_for_inference`): speed against transformers' TimesformerModel and our unmerged
 encoder, batch throughput, and the quality contract on a trained model.
 
-    python benchmarks/fast_inference.py                        # speed rows: ViT-B/16, 32 frames, 224 px, batch 1
-    python benchmarks/fast_inference.py --batches 1 4 8        # + videos/s at batch 1, 4 and 8 (fastest variants)
-    python benchmarks/fast_inference.py --compile              # + a merged fp32 + torch.compile row (slow to compile)
-    python benchmarks/fast_inference.py --small                # a quick look (8 frames, 112 px, 6 layers)
-    python benchmarks/fast_inference.py --no-speed --model outputs/demo/runs/b/final --data outputs/demo/data
+    python -m benchmarks.fast_inference                        # speed rows: ViT-B/16, 32 frames, 224 px, batch 1
+    python -m benchmarks.fast_inference --batches 1 4 8        # + videos/s at batch 1, 4 and 8 (fastest variants)
+    python -m benchmarks.fast_inference --compile              # + a merged fp32 + torch.compile row (slow to compile)
+    python -m benchmarks.fast_inference --small                # a quick look (8 frames, 112 px, 6 layers)
+    python -m benchmarks.fast_inference --no-speed --model outputs/demo/runs/b/final --data outputs/demo/data
         --config configuration/short_events.yaml               # the quality contract only (after `make demo`)
 
 **Speed** (random weights, one process, inference mode): the contenders are run in turn, ``--repeats`` times, and
@@ -32,7 +32,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -41,11 +40,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from modeling_testa import TestaVisionConfig, TestaVisionModel, optimize_for_inference  # noqa: E402
-from benchmarks.encoder_args import add_encoder_arguments, encoder_settings  # noqa: E402
+from modeling_testa import TestaVisionConfig, TestaVisionModel, optimize_for_inference
+from benchmarks.encoder_args import add_encoder_arguments, encoder_settings
 
 
 LABELS = {

@@ -1,20 +1,16 @@
 """Vision-encoder GMAC and output tokens for ViT-B/16 at 224 px, in the paper's (fvcore) convention.
 
-    python benchmarks/flops.py            # the paper's four settings
-    python benchmarks/flops.py --frames 64 --temporal-reduction 2 --spatial-reduction 10
+    python -m benchmarks.flops            # the paper's four settings
+    python -m benchmarks.flops --frames 64 --temporal-reduction 2 --spatial-reduction 10
 
 One multiply-add counts 1, LayerNorm 5 per element, the matching products are included; text modules are not.
 Counted on the meta device, so it takes about a second whatever the size.
 """
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from modeling_testa import TestaVisionConfig  # noqa: E402
-from modeling_testa.flops import count_encoder_gmac  # noqa: E402
+from modeling_testa import TestaVisionConfig
+from modeling_testa.flops import count_encoder_gmac
 
 
 PAPER = [  # frames, R_T, R_S, paper GMAC, paper tokens

@@ -1,6 +1,6 @@
 """More frames with TESTA vs fewer frames without, at the same encoder compute, over several training seeds.
 
-    python benchmarks/frames_vs_compute.py --seeds 3 [--output docs/frames_vs_compute] [--work-dir outputs/fvc]
+    python -m benchmarks.frames_vs_compute --seeds 3 [--output docs/frames_vs_compute] [--work-dir outputs/fvc]
 
 Runs the demo's comparison (`train/demo.py`: the short-event task, variants (a) 8 frames without aggregation,
 (b) 16 frames with TESTA at the GMAC of (a), (c) 16 frames without aggregation) once per training seed on the same
@@ -15,16 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from train.demo import (  # noqa: E402
+from train.demo import (
     VARIANTS,
     check_equal_compute,
     evaluate_variant,
@@ -110,7 +108,7 @@ def report(args, costs, keys, per_seed, data_dir, started, seen=None) -> None:
         f"Wall time {time.perf_counter() - started:.0f} s; training seconds per run (side by side): "
         + ", ".join(f"({k}) {statistics.fmean(per_seed[s][k]['train_seconds'] for s in per_seed):.0f}" for k in keys)
         + ".",
-        f"Command: `python benchmarks/frames_vs_compute.py --seeds {args.seeds}`",
+        f"Command: `python -m benchmarks.frames_vs_compute --seeds {args.seeds}`",
     ]
     text = "\n".join(lines)
     print("\n" + text)

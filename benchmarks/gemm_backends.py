@@ -1,6 +1,6 @@
 """fp32 GEMM speed on this CPU: PyTorch's default `F.linear` against oneDNN's linear with a pre-packed weight.
 
-    python benchmarks/gemm_backends.py [--threads N] [--repeats 5]
+    python -m benchmarks.gemm_backends [--threads N] [--repeats 5]
 
 The encoder is linear-layer bound (see `encoder_speed.py`), so whether a oneDNN fp32 path would speed up inference
 depends on this ratio. The shape is a ViT-B/16 MLP layer over 2048 tokens (2048 x 768 -> 3072). The contenders

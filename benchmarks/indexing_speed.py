@@ -3,8 +3,8 @@ the fast path (decoding in parallel workers, `num_workers`, and the int8 encoder
 decoding alone and encoding alone, so that the bottleneck on this machine shows.
 
     python -m processing.synthetic --output-dir /tmp/x --num-videos 32       # some mp4 files, if you have none
-    python benchmarks/indexing_speed.py --videos /tmp/x/videos --model /tmp/demo_run/train/final
-    python benchmarks/indexing_speed.py --videos /tmp/x/videos --vit-b        # random ViT-B/16, 32 frames of 224 px
+    python -m benchmarks.indexing_speed --videos /tmp/x/videos --model /tmp/demo_run/train/final
+    python -m benchmarks.indexing_speed --videos /tmp/x/videos --vit-b        # random ViT-B/16, 32 frames of 224 px
 
 Rows, in one process, each over the same videos (the first ``--limit``):
 
@@ -20,23 +20,19 @@ All rows are run in turn, ``--repeats`` times, and medians are reported, so the 
 import argparse
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from modeling_testa import (  # noqa: E402
+from modeling_testa import (
     TestaConfig,
     TestaForVideoTextRetrieval,
     TestaProcessor,
     TestaVideoProcessor,
     optimize_for_inference,
 )
-from modeling_testa.pipeline_testa import VideoTextRetrievalPipeline, _DecodeAhead  # noqa: E402
+from modeling_testa.pipeline_testa import VideoTextRetrievalPipeline, _DecodeAhead
 
 
 def vit_b_model() -> tuple[TestaForVideoTextRetrieval, TestaProcessor]:

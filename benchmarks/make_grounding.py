@@ -1,6 +1,6 @@
 """Draws the text-grounding heat map (the paper's Figure 4) for one synthetic test video with the demo's model.
 
-    python benchmarks/make_grounding.py [--model outputs/synthetic/train/final] [--data outputs/synthetic/data] \
+    python -m benchmarks.make_grounding [--model outputs/synthetic/train/final] [--data outputs/synthetic/data] \
         [--output docs/grounding_example.png]
 
 The phrases are the sentences of the video's own paragraph; each row shows, for one phrase, the cosine similarity of
@@ -9,15 +9,13 @@ its VTC embedding with every aggregated region (red = most similar), the best re
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from modeling_testa import TestaForVideoTextRetrieval  # noqa: E402
-from modeling_testa.grounding import draw_grounding, ground_phrases  # noqa: E402
-from modeling_testa.processing_testa import TestaProcessor  # noqa: E402
+from modeling_testa import TestaForVideoTextRetrieval
+from modeling_testa.grounding import draw_grounding, ground_phrases
+from modeling_testa.processing_testa import TestaProcessor
 
 
 def main() -> None:

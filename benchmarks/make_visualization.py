@@ -1,6 +1,6 @@
 """Draws TESTA's frame and patch aggregation of a synthetic video: docs/aggregation_example.png.
 
-    HF_HUB_OFFLINE=1 python benchmarks/make_visualization.py [--out docs/aggregation_example.png] [--layer -1]
+    HF_HUB_OFFLINE=1 python -m benchmarks.make_visualization [--out docs/aggregation_example.png] [--layer -1]
 
 The video (16 frames, 224 px) is drawn here with numpy, three shots of coloured shapes (see `synthetic_video`): a
 landscape with a rolling ball, a room with a sliding box, the landscape at sunset. The encoder is a randomly
@@ -11,16 +11,13 @@ seconds on CPU; the result is deterministic (fixed seeds).
 """
 
 import argparse
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from modeling_testa import TestaVisionConfig, TestaVisionModel  # noqa: E402
-from modeling_testa.visualization import visualize_aggregation  # noqa: E402
+from modeling_testa import TestaVisionConfig, TestaVisionModel
+from modeling_testa.visualization import visualize_aggregation
 
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)

@@ -1,8 +1,8 @@
 """Peak memory of one 96-frame forward pass: TESTA R_T=4, R_S=8 against no aggregation (ViT-B/16, 224 px, batch 1).
 
-    python benchmarks/memory_96.py                 # inference (inference_mode), fp32 and int8, fresh processes
-    python benchmarks/memory_96.py --train         # + forward and backward, as in training (the paper's setting)
-    python benchmarks/memory_96.py --small         # a quick look (24 frames, 112 px, 4 layers)
+    python -m benchmarks.memory_96                 # inference (inference_mode), fp32 and int8, fresh processes
+    python -m benchmarks.memory_96 --train         # + forward and backward, as in training (the paper's setting)
+    python -m benchmarks.memory_96 --small         # a quick look (24 frames, 112 px, 4 layers)
 
 Every measurement runs in a fresh subprocess (as `encoder_speed.py` does): the model is built, the resident-set
 high-water mark is reset (CPU: `/proc/self/clear_refs`; CUDA: `torch.cuda.reset_peak_memory_stats`), and the peak
@@ -32,11 +32,8 @@ from pathlib import Path
 
 import torch
 
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from modeling_testa import TestaVisionConfig, TestaVisionModel, optimize_for_inference, token_schedule  # noqa: E402
-from benchmarks.encoder_args import add_encoder_arguments, encoder_settings, status_kib  # noqa: E402
+from modeling_testa import TestaVisionConfig, TestaVisionModel, optimize_for_inference, token_schedule
+from benchmarks.encoder_args import add_encoder_arguments, encoder_settings, status_kib
 
 
 MiB = 2**20
@@ -118,12 +115,12 @@ def measure(name: str, mode: str) -> dict:
             skip = a == "--json"
             continue
         arguments.append(a)
-    command = [sys.executable, __file__, *arguments, "--child", name, "--mode", mode]
+    command = [sys.executable, "-m", __spec__.name, *arguments, "--child", name, "--mode", mode]
     # glibc: every allocation of 64 KiB or more gets its own mapping, returned to the system when freed, so that the
     # resident set follows the live tensors (otherwise freed heap, e.g. the fp32 weights int8 replaces, is reused
     # without showing up as growth)
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-    result = subprocess.run(command, capture_output=True, text=True, env=env)
+    result = subprocess.run(command, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, env=env)
     if result.returncode != 0:
         raise RuntimeError(f"{name} ({mode}) failed:\n{result.stderr[-3000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])

@@ -2,7 +2,7 @@
 
     git clone https://github.com/RenShuhuai-Andy/TESTA /path/to/TESTA   # the released code (@41b9486)
     pip install einops                                                  # the released code imports it
-    python benchmarks/parity_with_released.py --released-repo /path/to/TESTA [--videos 32]
+    python -m benchmarks.parity_with_released --released-repo /path/to/TESTA [--videos 32]
 
 Nothing of the released code is copied here: the script imports its ``models/timesformer/models/vit.py`` and
 ``testa/`` from the folder you give, replacing only imports the encoder does not use (fairscale's checkpoint wrapper,
@@ -28,10 +28,9 @@ import torch
 
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from modeling_testa.convert_original_testa import convert_original_testa  # noqa: E402
-from modeling_testa.modeling_testa import token_schedule  # noqa: E402
+from modeling_testa.convert_original_testa import convert_original_testa
+from modeling_testa.modeling_testa import token_schedule
 
 
 def _package(name: str, path: Path | None = None) -> types.ModuleType:

@@ -1,6 +1,6 @@
 """PyAV decoding with one reused RGB converter against a new conversion per frame, alternating in one run.
 
-    python benchmarks/pyav_conversion.py [--rounds 5] [--short-event-videos 24]
+    python -m benchmarks.pyav_conversion [--rounds 5] [--short-event-videos 24]
 
 `modeling_testa.video_decoding_worker` converts decoded frames to RGB through one `VideoReformatter` per decode call
 (`_RGBConverter`); before, every frame went through ``frame.to_ndarray(format="rgb24")``, which sets up a new
@@ -17,18 +17,13 @@ is done per frame kept (small, keyframe-dense videos) and near 1 where H.264 dec
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import modeling_testa.video_decoding_worker as worker  # noqa: E402
+import modeling_testa.video_decoding_worker as worker
 
 
 class PerFrameConversion:
@@ -80,7 +75,7 @@ def main() -> None:
     parser.add_argument("--short-event-videos", type=int, default=24)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    from decode_speed import make_video
+    from benchmarks.decode_speed import make_video
 
     from processing.short_events import encode_video, make_videos
 

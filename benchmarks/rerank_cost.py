@@ -1,7 +1,7 @@
 """ITM re-ranking cost per query, with merged (TESTA) vs unmerged video tokens, ViT-B/16 + BERT-base at 224 px.
 
-    python benchmarks/rerank_cost.py                       # 32 frames (f1p12) and 96 frames (f4p8)
-    python benchmarks/rerank_cost.py --frames 64 --temporal-reduction 2 --spatial-reduction 10 --k-test 64
+    python -m benchmarks.rerank_cost                       # 32 frames (f1p12) and 96 frames (f4p8)
+    python -m benchmarks.rerank_cost --frames 64 --temporal-reduction 2 --spatial-reduction 10 --k-test 64
 
 Two-stage retrieval re-scores the top `k_test` candidates of every query with the ITM head: the BERT text encoder
 run on the query with cross-attention to all tokens of the candidate video. Its cost grows with the number of video
@@ -12,17 +12,13 @@ encoder column is the video encoder's own cost (`count_encoder_gmac`), paid once
 """
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
 
-import torch  # noqa: E402
-from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
-from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
-
-from modeling_testa import TestaConfig, TestaForVideoTextRetrieval, TestaVisionConfig  # noqa: E402
-from modeling_testa.flops import _layer_norm_flops, count_encoder_gmac  # noqa: E402
+from modeling_testa import TestaConfig, TestaForVideoTextRetrieval, TestaVisionConfig
+from modeling_testa.flops import _layer_norm_flops, count_encoder_gmac
 
 
 BERT_BASE = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072)
@@ -38,7 +34,7 @@ def itm_pair_gmac(config: TestaConfig, video_tokens: int, text_length: int) -> f
     mapping = {torch.ops.aten.native_layer_norm: _layer_norm_flops}
     with FlopCounterMode(display=False, custom_mapping=mapping) as counter, sdpa_kernel(SDPBackend.MATH):
         with torch.no_grad():
-            model._itm_logits(input_ids, None, video)
+            model.itm_logits(input_ids, None, video)
     return counter.get_total_flops() / 2e9
 
 

@@ -1,7 +1,7 @@
 """GFLOPs–recall trade-off: sweeps R_T and R_S on a trained model (training-free) and plots recall against the
 encoder's GMAC, like the paper's appendix figures.
 
-    python benchmarks/tradeoff.py --model outputs/synthetic/train/final --data outputs/synthetic/data --output docs/tradeoff
+    python -m benchmarks.tradeoff --model outputs/synthetic/train/final --data outputs/synthetic/data --output docs/tradeoff
 
 Writes OUTPUT.png (needs matplotlib: `pip install matplotlib`), OUTPUT.md and OUTPUT.json.
 """
@@ -9,17 +9,15 @@ Writes OUTPUT.png (needs matplotlib: `pip install matplotlib`), OUTPUT.md and OU
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from benchmarks.ablations import row  # noqa: E402
-from modeling_testa import TestaForVideoTextRetrieval  # noqa: E402
-from modeling_testa.processing_testa import TestaProcessor  # noqa: E402
+from benchmarks.ablations import row
+from modeling_testa import TestaForVideoTextRetrieval
+from modeling_testa.processing_testa import TestaProcessor
 
 
 def main() -> None:

@@ -19,14 +19,13 @@ For each target the (R_T, R_S) pair or the joint r with the closest GMAC is used
 counted with `torch.utils.flop_counter` on the patched model (SDPA in its math form, LayerNorm 5 per element as in
 `modeling_testa.flops`, matching products included). Accuracy is the mean over training seeds, with min and max.
 
-    python benchmarks/training_free.py [--seeds 0 1] [--steps 250] [--threads 2] [--output docs/training_free.json]
+    python -m benchmarks.training_free [--seeds 0 1] [--steps 250] [--threads 2] [--output docs/training_free.json]
 """
 
 import argparse
 import json
 import math
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -36,9 +35,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from transformers import (  # noqa: E402
+from transformers import (
     TimesformerConfig,
     TimesformerForVideoClassification,
     VideoMAEConfig,
@@ -47,8 +45,8 @@ from transformers import (  # noqa: E402
     VivitForVideoClassification,
 )
 
-from modeling_testa import apply_testa, remove_testa  # noqa: E402
-from processing.synthetic import COLOURS, event_state, make_specs, render_frames  # noqa: E402
+from modeling_testa import apply_testa, remove_testa
+from processing.synthetic import COLOURS, event_state, make_specs, render_frames
 
 FRAMES, SIZE, PATCH, TUBELET = 16, 32, 8, 2
 CLASSES = list(COLOURS)

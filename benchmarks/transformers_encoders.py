@@ -1,6 +1,6 @@
 """Speed of `apply_testa` on transformers' own `TimesformerModel` (ViT-B/16, 8 frames of 224 px), measured in one run.
 
-    python benchmarks/transformers_encoders.py [--frames 8] [--target 0.55] [--runs 3] [--threads 2]
+    python -m benchmarks.transformers_encoders [--frames 8] [--target 0.55] [--runs 3] [--threads 2]
 
 The (R_T, R_S) pair (the same in every block) whose GMAC is closest to ``--target`` times the unpatched GMAC is picked
 with the closed-form count (`modeling_testa.flops.estimate_encoder_gmac` on the same ViT-B/16 shape), then both
@@ -13,7 +13,6 @@ median times and their ratios are printed. Random weights: speed does not depend
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -21,14 +20,12 @@ import torch
 
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
 
-from transformers import TimesformerConfig, TimesformerModel  # noqa: E402
+from transformers import TimesformerConfig, TimesformerModel
 
-from modeling_testa import TestaVisionConfig, apply_testa, remove_testa  # noqa: E402
-from modeling_testa.flops import estimate_encoder_gmac  # noqa: E402
-from training_free import gmac  # noqa: E402
+from modeling_testa import TestaVisionConfig, apply_testa, remove_testa
+from modeling_testa.flops import estimate_encoder_gmac
+from benchmarks.training_free import gmac
 
 
 def pick_reduction(frames: int, target: float, temporal: tuple[int, ...]) -> tuple[int, int, float]:

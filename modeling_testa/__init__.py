@@ -18,7 +18,7 @@ from .aggregation import Matching, geometry_matching, importance_matching, merge
 from .configuration_testa import TestaConfig, TestaVisionConfig
 from .flops import count_encoder_gmac, estimate_encoder_gmac, suggest_reduction
 from .grounding import Grounding, draw_grounding, ground_phrases
-from .hub_testa import (
+from .hub import (
     MODEL_CARD_MARKER,
     PIPELINE_TASKS,
     custom_pipelines_for,
@@ -26,7 +26,7 @@ from .hub_testa import (
     save_for_hub,
     write_model_card,
 )
-from .inference_testa import PRECISIONS, Bf16Linear, Int8DynamicLinear, optimize_for_inference
+from .inference import PRECISIONS, Bf16Linear, Int8DynamicLinear, optimize_for_inference
 from .modeling_testa import (
     TestaAnswerRankingOutput,
     TestaForPreTraining,
@@ -41,7 +41,7 @@ from .modeling_testa import (
     TestaVisionModelOutput,
     token_schedule,
 )
-from .patching_testa import apply_testa, remove_testa
+from .patching import apply_testa, remove_testa
 from .pipeline_testa import (
     VideoIndex,
     VideoQuestionAnsweringPipeline,

@@ -16,8 +16,8 @@ The cost per block is O(T^2 + L^2) similarity scores, not the O((T L)^2) of glob
 input order), all tokens of set B (input order)]`` where A holds the even and B the odd input positions, exactly as
 in ToMe and the original TESTA code. The next block's even/odd split is taken on this order, so keeping it is what
 makes results match original checkpoints. The importance strategy and pruning keep the surviving tokens in input
-order. A protected first token (CLS) always stays first. Use ``trace_source`` / :func:`update_source_map` to map
-outputs back to input positions.
+order. A protected first token (CLS) always stays first. Use ``trace_source`` (:func:`follow_frame_merge`,
+:func:`follow_patch_merge`) to map outputs back to input positions.
 """
 
 
@@ -249,6 +249,42 @@ def shift_protected(matching: Matching) -> Matching:
     return Matching(kept=matching.kept[..., 1:] - 1, sources=matching.sources - 1, targets=matching.targets - 1)
 
 
+def follow_frame_merge(source_map: torch.Tensor, frame_slots: torch.Tensor, patches: int) -> torch.Tensor:
+    """Source tracking across a frame merge.
+
+    Args:
+        source_map: ``(B, T0, L0)``: for every input patch, its current token as a flat frame-major index
+            ``t * patches + l`` (-1 = pruned).
+        frame_slots: ``(B, T)``: the output frame of every current frame (:func:`output_slot_of_inputs`).
+        patches: patches per frame (unchanged by a frame merge).
+
+    Returns:
+        The updated ``(B, T0, L0)`` map.
+    """
+    batch = source_map.shape[0]
+    valid = source_map >= 0
+    flat = source_map.clamp(min=0)
+    frame, patch = flat // patches, flat % patches
+    new_frame = frame_slots.gather(1, frame.view(batch, -1)).view_as(frame)
+    new = new_frame * patches + patch
+    return torch.where(valid & (new_frame >= 0), new, -1)
+
+
+def follow_patch_merge(
+    source_map: torch.Tensor, patch_slots: torch.Tensor, patches_in: int, patches_out: int
+) -> torch.Tensor:
+    """Source tracking across a per-frame patch merge: ``patch_slots`` ``(B, T, patches_in)`` gives the output patch
+    of every current patch (-1 = pruned); the map's flat indices go from ``t * patches_in + l`` to
+    ``t * patches_out + l'``."""
+    batch = source_map.shape[0]
+    valid = source_map >= 0
+    flat = source_map.clamp(min=0)
+    frame = flat // patches_in
+    new_patch = patch_slots.view(batch, -1).gather(1, flat.view(batch, -1)).view_as(flat)
+    new = frame * patches_out + new_patch
+    return torch.where(valid & (new_patch >= 0), new, -1)
+
+
 def attention_received(
     query: torch.Tensor, key: torch.Tensor, scaling: float, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -273,6 +309,8 @@ __all__ = [
     "Matching",
     "attention_received",
     "capped_reduction",
+    "follow_frame_merge",
+    "follow_patch_merge",
     "geometry_matching",
     "importance_matching",
     "merge_tokens",

@@ -17,8 +17,8 @@ AGGREGATION_DIMS = ("temporal+spatial", "temporal", "spatial", "joint")
 FRAME_MATCHINGS = ("mean", "vote", "original")
 
 
-def _per_layer(value: int | list[int], num_layers: int, name: str) -> list[int]:
-    """Expands an int or per-layer list into a validated per-layer list."""
+def per_layer(value: int | list[int], num_layers: int, name: str) -> list[int]:
+    """Expands an int or per-layer list into a validated per-layer list; raises a `ValueError` naming ``name``."""
     values = [value] * num_layers if isinstance(value, int) else list(value)
     if len(values) != num_layers:
         raise ValueError(
@@ -33,7 +33,8 @@ def _per_layer(value: int | list[int], num_layers: int, name: str) -> list[int]:
     return values
 
 
-def _check_choice(value: str, allowed: tuple[str, ...], name: str) -> None:
+def check_choice(value: str, allowed: tuple[str, ...], name: str) -> None:
+    """Raises a `ValueError` naming ``name`` and the allowed values unless ``value`` is one of them."""
     if value not in allowed:
         raise ValueError(f"Unknown {name}={value!r}; allowed values are {', '.join(map(repr, allowed))}.")
 
@@ -131,26 +132,26 @@ class TestaVisionConfig(PreTrainedConfig):
             )
         if self.image_size % self.patch_size:
             raise ValueError(f"image_size={self.image_size} is not a multiple of patch_size={self.patch_size}.")
-        _check_choice(self.aggregation_strategy, AGGREGATION_STRATEGIES, "aggregation_strategy")
-        _check_choice(self.reduction_mode, REDUCTION_MODES, "reduction_mode")
-        _check_choice(self.aggregation_dims, AGGREGATION_DIMS, "aggregation_dims")
-        _check_choice(self.frame_matching, FRAME_MATCHINGS, "frame_matching")
-        _per_layer(self.temporal_reduction, self.num_hidden_layers, "temporal_reduction")
-        _per_layer(self.spatial_reduction, self.num_hidden_layers, "spatial_reduction")
+        check_choice(self.aggregation_strategy, AGGREGATION_STRATEGIES, "aggregation_strategy")
+        check_choice(self.reduction_mode, REDUCTION_MODES, "reduction_mode")
+        check_choice(self.aggregation_dims, AGGREGATION_DIMS, "aggregation_dims")
+        check_choice(self.frame_matching, FRAME_MATCHINGS, "frame_matching")
+        per_layer(self.temporal_reduction, self.num_hidden_layers, "temporal_reduction")
+        per_layer(self.spatial_reduction, self.num_hidden_layers, "spatial_reduction")
 
     @property
     def temporal_reduction_per_layer(self) -> list[int]:
         """R_T for every block; zero where temporal aggregation is switched off by `aggregation_dims`."""
         if self.aggregation_dims not in ("temporal", "temporal+spatial"):
             return [0] * self.num_hidden_layers
-        return _per_layer(self.temporal_reduction, self.num_hidden_layers, "temporal_reduction")
+        return per_layer(self.temporal_reduction, self.num_hidden_layers, "temporal_reduction")
 
     @property
     def spatial_reduction_per_layer(self) -> list[int]:
         """R_S (or the joint R) for every block; zero where `aggregation_dims` switches it off."""
         if self.aggregation_dims == "temporal":
             return [0] * self.num_hidden_layers
-        return _per_layer(self.spatial_reduction, self.num_hidden_layers, "spatial_reduction")
+        return per_layer(self.spatial_reduction, self.num_hidden_layers, "spatial_reduction")
 
     @property
     def num_patches_per_frame(self) -> int:
@@ -222,7 +223,7 @@ class TestaConfig(PreTrainedConfig):
             raise ValueError(f"`label_smoothing` must lie in [0, 1), got {self.label_smoothing}.")
         if self.queue_size < 0 or self.k_test <= 0:
             raise ValueError(f"`queue_size` must be >= 0 and `k_test` > 0, got {self.queue_size} and {self.k_test}.")
-        _check_choice(self.video_pooling, ("mean", "weighted_mean", "cls"), "video_pooling")
+        check_choice(self.video_pooling, ("mean", "weighted_mean", "cls"), "video_pooling")
         vocab = self.text_config.vocab_size
         for name in ("enc_token_id", "dec_token_id"):
             if not 0 <= getattr(self, name) < vocab:
@@ -253,4 +254,14 @@ def token_schedule(
     return schedule
 
 
-__all__ = ["TestaVisionConfig", "TestaConfig", "token_schedule"]
+__all__ = [
+    "AGGREGATION_DIMS",
+    "AGGREGATION_STRATEGIES",
+    "FRAME_MATCHINGS",
+    "REDUCTION_MODES",
+    "TestaConfig",
+    "TestaVisionConfig",
+    "check_choice",
+    "per_layer",
+    "token_schedule",
+]

@@ -34,8 +34,6 @@ BLIP_TO_TESTA = {
     "BlipForQuestionAnswering": TestaForVideoQA,
     "BlipForConditionalGeneration": TestaForPreTraining,
 }
-_TRAINING_STATE = ("video_queue", "text_queue", "idx_queue", "queue_ptr", "momentum_initialized")
-_MOMENTUM_PREFIXES = ("vision_model_m.", "vision_proj_m.", "text_encoder_m.", "text_proj_m.")
 
 
 def resize_position_embedding(position_embedding: torch.Tensor, grid_size: int) -> torch.Tensor:
@@ -177,7 +175,7 @@ def convert_blip_to_testa(
 
     new_state, used, fresh = {}, set(), []
     for name, tensor in model.state_dict().items():
-        if name.startswith(_MOMENTUM_PREFIXES) or name in _TRAINING_STATE:
+        if name.startswith("momentum."):
             continue  # training state: rebuilt by the model (momentum copies are synchronised at the first step)
         source, how = _source_name(name, blip_state)
         if how == "zero":
@@ -200,7 +198,7 @@ def convert_blip_to_testa(
         logger.warning("%s weights not in the BLIP checkpoint (freshly initialised): %s", model_class.__name__, fresh)
     missing, unexpected = model.load_state_dict(new_state, strict=False)
     allowed_missing = set(fresh) | {
-        k for k in missing if k.startswith(_MOMENTUM_PREFIXES) or k in _TRAINING_STATE or k.endswith("position_ids")
+        k for k in missing if k.startswith("momentum.") or k.endswith("position_ids")
     }
     if unexpected or set(missing) - allowed_missing:
         unexplained = sorted(set(missing) - allowed_missing)

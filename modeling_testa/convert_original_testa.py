@@ -30,6 +30,7 @@ from transformers import BlipTextConfig
 from .configuration_testa import FRAME_MATCHINGS, TestaConfig, TestaVisionConfig
 from .convert_blip_to_testa import resize_position_embedding, save_processor
 from .modeling_testa import TestaForPreTraining, TestaForVideoQA, TestaForVideoTextRetrieval, TestaPreTrainedModel
+from .momentum import QUEUE_BUFFERS, legacy_key
 
 
 logger = logging.getLogger(__name__)
@@ -134,8 +135,9 @@ def _rename(key: str, vision_prefixes: dict[str, str]) -> str | None:
             if match and match.group(2) in _VISION_BLOCK_RENAMES:
                 return f"{ours}.layers.{match.group(1)}.{_VISION_BLOCK_RENAMES[match.group(2)]}.{match.group(3)}"
             return None
-    # The text side, the projections, the heads and `temp` keep their names (BERT/BLIP layout).
-    return key
+    # The text side, the projections, the heads and `temp` keep their names (BERT/BLIP layout); the momentum copies
+    # (`text_encoder_m`, `*_proj_m`) live in the head's `momentum` component.
+    return legacy_key(key)
 
 
 def _text_config_from_state(
@@ -284,7 +286,7 @@ def convert_original_testa(
     report = ConversionReport(
         temporal_reduction=r_t, spatial_reduction=r_s, frame_matching=vision_config.frame_matching
     )
-    vision_prefixes = {"visual_encoder": "vision_model", "visual_encoder_m": "vision_model_m"}
+    vision_prefixes = {"visual_encoder": "vision_model", "visual_encoder_m": "momentum.vision_model"}
     new_state: dict[str, torch.Tensor] = {}
     for key, value in state.items():
         reason = next((why for pattern, why in _DROPPED.items() if re.search(pattern, key)), None)
@@ -323,7 +325,7 @@ def convert_original_testa(
     # Keys filled through sharing (encoder/decoder modules, the tied LM head) are not missing.
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded = {id(params[name]) for name in new_state if name in params}
-    training_state = ("video_queue", "text_queue", "idx_queue", "queue_ptr", "momentum_initialized")
+    training_state = tuple(f"momentum.{name}" for name in QUEUE_BUFFERS)
     report.missing = sorted(
         name
         for name in missing
@@ -333,10 +335,10 @@ def convert_original_testa(
     )
     if unexpected:
         raise RuntimeError(f"Conversion bug, unexpected keys: {unexpected}")
-    if any(k.startswith("vision_model_m.") for k in new_state) and not any(
-        n.startswith(("vision_model_m.", "text_encoder_m.", "vision_proj_m.", "text_proj_m.")) for n in report.missing
+    if any(k.startswith("momentum.vision_model.") for k in new_state) and not any(
+        n.startswith("momentum.") for n in report.missing
     ):
-        model.momentum_initialized.fill_(True)  # the checkpoint's own momentum encoder (kept in memory only)
+        model.momentum.initialized.fill_(True)  # the checkpoint's own momentum encoder (kept in memory only)
     if report.missing:
         logger.warning("Not in the checkpoint (freshly initialised): %s", report.missing)
     return model.eval(), report

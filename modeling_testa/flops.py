@@ -16,7 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from .aggregation import capped_reduction
 from .configuration_testa import TestaVisionConfig
-from .modeling_testa import TestaVisionModel
+from .modeling_testa_vision import TestaVisionModel
 
 
 def _layer_norm_flops(input_shape, *args, out_shape=None, **kwargs) -> int:

@@ -46,9 +46,9 @@ from transformers.pipelines import PIPELINE_REGISTRY
 from transformers.pipelines.base import Pipeline
 from transformers.utils import logging
 
-from .inference_testa import optimize_for_inference
+from .inference import optimize_for_inference
 from .processing_testa import TestaProcessor
-from .saving_testa import check_savable, push_folder_to_hub
+from .saving import check_savable, push_folder_to_hub
 from .video_store import (
     STORE_INFO_FILE,
     VideoStoreWriter,
@@ -1227,7 +1227,7 @@ class VideoQuestionAnsweringPipeline(_TestaPipeline):
         mask[:, 0] = True
         repeated_states = states.repeat_interleave(top_k, dim=0)
         repeated_mask = question_mask.repeat_interleave(top_k, dim=0)
-        logits = model._decode(sequences, mask.long(), repeated_states, repeated_mask)
+        logits = model.answer_logits(sequences, mask.long(), repeated_states, repeated_mask)
         log_probs = logits[:, :-1].float().log_softmax(dim=-1)
         token_log_probs = log_probs.gather(2, sequences[:, 1:, None]).squeeze(2) * mask[:, 1:]
         sequence_log_probs = token_log_probs.sum(dim=1).view(-1, top_k)

@@ -24,7 +24,7 @@ This file is Hub remote code: flat relative imports only, absolute imports of in
 
 import json
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -360,37 +360,3 @@ class StoredTensor:
     def materialize(self) -> torch.Tensor:
         """All rows, in memory."""
         return self[slice(None)]
-
-
-@torch.no_grad()
-def rerank_pairs(
-    model: Any,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    text_rows: torch.Tensor,
-    video_rows: torch.Tensor,
-    read_tokens: Callable[[torch.Tensor], torch.Tensor],
-    batch_size: int = 128,
-    itm_score: str = "logit",
-) -> torch.Tensor:
-    """Matching-head scores of the (text, video) pairs ``(input_ids[text_rows[i]], video video_rows[i])``, as
-    `model.rank_videos` computes them: the ITM "match" logit (or its softmax probability with
-    ``itm_score="softmax"``), ``batch_size`` pairs at a time; ``read_tokens(video_indices)`` supplies the tokens of
-    each batch's pairs (e.g. `VideoTokenStore.read_tokens`; a video repeated within a batch, as the query video of a
-    video-to-text chunk is, is read once), so memory is bounded by ``batch_size`` videos' tokens."""
-    if itm_score not in ("logit", "softmax"):
-        raise ValueError(f"Unknown itm_score={itm_score!r}; use 'logit' (original) or 'softmax'.")
-    if batch_size <= 0:
-        raise ValueError(f"`batch_size` must be positive, got {batch_size}.")
-    device, dtype = model.itm_head.weight.device, model.itm_head.weight.dtype
-    scores = []
-    for start in range(0, text_rows.shape[0], batch_size):
-        texts, videos = text_rows[start : start + batch_size], video_rows[start : start + batch_size].cpu()
-        unique, row_of_pair = videos.unique(return_inverse=True)
-        tokens = read_tokens(unique).to(device, dtype)[row_of_pair.to(device)]  # one row per pair
-        logits, _ = model._itm_logits(input_ids[texts.to(input_ids.device)],
-                                      attention_mask[texts.to(attention_mask.device)], tokens)
-        scores.append(logits[:, 1] if itm_score == "logit" else logits.float().softmax(dim=-1)[:, 1])
-    if not scores:
-        return torch.empty(0, device=device, dtype=dtype)
-    return torch.cat(scores)

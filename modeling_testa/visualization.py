@@ -73,7 +73,7 @@ def _vision_encoder(model: Any) -> Any:
     """The TESTA video encoder of ``model`` (itself, or its ``.vision_model``), checked by duck typing so that classes
     loaded as Hub remote code (a different class object than this package's) work too."""
     encoder = getattr(model, "vision_model", model)
-    needed = ("embeddings", "layers", "config")
+    needed = ("run_blocks", "layers", "config")
     if not all(hasattr(encoder, name) for name in needed) or not hasattr(encoder.config, "aggregation_dims"):
         raise TypeError(
             f"`model` must be a TestaVisionModel or a model with a `.vision_model` TestaVisionModel; got "
@@ -160,24 +160,16 @@ def trace_sources(model: Any, pixel_values: torch.Tensor, layer: int = -1) -> tu
     """
     encoder = _vision_encoder(model)
     layer = _normalised_layer(layer, len(encoder.layers))
-    if hasattr(encoder, "_check_pixel_values"):
-        encoder._check_pixel_values(pixel_values)
+    encoder.check_pixel_values(pixel_values)
     was_training = encoder.training
     encoder.eval()
     try:
         device = next(encoder.parameters()).device
-        cls, patches = encoder.embeddings(pixel_values.to(device))
-        batch, frames, patches_per_frame, hidden = patches.shape
-        if encoder.config.aggregation_dims == "joint":
-            patches = patches.reshape(batch, 1, frames * patches_per_frame, hidden)
-        sizes = patches.new_ones(patches.shape[:3], dtype=torch.float32)
-        source_map = torch.arange(frames * patches_per_frame, device=device)
-        source_map = source_map.view(1, frames, patches_per_frame).expand(batch, -1, -1).contiguous()
-        for block in encoder.layers[: layer + 1]:
-            cls, patches, sizes, source_map = block(cls, patches, sizes, source_map)
+        settings = encoder.aggregation_settings(trace_source=True)
+        tokens = encoder.run_blocks(pixel_values.to(device), settings, last_layer=layer)
     finally:
         encoder.train(was_training)
-    return source_map.cpu(), (patches.shape[1], patches.shape[2])
+    return tokens.source_map.cpu(), (tokens.patches.shape[1], tokens.patches.shape[2])
 
 
 def aggregation_groups(

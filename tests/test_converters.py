@@ -278,14 +278,14 @@ def test_original_retrieval_checkpoint_converts_and_accounts_for_every_key(tmp_p
         ("visual_encoder.blocks.1.mlp.fc2.weight", layer.mlp.fc2.weight),
         ("visual_encoder.norm.weight", model.vision_model.post_layernorm.weight),
         ("visual_encoder.time_embed", model.vision_model.embeddings.temporal_embedding),
-        ("visual_encoder_m.blocks.0.attn.qkv.bias", model.vision_model_m.layers[0].self_attn.qkv.bias),
+        ("visual_encoder_m.blocks.0.attn.qkv.bias", model.momentum.vision_model.layers[0].self_attn.qkv.bias),
         ("text_encoder.encoder.layer.1.crossattention.self.value.weight",
          model.text_encoder.encoder.layer[1].crossattention.self.value.weight),
-        ("text_proj_m.weight", model.text_proj_m.weight),
+        ("text_proj_m.weight", model.momentum.text_proj.weight),
         ("temp", model.temp),
     ]:
         torch.testing.assert_close(ours.detach(), state[original], msg=original)
-    assert bool(model.momentum_initialized)  # the checkpoint's momentum encoder is used as is
+    assert bool(model.momentum.initialized)  # the checkpoint's momentum encoder is used as is
 
     # Functional check against the original block algorithm (aggregation off, so token orders can be compared).
     unmerged, _ = convert_original_testa(

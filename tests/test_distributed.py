@@ -55,7 +55,7 @@ def _step(model, ids, mask, clips, video_ids) -> dict:
         video_feat = model.get_video_features(clips)
         text_feat = model.get_text_features(ids, mask)
         result["weights"] = model.hard_negative_weights(video_feat, text_feat, video_ids)
-    result["queue"] = (model.video_queue.clone(), model.text_queue.clone(), model.idx_queue.clone())
+    result["queue"] = (model.momentum.video_queue.clone(), model.momentum.text_queue.clone(), model.momentum.idx_queue.clone())
     return result
 
 

@@ -29,17 +29,16 @@ from evaluation_store_helpers import (
     write_dataset,
 )
 
+from modeling_testa.ranking import match_scores, ranked_order
 from modeling_testa.video_store import (
     VideoStoreWriter,
     VideoTokenStore,
     finalize_store,
-    rerank_pairs,
 )
 from train.evaluation import (
     encode_to_store,
     evaluate_retrieval,
     per_process_batch_size,
-    ranked_candidates,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -121,11 +120,11 @@ def test_recall_helpers_hand_worked():
     # the evaluation's rankings: re-ranked candidates best first (a tie puts the non-positive first), then the others
     # by cosine (-inf: never ranked), truncated
     inf = float("-inf")
-    assert ranked_candidates(scores[1], scores[1], {2}, 4) == [1, 2, 3, 0]
-    assert ranked_candidates(scores[1], scores[1], {1}, 3) == [2, 1, 3]
+    assert ranked_order(scores[1], scores[1], 4, {2}) == [1, 2, 3, 0]
+    assert ranked_order(scores[1], scores[1], 3, {1}) == [2, 1, 3]
     two_stage, cosine = torch.tensor([0.3, inf, 0.7, inf, inf]), torch.tensor([0.9, 0.5, 0.1, inf, 0.5])
-    assert ranked_candidates(two_stage, cosine, {4}, 5) == [2, 0, 1, 4]  # the cosine tie puts item 1 first
-    assert ranked_candidates(two_stage, cosine, {1}, 3) == [2, 0, 4]
+    assert ranked_order(two_stage, cosine, 5, {4}) == [2, 0, 1, 4]  # the cosine tie puts item 1 first
+    assert ranked_order(two_stage, cosine, 3, {1}) == [2, 0, 4]
     assert [per_process_batch_size(256, 8), per_process_batch_size(5, 2), per_process_batch_size(1, 8)] == [32, 2, 1]
     with pytest.raises(ValueError, match="eval.batch_size"):
         per_process_batch_size(0, 2)
@@ -211,8 +210,8 @@ def test_store_ranking_fp16_is_within_fp16_rounding(model, reference, tmp_path):
     store = VideoTokenStore(tmp_path / "fp16")
     ids, mask = text_inputs()
     texts, videos = torch.arange(len(TEXT_VIDEO)).repeat(2), torch.arange(2 * len(TEXT_VIDEO)) % NUM_VIDEOS
-    from_store = rerank_pairs(model, ids, mask, texts, videos, store.read_tokens, batch_size=PAIRS)
-    in_memory = rerank_pairs(model, ids, mask, texts, videos, lambda v: reference["tokens"][v], batch_size=PAIRS)
+    from_store = match_scores(model, ids, mask, texts, videos, store.read_tokens, batch_size=PAIRS)
+    in_memory = match_scores(model, ids, mask, texts, videos, lambda v: reference["tokens"][v], batch_size=PAIRS)
     assert not torch.equal(from_store, in_memory)  # fp16 storage really rounds
     torch.testing.assert_close(from_store, in_memory, rtol=0, atol=5e-3)
     store.close()

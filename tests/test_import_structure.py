@@ -1,6 +1,12 @@
-"""The package's import graph, read from the source with `ast` (lazy imports inside functions included): flat
-sibling-relative imports only (the package is exported as Hub remote code), no cycle, and dependencies that run one
-way: the models know nothing of the pipelines or of the Hub export code, which depends on both."""
+"""The repository's import structure, read from the source with `ast` (lazy imports inside functions included).
+
+- `modeling_testa/` imports its siblings flat and relative only (it is exported as Hub remote code), with no cycle,
+  and its dependencies run one way: the models know nothing of the pipelines or of the Hub export code.
+- No private name (`_x`) crosses a module boundary anywhere in the repository: neither imported from another module
+  nor called on another module's objects (what another module needs is public).
+- No file edits `sys.path`: `modeling_testa`, `processing` and `train` are installed packages, and the benchmarks run as
+  modules from the repository root (`python -m benchmarks.<name>`).
+"""
 
 import ast
 from pathlib import Path
@@ -9,14 +15,25 @@ import pytest
 from transformers.dynamic_module_utils import get_relative_imports
 
 
-PACKAGE = Path(__file__).resolve().parents[1] / "modeling_testa"
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "modeling_testa"
 MODULES = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
+OUR_PACKAGES = ("modeling_testa", "processing", "train", "benchmarks", "tests", "app")
+SOURCE_DIRS = ("modeling_testa", "processing", "train", "benchmarks", "tests", "app")
+
+
+def _python_files() -> list[Path]:
+    return sorted(p for d in SOURCE_DIRS for p in (REPO / d).rglob("*.py") if ".venv" not in p.parts)
+
+
+def _tree(path: Path) -> ast.AST:
+    return ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
 
 
 def _relative_imports(path: Path) -> set[str]:
     """Sibling modules imported by `path` (anywhere in the file), as module names. Fails on non-flat imports."""
     imported = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+    for node in ast.walk(_tree(path)):
         if isinstance(node, ast.ImportFrom) and node.level > 0:
             assert node.level == 1, f"{path.name}:{node.lineno} imports from a parent package (level {node.level})"
             if node.module is None:  # `from . import x`
@@ -86,8 +103,8 @@ def test_imports_are_flat_siblings_and_match_what_transformers_exports():
     # pipelines and what they import) it must see exactly the imports Python runs
     exported = {"modeling_testa", "pipeline_testa"}
     exported |= _closure(graph, "modeling_testa") | _closure(graph, "pipeline_testa")
-    assert {"saving_testa", "processing_testa", "video_processing_testa", "configuration_testa"} <= exported
-    for name in sorted(exported | {"hub_testa"}):
+    assert {"saving", "processing_testa", "video_processing_testa", "configuration_testa"} <= exported
+    for name in sorted(exported | {"hub"}):
         assert set(get_relative_imports(PACKAGE / f"{name}.py")) == graph[name], name
 
 
@@ -99,11 +116,112 @@ def test_import_graph_has_no_cycle():
 def test_dependencies_run_one_way():
     graph = _graph()
     model_side = _closure(graph, "modeling_testa")
-    assert "pipeline_testa" not in model_side and "hub_testa" not in model_side, sorted(model_side)
-    assert not {"pipeline_testa", "hub_testa"} & graph["modeling_testa"]
+    assert "pipeline_testa" not in model_side and "hub" not in model_side, sorted(model_side)
+    assert not {"pipeline_testa", "hub"} & graph["modeling_testa"]
+    # the encoder and the one TESTA block know nothing of the heads, the text side or the pipelines
+    for low_level in ("aggregation", "aggregation_block", "modeling_testa_vision"):
+        assert not {"modeling_testa", "pipeline_testa", "ranking", "momentum"} & _closure(graph, low_level), low_level
+    # decoding knows nothing of the models
+    assert not {"modeling_testa", "modeling_testa_vision"} & _closure(graph, "video_processing_testa")
     # the pipelines may use the models' processors and saving helpers, never the Hub export code
-    assert "hub_testa" not in _closure(graph, "pipeline_testa")
+    assert "hub" not in _closure(graph, "pipeline_testa")
     # the export code depends on both
-    assert {"modeling_testa", "pipeline_testa"} <= graph["hub_testa"]
+    assert {"modeling_testa", "pipeline_testa"} <= _closure(graph, "hub")
     # nothing but the package's __init__ depends on the export code
-    assert [name for name, imported in graph.items() if "hub_testa" in imported] == []
+    assert [name for name, imported in graph.items() if "hub" in imported] == []
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# No private names across modules
+# ----------------------------------------------------------------------------------------------------------------------
+
+# Hooks that frameworks define and call by their private names (torch, transformers, pytest): not ours to rename.
+FRAMEWORK_HOOKS = {
+    "_init_weights", "_apply", "_load_from_state_dict", "_sanitize_parameters", "_forward", "_parameters", "_buffers",
+    "_modules", "_attn_implementation", "_is_hf_initialized", "_auto_class", "_name_or_path", "_batch_size",
+    "_preprocess_params", "_forward_params", "_postprocess_params", "_upload_modified_files", "_replace", "_asdict",
+    "_fields", "_version", "_keys_to_ignore_on_save", "_get_name",
+}
+
+
+def _our_module(name: str | None) -> bool:
+    return bool(name) and name.split(".")[0] in OUR_PACKAGES + tuple(MODULES)
+
+
+def _private_definitions() -> set[str]:
+    """Private function, method and class names defined anywhere in our code."""
+    names = set()
+    for path in _python_files():
+        for node in ast.walk(_tree(path)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name.startswith("_"):
+                if not node.name.startswith("__"):
+                    names.add(node.name)
+    return names - FRAMEWORK_HOOKS
+
+
+def _private_crossings(path: Path, private: set[str], root: Path = REPO) -> list[str]:
+    found = []
+    tree = _tree(path)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.level > 0 or _our_module(node.module)):
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__"):
+                    found.append(f"{path.relative_to(root)}:{node.lineno} imports {alias.name}")
+        elif isinstance(node, ast.Attribute) and node.attr in private:
+            owner = node.value
+            if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+                continue
+            if isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == "super":
+                continue
+            found.append(f"{path.relative_to(root)}:{node.lineno} uses .{node.attr} of another object")
+    return sorted(found, key=lambda item: int(item.split(":")[1].split()[0]))
+
+
+def test_checker_finds_private_crossings(tmp_path):
+    """The checker itself, on a hand-written file."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("from modeling_testa.ranking import _helper\nx = model._itm(1)\ny = self._itm(2)\n")
+    found = _private_crossings(bad, {"_itm"}, root=tmp_path)
+    assert found == ["bad.py:1 imports _helper", "bad.py:2 uses ._itm of another object"]
+
+
+def test_no_private_name_crosses_a_module_boundary():
+    private = _private_definitions()
+    crossings = [item for path in _python_files() for item in _private_crossings(path, private)]
+    assert crossings == [], "\n".join(crossings)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# No sys.path edits
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _sys_path_edits(path: Path, root: Path = REPO) -> list[str]:
+    found = []
+    for node in ast.walk(_tree(path)):
+        target = None
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            target = node.func.value  # sys.path.insert(...), sys.path.append(...)
+        elif isinstance(node, (ast.Assign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            target = next((t for t in targets if isinstance(t, (ast.Attribute, ast.Subscript))), None)
+            target = target.value if isinstance(target, ast.Subscript) else target
+        if (
+            isinstance(target, ast.Attribute)
+            and target.attr == "path"
+            and isinstance(target.value, ast.Name)
+            and target.value.id == "sys"
+        ):
+            found.append(f"{path.relative_to(root)}:{node.lineno}")
+    return sorted(found, key=lambda item: int(item.split(":")[1]))
+
+
+def test_checker_finds_sys_path_edits(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("import sys\nsys.path.insert(0, 'x')\nsys.path = []\nsys.path[0] = 'y'\nprint(sys.path)\n")
+    assert _sys_path_edits(bad, root=tmp_path) == ["bad.py:2", "bad.py:3", "bad.py:4"]
+
+
+def test_no_file_edits_sys_path():
+    edits = [item for path in _python_files() for item in _sys_path_edits(path)]
+    assert edits == [], "\n".join(edits)

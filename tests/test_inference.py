@@ -15,8 +15,8 @@ from pipeline_helpers import build_qa, build_retrieval, tiny_processor, write_ba
 from torch import nn
 from transformers import pipeline
 
-import modeling_testa.inference_testa as inference
-import modeling_testa.modeling_testa as testa_modeling
+import modeling_testa.inference as inference
+import modeling_testa.aggregation_block as aggregation_block
 import modeling_testa.video_processing_testa as video_processing
 from modeling_testa import (
     PRECISIONS,
@@ -119,7 +119,7 @@ def test_include_text_converts_the_text_transformers_only():
     retrieval = optimize_for_inference(build_retrieval(), "bf16")  # by default only the video encoder
     assert type(retrieval.text_encoder.encoder.layer[0].attention.self.query) is nn.Linear
     assert type(retrieval.vision_proj) is nn.Linear and type(retrieval.itm_head) is nn.Linear
-    assert not any(isinstance(m, (Int8DynamicLinear, Bf16Linear)) for m in retrieval.vision_model_m.modules())
+    assert not any(isinstance(m, (Int8DynamicLinear, Bf16Linear)) for m in retrieval.momentum.vision_model.modules())
 
 
 # ------------------------------------------------------------------------------------------------ the int8 layer
@@ -228,7 +228,7 @@ def test_matching_and_merging_run_in_fp32(precision, monkeypatch):
         return wrapper
 
     for name in ("geometry_matching", "merge_tokens"):
-        monkeypatch.setattr(testa_modeling, name, spy(getattr(testa_modeling, name)))
+        monkeypatch.setattr(aggregation_block, name, spy(getattr(aggregation_block, name)))
     model = optimize_for_inference(_vision_model(), precision)
     with torch.inference_mode():
         out = model(_video())

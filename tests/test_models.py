@@ -252,9 +252,9 @@ def test_vtc_and_vtm_losses_match_float64_recomputation():
     video_ids = torch.tensor([3, 7, 3, 9])  # pairs 0 and 2 show the same video: both are positives
     # First step: the momentum encoder is synchronised with the online one, then the batch enters the queue.
     model(ids, clips, return_loss=True, video_ids=video_ids)
-    assert bool(model.momentum_initialized) and int(model.queue_ptr) == 4
-    torch.testing.assert_close(model.idx_queue[:4], video_ids)
-    queue = (model.video_queue.clone(), model.text_queue.clone(), model.idx_queue.clone())
+    assert bool(model.momentum.initialized) and int(model.momentum.queue_ptr) == 4
+    torch.testing.assert_close(model.momentum.idx_queue[:4], video_ids)
+    queue = (model.momentum.video_queue.clone(), model.momentum.text_queue.clone(), model.momentum.idx_queue.clone())
     with torch.no_grad():
         video_m = model.get_video_features(clips)  # momentum == online after the synchronising first step
         text_m = model.get_text_features(ids)
@@ -270,9 +270,9 @@ def test_vtc_and_vtm_losses_match_float64_recomputation():
     neg_v, neg_t = out.negative_video_indices, out.negative_text_indices
     assert (video_ids[neg_v] != video_ids).all() and (video_ids[neg_t] != video_ids).all()
     with torch.no_grad():
-        pos, _ = model._itm_logits(ids, None, out.video_embeds)
-        text_neg_video, _ = model._itm_logits(ids, None, out.video_embeds[neg_v])
-        video_neg_text, _ = model._itm_logits(ids[neg_t], None, out.video_embeds)
+        pos, _ = model.itm_logits(ids, None, out.video_embeds)
+        text_neg_video, _ = model.itm_logits(ids, None, out.video_embeds[neg_v])
+        video_neg_text, _ = model.itm_logits(ids[neg_t], None, out.video_embeds)
     logits = torch.cat([pos, text_neg_video, video_neg_text]).double()
     labels = torch.tensor([1] * 4 + [0] * 8)
     torch.testing.assert_close(out.loss_vtm.double(), F.cross_entropy(logits, labels), atol=1e-5, rtol=1e-5)
@@ -310,7 +310,7 @@ def test_training_step_and_gradient_checkpointing_give_equal_gradients():
         out.loss.backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
         # The momentum encoder is frozen and the whole online model is trained.
-        assert not any(n.startswith(("vision_model_m", "text_encoder_m")) for n in grads[-1])
+        assert not any(n.startswith("momentum.") for n in grads[-1])
         assert any(n.startswith("vision_model.layers.0.temporal") for n in grads[-1])
     assert grads[0].keys() == grads[1].keys()
     for name in grads[0]:
@@ -376,8 +376,8 @@ def test_save_load_round_trip_and_dtype_auto(head, tmp_path):
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     torch.testing.assert_close(outputs(reloaded.eval()), reference)
     if head is not TestaForVideoQA:
-        assert not bool(reloaded.momentum_initialized)  # re-synchronised at the first training step
-        assert not any(p.requires_grad for p in reloaded.vision_model_m.parameters())
+        assert not bool(reloaded.momentum.initialized)  # re-synchronised at the first training step
+        assert not any(p.requires_grad for p in reloaded.momentum.vision_model.parameters())
         torch.testing.assert_close(reloaded.temp.detach(), model.temp.detach())
     if head is TestaForPreTraining:
         assert reloaded.text_decoder.bert.embeddings is reloaded.text_encoder.embeddings

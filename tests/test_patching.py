@@ -21,7 +21,7 @@ from transformers import (
 )
 
 from modeling_testa import apply_testa, remove_testa
-from modeling_testa.patching_testa import (
+from modeling_testa.patching import (
     get_testa_settings,
     patched_aggregation_groups,
     patched_token_grid,

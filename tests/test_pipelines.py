@@ -43,7 +43,7 @@ pytest.importorskip("av")
 
 QUERIES = ["a red square moves to the right", "a blue bar goes down", "a dark gradient"]
 LABELS = ["a red square", "a blue bar", "a cat", "a car"]
-CODE_FILES = {"aggregation.py", "configuration_testa.py", "saving_testa.py", "modeling_testa.py", "pipeline_testa.py",
+CODE_FILES = {"aggregation.py", "configuration_testa.py", "saving.py", "modeling_testa.py", "pipeline_testa.py",
               "processing_testa.py", "video_processing_testa.py"}
 
 

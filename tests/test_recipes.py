@@ -163,7 +163,7 @@ def test_fsdp_config_wraps_the_encoder_and_text_blocks(monkeypatch):
     from transformers.models.blip.modeling_blip_text import BlipTextLayer, BlipTextModel
 
     from modeling_testa import TestaVisionModel
-    from modeling_testa.modeling_testa import TestaVisionLayer
+    from modeling_testa.modeling_testa_vision import TestaVisionLayer
 
     env = prepare_multi_gpu_env(launch_args(CONFIGS / "accelerate" / "fsdp.yaml"))
     for key, value in env.items():

@@ -236,12 +236,12 @@ def test_remote_code_loads_without_the_package(setup, tmp_path):
     _assert_pairs_close(got["qa_rank"], expected["qa_rank"])
     np.testing.assert_allclose(got["vision"], expected["vision"], atol=1e-5, rtol=0)
 
-    code = {"modeling_testa.py", "pipeline_testa.py", "saving_testa.py", "processing_testa.py",
+    code = {"modeling_testa.py", "pipeline_testa.py", "saving.py", "processing_testa.py",
             "video_processing_testa.py", "configuration_testa.py", "aggregation.py"}
     resaved = tmp_path / "resaved"
     files = {p.name for p in resaved.iterdir()}
     assert code | {"README.md", "processor_config.json", "tokenizer.json", "model.safetensors"} <= files
-    assert "hub_testa.py" not in files  # the export code is not part of the remote code
+    assert "hub.py" not in files  # the export code is not part of the remote code
     config = json.loads((resaved / "config.json").read_text())
     assert config["auto_map"]["AutoModel"] == "modeling_testa.TestaForVideoTextRetrieval"
     assert "video-text-retrieval" in config["custom_pipelines"]
@@ -257,7 +257,7 @@ def test_pretraining_and_encoder_folders(setup, tmp_path):
     zero-shot retrieval); the bare encoder is an AutoModel of its own config."""
     vision_config = json.loads((setup.vision_folder / "config.json").read_text())
     assert vision_config["auto_map"] == {"AutoConfig": "configuration_testa.TestaVisionConfig",
-                                         "AutoModel": "modeling_testa.TestaVisionModel"}
+                                         "AutoModel": "modeling_testa_vision.TestaVisionModel"}
     assert "custom_pipelines" not in vision_config and (setup.vision_folder / "README.md").is_file()
     assert "TESTA: TestaVisionModel" in (setup.vision_folder / "README.md").read_text()
 

@@ -186,8 +186,8 @@ def test_init_from_our_folder_blip_and_original_checkpoints(synthetic, tmp_path)
         model = build_model(TASK.model_class, load_recipe(args))
         assert isinstance(model, TASK.model_class), source
         assert model.config.vision_config.spatial_reduction == 2 and model.config.alpha == 0.3, source
-        assert all(layer.spatial_reduction == 2 for layer in model.vision_model.layers), source
-        assert all(layer.spatial_reduction == 2 for layer in model.vision_model_m.layers), source  # momentum too
+        assert model.vision_model.aggregation_settings().spatial_reduction == (2, 2), source
+        assert model.momentum.vision_model.aggregation_settings().spatial_reduction == (2, 2), source  # momentum too
     reloaded = build_model(TASK.model_class, load_recipe(parse_args("t", [
         "--config", "configuration/synthetic_retrieval.yaml", *TINY, "--init-from", str(ours)])))
     torch.testing.assert_close(reloaded.itm_head.weight, fresh.itm_head.weight)
@@ -210,13 +210,14 @@ def test_head_set_aggregation_changes_online_and_momentum_encoders():
 
     model = _contrastive_model().eval()
     clips = videos(2, seed=1)
-    before = model.vision_model_m(clips).last_hidden_state.shape[1]
+    before = model.momentum.vision_model(clips).last_hidden_state.shape[1]
     model.set_aggregation(temporal_reduction=0, spatial_reduction=1)
     online = model.vision_model(clips).last_hidden_state.shape[1]
-    momentum = model.vision_model_m(clips).last_hidden_state.shape[1]
+    momentum = model.momentum.vision_model(clips).last_hidden_state.shape[1]
     assert online == momentum != before, (online, momentum, before)
     assert model.config.vision_config.spatial_reduction == 1
-    assert [(l.temporal_reduction, l.spatial_reduction) for l in model.vision_model_m.layers] == [(0, 1)] * 2
+    settings = model.momentum.vision_model.aggregation_settings()
+    assert [settings.reductions(index) for index in range(2)] == [(0, 1)] * 2
     with pytest.raises(ValueError):
         model.set_aggregation(spatial_reduction=-1)
 
@@ -245,9 +246,9 @@ def _momentum_after_steps(accumulation: int, deferred: bool, steps: int = 3, bat
         _online_step(model, step)
         if deferred:
             model.momentum_step()
-    momentum = {n: t.clone() for n, t in model.state_dict().items() if n.startswith("vision_model_m.")
-                or n.startswith("text_proj_m.")}
-    queues = (model.video_queue.clone(), model.text_queue.clone(), model.idx_queue.clone(), int(model.queue_ptr))
+    momentum = {n: t.clone() for n, t in model.state_dict().items() if n.startswith("momentum.vision_model.")
+                or n.startswith("momentum.text_proj.")}
+    queues = (model.momentum.video_queue.clone(), model.momentum.text_queue.clone(), model.momentum.idx_queue.clone(), int(model.momentum.queue_ptr))
     return momentum, queues
 
 
@@ -273,11 +274,11 @@ def test_plain_forward_updates_momentum_and_queue_every_call():
     ids, clips = text_ids(2, 6, seed=4), videos(2, seed=5)
     model(ids, clips, return_loss=True, video_ids=torch.tensor([3, 4]))  # first call: copies the online weights
     online = model.vision_proj.weight.detach().clone()
-    torch.testing.assert_close(model.vision_proj_m.weight, online)
+    torch.testing.assert_close(model.momentum.vision_proj.weight, online)
     _online_step(model, 0)
     model(ids, clips, return_loss=True, video_ids=torch.tensor([5, 6]))
-    torch.testing.assert_close(model.vision_proj_m.weight, 0.5 * online + 0.5 * model.vision_proj.weight.detach())
-    assert model.idx_queue[:4].tolist() == [3, 4, 5, 6] and int(model.queue_ptr) == 4
+    torch.testing.assert_close(model.momentum.vision_proj.weight, 0.5 * online + 0.5 * model.vision_proj.weight.detach())
+    assert model.momentum.idx_queue[:4].tolist() == [3, 4, 5, 6] and int(model.momentum.queue_ptr) == 4
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -289,14 +290,14 @@ def test_momentum_ema_and_queues_stay_fp32_in_half_precision(dtype):
     model = _contrastive_model(queue_size=8, momentum=momentum).to(dtype)
     assert model.vision_proj.weight.dtype == dtype
     assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if n.split(".")[0].endswith("_m"))
-    assert model.video_queue.dtype == model.text_queue.dtype == torch.float32
+    assert model.momentum.video_queue.dtype == model.momentum.text_queue.dtype == torch.float32
     model.defer_momentum_updates(True)
     if dtype == torch.bfloat16:  # a half-precision training forward works and enqueues fp32 features
         out = model(text_ids(2, 6, seed=4), videos(2, seed=5).to(dtype), return_loss=True,
                     video_ids=torch.tensor([1, 2]))
         assert torch.isfinite(out.loss)
     else:
-        model.copy_params_to_momentum()
+        model.momentum.copy_from(model)
     online = dict(model.vision_proj.named_parameters())
     reference = {n: p.detach().double() for n, p in online.items()}
     start = {n: r.clone() for n, r in reference.items()}
@@ -305,13 +306,13 @@ def test_momentum_ema_and_queues_stay_fp32_in_half_precision(dtype):
         model.momentum_step()
         for n, p in online.items():
             reference[n] = momentum * reference[n] + (1 - momentum) * p.detach().double()
-    for n, p_m in model.vision_proj_m.named_parameters():
+    for n, p_m in model.momentum.vision_proj.named_parameters():
         assert p_m.dtype == torch.float32
         moved = (reference[n] - start[n]).abs().max()
         error = (p_m.double() - reference[n]).abs().max()
         assert moved > 1e-2 and error < 1e-4 * moved, (n, float(moved), float(error))
     if dtype == torch.bfloat16:
-        assert model.video_queue.dtype == torch.float32 and model.idx_queue[:2].tolist() == [1, 2]
+        assert model.momentum.video_queue.dtype == torch.float32 and model.momentum.idx_queue[:2].tolist() == [1, 2]
 
 
 # ---------------------------------------------------------------------------------------------------- streamed data

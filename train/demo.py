@@ -41,10 +41,9 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from modeling_testa import TestaForVideoTextRetrieval, TestaVisionConfig  # noqa: E402
-from modeling_testa.flops import count_encoder_gmac  # noqa: E402
+from modeling_testa import TestaForVideoTextRetrieval, TestaVisionConfig
+from modeling_testa.flops import count_encoder_gmac
 
 RECIPE = REPO / "configuration" / "short_events.yaml"
 GMAC_TOLERANCE = 0.10  # (b) must cost within 10% of (a)

@@ -31,16 +31,15 @@ from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list, gather_object
 from torch.utils.data import DataLoader
 
+from modeling_testa.distributed import raise_on_every_rank
+from modeling_testa.ranking import ranked_order, two_stage_scores
 from modeling_testa.video_store import (
     VideoStoreWriter,
     VideoTokenStore,
     finalize_store,
     missing_shards,
-    rerank_pairs,
     shard_range,
 )
-
-from modeling_testa.modeling_testa import raise_on_every_rank
 
 from .loop import MEDIA_ERRORS, load_rows
 
@@ -58,26 +57,6 @@ def load_metric(name: str, config_name: str | None = None):
     import evaluate  # imported here: it takes seconds and only evaluation needs it
 
     return evaluate.load(str(METRICS_DIR / name), config_name)
-
-
-def ranked_candidates(scores: torch.Tensor, similarity: torch.Tensor, positives: set[int], length: int) -> list[int]:
-    """One query's ranking, ``length`` items best first: the re-ranked candidates (the finite entries of ``scores``)
-    by their two-stage score, then the other items by their cosine ``similarity`` (finite entries only: a video that
-    could not be encoded is never ranked). Equal scores put the non-positives first, so ties count against the query
-    (the `video_text_retrieval` convention). Only the head of the cosine order is sorted."""
-    head = torch.isfinite(scores).nonzero().flatten().tolist()
-    ranked = sorted(head, key=lambda i: (-float(scores[i]), i in positives))
-    room = length - len(ranked)
-    if room > 0:
-        rest = similarity.clone()
-        rest[head] = float("-inf")
-        finite = torch.isfinite(rest)
-        if bool(finite.any()):
-            # every item at least as similar as the room-th best one (ties at the cut included, then truncated)
-            cut = rest[finite].topk(min(room, int(finite.sum()))).values[-1]
-            tail = ((rest >= cut) & finite).nonzero().flatten().tolist()
-            ranked += sorted(tail, key=lambda i: (-float(rest[i]), i in positives))[:room]
-    return ranked[:length]
 
 
 class _Items(torch.utils.data.Dataset):
@@ -177,38 +156,23 @@ def encode_to_store(model, items: list, collate: Callable, accelerator: Accelera
 def _rank_direction(model, store: VideoTokenStore, input_ids, attention_mask, text_features, queries_are_texts: bool,
                     queries: list[int], positives: list[set[int]], k: int, batch_size: int,
                     itm_score: str = "logit", add_cosine: bool = True) -> list[tuple[int, list[int]]]:
-    """Two-stage ranking of ``queries`` (text rows, or video indices when ``queries_are_texts`` is False), in chunks
-    of ``batch_size`` queries; returns ``(query, its ranking)``: the ``k`` re-ranked candidates, then the next items
-    by cosine, ``max(k, max(RETRIEVAL_KS))`` items in all (see `ranked_candidates`), so R@K is exact for every
-    reported K whatever ``k``. Videos that could not be encoded are never ranked; a query without a findable
-    positive gets an empty ranking (a miss)."""
-    device, dtype = model.itm_head.weight.device, model.itm_head.weight.dtype
-    video_features = store.embeddings.to(device, dtype)
-    text_features = text_features.to(device, dtype)
-    invalid = (~store.valid).to(device)
+    """Two-stage ranking (`modeling_testa.ranking`) of ``queries`` (text rows, or video indices when
+    ``queries_are_texts`` is False), in chunks of ``batch_size`` queries; returns ``(query, its ranking)``: the ``k``
+    re-ranked candidates, then the next items by cosine, ``max(k, max(RETRIEVAL_KS))`` items in all, ties counting
+    against the query, so R@K is exact for every reported K whatever ``k``. Videos that could not be encoded are never
+    ranked; a query without a findable positive gets an empty ranking (a miss)."""
     results = [(q, []) for q in queries if not positives[q]]
     queries = [q for q in queries if positives[q]]
-    for start in range(0, len(queries), batch_size):
-        chunk = torch.tensor(queries[start : start + batch_size], dtype=torch.long)
-        if queries_are_texts:
-            similarity = text_features[chunk.to(device)] @ video_features.T
-            if invalid.any():
-                similarity = similarity.masked_fill(invalid.view(1, -1), float("-inf"))
-        else:
-            similarity = video_features[chunk.to(device)] @ text_features.T
-        topk_sim, topk_indices = similarity.topk(k, dim=1)
-        query_rows = chunk.to(device).repeat_interleave(k)
-        candidates = topk_indices.flatten()
-        texts, videos = (query_rows, candidates) if queries_are_texts else (candidates, query_rows)
-        itm = rerank_pairs(model, input_ids, attention_mask, texts, videos, store.read_tokens, batch_size, itm_score)
-        topk_scores = itm.view(-1, k).to(similarity.dtype)
-        if add_cosine:
-            topk_scores = topk_scores + topk_sim
-        # a video that could not be encoded is no candidate at all (-inf, like every non-candidate)
-        scores = torch.full_like(similarity, float("-inf")).scatter(1, topk_indices, topk_scores).cpu()
-        length = max(k, max(RETRIEVAL_KS))
-        for row, cosine, query in zip(scores, similarity.cpu(), chunk.tolist()):
-            results.append((query, ranked_candidates(row, cosine, positives[query], length)))
+    if not queries:
+        return results
+    ranking = two_stage_scores(
+        model, queries_are_texts, input_ids, attention_mask, text_features, store.embeddings, store.read_tokens, k,
+        itm_score, add_cosine, batch_size, queries=torch.tensor(queries, dtype=torch.long),
+        excluded=~store.valid if queries_are_texts else None,
+    )
+    length = max(k, max(RETRIEVAL_KS))
+    for row, cosine, query in zip(ranking.scores.cpu(), ranking.similarity.cpu(), queries):
+        results.append((query, ranked_order(row, cosine, length, positives[query])))
     return results
 
 

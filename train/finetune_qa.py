@@ -5,16 +5,12 @@ candidate list built from the TRAINING answers (the original used the evaluated 
         [--dataset DIR_OR_HUB_ID] [--output-dir OUT] [--max-steps N] [--resume-from CKPT]
 """
 
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from modeling_testa import TestaForVideoQA  # noqa: E402
-from train.evaluation import evaluate_qa  # noqa: E402
-from train.loop import Task, load_rows, main  # noqa: E402
+from modeling_testa import TestaForVideoQA
+from train.evaluation import evaluate_qa
+from train.loop import Task, load_rows, main
 
 
 ANSWERS: list[str] = []

@@ -6,17 +6,13 @@
 `OUT/final/` is a `save_pretrained` folder (model, processor, remote code). See train/loop.py for every option.
 """
 
-import sys
 import zlib
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from modeling_testa import TestaForVideoTextRetrieval  # noqa: E402
-from train.evaluation import evaluate_retrieval  # noqa: E402
-from train.loop import Task, main  # noqa: E402
+from modeling_testa import TestaForVideoTextRetrieval
+from train.evaluation import evaluate_retrieval
+from train.loop import Task, main
 
 
 def video_ids(keys: list[str], device) -> torch.Tensor:

@@ -26,7 +26,6 @@ import itertools
 import json
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,11 +40,9 @@ from tqdm.auto import tqdm
 
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
-from modeling_testa import TestaConfig  # noqa: E402
-from processing.data import load_split  # noqa: E402
+from modeling_testa import TestaConfig
+from processing.data import load_split
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -187,8 +184,7 @@ def build_model(model_class: type, recipe: dict):
         top_level = {k: v for k, v in overrides.items() if k not in _AGGREGATION_FIELDS}
         model = model_class.from_pretrained(str(source), dtype=torch.float32, **top_level)
         aggregation = {k: v for k, v in overrides.items() if k in _AGGREGATION_FIELDS}
-        # Head-level: the momentum encoder (if any) follows the online one.
-        (model if hasattr(model, "set_aggregation") else model.vision_model).set_aggregation(**aggregation)
+        model.set_aggregation(**aggregation)  # the head's: its momentum encoder (if any) follows the online one
         return model
     from modeling_testa.convert_blip_to_testa import convert_blip_to_testa
 
@@ -586,7 +582,7 @@ def main(task: Task, argv: list[str] | None = None) -> dict:
         cpu=not torch.cuda.is_available(),  # without it, CPU processes under `--multi_gpu` would not join one group
         gradient_accumulation_steps=train_cfg.get("grad_accum", 1),
         mixed_precision=resolve_mixed_precision(train_cfg.get("mixed_precision")),
-        log_with=_trackers(),
+        log_with=_trackers() or None,  # `[]` makes accelerate warn on every process
         project_config=ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(output_dir / "logs")),
         dataloader_config=DataLoaderConfiguration(dispatch_batches=False),
         # Joint mode leaves the temporal attention unused; other settings use every parameter.
@@ -615,9 +611,9 @@ def main(task: Task, argv: list[str] | None = None) -> dict:
         task.prepare_model(model, processor, recipe, accelerator)
     if train_cfg.get("gradient_checkpointing"):
         model.gradient_checkpointing_enable()
-    if hasattr(model, "defer_momentum_updates"):
-        # Momentum EMA + queue once per optimiser step (after it), not per micro-batch: see `_momentum_step`.
-        model.defer_momentum_updates(True)
+    # Momentum EMA + queue once per optimiser step (after it), not per micro-batch (a no-op for heads without
+    # momentum contrast): see `MomentumContrast`.
+    model.defer_momentum_updates(True)
     rows = load_rows(recipe, data_cfg.get("train_split", "train"), task.name, streaming)
     micro_per_epoch = None if streaming else len(rows) // accelerator.num_processes // per_device_batch
     max_steps = train_cfg.get("max_steps")
@@ -695,7 +691,7 @@ def main(task: Task, argv: list[str] | None = None) -> dict:
                 optimizer.step()
                 scheduler.step()  # Accelerate's scheduler only advances on real optimiser steps
                 optimizer.zero_grad()
-                if accelerator.sync_gradients and hasattr(head, "momentum_step"):
+                if accelerator.sync_gradients:
                     head.momentum_step()  # EMA of the updated weights, then enqueue this step's momentum features
             throughput["step_seconds"] += time.perf_counter() - step_start
             state.micro_batches_in_epoch += 1

@@ -5,15 +5,12 @@
         [--dataset DIR_OR_HUB_ID] [--output-dir OUT] [--max-steps N] [--resume-from CKPT]
 """
 
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from modeling_testa import TestaForPreTraining  # noqa: E402
-from train.evaluation import evaluate_retrieval  # noqa: E402
-from train.finetune_retrieval import compute_loss  # noqa: E402  (same call: VTC + VTM (+ CAP) loss)
-from train.loop import Task, main  # noqa: E402
+from modeling_testa import TestaForPreTraining
+from train.evaluation import evaluate_retrieval
+from train.finetune_retrieval import compute_loss  # the same call: VTC + VTM (+ CAP) loss
+from train.loop import Task, main
 
 
 def evaluate(model, processor, recipe, accelerator) -> dict:

@@ -12,10 +12,10 @@
 Dependencies run one way. This module is neutral: it imports no other module of the package except `aggregation`, so
 the models can import it (for `TestaHubMixin`) and so can the pipelines (for `push_folder_to_hub`); it knows the
 pipelines only by name (`CUSTOM_PIPELINES`) and copies their files without importing them. The export code that knows
-the pipeline classes, `hub_testa`, imports the models, the pipelines and this module::
+the pipeline classes, `hub`, imports the models, the pipelines and this module::
 
-    aggregation  <-  saving_testa  <-  modeling_testa  <-  hub_testa
-    saving_testa, processing_testa (<- video_processing_testa)  <-  pipeline_testa  <-  hub_testa
+    aggregation  <-  saving  <-  modeling_testa  <-  hub
+    saving, processing_testa (<- video_processing_testa)  <-  pipeline_testa  <-  hub
 
 This file is Hub remote code: flat relative imports only, absolute imports of installed packages only.
 """
@@ -83,7 +83,7 @@ CUSTOM_PIPELINES: dict[str, dict[str, dict[str, Any]]] = {
     "TestaForPreTraining": _RETRIEVAL_TASKS,
     "TestaForVideoQA": _QA_TASKS,
 }
-"""Pipeline tasks per model class, by name: task -> `{"impl": <class in PIPELINE_MODULE>, "pt", "type"}`. `hub_testa`
+"""Pipeline tasks per model class, by name: task -> `{"impl": <class in PIPELINE_MODULE>, "pt", "type"}`. `hub`
 resolves the names to the classes (`PIPELINE_TASKS`) and checks that they exist."""
 
 _EXTRA_AUTO_MAP = {"TestaForPreTraining": {"AutoModel": "TestaForVideoTextRetrieval"}}

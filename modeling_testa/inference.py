@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .saving_testa import INFERENCE_ATTRIBUTE
+from .saving import INFERENCE_ATTRIBUTE
 
 
 PRECISIONS = ("fp32", "bf16", "int8")

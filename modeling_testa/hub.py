@@ -1,6 +1,6 @@
 """Hub export of TESTA models and pipelines: the one module that knows both.
 
-The models save complete Hub repositories on their own (`TestaHubMixin`, in the neutral `saving_testa`): weights,
+The models save complete Hub repositories on their own (`TestaHubMixin`, in the neutral `saving`): weights,
 config with `auto_map` and `custom_pipelines`, the code files of the models and of the pipelines, and a model card.
 This module adds what needs the pipeline classes themselves:
 
@@ -10,7 +10,7 @@ This module adds what needs the pipeline classes themselves:
 - `save_for_hub`: a model (or a pipeline) and its processor saved into one folder, the card listing the processor's
   video settings.
 
-Dependencies run one way (see `saving_testa`): the models do not import the pipelines or this module; this module
+Dependencies run one way (see `saving`): the models do not import the pipelines or this module; this module
 imports both. It is not part of the exported remote code (nothing in a saved folder needs it).
 """
 
@@ -23,7 +23,7 @@ from transformers.pipelines.base import Pipeline
 
 from .modeling_testa import TestaPreTrainedModel
 from .pipeline_testa import PIPELINE_CLASSES
-from .saving_testa import (
+from .saving import (
     CUSTOM_PIPELINES,
     MODEL_CARD_MARKER,
     PIPELINE_MODULE,

@@ -40,25 +40,27 @@ import torch.utils.checkpoint
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPooling, ImageClassifierOutput
 
-from .aggregation import (
-    Matching,
-    attention_received,
-    capped_reduction,
-    geometry_matching,
-    importance_matching,
-    merge_tokens,
-    output_slot_of_inputs,
-    shift_protected,
+from .aggregation import attention_received, capped_reduction
+from .aggregation_block import (
+    AggregationSettings,
+    AttentionOutput,
+    DividedHost,
+    JointHost,
+    TokenState,
+    divided_block,
+    initial_state,
+    joint_block,
+    sequence,
+    token_sizes_with_cls,
 )
 from .configuration_testa import (
     AGGREGATION_DIMS,
     AGGREGATION_STRATEGIES,
     FRAME_MATCHINGS,
     REDUCTION_MODES,
-    _check_choice,
-    _per_layer,
+    check_choice,
+    per_layer,
 )
-from .modeling_testa import _follow_frame_merge, _follow_patch_merge
 from .visualization import AggregationGroups, draw_aggregation
 
 
@@ -95,24 +97,6 @@ class TestaPatchedClassifierOutput(ImageClassifierOutput):
     source_map: torch.LongTensor | None = None
 
 
-@dataclass(frozen=True)
-class TestaPatchSettings:
-    """The validated aggregation settings of a patched model (one R per block)."""
-
-    temporal_reduction: tuple[int, ...]
-    spatial_reduction: tuple[int, ...]
-    aggregation_strategy: str
-    reduction_mode: str
-    aggregation_dims: str
-    frame_matching: str
-    proportional_attention: bool
-    trace_source: bool
-
-    @property
-    def uses_importance(self) -> bool:
-        return self.aggregation_strategy == "importance" or self.reduction_mode == "prune"
-
-
 class _Family(NamedTuple):
     name: str  # "timesformer", "videomae", "vivit", "clip"
     base_attribute: str | None  # where a head model keeps its base encoder (None: the model is the base)
@@ -137,7 +121,7 @@ _STATE_ATTRIBUTE = "_testa_patch"
 
 @dataclass
 class _PatchState:
-    settings: TestaPatchSettings
+    settings: AggregationSettings
     family: str
     # (module, the `forward` found in the instance's __dict__ before patching, or None when there was none)
     replaced: list[tuple[nn.Module, Any]]
@@ -171,14 +155,14 @@ def _layers(base: nn.Module, family: str) -> nn.ModuleList:
 
 def _settings_for(
     base: nn.Module, family: str, temporal_reduction, spatial_reduction, **options
-) -> TestaPatchSettings:
+) -> AggregationSettings:
     num_layers = len(_layers(base, family))
-    r_t = tuple(_per_layer(temporal_reduction, num_layers, "temporal_reduction"))
-    r_s = tuple(_per_layer(spatial_reduction, num_layers, "spatial_reduction"))
-    _check_choice(options["aggregation_strategy"], AGGREGATION_STRATEGIES, "aggregation_strategy")
-    _check_choice(options["reduction_mode"], REDUCTION_MODES, "reduction_mode")
-    _check_choice(options["aggregation_dims"], AGGREGATION_DIMS, "aggregation_dims")
-    _check_choice(options["frame_matching"], FRAME_MATCHINGS, "frame_matching")
+    r_t = tuple(per_layer(temporal_reduction, num_layers, "temporal_reduction"))
+    r_s = tuple(per_layer(spatial_reduction, num_layers, "spatial_reduction"))
+    check_choice(options["aggregation_strategy"], AGGREGATION_STRATEGIES, "aggregation_strategy")
+    check_choice(options["reduction_mode"], REDUCTION_MODES, "reduction_mode")
+    check_choice(options["aggregation_dims"], AGGREGATION_DIMS, "aggregation_dims")
+    check_choice(options["frame_matching"], FRAME_MATCHINGS, "frame_matching")
     dims = options["aggregation_dims"]
     name = type(base).__name__
     if family == "timesformer" and getattr(base.config, "attention_type", None) != "divided_space_time":
@@ -213,7 +197,7 @@ def _settings_for(
         proportional = family != "timesformer"
     if not isinstance(proportional, bool) or not isinstance(options["trace_source"], bool):
         raise TypeError("`proportional_attention` (or None) and `trace_source` must be bools.")
-    return TestaPatchSettings(
+    return AggregationSettings(
         temporal_reduction=r_t,
         spatial_reduction=r_s,
         aggregation_strategy=options["aggregation_strategy"],
@@ -226,20 +210,20 @@ def _settings_for(
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Attention and the per-family pieces of a block
+# Each family as a host of the one TESTA block (`aggregation_block`): its attention, norms, residuals and MLP
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def _sdpa(query, key, value, bias, scale, dropout, training, need_importance):
-    """``(batch, heads, tokens, head_dim)`` q/k/v -> ``(context (batch, tokens, heads * head_dim), keys averaged over
-    heads (batch, tokens, head_dim), Eq. 1 importance (batch, tokens) or None)``."""
+def _sdpa(query, key, value, bias, scale, dropout, training, need_importance) -> AttentionOutput:
+    """``(batch, heads, tokens, head_dim)`` q/k/v -> context ``(batch, tokens, heads * head_dim)``, keys averaged over
+    heads and Eq. 1 importance (or None)."""
     context = F.scaled_dot_product_attention(
         query, key, value, attn_mask=bias, dropout_p=dropout if training else 0.0, scale=scale
     )
     batch, heads, tokens, head_dim = query.shape
     context = context.transpose(1, 2).reshape(batch, tokens, heads * head_dim)
     importance = attention_received(query, key, scale, bias) if need_importance else None
-    return context, key.mean(dim=1), importance
+    return AttentionOutput(context, key.mean(dim=1), importance)
 
 
 def _heads(x: torch.Tensor, linear: nn.Module, head_dim: int) -> torch.Tensor:
@@ -247,258 +231,77 @@ def _heads(x: torch.Tensor, linear: nn.Module, head_dim: int) -> torch.Tensor:
     return linear(x).view(batch, tokens, -1, head_dim).transpose(1, 2)
 
 
-def _timesformer_attention(attention: nn.Module, x, bias, need_importance):
+def _timesformer_attention(attention: nn.Module, x, bias, need_importance) -> AttentionOutput:
     """``TimeSformerAttention`` (``.attention.qkv``, ``.output.dense``) through SDPA."""
     inner = attention.attention
     batch, tokens, hidden = x.shape
     qkv = inner.qkv(x).reshape(batch, tokens, 3, inner.num_heads, hidden // inner.num_heads).permute(2, 0, 3, 1, 4)
-    context, keys, importance = _sdpa(
-        qkv[0], qkv[1], qkv[2], bias, inner.scale, inner.attn_drop.p, attention.training, need_importance
-    )
-    return attention.output(context), keys, importance
+    result = _sdpa(qkv[0], qkv[1], qkv[2], bias, inner.scale, inner.attn_drop.p, attention.training, need_importance)
+    return result._replace(output=attention.output(result.output))
 
 
-class _JointParts(NamedTuple):
-    """How one pre-norm joint-attention block of a family computes its pieces."""
-
-    attention: Callable  # (layer, normed tokens, bias, need_importance) -> (projected output, keys, importance)
-    attention_residual: Callable  # (layer, tokens, attention output) -> tokens
-    mlp_residual: Callable  # (layer, tokens) -> tokens
-    norm_before: Callable  # (layer) -> LayerNorm
+def _timesformer_temporal(layer, x, bias, need_importance) -> AttentionOutput:
+    result = _timesformer_attention(layer.temporal_attention, layer.temporal_layernorm(x), bias, need_importance)
+    return result._replace(output=layer.temporal_dense(layer.drop_path(result.output)))
 
 
-def _videomae_attention(layer, x, bias, need_importance):
+def _timesformer_spatial(layer, x, bias, need_importance) -> AttentionOutput:
+    result = _timesformer_attention(layer.attention, layer.layernorm_before(x), bias, need_importance)
+    return result._replace(output=layer.drop_path(result.output))
+
+
+TIMESFORMER_HOST = DividedHost(
+    temporal=_timesformer_temporal,
+    spatial=_timesformer_spatial,
+    mlp_residual=lambda layer, x: x + layer.drop_path(layer.output(layer.intermediate(layer.layernorm_after(x)))),
+)
+
+
+def _videomae_attention(layer, x, bias, need_importance) -> AttentionOutput:
     inner = layer.attention.attention
+    x = layer.layernorm_before(x)
     d = inner.attention_head_size
     q, k, v = _heads(x, inner.query, d), _heads(x, inner.key, d), _heads(x, inner.value, d)
-    context, keys, importance = _sdpa(q, k, v, bias, inner.scaling, inner.dropout_prob, inner.training, need_importance)
-    return layer.attention.output(context, None), keys, importance
+    result = _sdpa(q, k, v, bias, inner.scaling, inner.dropout_prob, inner.training, need_importance)
+    return result._replace(output=layer.attention.output(result.output, None))
 
 
-def _vivit_attention(layer, x, bias, need_importance):
+def _vivit_attention(layer, x, bias, need_importance) -> AttentionOutput:
     inner = layer.attention
+    x = layer.layernorm_before(x)
     d = inner.head_dim
     q, k, v = _heads(x, inner.q_proj, d), _heads(x, inner.k_proj, d), _heads(x, inner.v_proj, d)
-    context, keys, importance = _sdpa(
-        q, k, v, bias, inner.scaling, inner.attention_dropout, inner.training, need_importance
-    )
-    return inner.o_proj(context), keys, importance
+    result = _sdpa(q, k, v, bias, inner.scaling, inner.attention_dropout, inner.training, need_importance)
+    return result._replace(output=inner.o_proj(result.output))
 
 
-def _clip_attention(layer, x, bias, need_importance):
+def _clip_attention(layer, x, bias, need_importance) -> AttentionOutput:
     inner = layer.self_attn
+    x = layer.layer_norm1(x)
     d = inner.head_dim
     q, k, v = _heads(x, inner.q_proj, d), _heads(x, inner.k_proj, d), _heads(x, inner.v_proj, d)
-    context, keys, importance = _sdpa(q, k, v, bias, inner.scale, inner.dropout, inner.training, need_importance)
-    return inner.out_proj(context), keys, importance
+    result = _sdpa(q, k, v, bias, inner.scale, inner.dropout, inner.training, need_importance)
+    return result._replace(output=inner.out_proj(result.output))
 
 
-_JOINT_PARTS = {
-    "videomae": _JointParts(
+JOINT_HOSTS = {
+    "videomae": JointHost(
         attention=_videomae_attention,
         attention_residual=lambda layer, x, out: x + out,
         mlp_residual=lambda layer, x: layer.output(layer.intermediate(layer.layernorm_after(x)), x),
-        norm_before=lambda layer: layer.layernorm_before,
     ),
-    "vivit": _JointParts(
+    "vivit": JointHost(
         attention=_vivit_attention,
         attention_residual=lambda layer, x, out: x + layer.dropout(out),
         mlp_residual=lambda layer, x: x + layer.dropout(layer.mlp(layer.layernorm_after(x))),
-        norm_before=lambda layer: layer.layernorm_before,
     ),
-    "clip": _JointParts(
+    "clip": JointHost(
         attention=_clip_attention,
         attention_residual=lambda layer, x, out: x + out,
         mlp_residual=lambda layer, x: x + layer.mlp(layer.layer_norm2(x)),
-        norm_before=lambda layer: layer.layer_norm1,
     ),
 }
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Aggregation steps (the algorithm itself is in aggregation.py)
-# ----------------------------------------------------------------------------------------------------------------------
-
-
-def _match(settings: TestaPatchSettings, metric, importance, r, protect_first, vote_dim=None) -> Matching:
-    vote = settings.frame_matching if vote_dim is not None else "vote"
-    if not settings.uses_importance:
-        return geometry_matching(metric, r, protect_first=protect_first, vote_dim=vote_dim, vote=vote)
-    return importance_matching(
-        metric,
-        importance,
-        r,
-        protect_first=protect_first,
-        vote_dim=vote_dim,
-        prune=settings.reduction_mode == "prune",
-        vote=vote,
-    )
-
-
-def _frame_matching(settings: TestaPatchSettings, keys: torch.Tensor, importance, r: int) -> Matching:
-    """Frame aggregation from per-frame patch keys ``(B, T, L, C)`` and importance ``(B, T, L)`` or None."""
-    if settings.frame_matching == "mean":
-        metric, vote_dim = keys.mean(dim=2), None  # the paper's frame token
-    else:  # every patch position compares the frames, then the positions decide
-        metric, vote_dim = keys.transpose(1, 2), -3
-    if importance is not None:
-        importance = importance.mean(dim=2)
-    return _match(settings, metric, importance, r, protect_first=False, vote_dim=vote_dim)
-
-
-def _size_bias(settings: TestaPatchSettings, sizes: torch.Tensor, dtype, merged: bool):
-    """Proportional attention, ``(batch, 1, 1, keys)``; None before anything was merged (all sizes are 1)."""
-    if not (settings.proportional_attention and merged):
-        return None
-    return sizes.log().to(dtype)[:, None, None, :]
-
-
-def _after_frame_merge(matching, frames_in, source_map, patches_per_frame):
-    if source_map is None:
-        return None
-    return _follow_frame_merge(source_map, output_slot_of_inputs(matching, frames_in), patches_per_frame)
-
-
-def _after_patch_merge(matching, patches_in, patches_out, source_map):
-    if source_map is None:
-        return None
-    slots = output_slot_of_inputs(matching, patches_in)
-    return _follow_patch_merge(source_map, slots, patches_in, patches_out)
-
-
-def _divided_block(layer, settings, index, cls, patches, sizes, source_map, merged):
-    """One TimeSformer divided space-time block with TESTA's aggregation (see TestaVisionLayer for the same order).
-
-    cls ``(B, 1, D)``, patches ``(B, T, L, D)`` frame-major, sizes ``(B, T, L)``.
-    """
-    batch, frames, patches_per_frame, hidden = patches.shape
-    r_t = settings.temporal_reduction[index] if settings.aggregation_dims != "spatial" else 0
-    r_s = settings.spatial_reduction[index] if settings.aggregation_dims != "temporal" else 0
-
-    # 1. Temporal attention at every patch position (CLS excluded), temporal_dense, residual.
-    frame_reduction = capped_reduction(r_t, frames, protected=1)
-    temporal_in = patches.transpose(1, 2).reshape(batch * patches_per_frame, frames, hidden)
-    temporal_sizes = sizes.transpose(1, 2).reshape(batch * patches_per_frame, frames)
-    output, keys, importance = _timesformer_attention(
-        layer.temporal_attention,
-        layer.temporal_layernorm(temporal_in),
-        _size_bias(settings, temporal_sizes, patches.dtype, merged),
-        frame_reduction > 0 and settings.uses_importance,
-    )
-    residual = layer.temporal_dense(layer.drop_path(output))
-    patches = patches + residual.view(batch, patches_per_frame, frames, hidden).transpose(1, 2)
-
-    # 2. Frame aggregation: whole frames, every patch position with its own size weight.
-    if frame_reduction > 0:
-        keys = keys.view(batch, patches_per_frame, frames, -1).transpose(1, 2)
-        if importance is not None:
-            importance = importance.view(batch, patches_per_frame, frames).transpose(1, 2)
-        matching = _frame_matching(settings, keys, importance, frame_reduction)
-        patches, sizes = merge_tokens(patches, sizes, matching)
-        source_map = _after_frame_merge(matching, frames, source_map, patches_per_frame)
-        frames, merged = patches.shape[1], True
-
-    # 3. Spatial attention over [CLS, patches] of every frame; the CLS outputs are averaged over the frames.
-    patch_reduction = capped_reduction(r_s, patches_per_frame + 1, protected=1)
-    spatial_in = torch.cat([cls.unsqueeze(1).expand(-1, frames, -1, -1), patches], dim=2)
-    spatial_in = spatial_in.reshape(batch * frames, patches_per_frame + 1, hidden)
-    spatial_sizes = F.pad(sizes, (1, 0), value=1.0).reshape(batch * frames, patches_per_frame + 1)
-    output, keys, importance = _timesformer_attention(
-        layer.attention,
-        layer.layernorm_before(spatial_in),
-        _size_bias(settings, spatial_sizes, patches.dtype, merged),
-        patch_reduction > 0 and settings.uses_importance,
-    )
-    residual = layer.drop_path(output).view(batch, frames, patches_per_frame + 1, hidden)
-    cls = cls + residual[:, :, 0].mean(dim=1, keepdim=True)
-    patches = patches + residual[:, :, 1:]
-
-    # 4. Patch aggregation within every frame (CLS takes part in the split but is protected).
-    if patch_reduction > 0:
-        keys = keys.view(batch, frames, patches_per_frame + 1, -1)
-        if importance is not None:
-            importance = importance.view(batch, frames, patches_per_frame + 1)
-        matching = shift_protected(_match(settings, keys, importance, patch_reduction, protect_first=True))
-        patches, sizes = merge_tokens(patches, sizes, matching)
-        source_map = _after_patch_merge(matching, patches_per_frame, patches.shape[2], source_map)
-        patches_per_frame, merged = patches.shape[2], True
-
-    # 5. MLP over all tokens.
-    tokens = torch.cat([cls, patches.flatten(1, 2)], dim=1)
-    tokens = tokens + layer.drop_path(layer.output(layer.intermediate(layer.layernorm_after(tokens))))
-    cls, patches = tokens[:, :1], tokens[:, 1:].view(batch, frames, patches_per_frame, hidden)
-    return cls, patches, sizes, source_map, merged
-
-
-def _joint_block(layer, parts: _JointParts, settings, index, cls, patches, sizes, source_map, merged):
-    """One joint-attention block (VideoMAE, ViViT, CLIP): attention over ``[CLS?, all tokens]``, then TESTA's
-    aggregation (time slices, then tokens within every slice) or ToMe's (``aggregation_dims="joint"``, with
-    ``patches`` of shape ``(B, 1, N, D)``), then the MLP.
-
-    cls ``(B, 1, D)`` or None, patches ``(B, T, L, D)`` slice-major, sizes ``(B, T, L)``.
-    """
-    batch, frames, per_frame, hidden = patches.shape
-    has_cls = cls is not None
-    joint = settings.aggregation_dims == "joint"
-    r_t = settings.temporal_reduction[index] if settings.aggregation_dims in ("temporal", "temporal+spatial") else 0
-    r_s = settings.spatial_reduction[index] if settings.aggregation_dims != "temporal" else 0
-    frame_reduction = 0 if joint else capped_reduction(r_t, frames, protected=1)
-    patch_reduction = capped_reduction(r_s, per_frame + has_cls, protected=int(has_cls))
-
-    tokens, token_sizes = patches.reshape(batch, frames * per_frame, hidden), sizes.reshape(batch, -1)
-    if has_cls:
-        tokens = torch.cat([cls, tokens], dim=1)
-        token_sizes = F.pad(token_sizes, (1, 0), value=1.0)
-    output, keys, importance = parts.attention(
-        layer,
-        parts.norm_before(layer)(tokens),
-        _size_bias(settings, token_sizes, tokens.dtype, merged),
-        (frame_reduction > 0 or patch_reduction > 0) and settings.uses_importance,
-    )
-    tokens = parts.attention_residual(layer, tokens, output)
-
-    first = int(has_cls)
-    if joint and patch_reduction > 0:  # ToMe: all space-time tokens at once (frames == 1 here)
-        matching = _match(settings, keys, importance, patch_reduction, protect_first=has_cls)
-        tokens, token_sizes = merge_tokens(tokens, token_sizes, matching)
-        if source_map is not None:
-            slots = output_slot_of_inputs(matching, per_frame + first)
-            slots = slots[:, 1:] - 1 if has_cls else slots  # pruned slots stay < 0
-            source_map = _follow_patch_merge(source_map, slots.unsqueeze(1), per_frame, tokens.shape[1] - first)
-        sizes, per_frame, merged = token_sizes[:, first:].unsqueeze(1), tokens.shape[1] - first, True
-    elif frame_reduction > 0 or patch_reduction > 0:
-        cls_token = tokens[:, :1]
-        patches = tokens[:, first:].view(batch, frames, per_frame, hidden)
-        patch_keys = keys[:, first:].view(batch, frames, per_frame, -1)
-        patch_importance = importance[:, first:].view(batch, frames, per_frame) if importance is not None else None
-        if frame_reduction > 0:  # tubelet time slices, every position with its own size weight
-            matching = _frame_matching(settings, patch_keys, patch_importance, frame_reduction)
-            patch_keys = merge_tokens(patch_keys, sizes, matching)[0]  # the slice step below matches merged keys
-            if patch_importance is not None:
-                patch_importance = merge_tokens(patch_importance.unsqueeze(-1), sizes, matching)[0].squeeze(-1)
-            patches, sizes = merge_tokens(patches, sizes, matching)
-            source_map = _after_frame_merge(matching, frames, source_map, per_frame)
-            frames = patches.shape[1]
-        if patch_reduction > 0:  # tokens within every time slice
-            metric, slice_importance = patch_keys, patch_importance
-            if has_cls:  # the CLS takes part in every slice's split, protected, as in TESTA's spatial step
-                metric = torch.cat([keys[:, None, :1].expand(-1, frames, -1, -1), patch_keys], dim=2)
-                if patch_importance is not None:
-                    cls_importance = importance[:, None, :1].expand(-1, frames, -1)
-                    slice_importance = torch.cat([cls_importance, patch_importance], dim=2)
-            matching = _match(settings, metric, slice_importance, patch_reduction, protect_first=has_cls)
-            if has_cls:
-                matching = shift_protected(matching)
-            patches, sizes = merge_tokens(patches, sizes, matching)
-            source_map = _after_patch_merge(matching, per_frame, patches.shape[2], source_map)
-            per_frame = patches.shape[2]
-        tokens = patches.flatten(1, 2)
-        if has_cls:
-            tokens = torch.cat([cls_token, tokens], dim=1)
-        merged = True
-    tokens = parts.mlp_residual(layer, tokens)
-    cls = tokens[:, :1] if has_cls else None
-    return cls, tokens[:, first:].view(batch, frames, per_frame, hidden), sizes, source_map, merged
+"""The joint-attention families as hosts of `aggregation_block.joint_block`."""
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -506,11 +309,12 @@ def _joint_block(layer, parts: _JointParts, settings, index, cls, patches, sizes
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def _run_block(block: Callable, layer: nn.Module, *args):
-    """Runs one patched block, under activation checkpointing when the layer has it switched on (training)."""
+def _run_block(block: Callable, host, layer: nn.Module, settings: AggregationSettings, index: int,
+               state: TokenState) -> TokenState:
+    """Runs one block, under activation checkpointing when the layer has it switched on (training)."""
     if getattr(layer, "gradient_checkpointing", False) and layer.training and torch.is_grad_enabled():
-        return torch.utils.checkpoint.checkpoint(block, layer, *args, use_reentrant=False)
-    return block(layer, *args)
+        return torch.utils.checkpoint.checkpoint(block, host, layer, settings, index, state, use_reentrant=False)
+    return block(host, layer, settings, index, state)
 
 
 def _check_flags(config, kwargs: dict) -> tuple[bool, bool]:
@@ -532,26 +336,15 @@ def _check_flags(config, kwargs: dict) -> tuple[bool, bool]:
     return bool(output_hidden_states), bool(return_dict)
 
 
-def _initial_state(patches: torch.Tensor, settings: TestaPatchSettings):
-    batch, frames, per_frame = patches.shape[:3]
-    # sizes stay at least fp32 (exact integers for the merge weights)
-    sizes = patches.new_ones((batch, frames, per_frame), dtype=torch.promote_types(patches.dtype, torch.float32))
-    source_map = None
-    if settings.trace_source:
-        source_map = torch.arange(frames * per_frame, device=patches.device).view(1, frames, per_frame)
-        source_map = source_map.expand(batch, -1, -1).contiguous()
-    return sizes, source_map
-
-
 def _finish(state: _PatchState, output: TestaPatchedModelOutput, return_dict: bool):
     if state.captures:
         state.captures[-1].append((output.token_sizes, output.source_map))
     return output if return_dict else output.to_tuple()
 
 
-def _timesformer_layout(cls: torch.Tensor, patches: torch.Tensor) -> torch.Tensor:
+def _timesformer_layout(tokens: TokenState) -> torch.Tensor:
     """TimeSformer's token order: ``[CLS, (patch, frame)]``."""
-    return torch.cat([cls, patches.transpose(1, 2).flatten(1, 2)], dim=1)
+    return torch.cat([tokens.cls, tokens.patches.transpose(1, 2).flatten(1, 2)], dim=1)
 
 
 def _timesformer_forward(state: _PatchState):
@@ -562,29 +355,25 @@ def _timesformer_forward(state: _PatchState):
         batch, frames = pixel_values.shape[:2]
         hidden = embeddings.shape[-1]
         per_frame = (embeddings.shape[1] - 1) // frames
-        cls = embeddings[:, :1]
         patches = embeddings[:, 1:].reshape(batch, per_frame, frames, hidden).transpose(1, 2)  # frame-major
-        sizes, source_map = _initial_state(patches, settings)
-        merged = False
-        all_hidden = (_timesformer_layout(cls, patches),) if output_hidden_states else None
+        tokens = initial_state(embeddings[:, :1], patches, settings)
+        all_hidden = (_timesformer_layout(tokens),) if output_hidden_states else None
         for index, layer in enumerate(self.encoder.layer):
-            cls, patches, sizes, source_map, merged = _run_block(
-                _divided_block, layer, settings, index, cls, patches, sizes, source_map, merged
-            )
+            tokens = _run_block(divided_block, TIMESFORMER_HOST, layer, settings, index, tokens)
             if output_hidden_states:
-                all_hidden += (_timesformer_layout(cls, patches),)
-        sequence = _timesformer_layout(cls, patches)
+                all_hidden += (_timesformer_layout(tokens),)
+        sequence_out = _timesformer_layout(tokens)
         if self.layernorm is not None:
-            sequence = self.layernorm(sequence)
-        frames, per_frame = patches.shape[1:3]
+            sequence_out = self.layernorm(sequence_out)
+        frames, per_frame = tokens.patches.shape[1:3]
+        source_map = tokens.source_map
         if source_map is not None:  # frame-major t * L + l -> TimeSformer's output position l * T + t
-            valid = source_map >= 0
             position = (source_map % per_frame) * frames + source_map // per_frame
-            source_map = torch.where(valid, position, -1)
+            source_map = torch.where(source_map >= 0, position, -1)
         output = TestaPatchedModelOutput(
-            last_hidden_state=sequence,
+            last_hidden_state=sequence_out,
             hidden_states=all_hidden,
-            token_sizes=F.pad(sizes.transpose(1, 2).flatten(1), (1, 0), value=1.0),
+            token_sizes=F.pad(tokens.sizes.transpose(1, 2).flatten(1), (1, 0), value=1.0),
             source_map=source_map,
         )
         return _finish(state, output, return_dict)
@@ -594,27 +383,14 @@ def _timesformer_forward(state: _PatchState):
 
 def _run_joint(state: _PatchState, family: str, layers, cls, patches, output_hidden_states: bool):
     """Runs the blocks of a joint-attention encoder; returns ``(tokens, token_sizes, source_map, hidden_states)``."""
-    settings, parts = state.settings, _JOINT_PARTS[family]
-    sizes, source_map = _initial_state(patches, settings)
-    if settings.aggregation_dims == "joint":
-        patches, sizes = patches.flatten(1, 2).unsqueeze(1), sizes.flatten(1).unsqueeze(1)
-
-    def layout(cls, patches):
-        tokens = patches.flatten(1, 2)
-        return tokens if cls is None else torch.cat([cls, tokens], dim=1)
-
-    merged = False
-    all_hidden = (layout(cls, patches),) if output_hidden_states else None
+    settings, host = state.settings, JOINT_HOSTS[family]
+    tokens = initial_state(cls, patches, settings)
+    all_hidden = (sequence(tokens),) if output_hidden_states else None
     for index, layer in enumerate(layers):
-        cls, patches, sizes, source_map, merged = _run_block(
-            _joint_block, layer, parts, settings, index, cls, patches, sizes, source_map, merged
-        )
+        tokens = _run_block(joint_block, host, layer, settings, index, tokens)
         if output_hidden_states:
-            all_hidden += (layout(cls, patches),)
-    token_sizes = sizes.flatten(1)
-    if cls is not None:
-        token_sizes = F.pad(token_sizes, (1, 0), value=1.0)
-    return layout(cls, patches), token_sizes, source_map, all_hidden
+            all_hidden += (sequence(tokens),)
+    return sequence(tokens), token_sizes_with_cls(tokens), tokens.source_map, all_hidden
 
 
 def _videomae_forward(state: _PatchState):
@@ -854,7 +630,7 @@ def remove_testa(model: nn.Module) -> nn.Module:
     return model
 
 
-def get_testa_settings(model: nn.Module) -> TestaPatchSettings | None:
+def get_testa_settings(model: nn.Module) -> AggregationSettings | None:
     """The settings ``model`` was patched with, or None when it is not patched."""
     state = model.__dict__.get(_STATE_ATTRIBUTE)
     return None if state is None else state.settings
@@ -912,7 +688,7 @@ def patched_aggregation_groups(
     if video.ndim != 4 or (pixel_values.ndim == 5 and pixel_values.shape[0] != 1):
         raise ValueError(f"`pixel_values` must be one video (frames, channels, height, width); got {tuple(pixel_values.shape)}.")
     settings, was_training = state.settings, base.training
-    state.settings = TestaPatchSettings(**{**settings.__dict__, "trace_source": True})
+    state.settings = AggregationSettings(**{**settings.__dict__, "trace_source": True})
     base.eval()
     try:
         device = next(base.parameters()).device
@@ -971,7 +747,7 @@ def visualize_patched_aggregation(
 
 
 __all__ = [
-    "TestaPatchSettings",
+    "AggregationSettings",
     "TestaPatchedClassifierOutput",
     "TestaPatchedModelOutput",
     "apply_testa",

@@ -1,0 +1,385 @@
+"""The one TESTA block: temporal (frame) and spatial (patch) aggregation around a host model's attention and MLP.
+
+Both TESTA's own encoder (`modeling_testa_vision`) and transformers' encoders patched by `apply_testa` (`patching`)
+run their blocks through the two functions here. The host supplies how its attention, norms, residual projections and
+MLP are computed (a :class:`DividedHost` or a :class:`JointHost`); the block owns matching, merging, token sizes and
+source tracking, so a change to the matching order or to proportional attention is made once.
+
+Token layout between blocks (a :class:`TokenState`):
+
+* ``cls``: ``(B, 1, D)``, or ``None`` for hosts without a CLS token (VideoMAE);
+* ``patches``: ``(B, T, L, D)`` frame-major (``T`` frames, or tubelet time slices, of ``L`` tokens). In joint mode
+  (``aggregation_dims="joint"``, ToMe over all space-time tokens) all tokens form one "frame": ``(B, 1, N, D)``;
+* ``sizes``: ``(B, T, L)`` input patches per token, at least fp32 (exact integers for the merge weights);
+* ``source_map``: ``(B, T0, L0)`` (when tracing): for every input patch its current token ``t * L + l``, -1 = pruned.
+
+A divided space-time block (TimeSformer, TESTA), in order:
+
+1. temporal attention over the frames at every patch position (CLS excluded), then the temporal projection;
+2. frame aggregation: ``R_T`` frames merged, all patch positions together, each with its own size weight;
+3. spatial attention over ``[CLS, patches]`` of every frame; the per-frame CLS outputs are averaged;
+4. patch aggregation: ``R_S`` patches merged within every frame (the CLS takes part in the split, protected);
+5. MLP over all tokens.
+
+A joint-attention block (VideoMAE, ViViT, CLIP per frame, TESTA in joint mode): attention over all tokens, then frame
+aggregation of the time slices and patch aggregation within every slice (or ToMe's merging over all tokens in joint
+mode), then the MLP.
+
+Proportional attention adds ``log(size)`` to the attention logits, once something has been merged (before that every
+size is 1 and the bias is zero, so it is left out).
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .aggregation import (
+    Matching,
+    capped_reduction,
+    follow_frame_merge,
+    follow_patch_merge,
+    geometry_matching,
+    importance_matching,
+    merge_tokens,
+    output_slot_of_inputs,
+    shift_protected,
+)
+
+
+@dataclass(frozen=True)
+class AggregationSettings:
+    """The aggregation settings of one encoder: one R per block, and how tokens are matched (see `TestaVisionConfig`
+    for the meaning of every field)."""
+
+    temporal_reduction: tuple[int, ...]
+    spatial_reduction: tuple[int, ...]
+    aggregation_strategy: str = "geometry"
+    reduction_mode: str = "merge"
+    aggregation_dims: str = "temporal+spatial"
+    frame_matching: str = "mean"
+    proportional_attention: bool = False
+    trace_source: bool = False
+
+    @classmethod
+    def from_config(cls, config: Any) -> "AggregationSettings":
+        """The settings of a `TestaVisionConfig`."""
+        return cls(
+            temporal_reduction=tuple(config.temporal_reduction_per_layer),
+            spatial_reduction=tuple(config.spatial_reduction_per_layer),
+            aggregation_strategy=config.aggregation_strategy,
+            reduction_mode=config.reduction_mode,
+            aggregation_dims=config.aggregation_dims,
+            frame_matching=config.frame_matching,
+            proportional_attention=config.proportional_attention,
+            trace_source=config.trace_source,
+        )
+
+    @property
+    def uses_importance(self) -> bool:
+        """Whether matching needs the attention received by every token (Eq. 1)."""
+        return self.aggregation_strategy == "importance" or self.reduction_mode == "prune"
+
+    def reductions(self, index: int) -> tuple[int, int]:
+        """``(R_T, R_S)`` requested for block ``index``; zero where `aggregation_dims` switches a step off. In joint
+        mode R_S is the number of space-time tokens merged and R_T is 0."""
+        dims = self.aggregation_dims
+        temporal = self.temporal_reduction[index] if dims in ("temporal", "temporal+spatial") else 0
+        spatial = self.spatial_reduction[index] if dims != "temporal" else 0
+        return temporal, spatial
+
+
+class AttentionOutput(NamedTuple):
+    """What a host's attention step returns to the block.
+
+    Attributes:
+        output: ``(batch, tokens, hidden)``: the residual branch, after the host's output projection (and its
+            temporal projection and drop-path, where the host has them).
+        keys: ``(batch, tokens, head_dim)``: the attention keys averaged over heads, the matching metric.
+        importance: ``(batch, tokens)`` attention received (Eq. 1), when asked for; else None.
+    """
+
+    output: torch.Tensor
+    keys: torch.Tensor
+    importance: torch.Tensor | None
+
+
+# (layer, tokens (batch, n, hidden), logits bias (batch, 1, 1, n) or None, need_importance) -> AttentionOutput
+AttentionStep = Callable[[nn.Module, torch.Tensor, torch.Tensor | None, bool], AttentionOutput]
+
+
+class DividedHost(NamedTuple):
+    """How a divided space-time block of a host model computes its pieces. Every callable takes the layer first.
+
+    Attributes:
+        temporal: pre-norm, temporal attention, drop-path and temporal projection (the temporal residual branch).
+        spatial: pre-norm, spatial attention and drop-path (the spatial residual branch).
+        mlp_residual: ``(layer, tokens) -> tokens``: the MLP sub-block with its residual connection.
+    """
+
+    temporal: AttentionStep
+    spatial: AttentionStep
+    mlp_residual: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+
+
+class JointHost(NamedTuple):
+    """How a joint-attention (pre-norm) block of a host model computes its pieces. Every callable takes the layer
+    first.
+
+    Attributes:
+        attention: pre-norm and attention over all tokens (the residual branch, before its residual connection).
+        attention_residual: ``(layer, tokens, output) -> tokens``: the attention's residual connection.
+        mlp_residual: ``(layer, tokens) -> tokens``: the MLP sub-block with its residual connection.
+    """
+
+    attention: AttentionStep
+    attention_residual: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+    mlp_residual: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+
+
+class TokenState(NamedTuple):
+    """The tokens between blocks (see the module docstring for the layout); ``merged``: whether any block has merged
+    or pruned tokens yet (proportional attention starts then)."""
+
+    cls: torch.Tensor | None
+    patches: torch.Tensor
+    sizes: torch.Tensor
+    source_map: torch.Tensor | None
+    merged: bool = False
+
+
+def initial_state(
+    cls: torch.Tensor | None, patches: torch.Tensor, settings: AggregationSettings
+) -> TokenState:
+    """The state before the first block, from ``patches (B, T, L, D)``. In joint mode the patches are laid out as one
+    frame of ``T * L`` tokens; the source map (when tracing) keeps the ``(B, T, L)`` input grid."""
+    batch, frames, per_frame = patches.shape[:3]
+    # sizes stay at least fp32 (exact integers for the merge weights) and follow a float64 model
+    sizes = patches.new_ones((batch, frames, per_frame), dtype=torch.promote_types(patches.dtype, torch.float32))
+    source_map = None
+    if settings.trace_source:
+        source_map = torch.arange(frames * per_frame, device=patches.device).view(1, frames, per_frame)
+        source_map = source_map.expand(batch, -1, -1).contiguous()
+    if settings.aggregation_dims == "joint":
+        patches, sizes = patches.flatten(1, 2).unsqueeze(1), sizes.flatten(1).unsqueeze(1)
+    return TokenState(cls=cls, patches=patches, sizes=sizes, source_map=source_map)
+
+
+def size_bias(settings: AggregationSettings, sizes: torch.Tensor, dtype: torch.dtype, merged: bool):
+    """Proportional attention: ``log(size)`` added to the logits of every key, ``(batch, 1, 1, keys)``; None when it
+    is off or before anything was merged (all sizes are 1)."""
+    if not (settings.proportional_attention and merged):
+        return None
+    return sizes.log().to(dtype)[:, None, None, :]
+
+
+def match_tokens(
+    settings: AggregationSettings,
+    metric: torch.Tensor,
+    importance: torch.Tensor | None,
+    r: int,
+    protect_first: bool,
+    vote_dim: int | None = None,
+) -> Matching:
+    """The matching of the configured strategy (geometry, importance or pruning). ``vote_dim`` marks per-position
+    frame scores, which are decided by ``settings.frame_matching``."""
+    vote = settings.frame_matching if vote_dim is not None else "vote"
+    if not settings.uses_importance:
+        return geometry_matching(metric, r, protect_first=protect_first, vote_dim=vote_dim, vote=vote)
+    prune = settings.reduction_mode == "prune"
+    return importance_matching(
+        metric, importance, r, protect_first=protect_first, vote_dim=vote_dim, prune=prune, vote=vote
+    )
+
+
+def match_frames(
+    settings: AggregationSettings, keys: torch.Tensor, importance: torch.Tensor | None, r: int
+) -> Matching:
+    """Frame aggregation from per-position keys ``(B, L, T, C)`` and importance ``(B, L, T)`` or None.
+
+    With ``frame_matching="mean"`` a frame token is the mean of the frame's patch keys (the paper's definition);
+    with ``"vote"``/``"original"`` every patch position compares the frames and the positions decide."""
+    if settings.frame_matching == "mean":
+        metric, vote_dim = keys.mean(dim=1), None
+    else:
+        metric, vote_dim = keys, -3
+    if importance is not None:
+        importance = importance.mean(dim=1)
+    return match_tokens(settings, metric, importance, r, protect_first=False, vote_dim=vote_dim)
+
+
+def _follow_frames(matching: Matching, frames_in: int, source_map, patches_per_frame: int):
+    if source_map is None:
+        return None
+    return follow_frame_merge(source_map, output_slot_of_inputs(matching, frames_in), patches_per_frame)
+
+
+def _follow_patches(matching: Matching, patches_in: int, patches_out: int, source_map):
+    if source_map is None:
+        return None
+    return follow_patch_merge(source_map, output_slot_of_inputs(matching, patches_in), patches_in, patches_out)
+
+
+def divided_block(
+    host: DividedHost, layer: nn.Module, settings: AggregationSettings, index: int, state: TokenState
+) -> TokenState:
+    """One divided space-time block with TESTA's aggregation (the five steps of the module docstring)."""
+    cls, patches, sizes, source_map, merged = state
+    batch, frames, patches_per_frame, hidden = patches.shape
+    r_t, r_s = settings.reductions(index)
+
+    # 1. Temporal attention: every patch position attends over the frames (CLS excluded, as in TimeSformer).
+    frame_reduction = capped_reduction(r_t, frames, protected=1)
+    temporal_in = patches.transpose(1, 2).reshape(batch * patches_per_frame, frames, hidden)
+    temporal_sizes = sizes.transpose(1, 2).reshape(batch * patches_per_frame, frames)
+    temporal = host.temporal(
+        layer,
+        temporal_in,
+        size_bias(settings, temporal_sizes, patches.dtype, merged),
+        frame_reduction > 0 and settings.uses_importance,
+    )
+    patches = patches + temporal.output.view(batch, patches_per_frame, frames, hidden).transpose(1, 2)
+
+    # 2. Frame aggregation: whole frames merge, every patch position with its own size weight.
+    if frame_reduction > 0:
+        keys = temporal.keys.view(batch, patches_per_frame, frames, -1)
+        importance = temporal.importance
+        if importance is not None:
+            importance = importance.view(batch, patches_per_frame, frames)
+        matching = match_frames(settings, keys, importance, frame_reduction)
+        patches, sizes = merge_tokens(patches, sizes, matching)
+        source_map = _follow_frames(matching, frames, source_map, patches_per_frame)
+        frames, merged = patches.shape[1], True
+
+    # 3. Spatial attention over [CLS, patches] of every frame; the CLS outputs are averaged over the frames.
+    patch_reduction = capped_reduction(r_s, patches_per_frame + 1, protected=1)
+    spatial_in = torch.cat([cls.unsqueeze(1).expand(-1, frames, -1, -1), patches], dim=2)
+    spatial_in = spatial_in.view(batch * frames, patches_per_frame + 1, hidden)
+    spatial_sizes = F.pad(sizes, (1, 0), value=1.0).view(batch * frames, patches_per_frame + 1)
+    spatial = host.spatial(
+        layer,
+        spatial_in,
+        size_bias(settings, spatial_sizes, patches.dtype, merged),
+        patch_reduction > 0 and settings.uses_importance,
+    )
+    residual = spatial.output.view(batch, frames, patches_per_frame + 1, hidden)
+    cls = cls + residual[:, :, 0].mean(dim=1, keepdim=True)
+    patches = patches + residual[:, :, 1:]
+
+    # 4. Patch aggregation within every frame (the CLS takes part in the split but is protected).
+    if patch_reduction > 0:
+        keys = spatial.keys.view(batch, frames, patches_per_frame + 1, -1)
+        importance = spatial.importance
+        if importance is not None:
+            importance = importance.view(batch, frames, patches_per_frame + 1)
+        matching = shift_protected(match_tokens(settings, keys, importance, patch_reduction, protect_first=True))
+        patches, sizes = merge_tokens(patches, sizes, matching)
+        source_map = _follow_patches(matching, patches_per_frame, patches.shape[2], source_map)
+        patches_per_frame, merged = patches.shape[2], True
+
+    # 5. MLP over all tokens.
+    tokens = host.mlp_residual(layer, torch.cat([cls, patches.flatten(1, 2)], dim=1))
+    cls, patches = tokens[:, :1], tokens[:, 1:].view(batch, frames, patches_per_frame, hidden)
+    return TokenState(cls, patches, sizes, source_map, merged)
+
+
+def joint_block(
+    host: JointHost, layer: nn.Module, settings: AggregationSettings, index: int, state: TokenState
+) -> TokenState:
+    """One joint-attention block: attention over ``[CLS?, all tokens]``, then TESTA's aggregation (time slices, then
+    tokens within every slice) or, in joint mode, ToMe's merging over all tokens, then the MLP."""
+    cls, patches, sizes, source_map, merged = state
+    batch, frames, per_frame, hidden = patches.shape
+    has_cls, first = cls is not None, int(cls is not None)
+    joint = settings.aggregation_dims == "joint"
+    r_t, r_s = settings.reductions(index)
+    frame_reduction = 0 if joint else capped_reduction(r_t, frames, protected=1)
+    patch_reduction = capped_reduction(r_s, per_frame + first, protected=first)
+
+    tokens, token_sizes = patches.reshape(batch, frames * per_frame, hidden), sizes.reshape(batch, -1)
+    if has_cls:
+        tokens = torch.cat([cls, tokens], dim=1)
+        token_sizes = F.pad(token_sizes, (1, 0), value=1.0)
+    attention = host.attention(
+        layer,
+        tokens,
+        size_bias(settings, token_sizes, tokens.dtype, merged),
+        (frame_reduction > 0 or patch_reduction > 0) and settings.uses_importance,
+    )
+    tokens = host.attention_residual(layer, tokens, attention.output)
+    keys, importance = attention.keys, attention.importance
+
+    if joint and patch_reduction > 0:  # ToMe: all space-time tokens at once (frames == 1 here)
+        matching = match_tokens(settings, keys, importance, patch_reduction, protect_first=has_cls)
+        tokens, token_sizes = merge_tokens(tokens, token_sizes, matching)
+        if source_map is not None:
+            slots = output_slot_of_inputs(matching, per_frame + first)
+            slots = slots[:, 1:] - 1 if has_cls else slots  # pruned slots stay < 0
+            source_map = follow_patch_merge(source_map, slots.unsqueeze(1), per_frame, tokens.shape[1] - first)
+        sizes, per_frame, merged = token_sizes[:, first:].unsqueeze(1), tokens.shape[1] - first, True
+    elif frame_reduction > 0 or patch_reduction > 0:
+        cls_token = tokens[:, :1]
+        patches = tokens[:, first:].view(batch, frames, per_frame, hidden)
+        patch_keys = keys[:, first:].view(batch, frames, per_frame, -1)
+        patch_importance = importance[:, first:].view(batch, frames, per_frame) if importance is not None else None
+        if frame_reduction > 0:  # time slices, every position with its own size weight
+            slice_importance = patch_importance.transpose(1, 2) if patch_importance is not None else None
+            matching = match_frames(settings, patch_keys.transpose(1, 2), slice_importance, frame_reduction)
+            patch_keys = merge_tokens(patch_keys, sizes, matching)[0]  # the step below matches the merged keys
+            if patch_importance is not None:
+                patch_importance = merge_tokens(patch_importance.unsqueeze(-1), sizes, matching)[0].squeeze(-1)
+            patches, sizes = merge_tokens(patches, sizes, matching)
+            source_map = _follow_frames(matching, frames, source_map, per_frame)
+            frames = patches.shape[1]
+        if patch_reduction > 0:  # tokens within every time slice
+            metric, slice_importance = patch_keys, patch_importance
+            if has_cls:  # the CLS takes part in every slice's split, protected, as in TESTA's spatial step
+                metric = torch.cat([keys[:, None, :1].expand(-1, frames, -1, -1), patch_keys], dim=2)
+                if patch_importance is not None:
+                    cls_importance = importance[:, None, :1].expand(-1, frames, -1)
+                    slice_importance = torch.cat([cls_importance, patch_importance], dim=2)
+            matching = match_tokens(settings, metric, slice_importance, patch_reduction, protect_first=has_cls)
+            if has_cls:
+                matching = shift_protected(matching)
+            patches, sizes = merge_tokens(patches, sizes, matching)
+            source_map = _follow_patches(matching, per_frame, patches.shape[2], source_map)
+            per_frame = patches.shape[2]
+        tokens = patches.flatten(1, 2)
+        if has_cls:
+            tokens = torch.cat([cls_token, tokens], dim=1)
+        merged = True
+    tokens = host.mlp_residual(layer, tokens)
+    cls = tokens[:, :1] if has_cls else None
+    return TokenState(cls, tokens[:, first:].view(batch, frames, per_frame, hidden), sizes, source_map, merged)
+
+
+def token_sizes_with_cls(state: TokenState) -> torch.Tensor:
+    """``(batch, tokens)`` sizes of the output sequence ``[CLS?, patches frame-major]`` (a CLS counts 1)."""
+    sizes = state.sizes.flatten(1)
+    return sizes if state.cls is None else F.pad(sizes, (1, 0), value=1.0)
+
+
+def sequence(state: TokenState) -> torch.Tensor:
+    """The output sequence ``[CLS?, patches frame-major]``, ``(batch, tokens, hidden)``."""
+    tokens = state.patches.flatten(1, 2)
+    return tokens if state.cls is None else torch.cat([state.cls, tokens], dim=1)
+
+
+__all__ = [
+    "AggregationSettings",
+    "AttentionOutput",
+    "DividedHost",
+    "JointHost",
+    "TokenState",
+    "divided_block",
+    "initial_state",
+    "joint_block",
+    "match_frames",
+    "match_tokens",
+    "sequence",
+    "size_bias",
+    "token_sizes_with_cls",
+]
