@@ -21,7 +21,6 @@ in both directions plus their mean.
 import os
 import shutil
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ from accelerate.utils import broadcast_object_list, gather_object
 from torch.utils.data import DataLoader
 
 from modeling_testa.distributed import raise_on_every_rank
+from modeling_testa.indexing import encode_videos
 from modeling_testa.ranking import ranked_order, two_stage_scores
 from modeling_testa.video_store import (
     VideoStoreWriter,
@@ -118,18 +118,7 @@ def encode_to_store(model, items: list, collate: Callable, accelerator: Accelera
     encoder_seconds, error = 0.0, None
     try:
         with writer:
-            for indices, pixel_values, failures in loader:
-                for index, path, reason in failures:
-                    writer.add_failure(index, path, reason)
-                if pixel_values is None:
-                    continue
-                begin = time.perf_counter()
-                out = model.get_video_tokens(pixel_values.to(accelerator.device))
-                features = model.get_video_features(video_tokens=out.last_hidden_state,
-                                                    video_token_sizes=out.token_sizes)
-                encoder_seconds += time.perf_counter() - begin
-                writer.add_batch(indices, out.last_hidden_state, out.token_sizes, features)
-                del out, features, pixel_values
+            encoder_seconds = encode_videos(model, loader, writer).encode_seconds
     except Exception as caught:  # shared below: no process may be left waiting at the barrier
         error = caught
     raise_on_every_rank(error, accelerator.device)
