@@ -79,7 +79,8 @@ def release_sentences(key: str, entry: object, path: str) -> tuple[list[Sentence
     where = f"video {key!r}"
     sentences = text_list(require_field(entry, "sentences", path, where, RELEASE_FIELDS), path, f"{where} 'sentences'")
     stamps = require_field(entry, "timestamps", path, where, RELEASE_FIELDS)
-    duration = require_seconds(require_field(entry, "duration", path, where, RELEASE_FIELDS), path, f"{where} 'duration'")
+    duration = require_seconds(require_field(entry, "duration", path, where, RELEASE_FIELDS), path,
+                               f"{where} 'duration'")
     if not isinstance(stamps, list) or len(stamps) != len(sentences):
         raise AnnotationError(f"{path}: {where} 'timestamps' should be a list of one [start, end] per sentence "
                               f"({len(sentences)}), got {describe(stamps)}")

@@ -193,7 +193,8 @@ def test_webvid_csv_page_dir_parquet_shards(tmp_path):
         w = csv.writer(f)
         w.writerow(["videoid", "name", "page_idx", "page_dir", "duration", "contentUrl"])  # the release's columns
         for i in range(5):
-            w.writerow([str(1000 + i), f"Clip ({i}) of a Cat!", "27732", "001_050", "PT00H00M10S", f"https://x/{i}.mp4"])
+            w.writerow([str(1000 + i), f"Clip ({i}) of a Cat!", "27732", "001_050", "PT00H00M10S",
+                        f"https://x/{i}.mp4"])
     for i in range(4):
         touch(str(vids / "001_050" / f"{1000 + i}.mp4"))
     reports = build("webvid", str(ann), str(vids), str(out), fmt="parquet", num_shards=2, relative_paths=True,
@@ -256,7 +257,8 @@ def test_cc3m_tsv_with_img2dataset_layout(tmp_path):
         "actor attends the premiere\thttp://img/b.jpg\n"
         "failed download\thttp://img/c.jpg\n"
     )
-    _img2dataset_shard(imgs, [("http://img/a.jpg", "000000000", "success"), ("http://img/b.jpg", "000000001", "success"),
+    _img2dataset_shard(imgs, [("http://img/a.jpg", "000000000", "success"),
+                              ("http://img/b.jpg", "000000001", "success"),
                               ("http://img/c.jpg", "000000002", "failed_to_download")])
     reports = build("cc3m", str(ann), str(imgs), str(out), allow_missing=True, progress=False)
     assert read_jsonl(out / "train.jsonl") == [
