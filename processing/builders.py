@@ -1,176 +1,99 @@
-"""Builders: the public datasets' annotation formats -> our schema, as jsonl or parquet shards plus video paths.
+"""Builders: the public datasets' annotation releases -> our schema, as jsonl or parquet shards plus video paths.
 
-=================== ======================================================= ============ ===========================
-dataset             annotations (``--annotations DIR``)                     text         video (``--videos DIR``)
-=================== ======================================================= ============ ===========================
-``queryd``          ``raw_captions_combined_filtered.pkl`` (dict name ->     pre_caption  ``<name>`` (no extension;
-                    list of token lists) + ``exists_{split}_list.txt``       128 words    then .mp4/.mkv/.webm)
-``didemo``          ``{split}.jsonl`` lines ``{"clip_name", "caption"}``    raw caption  ``<clip_name>.mp4``
-``activitynet``     ``{split}.json``: line 0 is a list of                   pre_caption  ``<video>``
-                    ``{"video": "v_x.mp4", "caption": [sentences]}``;        50 words
-                    split ``test`` reads ``val.json`` (as the paper)
-``condensed_movies`` ``[metadata/]train_val_challf0.csv`` (train, val) and   pre_caption  ``<videoid>.mkv`` (then
-                    ``test_challf0.csv``: columns videoid, caption, split    50 words     .mp4/.webm)
-``activitynet_qa``  ``[annos/]{split}_q.json`` (question_id, question,      pre_question ``v_<video_name>.mp4``
-                    video_name) + ``{split}_a.json`` (question_id, answer)   50 words     (then .webm/.mkv)
-``webvid``          WebVid csv (``results_2M_train.csv`` /                   pre_caption  ``<page_dir>/<videoid>.mp4``
-                    ``results_2M_val.csv``): videoid, name, page_dir, ...    30 words     (then ``<videoid>.mp4``)
-``cc3m``            ``Train_GCC-training.tsv`` / ``Validation_GCC-1.1.0-     pre_caption  images downloaded by
-                    Validation.tsv``: ``caption<TAB>url``, no header         30 words     img2dataset (see below)
-=================== ======================================================= ============ ===========================
+``docs/data.md`` says, for every dataset, where the annotations and videos come from, the command, and the counts
+to expect. Each reader detects the format of its files by content and names it in its errors:
 
-Text handling follows the original TESTA code: paragraphs are the sentences joined with single spaces, then
-:func:`pre_caption` (lower-case, ``!"()*#~`` replaced by spaces, spaces collapsed, at most ``max_words`` words).
-QuerYD keeps 128 words, ActivityNet and Condensed Movies the default 50, DiDeMo's paragraph is used raw, and the
-pretraining corpora (WebVid, CC3M) keep 30 words as BLIP's pretraining datasets do. ActivityNet-QA questions go through
-:func:`pre_question`; answers are kept verbatim.
+==================== ====================================================================== ============ ===========
+dataset              annotations (``--annotations DIR``; reader module)                     text         word limit
+==================== ====================================================================== ============ ===========
+``queryd``           ``raw_captions_combined_filtered.pkl`` + ``[exists_]{split}_list.txt``  paragraph    128
+                     (+ ``times_captions_...pkl``) (:mod:`.build_queryd`)
+``didemo``           ``{split}_data.json`` release, or converted ``{split}.json`` /          paragraph    raw
+                     ``{split}.jsonl`` (:mod:`.build_didemo`)
+``activitynet``      ``train.json``, ``val_1.json`` (-> test), ``val_2.json`` (-> val), or   paragraph    50
+                     converted ``train.json`` / ``val.json`` (:mod:`.build_activitynet`)
+``condensed_movies`` challenge ``train_val_challf0.csv`` / ``test_challf0.csv``, or metadata    description  50
+                     ``split.csv`` + ``descriptions.csv`` (:mod:`.build_condensed_movies`)
+``activitynet_qa``   ``{split}_q.json`` + ``{split}_a.json`` (:mod:`.build_activitynet`)      question     50
+``webvid``           ``results_2M_{split}.csv`` (:mod:`.build_webvid`)                        caption      30
+``cc3m``             ``Train_GCC-training.tsv`` / ``Validation_GCC-1.1.0-Validation.tsv``     caption      30
+                     (:mod:`.build_cc3m`)
+==================== ====================================================================== ============ ===========
 
-Rows: retrieval / pretraining ``{"video", "text", "video_id"}`` (CC3M: ``{"image", "text", "image_id"}``); QA
-``{"video", "question", "answer", "video_id", "question_id"}``. Evaluation splits (val, test) keep one row per video for
-the retrieval datasets with one paragraph per video (DiDeMo deduplicates by ``clip_name`` as the original evaluation
-does); training splits keep every row.
+Paragraphs join a video's sentences with single spaces, in time order by default (``--sentence-order file`` keeps
+the release's order), then :func:`pre_caption` (lower-case, ``!"()*#~`` -> space, whitespace runs collapsed, at most
+``max_words`` words); DiDeMo's paragraph stays raw, as in the paper. Questions go through :func:`pre_question`.
 
-Missing videos are never dropped silently: each split reports how many were missing with examples, writes the full
-list to ``OUT/missing_<split>.txt``, and ``--missing`` says what to do with those rows: ``drop`` (default), ``keep``
-or ``error``.
+Rows: retrieval / pretraining ``{"video", "text", "video_id"}`` (CC3M: ``{"image", "text", "image_id"}``), plus
+``sentences``, ``timestamps`` (``[start, end]`` seconds per sentence), ``duration`` and ``video_names`` where the
+release has them; QA ``{"video", "question", "answer", "video_id", "question_id"}``. Evaluation splits keep one row
+per video (the first).
+
+Nothing is lost silently and nothing is half-written:
+
+* missing videos are reported once per video, with the rows each affects (``OUT/missing_<split>.tsv`` and
+  ``build_report.json``); ``--missing drop`` (default) drops their rows, ``keep`` keeps them, ``error`` stops;
+* the build fails (exit 1) when a split ends empty or ``drop`` loses more than ``--max-missing-share`` (default 5%)
+  of a split's videos, unless ``--allow-missing``;
+* everything is written to a temporary folder beside ``OUT`` that replaces ``OUT`` only when the whole build
+  succeeded. Splits of a previous build of the same dataset in ``OUT`` that are not rebuilt are carried over.
 
 Output (``PREFIX`` is ``qa_`` for ActivityNet-QA, else empty)::
 
     OUT/PREFIX<split>.jsonl | OUT/PREFIX<split>-00000-of-00004.parquet ...   rows, spread round-robin over shards
     OUT/README.md          dataset card (``load_dataset(OUT)`` works)
-    OUT/build_report.json  rows / missing / duplicates per split
+    OUT/build_report.json  per split: format, files read, rows, videos, missing videos/rows, duplicates, details
+    OUT/missing_PREFIX<split>.tsv  video_id, rows, expected path of every missing video (only if any)
 
-Media paths are absolute by default; ``--relative-paths`` writes them relative to ``OUT`` (then move ``OUT`` and the
-videos together). :func:`processing.load_split` resolves both.
-
-CC3M images: img2dataset (``--output_format files``) writes ``IMAGES/00000/000000000.jpg`` and one
-``IMAGES/00000.parquet`` per shard with the columns ``url``, ``key`` and ``status``; the builder maps every tsv url to
-its image through those parquet files (searched recursively). ``--image-layout flat`` instead expects
-``IMAGES/<row index>.jpg``.
+Media paths are absolute by default; ``--relative-paths`` writes them relative to ``OUT``. :func:`processing.load_split`
+resolves both.
 
 Usage::
 
     python -m processing.builders DATASET --annotations DIR --videos DIR --output-dir OUT \\
-        [--format jsonl|parquet] [--num-shards N] [--splits train val test] [--missing drop|keep|error]
+        [--format jsonl|parquet] [--num-shards N] [--splits train val test] [--missing drop|keep|error] \\
+        [--max-missing-share 0.05] [--allow-missing] [--sentence-order time|file] [--debug]
+
+Errors print one line naming the file, the field and the expected format (``--debug``: the traceback).
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
-import glob
 import json
 import os
-import pickle
 import re
+import shutil
 import sys
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field, fields
+
+from .build_activitynet import read_activitynet, read_activitynet_qa
+from .build_cc3m import IMAGE_LAYOUTS, read_cc3m
+from .build_common import (
+    SENTENCE_ORDERS,
+    AnnotationError,
+    AnnotationNotFound,
+    BuildError,
+    Media,
+    MediaError,
+    OptionError,
+    ReadOptions,
+    SplitSource,
+    find_media,
+    pre_caption,
+    pre_question,
+)
+from .build_condensed_movies import read_condensed_movies
+from .build_didemo import read_didemo
+from .build_output import FORMATS, ShardWriter, card, staging
+from .build_queryd import read_queryd
+from .build_webvid import read_webvid
 
 
-MAX_EXAMPLES = 5  # missing videos listed in reports
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# text normalisation (verbatim behaviour of the original TESTA `data/utils.py`)
-
-
-def pre_caption(caption: str, max_words: int = 50) -> str:
-    """TESTA's caption cleaning: lower-case, ``!"()*#~`` -> space, collapse whitespace runs, keep `max_words` words.
-
-    Note that, as in the original, single spaces are not collapsed and only runs of 2+ whitespace characters are.
-    """
-    caption = re.sub(r"([!\"()*#~])", " ", caption.lower())
-    caption = re.sub(r"\s{2,}", " ", caption)
-    caption = caption.rstrip("\n").strip(" ")
-    words = caption.split(" ")
-    if len(words) > max_words:
-        caption = " ".join(words[:max_words])
-    return caption
-
-
-def pre_question(question: str, max_ques_words: int = 50) -> str:
-    """TESTA's question cleaning: lower-case, remove ``.!"()*#:;~``, strip trailing spaces, keep `max_ques_words`."""
-    question = re.sub(r"([.!\"()*#:;~])", "", question.lower()).rstrip(" ")
-    words = question.split(" ")
-    if len(words) > max_ques_words:
-        question = " ".join(words[:max_ques_words])
-    return question
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# helpers
-
-
-class AnnotationError(ValueError):
-    """An annotation file is missing or malformed; the message names the file and the field."""
-
-
-class AnnotationNotFound(AnnotationError, FileNotFoundError):
-    """An annotation file of a split does not exist."""
-
-
-@dataclass
-class SplitReport:
-    """What a builder did with one split."""
-
-    split: str
-    annotation_files: list[str]
-    rows: int = 0
-    missing: int = 0
-    missing_examples: list[str] = field(default_factory=list)
-    duplicates_dropped: int = 0
-    files: list[str] = field(default_factory=list)
-
-    def summary(self) -> str:
-        text = f"{self.split}: {self.rows} rows"
-        if self.duplicates_dropped:
-            text += f", {self.duplicates_dropped} duplicate rows of already listed videos dropped"
-        if self.missing:
-            text += f", {self.missing} missing media (e.g. {', '.join(self.missing_examples)})"
-        return text
-
-
-@dataclass
-class Media:
-    """Where a row's video/image should be: `path` if found, else the first `candidates` entry is reported."""
-
-    candidates: list[str]
-    path: str | None
-
-
-def find_media(candidates: list[str]) -> Media:
-    """The first existing path among `candidates` (tried in order)."""
-    for candidate in candidates:
-        if os.path.isfile(candidate):
-            return Media(candidates, candidate)
-    return Media(candidates, None)
-
-
-def _require(path: str, what: str) -> str:
-    if not os.path.isfile(path):
-        raise AnnotationNotFound(f"{what} not found: {path!r}")
-    return path
-
-
-def _first_existing(directory: str, names: list[str], what: str) -> str:
-    for name in names:
-        path = os.path.join(directory, name)
-        if os.path.isfile(path):
-            return path
-    raise AnnotationNotFound(f"{what} not found in {directory!r}: looked for {names}")
-
-
-def _field(record: dict, key: str, path: str, where: str) -> object:
-    if not isinstance(record, dict):
-        raise AnnotationError(f"{path}: {where} should be an object, got {type(record).__name__}")
-    if key not in record:
-        raise AnnotationError(f"{path}: {where} has no field {key!r} (fields: {sorted(record)})")
-    return record[key]
-
-
-# A builder yields (row without its media column, Media) pairs for one split.
-RowStream = Iterator[tuple[dict, Media]]
+MAX_EXAMPLES = 5  # missing videos listed in reports and messages
+MISSING_POLICIES = ("drop", "keep", "error")
+DEFAULT_MAX_MISSING_SHARE = 0.05
 
 
 @dataclass
@@ -181,248 +104,23 @@ class DatasetSpec:
     splits: tuple[str, ...]
     media_column: str  # "video" or "image"
     task: str  # "retrieval", "pretrain" or "qa"
-    max_words: int | None  # default word limit of pre_caption (None: caption used raw)
+    max_words: int | None  # default word limit of pre_caption (None: text used raw)
     dedup_eval: bool  # keep one row per video in val/test
-    read: Callable[..., tuple[list[str], RowStream]]
+    read: Callable[[str, str, str, ReadOptions], SplitSource]
 
-
-# ----------------------------------------------------------------------------------------------------------------
-# the datasets
-
-
-def read_queryd(annotations: str, videos: str, split: str, max_words: int | None = 128, **_: object):
-    """QuerYD: the paragraph is every sentence (a token list joined by spaces) joined by spaces, then pre_caption."""
-    list_file = _require(os.path.join(annotations, f"exists_{split}_list.txt"), f"QuerYD {split} list")
-    pkl = _require(os.path.join(annotations, "raw_captions_combined_filtered.pkl"), "QuerYD captions pickle")
-    with open(pkl, "rb") as f:
-        captions = pickle.load(f)
-    if not isinstance(captions, dict):
-        raise AnnotationError(f"{pkl}: expected a dict name -> list of token lists, got {type(captions).__name__}")
-    with open(list_file, encoding="utf-8") as f:
-        names = [line.strip() for line in f if line.strip()]
-
-    def rows() -> RowStream:
-        for name in names:
-            if name not in captions:
-                raise AnnotationError(f"{pkl}: no captions for video {name!r} listed in {list_file}")
-            sentences = captions[name]
-            if not isinstance(sentences, (list, tuple)) or not all(isinstance(s, (list, tuple)) for s in sentences):
-                raise AnnotationError(f"{pkl}: captions of {name!r} should be a list of token lists")
-            text = " ".join(" ".join(tokens) for tokens in sentences)
-            if max_words is not None:
-                text = pre_caption(text, max_words)
-            base = os.path.join(videos, name)
-            media = find_media([base] + [base + ext for ext in (".mp4", ".mkv", ".webm")])
-            yield {"text": text, "video_id": name}, media
-
-    return [list_file, pkl], rows()
-
-
-def read_didemo(annotations: str, videos: str, split: str, max_words: int | None = None, **_: object):
-    """DiDeMo: ``{split}.jsonl`` with the paragraph already concatenated in ``caption``; used raw by the paper."""
-    path = _require(os.path.join(annotations, f"{split}.jsonl"), f"DiDeMo {split} annotations")
-
-    def rows() -> RowStream:
-        with open(path, encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as error:
-                    raise AnnotationError(f"{path}:{number}: invalid JSON ({error})") from None
-                clip = str(_field(record, "clip_name", path, f"line {number}"))
-                text = str(_field(record, "caption", path, f"line {number}"))
-                if max_words is not None:
-                    text = pre_caption(text, max_words)
-                yield {"text": text, "video_id": clip}, find_media([os.path.join(videos, clip + ".mp4")])
-
-    return [path], rows()
-
-
-def read_activitynet(annotations: str, videos: str, split: str, max_words: int | None = 50, **_: object):
-    """ActivityNet Captions: line 0 of ``{split}.json`` is a list of ``{video, caption: [sentences]}``; test = val."""
-    file_split = "val" if split == "test" else split
-    path = _require(os.path.join(annotations, f"{file_split}.json"), f"ActivityNet Captions {file_split} annotations")
-    with open(path, encoding="utf-8") as f:
-        first = f.readline()
-        try:
-            records = json.loads(first)
-        except json.JSONDecodeError:  # a pretty-printed file: read it whole
-            f.seek(0)
-            try:
-                records = json.load(f)
-            except json.JSONDecodeError as error:
-                raise AnnotationError(f"{path}: neither line 0 nor the whole file is JSON ({error})") from None
-    if not isinstance(records, list):
-        raise AnnotationError(
-            f"{path}: line 0 should be a JSON list of {{video, caption}}, got {type(records).__name__}"
-        )
-
-    def rows() -> RowStream:
-        for index, record in enumerate(records):
-            video = str(_field(record, "video", path, f"entry {index}"))
-            sentences = _field(record, "caption", path, f"entry {index}")
-            if isinstance(sentences, str):
-                sentences = [sentences]
-            text = " ".join(str(s) for s in sentences)
-            if max_words is not None:
-                text = pre_caption(text, max_words)
-            video_id = os.path.splitext(video)[0]
-            yield {"text": text, "video_id": video_id}, find_media([os.path.join(videos, video)])
-
-    return [path], rows()
-
-
-def read_condensed_movies(annotations: str, videos: str, split: str, max_words: int | None = 50, **_: object):
-    """Condensed Movies: rows of the challenge csv whose ``split`` column equals `split`; video ``<videoid>.mkv``."""
-    name = "test_challf0.csv" if split == "test" else "train_val_challf0.csv"
-    path = _first_existing(annotations, [name, os.path.join("metadata", name)], f"Condensed Movies {name}")
-
-    def rows() -> RowStream:
-        with open(path, encoding="utf-8", newline="") as f:
-            reader = csv.DictReader(f)
-            for column in ("videoid", "caption", "split"):
-                if column not in (reader.fieldnames or []):
-                    raise AnnotationError(f"{path}: no column {column!r} (columns: {reader.fieldnames})")
-            for record in reader:
-                if record["split"] != split:
-                    continue
-                video_id = record["videoid"]
-                text = record["caption"]
-                if max_words is not None:
-                    text = pre_caption(text, max_words)
-                base = os.path.join(videos, video_id)
-                media = find_media([base + ext for ext in (".mkv", ".mp4", ".webm")])
-                yield {"text": text, "video_id": video_id}, media
-
-    return [path], rows()
-
-
-def read_activitynet_qa(annotations: str, videos: str, split: str, max_words: int | None = 50, **_: object):
-    """ActivityNet-QA: questions joined to answers by ``question_id``; video ``v_<video_name>.mp4`` (then .webm)."""
-    q_name, a_name = f"{split}_q.json", f"{split}_a.json"
-    q_path = _first_existing(annotations, [q_name, f"annos/{q_name}"], f"ActivityNet-QA {q_name}")
-    a_path = _first_existing(annotations, [a_name, f"annos/{a_name}"], f"ActivityNet-QA {a_name}")
-    with open(q_path, encoding="utf-8") as f:
-        questions = json.load(f)
-    with open(a_path, encoding="utf-8") as f:
-        answers = json.load(f)
-    for path, data in ((q_path, questions), (a_path, answers)):
-        if not isinstance(data, list):
-            raise AnnotationError(f"{path}: expected a JSON list, got {type(data).__name__}")
-    qid2answer = {}
-    for index, record in enumerate(answers):
-        qid2answer[_field(record, "question_id", a_path, f"entry {index}")] = _field(
-            record, "answer", a_path, f"entry {index}")
-
-    def rows() -> RowStream:
-        for index, record in enumerate(questions):
-            qid = _field(record, "question_id", q_path, f"entry {index}")
-            if qid not in qid2answer:
-                raise AnnotationError(f"{a_path}: no answer for question_id {qid!r} of {q_path}")
-            question = str(_field(record, "question", q_path, f"entry {index}"))
-            if max_words is not None:
-                question = pre_question(question, max_words)
-            video_id = "v_" + str(_field(record, "video_name", q_path, f"entry {index}"))
-            base = os.path.join(videos, video_id)
-            media = find_media([base + ext for ext in (".mp4", ".webm", ".mkv")])
-            yield {"question": question, "answer": str(qid2answer[qid]), "video_id": video_id,
-                   "question_id": str(qid)}, media
-
-    return [q_path, a_path], rows()
-
-
-def read_webvid(annotations: str, videos: str, split: str, max_words: int | None = 30, **_: object):
-    """WebVid-2M/10M csv (``videoid, contentUrl, duration, page_dir, name``); caption ``name`` (or ``caption``)."""
-    size_tags = ("2M", "10M")
-    names = [f"results_{tag}_{split}.csv" for tag in size_tags] + [f"{split}.csv"]
-    path = annotations if os.path.isfile(annotations) else _first_existing(annotations, names, f"WebVid {split} csv")
-
-    def rows() -> RowStream:
-        with open(path, encoding="utf-8", newline="") as f:
-            reader = csv.DictReader(f)
-            columns = reader.fieldnames or []
-            caption_column = "name" if "name" in columns else "caption" if "caption" in columns else None
-            if "videoid" not in columns or caption_column is None:
-                raise AnnotationError(f"{path}: need columns 'videoid' and 'name' (or 'caption'), got {columns}")
-            for record in reader:
-                video_id = record["videoid"]
-                text = record[caption_column]
-                if max_words is not None:
-                    text = pre_caption(text, max_words)
-                candidates = [os.path.join(videos, video_id + ".mp4")]
-                if record.get("page_dir"):
-                    candidates.insert(0, os.path.join(videos, record["page_dir"], video_id + ".mp4"))
-                yield {"text": text, "video_id": video_id}, find_media(candidates)
-
-    return [path], rows()
-
-
-def _img2dataset_index(images: str) -> dict[str, str]:
-    """url -> image path from img2dataset's per-shard parquet files (rows with status "success")."""
-    import pyarrow.parquet as pq
-
-    index: dict[str, str] = {}
-    for parquet in sorted(glob.glob(os.path.join(glob.escape(images), "**", "*.parquet"), recursive=True)):
-        table = pq.read_table(parquet)
-        missing = [c for c in ("url", "key") if c not in table.column_names]
-        if missing:
-            raise AnnotationError(f"{parquet}: not an img2dataset shard table, no column(s) {missing}")
-        folder = os.path.splitext(parquet)[0]
-        urls, keys = table.column("url").to_pylist(), table.column("key").to_pylist()
-        status = table.column("status").to_pylist() if "status" in table.column_names else ["success"] * len(urls)
-        for url, key, state in zip(urls, keys, status):
-            if state == "success" and url not in index:
-                index[url] = os.path.join(folder, f"{key}.jpg")
-    return index
-
-
-def read_cc3m(annotations: str, videos: str, split: str, max_words: int | None = 30, image_layout: str = "img2dataset",
-              **_: object):
-    """CC3M tsv (``caption<TAB>url``, no header) -> ``{"image", "text", "image_id"}`` rows (see module docstring)."""
-    names = {"train": ["Train_GCC-training.tsv", "train.tsv"],
-             "val": ["Validation_GCC-1.1.0-Validation.tsv", "val.tsv"]}.get(split, [f"{split}.tsv"])
-    path = annotations if os.path.isfile(annotations) else _first_existing(annotations, names, f"CC3M {split} tsv")
-    if image_layout not in ("img2dataset", "flat"):
-        raise ValueError(f"unknown image_layout {image_layout!r}; use 'img2dataset' or 'flat'")
-    index = _img2dataset_index(videos) if image_layout == "img2dataset" else {}
-    if image_layout == "img2dataset" and not index:
-        raise AnnotationError(
-            f"no img2dataset shard parquet files (url, key, status) under {videos!r}; download with img2dataset "
-            f"--output_format files, or pass --image-layout flat for IMAGES/<row index>.jpg"
-        )
-
-    def rows() -> RowStream:
-        with open(path, encoding="utf-8", newline="") as f:
-            for number, line in enumerate(f):
-                line = line.rstrip("\r\n")
-                if not line:
-                    continue
-                parts = line.split("\t")
-                if len(parts) != 2:
-                    raise AnnotationError(f"{path}:{number + 1}: expected 'caption<TAB>url', got {len(parts)} fields")
-                caption, url = parts
-                text = pre_caption(caption, max_words) if max_words is not None else caption
-                if image_layout == "flat":
-                    media = find_media([os.path.join(videos, f"{number}.jpg")])
-                    image_id = str(number)
-                else:
-                    found = index.get(url)
-                    media = Media([found or url], found if found and os.path.isfile(found) else None)
-                    image_id = os.path.splitext(os.path.basename(found))[0] if found else str(number)
-                yield {"text": text, "image_id": image_id}, media
-
-    return [path], rows()
+    @property
+    def prefix(self) -> str:
+        """File name prefix of the dataset's splits (``qa_`` for QA)."""
+        return "qa_" if self.task == "qa" else ""
 
 
 DATASETS: dict[str, DatasetSpec] = {
     spec.name: spec
     for spec in (
-        DatasetSpec("queryd", ("train", "val", "test"), "video", "retrieval", 128, False, read_queryd),
+        DatasetSpec("queryd", ("train", "val", "test"), "video", "retrieval", 128, True, read_queryd),
         DatasetSpec("didemo", ("train", "val", "test"), "video", "retrieval", None, True, read_didemo),
-        DatasetSpec("activitynet", ("train", "val", "test"), "video", "retrieval", 50, False, read_activitynet),
-        DatasetSpec("condensed_movies", ("train", "val", "test"), "video", "retrieval", 50, False,
+        DatasetSpec("activitynet", ("train", "val", "test"), "video", "retrieval", 50, True, read_activitynet),
+        DatasetSpec("condensed_movies", ("train", "val", "test"), "video", "retrieval", 50, True,
                     read_condensed_movies),
         DatasetSpec("activitynet_qa", ("train", "val", "test"), "video", "qa", 50, False, read_activitynet_qa),
         DatasetSpec("webvid", ("train", "val"), "video", "pretrain", 30, False, read_webvid),
@@ -431,88 +129,168 @@ DATASETS: dict[str, DatasetSpec] = {
 }
 
 
+@dataclass
+class SplitReport:
+    """What a build did with one split (``build_report.json`` holds one per split)."""
+
+    split: str
+    format: str = ""
+    annotation_files: list[str] = field(default_factory=list)
+    rows: int = 0
+    videos: int = 0  # distinct videos / images of the split's rows (after dropping eval duplicates)
+    missing_videos: int = 0
+    missing_rows: int = 0
+    missing_examples: list[dict] = field(default_factory=list)  # {video_id, rows, path}
+    duplicates_dropped: int = 0
+    files: list[str] = field(default_factory=list)
+    details: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> SplitReport:
+        """A report read back from ``build_report.json`` (unknown keys ignored)."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    @property
+    def missing_share(self) -> float:
+        """Share of the split's videos that are missing."""
+        return self.missing_videos / self.videos if self.videos else 0.0
+
+    def summary(self) -> str:
+        """One line: rows, videos, missing and duplicates."""
+        text = f"{self.split}: {self.rows} rows, {self.videos} videos ({self.format})"
+        if self.duplicates_dropped:
+            text += f", {self.duplicates_dropped} duplicate rows of already listed videos dropped"
+        if self.missing_videos:
+            text += f", {self.missing_videos} missing videos ({self.missing_rows} rows)"
+        return text
+
+
+@dataclass
+class MissingVideo:
+    """A video (or image) not found: the path reported (first candidate) and how many rows it affects."""
+
+    video_id: str
+    path: str
+    rows: int = 0
+
+
 # ----------------------------------------------------------------------------------------------------------------
-# writing
+# one split
 
 
-class ShardWriter:
-    """Writes rows round-robin into `num_shards` jsonl or parquet files (row i -> shard i % num_shards)."""
-
-    def __init__(self, output_dir: str, stem: str, fmt: str, num_shards: int, batch_rows: int = 10_000):
-        if fmt not in ("jsonl", "parquet"):
-            raise ValueError(f"format must be 'jsonl' or 'parquet', got {fmt!r}")
-        if num_shards < 1:
-            raise ValueError(f"num_shards must be >= 1, got {num_shards}")
-        self.fmt, self.num_shards, self.batch_rows = fmt, num_shards, batch_rows
-        if num_shards == 1:
-            self.paths = [os.path.join(output_dir, f"{stem}.{fmt}")]
-        else:
-            self.paths = [
-                os.path.join(output_dir, f"{stem}-{i:05d}-of-{num_shards:05d}.{fmt}") for i in range(num_shards)
-            ]
-        self.count = 0
-        self._jsonl = [open(p, "w", encoding="utf-8", newline="\n") for p in self.paths] if fmt == "jsonl" else []
-        self._buffers: list[list[dict]] = [[] for _ in self.paths]
-        self._writers: list[object | None] = [None] * num_shards
-        self._schema = None
-
-    def write(self, row: dict) -> None:
-        shard = self.count % self.num_shards
-        self.count += 1
-        if self.fmt == "jsonl":
-            self._jsonl[shard].write(json.dumps(row, ensure_ascii=False) + "\n")
-        else:
-            self._buffers[shard].append(row)
-            if len(self._buffers[shard]) >= self.batch_rows:
-                self._flush(shard)
-
-    def _flush(self, shard: int) -> None:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        rows = self._buffers[shard]
-        if self._schema is None:
-            if not rows:
-                return
-            self._schema = pa.schema([(key, pa.string()) for key in rows[0]])
-        if self._writers[shard] is None:
-            self._writers[shard] = pq.ParquetWriter(self.paths[shard], self._schema)
-        if rows:
-            table = pa.Table.from_pylist(rows, schema=self._schema)
-            self._writers[shard].write_table(table)  # type: ignore[union-attr]
-        self._buffers[shard] = []
-
-    def close(self) -> list[str]:
-        """Finishes every file (empty shards become valid empty files) and returns their paths."""
-        for f in self._jsonl:
-            f.close()
-        if self.fmt == "parquet":
-            import pyarrow as pa
-            import pyarrow.parquet as pq
-
-            for shard in range(self.num_shards):
-                self._flush(shard)
-            for shard, writer in enumerate(self._writers):
-                if writer is None:  # a shard without rows, or no rows at all
-                    schema = self._schema or pa.schema([])
-                    pq.write_table(pa.Table.from_pylist([], schema=schema), self.paths[shard])
-                else:
-                    writer.close()  # type: ignore[union-attr]
-        return self.paths
+def consume_split(spec: DatasetSpec, source: SplitSource, split: str, writer: ShardWriter, missing: str,
+                  relative_to: str | None) -> tuple[SplitReport, dict[str, MissingVideo]]:
+    """Writes the rows of `source` whose media exist (or all, with ``missing="keep"``) and counts what happened."""
+    report = SplitReport(split, source.format, source.files)
+    lost: dict[str, MissingVideo] = {}
+    seen: set[str] = set()
+    dedup = spec.dedup_eval and split != "train"
+    for row, media in source.rows:
+        key = str(row.get("video_id", row.get("image_id")))
+        if dedup and key in seen:
+            report.duplicates_dropped += 1
+            continue
+        seen.add(key)
+        if media.path is None:
+            entry = lost.setdefault(key, MissingVideo(key, media.candidates[0]))
+            entry.rows += 1
+            if missing != "keep":
+                continue
+        path = media.path or media.candidates[0]
+        if relative_to and os.path.isabs(path):
+            path = os.path.relpath(path, relative_to)
+        writer.write({spec.media_column: path, **row})
+        report.rows += 1
+    report.videos = len(seen)
+    report.missing_videos = len(lost)
+    report.missing_rows = sum(m.rows for m in lost.values())
+    report.missing_examples = [asdict(m) for m in list(lost.values())[:MAX_EXAMPLES]]
+    report.details = dict(source.details)
+    return report, lost
 
 
-def _card(dataset: str, reports: dict[str, SplitReport], prefix: str, fmt: str, num_shards: int) -> str:
-    split_names = {"train": "train", "val": "validation", "test": "test"}
-    lines = ["---", "configs:", "- config_name: default", "  data_files:"]
-    for split in reports:
-        pattern = f"{prefix}{split}.{fmt}" if num_shards == 1 else f"{prefix}{split}-*-of-*.{fmt}"
-        lines += [f"  - split: {split_names.get(split, split)}", f"    path: {pattern}"]
-    lines += ["---", "", f"# {dataset} in the TESTA schema", "",
-              f"Built by `python -m processing.builders {dataset}`. See `build_report.json` for row and missing-media "
-              f"counts. Relative media paths are relative to this directory; load with `processing.load_split`.", ""]
-    for report in reports.values():
-        lines.append(f"- {report.summary()}")
-    return "\n".join(lines) + "\n"
+def write_missing_list(path: str, lost: dict[str, MissingVideo]) -> None:
+    """``video_id<TAB>rows<TAB>expected path`` per missing video, with a header line."""
+    with open(path, "w", encoding="utf-8", newline="\n") as f:
+        f.write("video_id\trows\texpected_path\n")
+        for entry in lost.values():
+            f.write(f"{entry.video_id}\t{entry.rows}\t{entry.path}\n")
+
+
+def split_problem(report: SplitReport, missing: str, max_missing_share: float) -> str | None:
+    """Why a split must fail the build (empty, or too many videos dropped), or None."""
+    if report.rows == 0:
+        if report.videos and report.missing_videos == report.videos:
+            example = report.missing_examples[0]["path"] if report.missing_examples else "?"
+            return f"{report.split} is empty: all {report.videos} videos are missing (e.g. {example})"
+        return f"{report.split} is empty: {report.annotation_files} list no entries for it"
+    if missing == "drop" and report.missing_share > max_missing_share:
+        return (f"{report.split} lost {report.missing_videos} of {report.videos} videos "
+                f"({report.missing_share:.1%} > --max-missing-share {max_missing_share:g}), e.g. "
+                f"{report.missing_examples[0]['path']}")
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the whole build
+
+
+def resolve_splits(spec: DatasetSpec, annotations: str, splits: Iterable[str] | None) -> tuple[tuple[str, ...], bool]:
+    """The splits to build and whether they were asked for explicitly."""
+    explicit = bool(splits)
+    chosen = tuple(splits) if splits else spec.splits
+    if os.path.isfile(annotations):  # one csv/tsv file (webvid, cc3m) is one split: train unless told otherwise
+        if spec.name not in ("webvid", "cc3m"):
+            raise OptionError(f"{spec.name} needs an annotation directory, got the file {annotations!r}")
+        if not explicit:
+            chosen = ("train",)
+        elif len(chosen) != 1:
+            raise OptionError(f"--annotations {annotations!r} is one file: build one split from it, got {chosen}")
+    unknown = [s for s in chosen if s not in spec.splits]
+    if unknown:
+        raise OptionError(f"{spec.name} has no split(s) {unknown}; its splits are {list(spec.splits)}")
+    return chosen, explicit
+
+
+def previous_build(output_dir: str, dataset: str) -> dict:
+    """The ``build_report.json`` of a previous build in `output_dir` ({} if none); another dataset's is an error."""
+    path = os.path.join(output_dir, "build_report.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        previous = json.load(f)
+    if previous.get("dataset") != dataset:
+        raise OptionError(f"--output-dir {output_dir!r} holds a build of {previous.get('dataset')!r}, not {dataset!r}; "
+                          f"choose another folder")
+    return previous
+
+
+def carry_over(previous: dict, output_dir: str, stage: str, prefix: str, built: Iterable[str]) -> dict[str, dict]:
+    """Links (or copies) the files of the previous build's splits that this build does not write into `stage`;
+    returns their report entries."""
+    carried = {}
+    for split, entry in previous.get("splits", {}).items():
+        if split in built:
+            continue
+        names = list(entry.get("files", [])) + [f"missing_{prefix}{split}.tsv"]
+        for name in names:
+            source = os.path.join(output_dir, name)
+            if not os.path.isfile(source):
+                continue
+            try:
+                os.link(source, os.path.join(stage, name))
+            except OSError:
+                shutil.copy2(source, os.path.join(stage, name))
+        carried[split] = entry
+    return carried
+
+
+def file_pattern(files: list[str]) -> str:
+    """The dataset-card pattern of a split's files: the file itself, or ``stem-*-of-NNNNN.ext`` for shards."""
+    if len(files) == 1:
+        return files[0]
+    return re.sub(r"-\d{5}-of-(\d{5})", r"-*-of-\1", files[0])
 
 
 def build(
@@ -528,145 +306,178 @@ def build(
     max_words: int | None = -1,
     image_layout: str = "img2dataset",
     progress: bool = True,
+    sentence_order: str = "time",
+    max_missing_share: float = DEFAULT_MAX_MISSING_SHARE,
+    allow_missing: bool = False,
 ) -> dict[str, SplitReport]:
-    """Builds `dataset` into `output_dir` and returns one :class:`SplitReport` per split.
+    """Builds `dataset` into `output_dir` and returns one :class:`SplitReport` per split built.
 
     Args:
-        dataset: a key of :data:`DATASETS` (``queryd``, ``didemo``, ``activitynet``, ``condensed_movies``,
-            ``activitynet_qa``, ``webvid``, ``cc3m``).
+        dataset: a key of :data:`DATASETS`.
         annotations: directory of the annotation files (WebVid / CC3M: also a single csv / tsv file).
         videos: directory of the videos (CC3M: of the images).
-        output_dir: destination directory (created).
+        output_dir: destination; replaced as a whole when the build succeeds, untouched when it fails.
         fmt: ``"jsonl"`` or ``"parquet"``.
         num_shards: files per split; rows are spread round-robin so shard sizes differ by at most one.
-        splits: splits to build. Default: every split of the dataset whose annotation file exists (a note is
-            printed for the others); an explicitly requested split without annotations is an error.
-        missing: rows whose video is missing are ``"drop"``-ped (reported), ``"keep"``-t (reported) or raise
-            (``"error"``).
+        splits: splits to build. Default: every split whose annotation file exists (a note is printed for the
+            others); an explicitly requested split without annotations is an error.
+        missing: rows whose video is missing are ``"drop"``-ped, ``"keep"``-t, or stop the build (``"error"``);
+            always reported once per video.
         relative_paths: write media paths relative to `output_dir` instead of absolute.
-        max_words: word limit of the text cleaning; ``-1`` = the dataset's default (paper setting), ``None`` = no
-            cleaning at all.
+        max_words: word limit of the text cleaning; ``-1`` = the dataset's default (paper setting), ``None`` = raw.
         image_layout: CC3M only: ``"img2dataset"`` or ``"flat"``.
         progress: show a tqdm progress bar per split.
+        sentence_order: ``"time"`` (sort a video's sentences by start time) or ``"file"`` (the release's order).
+        max_missing_share: with ``drop``, the largest share of a split's videos that may be missing.
+        allow_missing: build even when a split ends empty or loses more than `max_missing_share`.
+
+    Raises:
+        BuildError: with a one-line message naming the input (its subclasses :class:`AnnotationError`,
+            :class:`MediaError`, :class:`OptionError`).
     """
     from tqdm.auto import tqdm
 
     if dataset not in DATASETS:
-        raise ValueError(f"unknown dataset {dataset!r}; choose from {', '.join(DATASETS)}")
-    if missing not in ("drop", "keep", "error"):
-        raise ValueError(f"missing must be 'drop', 'keep' or 'error', got {missing!r}")
+        raise OptionError(f"unknown dataset {dataset!r}; choose from {', '.join(DATASETS)}")
+    if missing not in MISSING_POLICIES:
+        raise OptionError(f"--missing must be one of {MISSING_POLICIES}, got {missing!r}")
+    if sentence_order not in SENTENCE_ORDERS:
+        raise OptionError(f"--sentence-order must be one of {SENTENCE_ORDERS}, got {sentence_order!r}")
+    if fmt not in FORMATS:
+        raise OptionError(f"--format must be one of {FORMATS}, got {fmt!r}")
+    if not 0 <= max_missing_share <= 1:
+        raise OptionError(f"--max-missing-share must be between 0 and 1, got {max_missing_share}")
+    if image_layout not in IMAGE_LAYOUTS:
+        raise OptionError(f"--image-layout must be one of {IMAGE_LAYOUTS}, got {image_layout!r}")
     spec = DATASETS[dataset]
-    explicit = bool(splits)
-    splits = tuple(splits) if splits else spec.splits
-    if os.path.isfile(annotations):  # one csv/tsv file (webvid, cc3m) is one split: train unless told otherwise
-        if dataset not in ("webvid", "cc3m"):
-            raise AnnotationError(f"{dataset} needs an annotation directory, got the file {annotations!r}")
-        if not explicit:
-            splits = ("train",)
-        elif len(splits) != 1:
-            raise ValueError(f"--annotations {annotations!r} is one file: build one split from it, got {splits}")
-    unknown = [s for s in splits if s not in spec.splits]
-    if unknown:
-        raise ValueError(f"{dataset} has no split(s) {unknown}; its splits are {list(spec.splits)}")
+    chosen, explicit = resolve_splits(spec, annotations, splits)
+    if not os.path.exists(annotations):
+        raise AnnotationNotFound(f"--annotations {annotations!r} does not exist")
     if not os.path.isdir(videos):
-        raise FileNotFoundError(f"video/image directory not found: {videos!r}")
+        raise MediaError(f"--videos {videos!r} is not a directory")
     words = spec.max_words if max_words == -1 else max_words
-    os.makedirs(output_dir, exist_ok=True)
+    options = ReadOptions(words, sentence_order, image_layout)
     out_abs = os.path.abspath(output_dir)
-    prefix = "qa_" if spec.task == "qa" else ""
+    previous = previous_build(out_abs, dataset)
     reports: dict[str, SplitReport] = {}
-    for split in splits:
-        try:
-            files, rows = spec.read(os.path.abspath(annotations), os.path.abspath(videos), split, max_words=words,
-                                    image_layout=image_layout)
-        except AnnotationNotFound as error:
-            if explicit:
-                raise
-            print(f"note: {dataset}: skipping split {split!r} ({error})", file=sys.stderr)
-            continue
-        report = SplitReport(split, files)
-        writer = ShardWriter(output_dir, f"{prefix}{split}", fmt, num_shards)
-        missing_list: list[str] = []
-        seen: set[str] = set()
-        dedup = spec.dedup_eval and split != "train"
-        try:
-            for row, media in tqdm(rows, desc=f"{dataset} {split}", unit="row", disable=not progress):
-                key = row.get("video_id") or row.get("image_id")
-                if dedup:
-                    if key in seen:
-                        report.duplicates_dropped += 1
-                        continue
-                    seen.add(key)
-                if media.path is None:
-                    report.missing += 1
-                    missing_list.append(media.candidates[0])
-                    if len(report.missing_examples) < MAX_EXAMPLES:
-                        report.missing_examples.append(media.candidates[0])
-                    if missing == "error":
-                        raise FileNotFoundError(
-                            f"{dataset} {split}: media of {key!r} not found (tried {media.candidates}); "
-                            f"use --missing drop or keep to build anyway"
-                        )
-                    if missing == "drop":
-                        continue
-                path = media.path or media.candidates[0]
-                if relative_paths and os.path.isabs(path):
-                    path = os.path.relpath(path, out_abs)
-                writer.write({spec.media_column: path, **row})
-                report.rows += 1
-        finally:
-            report.files = [os.path.basename(p) for p in writer.close()]
-        missing_file = os.path.join(output_dir, f"missing_{prefix}{split}.txt")
-        if missing_list:
-            with open(missing_file, "w", encoding="utf-8") as f:
-                f.write("\n".join(missing_list) + "\n")
+    skipped: list[str] = []
+    with staging(out_abs) as stage:
+        for split in chosen:
+            try:
+                source = spec.read(os.path.abspath(annotations), os.path.abspath(videos), split, options)
+            except AnnotationNotFound as error:
+                if explicit:
+                    raise
+                skipped.append(str(error))
+                continue
+            writer = ShardWriter(stage, f"{spec.prefix}{split}", fmt, num_shards)
+            try:
+                rows = tqdm(source.rows, desc=f"{dataset} {split}", unit="row", disable=not progress)
+                source.rows = iter(rows)
+                report, lost = consume_split(spec, source, split, writer, missing,
+                                             out_abs if relative_paths else None)
+            finally:
+                report_files = [os.path.basename(p) for p in writer.close()]
+            report.files = report_files
+            if lost and missing == "error":
+                first = next(iter(lost.values()))
+                raise MediaError(f"{dataset} {split}: {len(lost)} of {report.videos} videos missing ({first.path!r} "
+                                 f"and more); nothing was written. --missing keep writes the full list to "
+                                 f"missing_{spec.prefix}{split}.tsv")
+            if lost:
+                write_missing_list(os.path.join(stage, f"missing_{spec.prefix}{split}.tsv"), lost)
+            reports[split] = report
+        if not reports:
+            raise AnnotationNotFound(f"{dataset}: no annotation files for any of the splits {list(chosen)}: "
+                                     + "; ".join(skipped))
+        for note in skipped:
+            print(f"note: {dataset}: split skipped: {note}", file=sys.stderr)
+        problems = [p for r in reports.values() if (p := split_problem(r, missing, max_missing_share))]
+        if problems and not allow_missing:
+            raise MediaError(f"{dataset}: " + "; ".join(problems) + f". Nothing was written to {output_dir!r}: check "
+                             f"--videos {videos!r}, or pass --allow-missing (or a larger --max-missing-share)")
+        carried = carry_over(previous, out_abs, stage, spec.prefix, reports)
+        all_reports = {**{s: SplitReport.from_dict(e) for s, e in carried.items()}, **reports}
+        with open(os.path.join(stage, "build_report.json"), "w", encoding="utf-8") as f:
+            json.dump({"dataset": dataset, "annotations": os.path.abspath(annotations),
+                       "videos": os.path.abspath(videos), "format": fmt, "num_shards": num_shards,
+                       "missing_policy": missing, "max_missing_share": max_missing_share,
+                       "allow_missing": allow_missing, "max_words": words, "sentence_order": sentence_order,
+                       "splits": {s: asdict(r) for s, r in all_reports.items()}}, f, indent=1)
+            f.write("\n")
+        with open(os.path.join(stage, "README.md"), "w", encoding="utf-8") as f:
+            f.write(card(dataset, {s: file_pattern(r.files) for s, r in all_reports.items()},
+                         [r.summary() for r in all_reports.values()]))
+    for report in reports.values():
+        if report.missing_videos:
             action = {"drop": "dropped", "keep": "kept"}[missing]
-            print(f"WARNING: {dataset} {split}: {report.missing} rows with missing media ({action}), e.g. "
-                  f"{report.missing_examples}; full list in {missing_file}", file=sys.stderr)
-        elif os.path.exists(missing_file):
-            os.remove(missing_file)
-        reports[split] = report
-    if not reports:
-        raise AnnotationNotFound(f"{dataset}: no annotation files for any of the splits {list(splits)} in "
-                                 f"{annotations!r}")
-    with open(os.path.join(output_dir, "build_report.json"), "w", encoding="utf-8") as f:
-        json.dump({"dataset": dataset, "format": fmt, "num_shards": num_shards, "missing_policy": missing,
-                   "max_words": words, "splits": {s: asdict(r) for s, r in reports.items()}}, f, indent=1)
-        f.write("\n")
-    with open(os.path.join(output_dir, "README.md"), "w", encoding="utf-8") as f:
-        f.write(_card(dataset, reports, prefix, fmt, num_shards))
+            print(f"WARNING: {dataset} {report.split}: {report.missing_videos} of {report.videos} videos missing "
+                  f"({report.missing_rows} rows {action}), e.g. {report.missing_examples[0]['path']}; list in "
+                  f"{os.path.join(output_dir, f'missing_{spec.prefix}{report.split}.tsv')}", file=sys.stderr)
     return reports
 
 
-def main(argv: list[str] | None = None) -> dict[str, SplitReport]:
+# ----------------------------------------------------------------------------------------------------------------
+# command line
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line of ``python -m processing.builders``."""
     parser = argparse.ArgumentParser(
         prog="python -m processing.builders",
-        description="Convert a public dataset's annotations into TESTA's jsonl/parquet schema.",
-        epilog="Datasets: " + ", ".join(DATASETS) + ". See the module docstring for the expected files.",
+        description="Convert a public dataset's annotation release into TESTA's jsonl/parquet schema.",
+        epilog="Datasets: " + ", ".join(DATASETS) + ". docs/data.md gives the files and command of each.",
     )
     parser.add_argument("dataset", choices=sorted(DATASETS))
     parser.add_argument("--annotations", required=True, help="annotation directory (webvid/cc3m: or the csv/tsv)")
     parser.add_argument("--videos", required=True, help="video directory (cc3m: image directory)")
-    parser.add_argument("--output-dir", required=True)
-    parser.add_argument("--format", choices=("jsonl", "parquet"), default="jsonl")
+    parser.add_argument("--output-dir", required=True, help="replaced as a whole when the build succeeds")
+    parser.add_argument("--format", choices=FORMATS, default="jsonl")
     parser.add_argument("--num-shards", type=int, default=1, help="files per split (use a multiple of the GPUs)")
     parser.add_argument("--splits", nargs="+", default=None, help="subset of the dataset's splits")
-    parser.add_argument("--missing", choices=("drop", "keep", "error"), default="drop",
-                        help="what to do with rows whose media file is missing (always reported)")
+    parser.add_argument("--missing", choices=MISSING_POLICIES, default="drop",
+                        help="what to do with rows whose video is missing (always reported, once per video)")
+    parser.add_argument("--max-missing-share", type=float, default=DEFAULT_MAX_MISSING_SHARE,
+                        help="fail when --missing drop loses more than this share of a split's videos (default "
+                             "%(default)s)")
+    parser.add_argument("--allow-missing", action="store_true",
+                        help="build even when a split ends empty or loses more than --max-missing-share")
+    parser.add_argument("--sentence-order", choices=SENTENCE_ORDERS, default="time",
+                        help="order of a video's sentences in its paragraph: by start time (default) or as in the file")
     parser.add_argument("--relative-paths", action="store_true", help="media paths relative to --output-dir")
     parser.add_argument("--max-words", type=int, default=-1,
                         help="word limit of pre_caption/pre_question (default: the paper's per-dataset value)")
-    parser.add_argument("--image-layout", choices=("img2dataset", "flat"), default="img2dataset", help="cc3m only")
+    parser.add_argument("--image-layout", choices=IMAGE_LAYOUTS, default="img2dataset", help="cc3m only")
     parser.add_argument("--no-progress", action="store_true")
-    args = parser.parse_args(argv)
-    reports = build(args.dataset, args.annotations, args.videos, args.output_dir, fmt=args.format,
-                    num_shards=args.num_shards, splits=args.splits, missing=args.missing,
-                    relative_paths=args.relative_paths, max_words=args.max_words, image_layout=args.image_layout,
-                    progress=not args.no_progress)
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs a build; returns the exit status (0 built, 1 the build failed: one line on stderr, 2 bad usage)."""
+    args = parse_args(argv)
+    try:
+        reports = build(args.dataset, args.annotations, args.videos, args.output_dir, fmt=args.format,
+                        num_shards=args.num_shards, splits=args.splits, missing=args.missing,
+                        relative_paths=args.relative_paths, max_words=args.max_words,
+                        image_layout=args.image_layout, progress=not args.no_progress,
+                        sentence_order=args.sentence_order, max_missing_share=args.max_missing_share,
+                        allow_missing=args.allow_missing)
+    except (BuildError, OSError) as error:
+        if args.debug:
+            raise
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     for report in reports.values():
         print(f"{args.dataset} {report.summary()} -> {', '.join(report.files)}")
-    return reports
+    return 0
+
+
+__all__ = [
+    "DATASETS", "AnnotationError", "AnnotationNotFound", "BuildError", "DatasetSpec", "Media", "MediaError",
+    "OptionError", "SplitReport", "build", "find_media", "main", "pre_caption", "pre_question",
+]
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
