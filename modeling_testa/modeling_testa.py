@@ -462,16 +462,17 @@ class _TestaContrastiveModel(_TestaMultimodalPreTrainedModel):
         queries_are_texts: bool,
         input_ids: torch.Tensor,
         video_tokens: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        video_token_sizes: torch.Tensor | None,
-        text_features: torch.Tensor | None,
-        video_features: torch.Tensor | None,
-        k: int | None,
-        itm_score: str,
-        add_cosine: bool,
-        batch_size: int,
+        attention_mask: torch.Tensor | None = None,
+        video_token_sizes: torch.Tensor | None = None,
+        text_features: torch.Tensor | None = None,
+        video_features: torch.Tensor | None = None,
+        k: int | None = None,
+        itm_score: str = "logit",
+        add_cosine: bool = True,
+        batch_size: int = 128,
     ) -> TestaRankingOutput:
-        """Checks the inputs, embeds what was not given, and ranks with `ranking.two_stage_scores`."""
+        """Checks the inputs of `rank_videos`/`rank_texts`, embeds what was not given, and ranks with
+        `ranking.two_stage_scores`."""
         check_input_ids(input_ids)
         if not isinstance(video_tokens, torch.Tensor) or video_tokens.ndim != 3:
             raise ValueError("`video_tokens` must be the cached (num_videos, tokens, hidden) encoder output.")
@@ -527,17 +528,7 @@ class _TestaContrastiveModel(_TestaMultimodalPreTrainedModel):
         )
 
     def rank_videos(
-        self,
-        input_ids: torch.Tensor,
-        video_tokens: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        video_token_sizes: torch.Tensor | None = None,
-        text_features: torch.Tensor | None = None,
-        video_features: torch.Tensor | None = None,
-        k: int | None = None,
-        itm_score: str = "logit",
-        add_cosine: bool = True,
-        batch_size: int = 128,
+        self, input_ids: torch.Tensor, video_tokens: torch.Tensor, attention_mask: torch.Tensor | None = None, **options
     ) -> TestaRankingOutput:
         r"""
         Text-to-video retrieval in two stages, as in the original evaluation (see `ranking.py`): the cosine
@@ -560,31 +551,19 @@ class _TestaContrastiveModel(_TestaMultimodalPreTrainedModel):
             video_token_sizes (`torch.FloatTensor` of shape `(num_videos, tokens)`, *optional*): needed for
                 ``video_pooling="weighted_mean"``.
             text_features, video_features (`torch.FloatTensor`, *optional*): precomputed normalised embeddings.
+            k (`int`, *optional*): candidates re-ranked per query (defaults to ``config.k_test``).
+            itm_score (`str`, defaults to `"logit"`), add_cosine (`bool`, defaults to `True`): how a re-ranked pair
+                is scored.
+            batch_size (`int`, defaults to 128): (text, video) pairs per matching-head forward.
         """
-        return self._rank(
-            True, input_ids, video_tokens, attention_mask, video_token_sizes, text_features, video_features, k,
-            itm_score, add_cosine, batch_size,
-        )
+        return self._rank(True, input_ids, video_tokens, attention_mask, **options)
 
     def rank_texts(
-        self,
-        input_ids: torch.Tensor,
-        video_tokens: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        video_token_sizes: torch.Tensor | None = None,
-        text_features: torch.Tensor | None = None,
-        video_features: torch.Tensor | None = None,
-        k: int | None = None,
-        itm_score: str = "logit",
-        add_cosine: bool = True,
-        batch_size: int = 128,
+        self, input_ids: torch.Tensor, video_tokens: torch.Tensor, attention_mask: torch.Tensor | None = None, **options
     ) -> TestaRankingOutput:
         """Video-to-text retrieval in two stages; the arguments are those of `rank_videos`, and the outputs are
         ``(num_videos, num_texts)``."""
-        return self._rank(
-            False, input_ids, video_tokens, attention_mask, video_token_sizes, text_features, video_features, k,
-            itm_score, add_cosine, batch_size,
-        )
+        return self._rank(False, input_ids, video_tokens, attention_mask, **options)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
