@@ -122,7 +122,7 @@ def child(size: int, mode: str, k_test: int, batch_size: int, threads: int) -> d
                     token_list.append(out.last_hidden_state)
                     size_list.append(out.token_sizes)
                     feature_list.append(model.get_video_features(video_tokens=out.last_hidden_state,
-                                                                 video_token_sizes=out.token_sizes))
+                                                                 video_token_sizes=out.token_sizes).pooler_output)
                 video_tokens, sizes = torch.cat(token_list), torch.cat(size_list)
                 features = torch.cat(feature_list)
                 del token_list, size_list, feature_list

@@ -100,15 +100,19 @@ class AttentionOutput(NamedTuple):
             temporal projection and drop-path, where the host has them).
         keys: ``(batch, tokens, head_dim)``: the attention keys averaged over heads, the matching metric.
         importance: ``(batch, tokens)`` attention received (Eq. 1), when asked for; else None.
+        weights: ``(batch, heads, tokens, tokens)`` attention probabilities, when asked for (``need_weights``) and
+            the host can give them; else None.
     """
 
     output: torch.Tensor
     keys: torch.Tensor
     importance: torch.Tensor | None
+    weights: torch.Tensor | None = None
 
 
-# (layer, tokens (batch, n, hidden), logits bias (batch, 1, 1, n) or None, need_importance) -> AttentionOutput
-AttentionStep = Callable[[nn.Module, torch.Tensor, torch.Tensor | None, bool], AttentionOutput]
+# (layer, tokens (batch, n, hidden), logits bias (batch, 1, 1, n) or None, need_importance, need_weights)
+#   -> AttentionOutput
+AttentionStep = Callable[[nn.Module, torch.Tensor, torch.Tensor | None, bool, bool], AttentionOutput]
 
 
 class DividedHost(NamedTuple):
@@ -224,9 +228,17 @@ def _follow_patches(matching: Matching, patches_in: int, patches_out: int, sourc
 
 
 def divided_block(
-    host: DividedHost, layer: nn.Module, settings: AggregationSettings, index: int, state: TokenState
+    host: DividedHost,
+    layer: nn.Module,
+    settings: AggregationSettings,
+    index: int,
+    state: TokenState,
+    attentions: list | None = None,
 ) -> TokenState:
-    """One divided space-time block with TESTA's aggregation (the five steps of the module docstring)."""
+    """One divided space-time block with TESTA's aggregation (the five steps of the module docstring). With an
+    ``attentions`` list, appends the block's ``(temporal, spatial)`` attention probabilities: temporal
+    ``(batch * patches, heads, frames, frames)`` before the frame merge, spatial
+    ``(batch * frames', heads, 1 + patches, 1 + patches)`` after it."""
     cls, patches, sizes, source_map, merged = state
     batch, frames, patches_per_frame, hidden = patches.shape
     r_t, r_s = settings.reductions(index)
@@ -240,6 +252,7 @@ def divided_block(
         temporal_in,
         size_bias(settings, temporal_sizes, patches.dtype, merged),
         frame_reduction > 0 and settings.uses_importance,
+        attentions is not None,
     )
     patches = patches + temporal.output.view(batch, patches_per_frame, frames, hidden).transpose(1, 2)
 
@@ -264,7 +277,10 @@ def divided_block(
         spatial_in,
         size_bias(settings, spatial_sizes, patches.dtype, merged),
         patch_reduction > 0 and settings.uses_importance,
+        attentions is not None,
     )
+    if attentions is not None:
+        attentions.append((temporal.weights, spatial.weights))
     residual = spatial.output.view(batch, frames, patches_per_frame + 1, hidden)
     cls = cls + residual[:, :, 0].mean(dim=1, keepdim=True)
     patches = patches + residual[:, :, 1:]
@@ -287,10 +303,17 @@ def divided_block(
 
 
 def joint_block(
-    host: JointHost, layer: nn.Module, settings: AggregationSettings, index: int, state: TokenState
+    host: JointHost,
+    layer: nn.Module,
+    settings: AggregationSettings,
+    index: int,
+    state: TokenState,
+    attentions: list | None = None,
 ) -> TokenState:
     """One joint-attention block: attention over ``[CLS?, all tokens]``, then TESTA's aggregation (time slices, then
-    tokens within every slice) or, in joint mode, ToMe's merging over all tokens, then the MLP."""
+    tokens within every slice) or, in joint mode, ToMe's merging over all tokens, then the MLP. With an
+    ``attentions`` list, appends the block's ``(None, attention probabilities (batch, heads, tokens, tokens))``,
+    taken before the block merges."""
     cls, patches, sizes, source_map, merged = state
     batch, frames, per_frame, hidden = patches.shape
     has_cls, first = cls is not None, int(cls is not None)
@@ -308,7 +331,10 @@ def joint_block(
         tokens,
         size_bias(settings, token_sizes, tokens.dtype, merged),
         (frame_reduction > 0 or patch_reduction > 0) and settings.uses_importance,
+        attentions is not None,
     )
+    if attentions is not None:
+        attentions.append((None, attention.weights))
     tokens = host.attention_residual(layer, tokens, attention.output)
     keys, importance = attention.keys, attention.importance
 

@@ -140,7 +140,7 @@ def encode_videos(
                 out = model.get_video_tokens(pixel_values.to(device, dtype=dtype))
                 features = model.get_video_features(
                     video_tokens=out.last_hidden_state, video_token_sizes=out.token_sizes
-                )
+                ).pooler_output
                 encoding += time.perf_counter() - ready
                 sink.add_batch(indices, out.last_hidden_state, out.token_sizes, features)
                 del out, features, pixel_values  # the largest buffers of a step

@@ -11,6 +11,7 @@ from torch import nn
 from transformers import initialization as init
 from transformers.generation import GenerationConfig, GenerationMixin
 from transformers.models.blip.modeling_blip_text import BlipTextEmbeddings, BlipTextLMHeadModel, BlipTextModel
+from transformers.modeling_outputs import BaseModelOutputWithPooling
 from transformers.utils import ModelOutput, can_return_tuple
 
 from .configuration_testa import TestaConfig, token_schedule
@@ -178,6 +179,7 @@ class _TestaMultimodalPreTrainedModel(TestaPreTrainedModel):
     """Base of the heads with BLIP text modules: video input handling and the extra initialisation they need."""
 
     config: TestaConfig
+    main_input_name = "input_ids"  # `forward` takes the text first, as transformers' BLIP heads do
     _no_split_modules = ["TestaVisionLayer", "BlipTextLayer", "BlipTextEmbeddings"]
 
     @torch.no_grad()
@@ -186,9 +188,26 @@ class _TestaMultimodalPreTrainedModel(TestaPreTrainedModel):
         if isinstance(module, BlipTextEmbeddings):
             init.copy_(module.position_ids, torch.arange(module.position_ids.shape[-1]).expand((1, -1)))
         if isinstance(module, MomentumContrast):
+            # Deterministic, so that `from_pretrained` (which never loads training state) returns the same model
+            # every time: empty queues, and momentum copies equal to the online weights (visited before them).
             module.reset()
+            module.copy_weights_from(self)
         if isinstance(module, _TestaContrastiveModel):
             init.constant_(module.temp, self.config.temperature)
+
+    def resize_token_embeddings(self, new_num_tokens: int | None = None, *args, **kwargs) -> nn.Embedding:
+        """`PreTrainedModel.resize_token_embeddings`, refused when the new vocabulary would drop [ENC] or [DEC]
+        (`config.enc_token_id`, `config.dec_token_id`): the video-grounded encoder and the decoder write them into
+        their inputs, so the forward pass would index outside the embedding table."""
+        special = max(self.config.enc_token_id, self.config.dec_token_id)
+        if new_num_tokens is not None and new_num_tokens <= special:
+            raise ValueError(
+                f"resize_token_embeddings({new_num_tokens}) would drop the special tokens the model writes into its "
+                f"inputs: [ENC] = {self.config.enc_token_id} and [DEC] = {self.config.dec_token_id} "
+                f"(config.enc_token_id, config.dec_token_id). Keep at least {special + 1} tokens, or set those ids to "
+                "tokens inside the new vocabulary first."
+            )
+        return super().resize_token_embeddings(new_num_tokens, *args, **kwargs)
 
     def _video_inputs(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """Accepts videos ``(B, T, C, H, W)``, or images ``(B, C, H, W)`` that become static videos of
@@ -242,10 +261,17 @@ class _TestaContrastiveModel(_TestaMultimodalPreTrainedModel):
         by `save_pretrained`, so checkpoints keep BLIP's size and layout."""
         self._keys_to_ignore_on_save = {k for k in self.state_dict() if k.startswith("momentum.")}
 
-    # Training state, rebuilt on load (the original drops queues on load as well).
-    _keys_to_ignore_on_load_missing = [r"^momentum\."]
+    # Training state, never saved (the original drops the queues on load as well); rebuilt deterministically on load.
+    # The position ids of the momentum text encoder are a non-persistent buffer, not a key to ignore.
+    _keys_to_ignore_on_load_missing = [r"^momentum\.(?!text_encoder\.embeddings\.position_ids$)"]
 
     # ------------------------------------------------------------------------------------------ training protocol
+
+    def start_momentum(self) -> None:
+        """Starts momentum contrast (`MomentumContrast.start`): the momentum copies take the online weights and the
+        queues random unit vectors, as the original does at construction. The training loop calls it before the
+        first step; otherwise the first training forward does."""
+        self.momentum.start(self)
 
     def defer_momentum_updates(self, enabled: bool = True) -> None:
         """Training forwards only collect their momentum features; `momentum_step` (once per optimiser step) does
@@ -275,35 +301,82 @@ class _TestaContrastiveModel(_TestaMultimodalPreTrainedModel):
             return (video_embeds * weights).sum(dim=1) / weights.sum(dim=1)
         return video_embeds.mean(dim=1)
 
-    def get_text_features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """L2-normalised text embeddings ``(batch, projection_dim)``: `text_proj` of the unimodal encoder's first token
-        (keep the tokenizer's [CLS]; [ENC] is only for the video-grounded encoder)."""
+    @can_return_tuple
+    def get_text_features(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        output_hidden_states: bool | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPooling:
+        r"""
+        Text embeddings for the contrastive (first) stage of retrieval, as transformers' CLIP and BLIP return them.
+
+        Args:
+            input_ids (`torch.LongTensor` of shape `(batch, length)`): tokenised texts; keep the tokenizer's [CLS]
+                first ([ENC] is only for the video-grounded encoder).
+            attention_mask (`torch.LongTensor`, *optional*): their attention mask.
+            output_hidden_states (`bool`, *optional*): also return the text encoder's hidden states.
+            return_dict (`bool`, *optional*): a tuple instead of the output when `False`.
+
+        Returns:
+            `BaseModelOutputWithPooling`: `pooler_output` `(batch, projection_dim)` holds the **L2-normalised**
+            embeddings (`text_proj` of the first token; cosine similarity is their dot product);
+            `last_hidden_state` the unimodal text encoder's states.
+        """
         check_input_ids(input_ids)
-        return self._text_features(self.text_encoder, self.text_proj, input_ids, attention_mask)
+        outputs = self.text_encoder(
+            input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=output_hidden_states,
+            return_dict=True,
+        )
+        embeds = F.normalize(self.text_proj(outputs.last_hidden_state[:, 0]), dim=-1)
+        return BaseModelOutputWithPooling(
+            last_hidden_state=outputs.last_hidden_state, pooler_output=embeds, hidden_states=outputs.hidden_states
+        )
 
     def get_video_tokens(self, pixel_values: torch.Tensor, **kwargs) -> TestaVisionModelOutput:
         """Runs the video encoder once; cache ``last_hidden_state`` and ``token_sizes`` for `get_video_features` and
         the two-stage `rank_videos`/`rank_texts` (the merged tokens are what the ITM head cross-attends to)."""
         return self.vision_model(self._video_inputs(pixel_values), **kwargs)
 
+    @can_return_tuple
     def get_video_features(
         self,
         pixel_values: torch.Tensor | None = None,
         video_tokens: torch.Tensor | None = None,
         video_token_sizes: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """L2-normalised video embeddings ``(batch, projection_dim)``: `vision_proj` of the pooled video tokens
-        (``config.video_pooling``; the original checkpoints use the plain mean over all output tokens).
+        output_hidden_states: bool | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPooling:
+        r"""
+        Video embeddings for the contrastive (first) stage of retrieval, as transformers' CLIP and BLIP return image
+        features.
 
-        Give either ``pixel_values`` or cached ``video_tokens`` (+ ``video_token_sizes`` for ``"weighted_mean"``).
+        Args:
+            pixel_values (`torch.FloatTensor` of shape `(batch, frames, channels, height, width)`, *optional*): the
+                videos (images `(batch, channels, height, width)` count as static videos).
+            video_tokens (`torch.FloatTensor` of shape `(batch, tokens, hidden)`, *optional*): cached encoder output
+                (`get_video_tokens(...).last_hidden_state`) instead of `pixel_values`.
+            video_token_sizes (`torch.FloatTensor` of shape `(batch, tokens)`, *optional*): with `video_tokens`, their
+                sizes (needed for `video_pooling="weighted_mean"`).
+            output_hidden_states (`bool`, *optional*): with `pixel_values`, also return the encoder's hidden states.
+            return_dict (`bool`, *optional*): a tuple instead of the output when `False`.
+
+        Returns:
+            `BaseModelOutputWithPooling`: `pooler_output` `(batch, projection_dim)` holds the **L2-normalised**
+            embeddings (`vision_proj` of the pooled tokens, ``config.video_pooling``; the original checkpoints use the
+            plain mean over all output tokens); `last_hidden_state` the aggregated video tokens.
         """
         if (pixel_values is None) == (video_tokens is None):
             raise ValueError("Pass exactly one of `pixel_values` and `video_tokens` to `get_video_features`.")
+        hidden_states = None
         if pixel_values is not None:
-            out = self.get_video_tokens(pixel_values)
-            video_tokens, video_token_sizes = out.last_hidden_state, out.token_sizes
+            out = self.get_video_tokens(pixel_values, output_hidden_states=output_hidden_states)
+            video_tokens, video_token_sizes, hidden_states = out.last_hidden_state, out.token_sizes, out.hidden_states
         video_tokens = video_tokens.to(self.vision_proj.weight.dtype)
-        return F.normalize(self.vision_proj(self._pool_video(video_tokens, video_token_sizes)), dim=-1)
+        embeds = F.normalize(self.vision_proj(self._pool_video(video_tokens, video_token_sizes)), dim=-1)
+        return BaseModelOutputWithPooling(last_hidden_state=video_tokens, pooler_output=embeds,
+                                          hidden_states=hidden_states)
 
     def itm_logits(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, video_embeds: torch.Tensor
@@ -511,7 +584,7 @@ class _TestaContrastiveModel(_TestaMultimodalPreTrainedModel):
         if text_features is None:
             text_features = torch.cat(
                 [
-                    self.get_text_features(input_ids[i : i + batch_size], attention_mask[i : i + batch_size])
+                    self.get_text_features(input_ids[i : i + batch_size], attention_mask[i : i + batch_size]).pooler_output
                     for i in range(0, input_ids.shape[0], batch_size)
                 ]
             )
@@ -520,7 +593,7 @@ class _TestaContrastiveModel(_TestaMultimodalPreTrainedModel):
             for i in range(0, video_tokens.shape[0], batch_size):
                 sizes = None if video_token_sizes is None else video_token_sizes[i : i + batch_size].to(device)
                 tokens = video_tokens[i : i + batch_size].to(device)
-                chunks.append(self.get_video_features(video_tokens=tokens, video_token_sizes=sizes))
+                chunks.append(self.get_video_features(video_tokens=tokens, video_token_sizes=sizes).pooler_output)
             video_features = torch.cat(chunks)
         return two_stage_scores(
             self, queries_are_texts, input_ids, attention_mask, text_features, video_features,

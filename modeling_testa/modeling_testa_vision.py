@@ -49,6 +49,15 @@ class TestaVisionModelOutput(ModelOutput):
             index of the output patch token (0-based, CLS excluded) that every input patch ended in; -1 where pruned.
         hidden_states (`tuple(torch.FloatTensor)`, *optional*): with `output_hidden_states`, the tokens after the
             embeddings and after every block, `(batch, 1 + frames_i * patches_i, hidden_size)` each (pre-LayerNorm).
+        attentions (`tuple(torch.FloatTensor)`, *optional*): with `output_attentions`, one tensor per block, as they
+            are (their sizes shrink as tokens merge). Divided blocks: the spatial attention over `[CLS, patches]` of
+            every frame, `(batch * frames_i, heads, 1 + patches_i, 1 + patches_i)`, where `frames_i` are the frames
+            left after the block's frame merge and `patches_i` the patches before its patch merge (TimeSformer
+            returns its spatial attention the same way). Joint mode: `(batch, heads, 1 + tokens_i, 1 + tokens_i)`
+            before the block's merge.
+        temporal_attentions (`tuple(torch.FloatTensor)`, *optional*): with `output_attentions` and divided blocks,
+            one tensor per block: the temporal attention over the frames at every patch position, `(batch *
+            patches_i, heads, frames_i, frames_i)`, before the block's frame merge.
     """
 
     last_hidden_state: torch.FloatTensor | None = None
@@ -56,6 +65,8 @@ class TestaVisionModelOutput(ModelOutput):
     token_sizes: torch.FloatTensor | None = None
     source_map: torch.LongTensor | None = None
     hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    attentions: tuple[torch.FloatTensor, ...] | None = None
+    temporal_attentions: tuple[torch.FloatTensor, ...] | None = None
 
 
 def eager_attention_forward(
@@ -96,21 +107,29 @@ class TestaAttention(nn.Module):
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
     def forward(
-        self, hidden_states: torch.Tensor, attention_bias: torch.Tensor | None = None, with_importance: bool = False
+        self,
+        hidden_states: torch.Tensor,
+        attention_bias: torch.Tensor | None = None,
+        with_importance: bool = False,
+        output_attentions: bool = False,
     ) -> AttentionOutput:
         """
         Args:
             hidden_states: ``(batch, tokens, hidden)``.
             attention_bias: additive logits bias ``(batch, 1, 1, tokens)`` (proportional attention) or None.
             with_importance: also return Eq. 1's attention received per token, ``(batch, tokens)``.
+            output_attentions: also return the attention probabilities (computed by the eager attention, whatever
+                the configured implementation, since fused kernels do not return them).
         """
         batch, tokens, hidden = hidden_states.shape
         qkv = self.qkv(hidden_states).view(batch, tokens, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         query, key, value = qkv.unbind(0)
-        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
-        output, _ = attention_interface(
+        attention_interface = eager_attention_forward
+        if not output_attentions:
+            attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+                self.config._attn_implementation, eager_attention_forward
+            )
+        output, weights = attention_interface(
             self,
             query,
             key,
@@ -121,7 +140,7 @@ class TestaAttention(nn.Module):
         )
         output = self.dropout(self.projection(output.reshape(batch, tokens, hidden)))
         importance = attention_received(query, key, self.scaling, attention_bias) if with_importance else None
-        return AttentionOutput(output, key.mean(dim=1), importance)
+        return AttentionOutput(output, key.mean(dim=1), importance, weights if output_attentions else None)
 
 
 class TestaMLP(nn.Module):
@@ -194,14 +213,18 @@ class TestaVisionEmbeddings(nn.Module):
 
 
 # How a TESTA block computes the pieces that `aggregation_block` asks of its host.
-def _temporal_step(layer: "TestaVisionLayer", tokens, bias, need_importance) -> AttentionOutput:
-    attention = layer.temporal_attention(layer.temporal_layer_norm(tokens), bias, with_importance=need_importance)
+def _temporal_step(layer: "TestaVisionLayer", tokens, bias, need_importance, need_weights=False) -> AttentionOutput:
+    attention = layer.temporal_attention(
+        layer.temporal_layer_norm(tokens), bias, with_importance=need_importance, output_attentions=need_weights
+    )
     residual = layer.temporal_fc(drop_path(attention.output, layer.drop_path_rate, layer.training))
     return attention._replace(output=residual)
 
 
-def _spatial_step(layer: "TestaVisionLayer", tokens, bias, need_importance) -> AttentionOutput:
-    attention = layer.self_attn(layer.layer_norm1(tokens), bias, with_importance=need_importance)
+def _spatial_step(layer: "TestaVisionLayer", tokens, bias, need_importance, need_weights=False) -> AttentionOutput:
+    attention = layer.self_attn(
+        layer.layer_norm1(tokens), bias, with_importance=need_importance, output_attentions=need_weights
+    )
     return attention._replace(output=drop_path(attention.output, layer.drop_path_rate, layer.training))
 
 
@@ -235,10 +258,10 @@ class TestaVisionLayer(GradientCheckpointingLayer):
         self.layer_norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.mlp = TestaMLP(config)
 
-    def forward(self, state: TokenState, settings: AggregationSettings) -> TokenState:
+    def forward(self, state: TokenState, settings: AggregationSettings, attentions: list | None = None) -> TokenState:
         if settings.aggregation_dims == "joint":
-            return joint_block(TESTA_JOINT_HOST, self, settings, self.layer_index, state)
-        return divided_block(TESTA_DIVIDED_HOST, self, settings, self.layer_index, state)
+            return joint_block(TESTA_JOINT_HOST, self, settings, self.layer_index, state, attentions)
+        return divided_block(TESTA_DIVIDED_HOST, self, settings, self.layer_index, state, attentions)
 
 
 class TestaPreTrainedModel(TestaHubMixin, PreTrainedModel):
@@ -273,11 +296,16 @@ class TestaPreTrainedModel(TestaHubMixin, PreTrainedModel):
             init.trunc_normal_(module.position_embedding, std=std)
             init.zeros_(module.temporal_embedding)
 
+    # The training protocol, called by the training loop for every model: heads with momentum contrast
+    # (`TestaForVideoTextRetrieval`, `TestaForPreTraining`) override these; for other models they do nothing.
+
+    def start_momentum(self) -> None:
+        """Training protocol, called once before the first step: starts momentum contrast (see
+        `MomentumContrast.start`)."""
+
     def defer_momentum_updates(self, enabled: bool = True) -> None:
-        """Training protocol, called by the training loop for every head: heads with momentum contrast
-        (`TestaForVideoTextRetrieval`, `TestaForPreTraining`) then update their momentum encoders and queues once per
-        optimiser step, in `momentum_step` (see `MomentumContrast.defer_updates`). Other models have nothing to
-        defer."""
+        """Training protocol: heads with momentum contrast then update their momentum encoders and queues once per
+        optimiser step, in `momentum_step` (see `MomentumContrast.defer_updates`)."""
 
     def momentum_step(self) -> None:
         """Training protocol, called by the training loop after every optimiser step (see `defer_momentum_updates`);
@@ -347,10 +375,12 @@ class TestaVisionModel(TestaPreTrainedModel):
         settings: AggregationSettings,
         last_layer: int | None = None,
         hidden_states: list | None = None,
+        attentions: list | None = None,
     ) -> TokenState:
         """Embeds ``pixel_values`` and runs blocks ``0 .. last_layer`` (all by default); returns the tokens before
         the final LayerNorm. With a ``hidden_states`` list, the sequence after the embeddings and after every block
-        is appended to it."""
+        is appended to it; with an ``attentions`` list, every block's ``(temporal or None, spatial or joint)``
+        attention probabilities."""
         self.check_pixel_values(pixel_values)
         cls, patches = self.embeddings(pixel_values)
         state = initial_state(cls, patches, settings)
@@ -358,7 +388,7 @@ class TestaVisionModel(TestaPreTrainedModel):
             hidden_states.append(sequence(state))
         layers = self.layers if last_layer is None else self.layers[: last_layer + 1]
         for layer in layers:
-            state = layer(state, settings)
+            state = layer(state, settings, attentions)
             if hidden_states is not None:
                 hidden_states.append(sequence(state))
         return state
@@ -368,6 +398,7 @@ class TestaVisionModel(TestaPreTrainedModel):
         self,
         pixel_values: torch.Tensor,
         output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
         trace_source: bool | None = None,
         **kwargs,
     ) -> TestaVisionModelOutput:
@@ -377,20 +408,28 @@ class TestaVisionModel(TestaPreTrainedModel):
                 normalised (see `TestaVideoProcessor`). Any frame count and any size that is a multiple of the patch
                 size work; the embeddings are interpolated.
             output_hidden_states (`bool`, *optional*): return the tokens after every block.
+            output_attentions (`bool`, *optional*): return every block's attention probabilities (see
+                `TestaVisionModelOutput` for their shapes); they are computed by the eager attention.
             trace_source (`bool`, *optional*): return `source_map` (defaults to `config.trace_source`).
         """
-        output_hidden_states = (
-            output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
-        )
+        if output_hidden_states is None:
+            output_hidden_states = self.config.output_hidden_states
+        if output_attentions is None:
+            output_attentions = self.config.output_attentions
         all_hidden_states = [] if output_hidden_states else None
-        state = self.run_blocks(pixel_values, self.aggregation_settings(trace_source), hidden_states=all_hidden_states)
+        attentions = [] if output_attentions else None
+        state = self.run_blocks(pixel_values, self.aggregation_settings(trace_source), hidden_states=all_hidden_states,
+                                attentions=attentions)
         last_hidden_state = self.post_layernorm(sequence(state))
+        divided = self.config.aggregation_dims != "joint"
         return TestaVisionModelOutput(
             last_hidden_state=last_hidden_state,
             pooler_output=last_hidden_state[:, 0],
             token_sizes=token_sizes_with_cls(state),
             source_map=state.source_map,
             hidden_states=tuple(all_hidden_states) if output_hidden_states else None,
+            attentions=tuple(spatial for _, spatial in attentions) if output_attentions else None,
+            temporal_attentions=tuple(t for t, _ in attentions) if output_attentions and divided else None,
         )
 
 

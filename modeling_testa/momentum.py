@@ -2,8 +2,10 @@
 encoder, text encoder and projections, and the feature queues of the contrastive loss.
 
 The heads (`TestaForVideoTextRetrieval`, `TestaForPreTraining`) keep it as ``model.momentum``. It is training state:
-it is in the state dict (so `accelerate.save_state` resumes it) but not in `save_pretrained` checkpoints, and the
-copies are synchronised with the online weights at the first training step after loading.
+it is in the state dict (so `accelerate.save_state` resumes it) but not in `save_pretrained` checkpoints. A fresh or
+loaded model holds it in a fixed state (copies equal to the online weights, empty queues), so that `from_pretrained`
+is deterministic; `start` (called by the training loop, else by the first training forward) fills the queues with
+random unit vectors, as the original does at construction.
 
 Everything in it stays in fp32 whatever the model is cast to: an EMA with momentum 0.995 adds 0.5% of the difference
 per step, below bf16's resolution (the weights would barely move in bf16, and drift the wrong way in fp16).
@@ -96,15 +98,21 @@ class MomentumContrast(nn.Module):
 
     @torch.no_grad()
     def reset(self) -> None:
-        """Fresh training state: random unit vectors in the queues (as the original), no ids, copies to be
-        synchronised at the first training step. Called by the head's `_init_weights`."""
-        queue_shape = (self.config.projection_dim, self.config.queue_size)
-        init.copy_(self.video_queue, F.normalize(torch.randn(queue_shape), dim=0))
-        init.copy_(self.text_queue, F.normalize(torch.randn(queue_shape), dim=0))
+        """The state of a fresh or loaded model, the same every time: empty queues (zeros, no ids), not started.
+        Called by the head's `_init_weights`; `start` fills the queues when training begins."""
+        init.zeros_(self.video_queue)
+        init.zeros_(self.text_queue)
         init.constant_(self.idx_queue, -100)
         init.zeros_(self.queue_ptr)
         init.zeros_(self.initialized)
         self.requires_grad_(False)
+
+    @torch.no_grad()
+    def copy_weights_from(self, online: nn.Module) -> None:
+        """Sets the momentum copies to the online weights of ``online`` (a head); the training state is unchanged."""
+        for name in MOMENTUM_MODULES:
+            for p, p_m in zip(getattr(online, name).parameters(), getattr(self, name).parameters()):
+                p_m.data.copy_(p.data.to(p_m.dtype))
 
     def _fp32_slots(self) -> list[tuple[nn.Module, str, str]]:
         """``(owner module, "_parameters" | "_buffers", name)`` of every floating tensor kept in fp32."""
@@ -143,21 +151,25 @@ class MomentumContrast(nn.Module):
     # ---------------------------------------------------------------------------------------------- EMA + queue
 
     @torch.no_grad()
-    def copy_from(self, online: nn.Module) -> None:
-        """Copies the online modules of ``online`` (a head) into the momentum copies (the original's
-        ``copy_params``)."""
+    def start(self, online: nn.Module) -> None:
+        """Starts training (once; a no-op when started): the momentum copies take the online weights of ``online``
+        and the queues random unit vectors, as the original does at construction (their ids stay -100: never
+        positives)."""
+        if bool(self.initialized):
+            return
         self.to_fp32()
-        for name in MOMENTUM_MODULES:
-            for p, p_m in zip(getattr(online, name).parameters(), getattr(self, name).parameters()):
-                p_m.data.copy_(p.data.to(p_m.dtype))
+        self.copy_weights_from(online)
+        queue_shape = (self.config.projection_dim, self.config.queue_size)
+        self.video_queue.copy_(F.normalize(torch.randn(queue_shape), dim=0))
+        self.text_queue.copy_(F.normalize(torch.randn(queue_shape), dim=0))
         self.initialized.fill_(True)
         self.requires_grad_(False)
 
     @torch.no_grad()
     def update(self, online: nn.Module) -> None:
-        """EMA of the online weights into the (fp32) momentum copies; the first call copies them instead."""
+        """EMA of the online weights into the (fp32) momentum copies; before `start`, starts instead."""
         if not bool(self.initialized):
-            self.copy_from(online)
+            self.start(online)
             return
         m = self.config.momentum
         for name in MOMENTUM_MODULES:
@@ -181,11 +193,11 @@ class MomentumContrast(nn.Module):
     @torch.no_grad()
     def before_loss(self, online: nn.Module, training: bool) -> None:
         """Called by the head before it computes the momentum features of a batch: the EMA update of the default
-        mode in training, and the first synchronisation otherwise."""
+        mode in training, and `start` otherwise (when not started)."""
         if training and not self.deferred:
             self.update(online)
-        elif not bool(self.initialized):
-            self.copy_from(online)
+        else:
+            self.start(online)
 
     @torch.no_grad()
     def after_loss(self, video_feat: torch.Tensor, text_feat: torch.Tensor, ids: torch.Tensor) -> None:

@@ -240,12 +240,12 @@ def _timesformer_attention(attention: nn.Module, x, bias, need_importance) -> At
     return result._replace(output=attention.output(result.output))
 
 
-def _timesformer_temporal(layer, x, bias, need_importance) -> AttentionOutput:
+def _timesformer_temporal(layer, x, bias, need_importance, need_weights=False) -> AttentionOutput:
     result = _timesformer_attention(layer.temporal_attention, layer.temporal_layernorm(x), bias, need_importance)
     return result._replace(output=layer.temporal_dense(layer.drop_path(result.output)))
 
 
-def _timesformer_spatial(layer, x, bias, need_importance) -> AttentionOutput:
+def _timesformer_spatial(layer, x, bias, need_importance, need_weights=False) -> AttentionOutput:
     result = _timesformer_attention(layer.attention, layer.layernorm_before(x), bias, need_importance)
     return result._replace(output=layer.drop_path(result.output))
 
@@ -257,7 +257,7 @@ TIMESFORMER_HOST = DividedHost(
 )
 
 
-def _videomae_attention(layer, x, bias, need_importance) -> AttentionOutput:
+def _videomae_attention(layer, x, bias, need_importance, need_weights=False) -> AttentionOutput:
     inner = layer.attention.attention
     x = layer.layernorm_before(x)
     d = inner.attention_head_size
@@ -266,7 +266,7 @@ def _videomae_attention(layer, x, bias, need_importance) -> AttentionOutput:
     return result._replace(output=layer.attention.output(result.output, None))
 
 
-def _vivit_attention(layer, x, bias, need_importance) -> AttentionOutput:
+def _vivit_attention(layer, x, bias, need_importance, need_weights=False) -> AttentionOutput:
     inner = layer.attention
     x = layer.layernorm_before(x)
     d = inner.head_dim
@@ -275,7 +275,7 @@ def _vivit_attention(layer, x, bias, need_importance) -> AttentionOutput:
     return result._replace(output=inner.o_proj(result.output))
 
 
-def _clip_attention(layer, x, bias, need_importance) -> AttentionOutput:
+def _clip_attention(layer, x, bias, need_importance, need_weights=False) -> AttentionOutput:
     inner = layer.self_attn
     x = layer.layer_norm1(x)
     d = inner.head_dim
@@ -311,7 +311,8 @@ JOINT_HOSTS = {
 
 def _run_block(block: Callable, host, layer: nn.Module, settings: AggregationSettings, index: int,
                state: TokenState) -> TokenState:
-    """Runs one block, under activation checkpointing when the layer has it switched on (training)."""
+    """Runs one block, under activation checkpointing when the layer has it switched on (training). Attention
+    weights are never asked for: the patched attention runs through SDPA (see `_check_flags`)."""
     if getattr(layer, "gradient_checkpointing", False) and layer.training and torch.is_grad_enabled():
         return torch.utils.checkpoint.checkpoint(block, host, layer, settings, index, state, use_reentrant=False)
     return block(host, layer, settings, index, state)

@@ -590,7 +590,7 @@ class _TestaPipeline(Pipeline):
         out = self.model.get_video_tokens(pixel_values.to(self.device, dtype=dtype))
         features = self.model.get_video_features(
             video_tokens=out.last_hidden_state, video_token_sizes=out.token_sizes
-        )
+        ).pooler_output
         return features, out.last_hidden_state, out.token_sizes
 
     # -- saving -----------------------------------------------------------------------------------------------------
@@ -924,7 +924,7 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         encoded = self._tokenize(texts, text_kwargs)
         input_ids = encoded["input_ids"].to(self.device)
         attention_mask = encoded["attention_mask"].to(self.device)
-        text_features = self.model.get_text_features(input_ids, attention_mask).float().cpu()
+        text_features = self.model.get_text_features(input_ids, attention_mask).pooler_output.float().cpu()
         num_videos = len(index)
         window = self._window(num_videos, top_k, rerank_k) if rerank else 0
         depth = num_videos if top_k is None else max(window, min(top_k, num_videos))
@@ -1056,7 +1056,7 @@ class ZeroShotVideoClassificationPipeline(_TestaPipeline):
 
     def _forward(self, model_inputs: dict[str, Any]) -> dict[str, Any]:
         video_features, _, _ = self._encode(model_inputs["pixel_values"])
-        text_features = self.model.get_text_features(model_inputs["input_ids"], model_inputs["attention_mask"])
+        text_features = self.model.get_text_features(model_inputs["input_ids"], model_inputs["attention_mask"]).pooler_output
         temperature = self.model.temp.detach().clamp(0.001, 0.5)
         logits = (video_features @ text_features.to(video_features.dtype).T) / temperature
         return {"logits": logits, "candidate_labels": model_inputs["candidate_labels"]}

@@ -52,8 +52,8 @@ def _step(model, ids, mask, clips, video_ids) -> dict:
         getattr(out, name).backward(retain_graph=name == "loss_vtc")
         result[f"grads_{name}"] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     with torch.no_grad():
-        video_feat = model.get_video_features(clips)
-        text_feat = model.get_text_features(ids, mask)
+        video_feat = model.get_video_features(clips).pooler_output
+        text_feat = model.get_text_features(ids, mask).pooler_output
         result["weights"] = model.hard_negative_weights(video_feat, text_feat, video_ids)
     result["queue"] = (model.momentum.video_queue.clone(), model.momentum.text_queue.clone(), model.momentum.idx_queue.clone())
     return result
@@ -77,8 +77,8 @@ def _worker(rank: int, store: str, out_dir: str) -> None:
         local_out = local_model(ids[local], clips[local], attention_mask=mask[local], return_loss=True,
                                 video_ids=VIDEO_IDS[local])
         with torch.no_grad():
-            video_feat = local_model.get_video_features(clips[local])
-            text_feat = local_model.get_text_features(ids[local], mask[local])
+            video_feat = local_model.get_video_features(clips[local]).pooler_output
+            text_feat = local_model.get_text_features(ids[local], mask[local]).pooler_output
             result["local_weights"] = local_model.hard_negative_weights(video_feat, text_feat, VIDEO_IDS[local])
         result["local_negative_videos"] = local_out.negative_video_indices
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))

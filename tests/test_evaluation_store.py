@@ -82,9 +82,9 @@ def reference(model):
             tokens.append(out.last_hidden_state)
             sizes.append(out.token_sizes)
             features.append(model.get_video_features(video_tokens=out.last_hidden_state,
-                                                     video_token_sizes=out.token_sizes))
+                                                     video_token_sizes=out.token_sizes).pooler_output)
         tokens, sizes, features = torch.cat(tokens), torch.cat(sizes), torch.cat(features)
-        text_features = model.get_text_features(ids, mask)
+        text_features = model.get_text_features(ids, mask).pooler_output
     return {"tokens": tokens, "sizes": sizes, "features": features, "text_features": text_features}
 
 
@@ -259,8 +259,8 @@ def test_evaluate_retrieval_reports_undecodable_video(dataset, tmp_path):
         kwargs = {"video_token_sizes": out.token_sizes, "k": 3}
         t2v = model.rank_videos(ids, out.last_hidden_state, mask, **kwargs).scores
         v2t = model.rank_texts(ids, out.last_hidden_state, mask, **kwargs).scores
-        cosine = model.get_text_features(ids, mask) @ model.get_video_features(
-            video_tokens=out.last_hidden_state, video_token_sizes=out.token_sizes).T
+        cosine = model.get_text_features(ids, mask).pooler_output @ model.get_video_features(
+            video_tokens=out.last_hidden_state, video_token_sizes=out.token_sizes).pooler_output.T
     t2v_ranks = [rank_of_positive(row, {v} if v is not None else set(), cosine[t])
                  for t, (row, v) in enumerate(zip(t2v, text_video))]
     v2t_ranks = [rank_of_positive(row, {t for t, u in enumerate(text_video) if u == v}, cosine[:, v])

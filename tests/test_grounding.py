@@ -19,7 +19,7 @@ def test_grounding_equals_a_direct_computation_and_maps_back_to_patches():
         regions = torch.nn.functional.normalize(model.vision_proj(tokens), dim=-1)
         for i, phrase in enumerate(phrases):
             ids = processor.tokenizer([phrase], return_tensors="pt")
-            text = model.get_text_features(ids["input_ids"], ids["attention_mask"])
+            text = model.get_text_features(ids["input_ids"], ids["attention_mask"]).pooler_output
             torch.testing.assert_close(grounding.similarity[i], (text @ regions.T)[0], atol=1e-5, rtol=1e-5)
     assert grounding.similarity.shape == (2, tokens.shape[0])
 

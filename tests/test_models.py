@@ -196,7 +196,7 @@ def test_two_stage_ranking_equals_brute_force_and_is_chunked():
     mask = torch.ones_like(ids)
     mask[1, 4:] = 0
     tokens = model.get_video_tokens(clips).last_hidden_state
-    cosine = model.get_text_features(ids, mask) @ model.get_video_features(clips).T  # (texts, videos)
+    cosine = model.get_text_features(ids, mask).pooler_output @ model.get_video_features(clips).pooler_output.T  # (texts, videos)
     itm = torch.stack(
         [model(ids, clips[v : v + 1].expand(3, -1, -1, -1, -1), attention_mask=mask).itm_score for v in range(4)], dim=1
     )  # (texts, videos, 2)
@@ -222,14 +222,14 @@ def test_video_pooling_options():
     assert sizes.sum(1).eq(1 + 8 * 16).all() and (sizes > 1).any()  # merging happened, sizes count patches
     weighted = (tokens * sizes[..., None]).sum(1) / sizes.sum(1, keepdim=True)
     expected = F.normalize(model.vision_proj(weighted), dim=-1)
-    torch.testing.assert_close(model.get_video_features(video_tokens=tokens, video_token_sizes=sizes), expected)
+    torch.testing.assert_close(model.get_video_features(video_tokens=tokens, video_token_sizes=sizes).pooler_output, expected)
     with pytest.raises(ValueError, match="token sizes"):
-        model.get_video_features(video_tokens=tokens)
+        model.get_video_features(video_tokens=tokens).pooler_output
     model.config.video_pooling = "mean"
     expected = F.normalize(model.vision_proj(tokens.mean(1)), dim=-1)
-    torch.testing.assert_close(model.get_video_features(video_tokens=tokens), expected)
+    torch.testing.assert_close(model.get_video_features(video_tokens=tokens).pooler_output, expected)
     with pytest.raises(ValueError, match="exactly one"):
-        model.get_video_features()
+        model.get_video_features().pooler_output
 
 
 def _vtc_reference(video, text, video_m, text_m, queue_v, queue_t, queue_ids, ids, alpha, temp):
@@ -256,14 +256,14 @@ def test_vtc_and_vtm_losses_match_float64_recomputation():
     torch.testing.assert_close(model.momentum.idx_queue[:4], video_ids)
     queue = (model.momentum.video_queue.clone(), model.momentum.text_queue.clone(), model.momentum.idx_queue.clone())
     with torch.no_grad():
-        video_m = model.get_video_features(clips)  # momentum == online after the synchronising first step
-        text_m = model.get_text_features(ids)
+        video_m = model.get_video_features(clips).pooler_output  # momentum == online after the synchronising first step
+        text_m = model.get_text_features(ids).pooler_output
     torch.testing.assert_close(queue[0][:, :4].T, video_m, atol=1e-5, rtol=0)
     torch.testing.assert_close(queue[1][:, :4].T, text_m, atol=1e-5, rtol=0)
 
     # Second step (momentum update is a no-op while momentum == online): recompute both losses.
     out = model(ids, clips, return_loss=True, video_ids=video_ids)
-    video, text = model.get_video_features(clips), model.get_text_features(ids)
+    video, text = model.get_video_features(clips).pooler_output, model.get_text_features(ids).pooler_output
     expected_vtc = _vtc_reference(video, text, video_m, text_m, *queue, video_ids, 0.4, float(model.temp.detach()))
     torch.testing.assert_close(out.loss_vtc.double(), expected_vtc, atol=1e-5, rtol=1e-5)
     # Hard negatives never share the video id; the VTM loss is the 3-way CE over the pairs that were drawn.
@@ -371,7 +371,7 @@ def test_save_load_round_trip_and_dtype_auto(head, tmp_path):
     from safetensors.torch import load_file
 
     saved = load_file(tmp_path / "model.safetensors")
-    assert not any("_m." in k or "queue" in k for k in saved)  # training state is not in checkpoints
+    assert not any(k.startswith("momentum.") or "queue" in k for k in saved)  # training state is not in checkpoints
     reloaded, info = head.from_pretrained(tmp_path, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     torch.testing.assert_close(outputs(reloaded.eval()), reference)
@@ -408,3 +408,112 @@ def test_inputs_are_validated():
         model.rank_videos(text_ids(1, 4), torch.zeros(2, 5, 32), itm_score="probability")
     with pytest.raises(ValueError, match="pixel_values"):
         model(text_ids(1, 4), torch.zeros(1, 8, 3, 30, 32))
+
+
+# ------------------------------------------------------------------------------------------- transformers conventions
+
+
+@pytest.mark.parametrize("head", [TestaForVideoTextRetrieval, TestaForVideoQA, TestaForPreTraining])
+def test_main_input_name_is_the_first_argument_of_forward(head):
+    import inspect
+
+    from modeling_testa import TestaVisionModel
+
+    for model_class in (head, TestaVisionModel):
+        first = list(inspect.signature(model_class.forward).parameters)[1]
+        assert model_class.main_input_name == first, model_class
+
+
+def test_feature_methods_return_model_outputs_like_clip_and_blip():
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    model = _retrieval()
+    ids, clips = text_ids(3, 7), videos(2, seed=1)
+    text = model.get_text_features(ids, output_hidden_states=True)
+    assert isinstance(text, BaseModelOutputWithPooling)
+    states = model.text_encoder(input_ids=ids).last_hidden_state
+    torch.testing.assert_close(text.pooler_output, F.normalize(model.text_proj(states[:, 0]), dim=-1))
+    torch.testing.assert_close(text.last_hidden_state, states)
+    assert len(text.hidden_states) == model.config.text_config.num_hidden_layers + 1
+    as_tuple = model.get_text_features(ids, return_dict=False)
+    assert isinstance(as_tuple, tuple) and torch.equal(as_tuple[1], text.pooler_output)
+
+    video = model.get_video_features(clips, output_hidden_states=True)
+    tokens = model.vision_model(clips).last_hidden_state
+    torch.testing.assert_close(video.pooler_output, F.normalize(model.vision_proj(tokens.mean(dim=1)), dim=-1))
+    torch.testing.assert_close(video.last_hidden_state, tokens)
+    assert len(video.hidden_states) == model.config.vision_config.num_hidden_layers + 1
+    as_tuple = model.get_video_features(clips, return_dict=False)
+    assert torch.equal(as_tuple[0], video.last_hidden_state) and torch.equal(as_tuple[1], video.pooler_output)
+
+
+@pytest.mark.parametrize("head", [TestaForVideoTextRetrieval, TestaForPreTraining])
+def test_loading_is_deterministic_and_init_weights_rebuilds_the_buffers_of_init(head, tmp_path):
+    """Training state is not saved: what `from_pretrained` returns for it is fixed (empty queues, momentum copies
+    equal to the online weights), so two loads are identical; `_init_weights` on the meta device gives the buffers
+    of `__init__`."""
+    from transformers import PreTrainedModel
+
+    model = randomize(head(tiny_config()))
+    model.save_pretrained(tmp_path)
+    first, second = head.from_pretrained(tmp_path), head.from_pretrained(tmp_path)
+    for (name, a), b in zip(first.state_dict().items(), second.state_dict().values()):
+        assert torch.equal(a, b), name
+    for online, copy in ((first.vision_model, first.momentum.vision_model), (first.text_proj, first.momentum.text_proj)):
+        for p, p_m in zip(online.parameters(), copy.parameters()):
+            assert torch.equal(p, p_m)
+    assert not first.momentum.video_queue.any() and (first.momentum.idx_queue == -100).all()
+
+    original = PreTrainedModel._initialize_weights
+    PreTrainedModel._initialize_weights = lambda *args, **kwargs: None
+    try:
+        from_init = head(tiny_config())  # buffers as the modules' __init__ define them
+    finally:
+        PreTrainedModel._initialize_weights = original
+    with torch.device("meta"):
+        from_meta = head(tiny_config())
+    from_meta.to_empty(device="cpu")
+    from_meta.init_weights()
+    buffers = dict(from_meta.named_buffers())
+    for name, buffer in from_init.named_buffers():
+        assert torch.equal(buffer, buffers[name]), name
+
+
+def test_start_momentum_fills_the_queues_and_copies_the_weights_once():
+    model = _retrieval()
+    with torch.no_grad():
+        model.vision_proj.weight.add_(1.0)  # the copies no longer equal the online weights
+    model.start_momentum()
+    queue = model.momentum.video_queue.clone()
+    torch.testing.assert_close(queue.norm(dim=0), torch.ones(queue.shape[1]))
+    assert torch.equal(model.momentum.vision_proj.weight, model.vision_proj.weight)
+    model.start_momentum()  # started: nothing changes
+    assert torch.equal(model.momentum.video_queue, queue)
+
+
+@pytest.mark.parametrize("head", [TestaForVideoTextRetrieval, TestaForPreTraining])
+def test_keys_to_ignore_on_load_missing_match_the_training_state_only(head):
+    import re
+
+    model = head(tiny_config())
+    saved_keys = set(model.state_dict())
+    non_persistent = {name for name, _ in model.named_buffers()} - saved_keys
+    ignored = {k for k in saved_keys | non_persistent for p in model._keys_to_ignore_on_load_missing if re.search(p, k)}
+    assert ignored == {k for k in saved_keys if k.startswith("momentum.")}
+    assert "momentum.text_encoder.embeddings.position_ids" in non_persistent
+
+
+@pytest.mark.parametrize("head", [TestaForVideoTextRetrieval, TestaForVideoQA, TestaForPreTraining])
+def test_resize_below_the_special_tokens_is_refused_and_above_keeps_working(head):
+    model = randomize(head(tiny_config())).eval()
+    with pytest.raises(ValueError, match=r"\[ENC\] = 119 and \[DEC\] = 118"):
+        model.resize_token_embeddings(100)
+    assert model.get_input_embeddings().num_embeddings == 120  # unchanged
+    model.resize_token_embeddings(125)
+    assert model.get_input_embeddings().num_embeddings == 125
+    ids, clips = text_ids(2, 6), videos(2)
+    with torch.no_grad():
+        if head is TestaForVideoQA:
+            assert torch.isfinite(model(ids, clips, labels=text_ids(2, 4, seed=2)).logits).all()
+        else:
+            assert torch.isfinite(model(ids, clips, return_loss=False).itm_score).all()

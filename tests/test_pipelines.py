@@ -266,7 +266,7 @@ def test_video_index_save_load_and_search(retrieval_pipe, videos, tmp_path, caps
     cosine = retrieval_pipe.search(QUERIES[0], light, top_k=None)
     text = retrieval_pipe.processor(text=[QUERIES[0]])
     with torch.no_grad():
-        text_features = retrieval_pipe.model.get_text_features(text["input_ids"], text["attention_mask"])
+        text_features = retrieval_pipe.model.get_text_features(text["input_ids"], text["attention_mask"]).pooler_output
     expected = (text_features @ index.embeddings.T)[0]
     assert [item["video"] for item in cosine] == [videos[int(i)] for i in expected.argsort(descending=True)]
     np.testing.assert_allclose([i["score"] for i in cosine], expected.sort(descending=True).values, atol=1e-5)
@@ -346,8 +346,8 @@ def test_top_k_none_reranks_only_k_test_candidates(retrieval_pipe, retrieval_mod
     pixel_values = torch.cat([processor(videos=v)["pixel_values"] for v in videos])
     text = processor(text=QUERIES)
     with torch.no_grad():
-        video_features = retrieval_model.get_video_features(pixel_values)
-        text_features = retrieval_model.get_text_features(text["input_ids"], text["attention_mask"])
+        video_features = retrieval_model.get_video_features(pixel_values).pooler_output
+        text_features = retrieval_model.get_text_features(text["input_ids"], text["attention_mask"]).pooler_output
         cosine = text_features @ video_features.T
         for q, ranked in enumerate(result):
             assert [item["reranked"] for item in ranked] == [True] * k_test + [False] * (len(videos) - k_test)
@@ -459,9 +459,9 @@ def test_zero_shot_classification(zero_shot_pipe, retrieval_model, processor, vi
 
     # reference: softmax over labels of cosine / temperature, computed directly with the model
     with torch.no_grad():
-        video_features = retrieval_model.get_video_features(processor(videos=videos[2])["pixel_values"])
+        video_features = retrieval_model.get_video_features(processor(videos=videos[2])["pixel_values"]).pooler_output
         text = processor(text=[f"a video of {label}." for label in LABELS])
-        text_features = retrieval_model.get_text_features(text["input_ids"], text["attention_mask"])
+        text_features = retrieval_model.get_text_features(text["input_ids"], text["attention_mask"]).pooler_output
         probs = ((video_features @ text_features.T) / retrieval_model.temp).softmax(dim=-1)[0]
     expected = {label: float(p) for label, p in zip(LABELS, probs)}
     assert {item["label"]: item["score"] for item in result} == pytest.approx(expected, abs=1e-5)

@@ -289,7 +289,8 @@ def test_momentum_ema_and_queues_stay_fp32_in_half_precision(dtype):
     momentum = 0.995
     model = _contrastive_model(queue_size=8, momentum=momentum).to(dtype)
     assert model.vision_proj.weight.dtype == dtype
-    assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if n.split(".")[0].endswith("_m"))
+    momentum_parameters = [p for n, p in model.named_parameters() if n.startswith("momentum.")]
+    assert momentum_parameters and all(p.dtype == torch.float32 for p in momentum_parameters)
     assert model.momentum.video_queue.dtype == model.momentum.text_queue.dtype == torch.float32
     model.defer_momentum_updates(True)
     if dtype == torch.bfloat16:  # a half-precision training forward works and enqueues fp32 features
@@ -297,7 +298,7 @@ def test_momentum_ema_and_queues_stay_fp32_in_half_precision(dtype):
                     video_ids=torch.tensor([1, 2]))
         assert torch.isfinite(out.loss)
     else:
-        model.momentum.copy_from(model)
+        model.start_momentum()
     online = dict(model.vision_proj.named_parameters())
     reference = {n: p.detach().double() for n, p in online.items()}
     start = {n: r.clone() for n, r in reference.items()}

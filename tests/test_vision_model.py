@@ -296,3 +296,51 @@ def test_output_does_not_depend_on_the_input_memory_layout():
     assert layouts[0] == layouts[1] and layouts[1][1]
     # ... so the tokens are identical
     assert torch.equal(got, expected)
+
+
+# ------------------------------------------------------------------------------------------- transformers conventions
+
+
+def test_attention_outputs_per_block_with_merged_sizes_equal_a_float64_recomputation():
+    """`output_attentions` returns, per block, the spatial attention (after the block's frame merge) and the temporal
+    attention (before it), at the sizes the schedule gives; block 0 equals softmax(q k^T / sqrt(d)) recomputed by
+    hand from the layer's weights (a fresh model: `temporal_fc` is zero, so the spatial input is the embedding)."""
+    model = _model(temporal_reduction=2, spatial_reduction=3).double()
+    video = _video().double()
+    out = model(video, output_attentions=True)
+    assert len(out.attentions) == len(out.temporal_attentions) == model.config.num_hidden_layers
+    frames, patches = 8, 16
+    for (frames_out, patches_out), spatial, temporal in zip(token_schedule(model.config), out.attentions,
+                                                            out.temporal_attentions):
+        frames_after_frame_merge = frames_out  # the patch merge comes after the spatial attention
+        assert tuple(temporal.shape) == (2 * patches, 4, frames, frames)
+        assert tuple(spatial.shape) == (2 * frames_after_frame_merge, 4, 1 + patches, 1 + patches)
+        torch.testing.assert_close(spatial.sum(-1), torch.ones_like(spatial.sum(-1)))
+        frames, patches = frames_out, patches_out
+
+    layer, heads, head_dim = model.layers[0], 4, 8
+    cls, embedded = model.embeddings(video)
+
+    def attention(module, tokens):
+        q, k, _ = module.qkv(tokens).view(tokens.shape[0], tokens.shape[1], 3, heads, head_dim).permute(2, 0, 3, 1, 4)
+        return torch.softmax(q @ k.transpose(-1, -2) / head_dim**0.5, dim=-1)
+
+    temporal_in = layer.temporal_layer_norm(embedded.transpose(1, 2).reshape(2 * 16, 8, 32))
+    torch.testing.assert_close(out.temporal_attentions[0], attention(layer.temporal_attention, temporal_in))
+    # with R_T = 0 in block 0, its spatial attention covers every frame
+    model.set_aggregation(temporal_reduction=[0, 2])
+    out = model(video, output_attentions=True)
+    spatial_in = torch.cat([cls.unsqueeze(1).expand(-1, 8, -1, -1), embedded], dim=2).reshape(2 * 8, 17, 32)
+    torch.testing.assert_close(out.attentions[0], attention(layer.self_attn, layer.layer_norm1(spatial_in)))
+
+
+def test_attention_outputs_in_joint_mode_and_off_by_default():
+    model = _model(aggregation_dims="joint", temporal_reduction=0, spatial_reduction=20)
+    out = model(_video(), output_attentions=True)
+    assert out.temporal_attentions is None
+    tokens = 8 * 16
+    for attention in out.attentions:
+        assert tuple(attention.shape) == (2, 4, 1 + tokens, 1 + tokens)
+        tokens -= 20
+    plain = model(_video())
+    assert plain.attentions is None and plain.temporal_attentions is None

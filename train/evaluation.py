@@ -177,7 +177,7 @@ def retrieval_metrics(model, store: VideoTokenStore, input_ids: torch.Tensor, at
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     num_texts, num_videos = input_ids.shape[0], len(store)
     text_features = torch.cat([
-        model.get_text_features(input_ids[i : i + 256], attention_mask[i : i + 256]) for i in range(0, num_texts, 256)
+        model.get_text_features(input_ids[i : i + 256], attention_mask[i : i + 256]).pooler_output for i in range(0, num_texts, 256)
     ]) if num_texts else torch.empty(0, store.embeddings.shape[1], device=device)
     valid = store.valid.tolist()
     num_valid = sum(valid)

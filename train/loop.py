@@ -607,12 +607,14 @@ def main(task: Task, argv: list[str] | None = None) -> dict:
     # Model, data, optimiser.
     processor = build_processor(recipe)
     model = build_model(task.model_class, recipe)
+    # Momentum contrast starts now (random queues, copies of the online weights; a no-op for heads without it),
+    # before anything else draws from the seeded generator.
+    model.start_momentum()
     if task.prepare_model is not None:
         task.prepare_model(model, processor, recipe, accelerator)
     if train_cfg.get("gradient_checkpointing"):
         model.gradient_checkpointing_enable()
-    # Momentum EMA + queue once per optimiser step (after it), not per micro-batch (a no-op for heads without
-    # momentum contrast): see `MomentumContrast`.
+    # Momentum EMA + queue once per optimiser step (after it), not per micro-batch: see `MomentumContrast`.
     model.defer_momentum_updates(True)
     rows = load_rows(recipe, data_cfg.get("train_split", "train"), task.name, streaming)
     micro_per_epoch = None if streaming else len(rows) // accelerator.num_processes // per_device_batch
