@@ -20,11 +20,6 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 
-# Pages that other engineers of the issue #19 refactoring are writing, linked before they land. A link to one of them
-# may point to a missing file (and its anchors are not checked) ONLY while it is missing. The lead removes this
-# allowance once both files are merged.
-PENDING = {"docs/data.md", "docs/architecture.md"}
-
 # Pages written by their benchmark scripts: the source of their tables, not edited by hand.
 SCRIPT_WRITTEN = {"docs/ablations.md", "docs/tradeoff.md", "docs/frames_vs_compute.md"}
 
@@ -216,8 +211,7 @@ def test_relative_links_point_to_existing_files_and_headings(path):
             problems.append(f"line {line}: {target} leaves the repository")
             continue
         if not file.exists():
-            if name not in PENDING:
-                problems.append(f"line {line}: {target} -> missing {name}")
+            problems.append(f"line {line}: {target} -> missing {name}")
             continue
         if anchor and file.suffix == ".md":
             anchors = {a for _, a, _ in headings(file.read_text(encoding="utf-8"))}
