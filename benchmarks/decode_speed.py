@@ -33,7 +33,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from modeling_testa.video_processing_testa import TestaVideoProcessor, decord_available  # noqa: E402
+from modeling_testa.video_decoding import decord_available  # noqa: E402
+from modeling_testa.video_processing_testa import TestaVideoProcessor  # noqa: E402
 
 
 def make_video(path: str, seconds: int, fps: int, content: str = "noise", width: int = 400, height: int = 224) -> int:
