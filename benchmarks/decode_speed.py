@@ -28,7 +28,8 @@ import time
 import numpy as np
 import torch
 
-from modeling_testa.video_processing_testa import TestaVideoProcessor, decord_available
+from modeling_testa.video_decoding import decord_available
+from modeling_testa.video_processing_testa import TestaVideoProcessor
 
 
 def make_video(path: str, seconds: int, fps: int, content: str = "noise", width: int = 400, height: int = 224) -> int:

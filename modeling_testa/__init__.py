@@ -50,13 +50,8 @@ from .pipeline_testa import (
     register_testa_pipelines,
 )
 from .processing_testa import TestaProcessor, build_testa_tokenizer, pre_caption
-from .video_processing_testa import (
-    TestaVideoProcessor,
-    VideoDecodingError,
-    VideoDecodingTimeoutError,
-    decode_video,
-    sample_frame_indices,
-)
+from .video_decoding import VideoDecodingError, VideoDecodingTimeoutError, decode_video, sample_frame_indices
+from .video_processing_testa import TestaVideoProcessor
 from .visualization import AggregationGroups, aggregation_groups, draw_aggregation, visualize_aggregation
 
 

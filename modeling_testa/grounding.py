@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image, ImageDraw
 
-from .visualization import _pixel_values, _vision_encoder
+from .visualization import displayable_frames, video_pixel_values, vision_encoder
 
 
 @dataclass
@@ -47,13 +47,6 @@ class Grounding:
         return values.masked_fill(self.source_map.unsqueeze(0) < 0, float("nan"))
 
 
-def _frames_for_drawing(pixel_values: torch.Tensor, processor: Any) -> np.ndarray:
-    mean = torch.tensor(getattr(getattr(processor, "video_processor", processor), "image_mean", [0.5] * 3))
-    std = torch.tensor(getattr(getattr(processor, "video_processor", processor), "image_std", [0.5] * 3))
-    frames = pixel_values[0].float().cpu() * std.view(1, 3, 1, 1) + mean.view(1, 3, 1, 1)
-    return (frames.clamp(0, 1).permute(0, 2, 3, 1).numpy() * 255).astype(np.uint8)
-
-
 @torch.no_grad()
 def ground_phrases(model, processor, video: Any, phrases: list[str]) -> Grounding:
     """Similarity of every phrase with every aggregated region of `video`.
@@ -70,11 +63,11 @@ def ground_phrases(model, processor, video: Any, phrases: list[str]) -> Groundin
     for name in ("vision_proj", "get_text_features"):
         if not hasattr(model, name):
             raise TypeError(f"ground_phrases needs a retrieval model with `{name}`; got {type(model).__name__}")
-    encoder = _vision_encoder(model)
+    encoder = vision_encoder(model)
     if isinstance(video, torch.Tensor) and video.is_floating_point() and video.ndim in (4, 5):
         pixel_values = video if video.ndim == 5 else video[None]  # already normalised pixel values
     else:
-        pixel_values = _pixel_values(getattr(processor, "video_processor", processor), video, None)
+        pixel_values = video_pixel_values(getattr(processor, "video_processor", processor), video)
     device = next(model.parameters()).device
     out = encoder(pixel_values.to(device), trace_source=True)
     regions = F.normalize(model.vision_proj(out.last_hidden_state[0, 1:]), dim=-1)
@@ -83,8 +76,13 @@ def ground_phrases(model, processor, video: Any, phrases: list[str]) -> Groundin
     side = int(round(out.source_map.shape[-1] ** 0.5))
     return Grounding(
         phrases=list(phrases), similarity=(text @ regions.T).float().cpu(), source_map=out.source_map[0].cpu(),
-        frames=_frames_for_drawing(pixel_values, processor), patch_grid=(side, side),
+        frames=_uint8_frames(displayable_frames(pixel_values, processor)), patch_grid=(side, side),
     )
+
+
+def _uint8_frames(frames: torch.Tensor) -> np.ndarray:
+    """``(T, 3, H, W)`` floats in [0, 1] -> ``(T, H, W, 3)`` uint8 for drawing."""
+    return (frames.permute(0, 2, 3, 1).numpy() * 255).astype(np.uint8)
 
 
 def draw_grounding(grounding: Grounding, alpha: float = 0.55) -> Image.Image:

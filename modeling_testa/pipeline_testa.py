@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import PIL.Image
 import torch
 from safetensors.torch import load_file, save_file
 from transformers.pipelines import PIPELINE_REGISTRY
@@ -49,6 +48,7 @@ from transformers.utils import logging
 from .inference import optimize_for_inference
 from .processing_testa import TestaProcessor
 from .saving import check_savable, push_folder_to_hub
+from .video_inputs import check_video, is_array, is_single_video, text_list, video_list
 from .video_store import (
     STORE_INFO_FILE,
     VideoStoreWriter,
@@ -69,85 +69,6 @@ PROGRESS_BAR_MIN_VIDEOS = 16
 # ----------------------------------------------------------------------------------------------------------------------
 # Input checking
 # ----------------------------------------------------------------------------------------------------------------------
-
-
-def _is_array(value: Any) -> bool:
-    return isinstance(value, (np.ndarray, torch.Tensor))
-
-
-def _is_frame(value: Any) -> bool:
-    return isinstance(value, PIL.Image.Image) or (_is_array(value) and value.ndim in (2, 3))
-
-
-def _is_single_video(value: Any) -> bool:
-    """A path, a 4-D array/tensor, or a non-empty list of frames."""
-    if isinstance(value, (str, os.PathLike)):
-        return True
-    if _is_array(value):
-        return value.ndim == 4
-    return isinstance(value, (list, tuple)) and len(value) > 0 and all(_is_frame(f) for f in value)
-
-
-def _describe(value: Any) -> str:
-    if _is_array(value):
-        return f"an array of shape {tuple(value.shape)}"
-    return f"a {type(value).__name__}"
-
-
-def _check_video(item: Any, label: str) -> None:
-    """Raises a `ValueError`/`TypeError` naming `label` unless `item` is one video."""
-    if isinstance(item, (str, os.PathLike)):
-        return
-    if _is_array(item):
-        if item.ndim != 4:
-            raise ValueError(
-                f"{label} is an array with {item.ndim} dimensions (shape {tuple(item.shape)}); a video must be 4-D: "
-                "(frames, height, width, channels) or (frames, channels, height, width)."
-            )
-        return
-    if isinstance(item, (list, tuple)):
-        if len(item) == 0:
-            raise ValueError(f"{label} is an empty list of frames.")
-        for j, frame in enumerate(item):
-            if not _is_frame(frame):
-                raise ValueError(
-                    f"{label}[{j}] is {_describe(frame)}; a frame must be a PIL image or a 2-D/3-D array "
-                    "(height, width[, channels])."
-                )
-        return
-    raise TypeError(
-        f"{label} is {_describe(item)}; a video must be a file path, a 4-D array/tensor or a list of frames."
-    )
-
-
-def _video_list(videos: Any, name: str = "videos") -> list[Any]:
-    """Validates a collection of videos and returns it as a list (a 5-D array becomes a list of 4-D ones)."""
-    if videos is None:
-        raise ValueError(f"`{name}` is missing; pass a list of video paths, arrays or frame lists.")
-    if _is_array(videos) and videos.ndim == 5:
-        videos = list(videos)
-    elif _is_single_video(videos) and not isinstance(videos, (list, tuple)):
-        videos = [videos]
-    if not isinstance(videos, (list, tuple)):
-        raise TypeError(f"`{name}` must be a list of videos, got {_describe(videos)}.")
-    if len(videos) == 0:
-        raise ValueError(f"`{name}` is an empty list; pass at least one video.")
-    for i, item in enumerate(videos):
-        _check_video(item, f"{name}[{i}]")
-    return list(videos)
-
-
-def _text_list(text: Any, name: str) -> tuple[list[str], bool]:
-    """``(texts, single)``: a string becomes a one-element list."""
-    if text is None:
-        raise ValueError(f"`{name}` is missing; pass a string or a list of strings.")
-    if isinstance(text, str):
-        return [text], True
-    if not isinstance(text, (list, tuple)) or not all(isinstance(t, str) for t in text):
-        raise ValueError(f"`{name}` must be a string or a list of strings, got {_describe(text)}.")
-    if len(text) == 0:
-        raise ValueError(f"`{name}` is an empty list; pass at least one string.")
-    return list(text), False
 
 
 def _merged_video_kwargs(video_kwargs: dict[str, Any] | None, num_frames: int | None) -> dict[str, Any]:
@@ -567,7 +488,7 @@ class _TestaPipeline(Pipeline):
         """`(1, frames, 3, H, W)` pixel values of one video. Decoding errors of files propagate unchanged (they name
         the file); errors about in-memory videos are re-raised naming `label`."""
         is_path = isinstance(item, (str, os.PathLike))
-        argument = item if is_path or _is_array(item) else [list(item)]
+        argument = item if is_path or is_array(item) else [list(item)]
         try:
             pixels = self.video_processor(argument, return_tensors="pt", **(video_kwargs or {}))["pixel_values"]
         except (ValueError, TypeError) as error:
@@ -714,8 +635,8 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         return super().__call__({"text": text, "videos": videos}, **kwargs)
 
     def preprocess(self, inputs: dict[str, Any], text_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
-        texts, single = _text_list(inputs.get("text"), "text")
-        videos = _video_list(inputs.get("videos"), "videos")
+        texts, single = text_list(inputs.get("text"), "text")
+        videos = video_list(inputs.get("videos"), "videos")
         return {**self._tokenize(texts, text_kwargs), "videos": videos, "single": single}
 
     def _forward(
@@ -808,7 +729,7 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         The returned index's `stats` say how fast it went: videos/s, the time the encoder waited for decoding and
         the encoder's own time (decoding is the bottleneck when the wait dominates).
         """
-        videos = _video_list(videos, "videos")
+        videos = video_list(videos, "videos")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"`batch_size` must be a positive int, got {batch_size!r}.")
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
@@ -917,7 +838,7 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
             _check_rerank_k(rerank_k)
         if use_faiss not in (None, True, False):
             raise ValueError(f"`use_faiss` must be None, True or False, got {use_faiss!r}.")
-        texts, single = _text_list(text, "text")
+        texts, single = text_list(text, "text")
         if rerank and not index.has_tokens:
             raise ValueError("rerank=True needs an index built with store_tokens=True.")
         rerank = index.has_tokens if rerank is None else bool(rerank)
@@ -1015,10 +936,10 @@ class ZeroShotVideoClassificationPipeline(_TestaPipeline):
             raise ValueError(
                 "Pass the video(s) to classify: a path, a 4-D array, a list of frames, or a list of those."
             )
-        single = _is_single_video(videos) or (_is_array(videos) and videos.ndim != 5)
-        items = [videos] if single else _video_list(videos, "videos")
+        single = is_single_video(videos) or (is_array(videos) and videos.ndim != 5)
+        items = [videos] if single else video_list(videos, "videos")
         if single:
-            _check_video(videos, "video")
+            check_video(videos, "video")
         batch_size = kwargs.pop("batch_size", None) or self._batch_size or 8
         progress_bar = kwargs.pop("progress_bar", None)
         preprocess_params, forward_params, postprocess_params = self._sanitize_parameters(**kwargs)
@@ -1043,7 +964,7 @@ class ZeroShotVideoClassificationPipeline(_TestaPipeline):
     ) -> dict[str, Any]:
         if candidate_labels is None:
             raise ValueError("`candidate_labels` is missing; pass the list of class names to choose from.")
-        labels, _ = _text_list(candidate_labels, "candidate_labels")
+        labels, _ = text_list(candidate_labels, "candidate_labels")
         if not isinstance(hypothesis_template, str) or "{}" not in hypothesis_template:
             raise ValueError(f"`hypothesis_template` must be a string containing '{{}}', got {hypothesis_template!r}.")
         prompts = [hypothesis_template.format(label) for label in labels]
@@ -1161,13 +1082,13 @@ class VideoQuestionAnsweringPipeline(_TestaPipeline):
         video = inputs.get("video")
         if video is None:
             raise ValueError("`video` is missing; pass a path, a 4-D array or a list of frames.")
-        _check_video(video, "video")
-        questions, single = _text_list(inputs.get("question"), "question")
+        check_video(video, "video")
+        questions, single = text_list(inputs.get("question"), "question")
         model_inputs = self._tokenize(questions, text_kwargs)
         model_inputs["pixel_values"] = self._pixels(video, "video", video_kwargs)
         model_inputs["single"] = single
         if candidate_answers is not None:
-            answers, _ = _text_list(candidate_answers, "candidate_answers")
+            answers, _ = text_list(candidate_answers, "candidate_answers")
             encoded = self.tokenizer(answers, padding="longest", truncation=True, return_tensors="pt")
             model_inputs.update(
                 answer_ids=encoded["input_ids"], answer_attention_mask=encoded["attention_mask"], candidates=answers

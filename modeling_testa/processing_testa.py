@@ -1,5 +1,6 @@
 """Processor for TESTA: the BERT-uncased tokenizer with BLIP's `[DEC]`/`[ENC]` tokens plus `TestaVideoProcessor`."""
 
+import json
 import os
 import re
 from pathlib import Path
@@ -8,6 +9,7 @@ from typing import Any
 from transformers import BertTokenizer
 from transformers.processing_utils import ProcessorMixin
 
+from .video_inputs import text_list
 from .video_processing_testa import TestaVideoProcessor
 
 
@@ -102,8 +104,10 @@ class TestaProcessor(ProcessorMixin):
     Args:
         video_processor ([`TestaVideoProcessor`], *optional*): defaults to `TestaVideoProcessor()`.
         tokenizer ([`BertTokenizer`], *optional*): defaults to `build_testa_tokenizer()`.
+        task (`str`, *optional*): the default `task` of calls (see below); saved in `processor_config.json`.
+        clean_text (`bool`, defaults to `False`): the default `clean_text` of calls; saved in `processor_config.json`.
 
-    Calling it (`processor(text=..., videos=..., task=None, clean_text=False, **kwargs)`):
+    Calling it (`processor(text=..., videos=..., task=None, clean_text=None, **kwargs)`):
 
     - `text` (`str` or `list[str]`) is tokenized with truncation. Without `task` the batch is padded to its longest
       sequence and truncated to 64 tokens; with `task` the original setting of that task is used (see
@@ -111,6 +115,8 @@ class TestaProcessor(ProcessorMixin):
       Explicit `max_length=`/`padding=` arguments win over the task's.
     - `clean_text=True` applies the original caption cleaning ([`pre_caption`]) first, with the task's word limit
       (50 by default).
+    - `task` and `clean_text` left at `None` take the processor's settings (`processor.task`, `processor.clean_text`),
+      so that a folder saved with e.g. `TestaProcessor(task="didemo", clean_text=True)` tokenizes that way when loaded.
     - `videos` go to the video processor (any of its inputs and keyword arguments, e.g. `num_frames=8`).
 
     Returns a `BatchFeature` with `input_ids`, `attention_mask` (no `token_type_ids`) and `pixel_values`.
@@ -128,13 +134,20 @@ class TestaProcessor(ProcessorMixin):
         self,
         video_processor: TestaVideoProcessor | None = None,
         tokenizer: BertTokenizer | None = None,
+        task: str | None = None,
+        clean_text: bool = False,
         **kwargs: Any,
     ) -> None:
         if video_processor is None:
             video_processor = TestaVideoProcessor()
         if tokenizer is None:
             tokenizer = build_testa_tokenizer()
+        kwargs.pop("auto_map", None)  # export metadata of a saved folder, written again by `to_json_string`
+        _check_task(task)
+        if not isinstance(clean_text, bool):
+            raise ValueError(f"`clean_text` must be True or False, got {clean_text!r}.")
         super().__init__(video_processor=video_processor, tokenizer=tokenizer, **kwargs)
+        self.task, self.clean_text = task, clean_text
         if getattr(self.tokenizer, "enc_token_id", None) is None and ENC_TOKEN in self.tokenizer.get_vocab():
             self.tokenizer.enc_token_id = self.tokenizer.convert_tokens_to_ids(ENC_TOKEN)
 
@@ -158,7 +171,7 @@ class TestaProcessor(ProcessorMixin):
         text: str | list[str] | None = None,
         videos: Any = None,
         task: str | None = None,
-        clean_text: bool = False,
+        clean_text: bool | None = None,
         **kwargs: Any,
     ) -> Any:
         """Tokenizes `text` and/or processes `videos`; see the class docstring.
@@ -167,8 +180,9 @@ class TestaProcessor(ProcessorMixin):
             text (`str` or `list[str]`, *optional*): captions, paragraphs, queries or questions.
             videos (*optional*): anything [`TestaVideoProcessor`] accepts.
             task (`str`, *optional*): one of `TASK_TEXT_SETTINGS` (`"queryd"`, `"didemo"`, `"activitynet"`,
-                `"condensed_movies"`, `"pretrain"`, `"activitynet_qa"`) to use the original text length and padding.
-            clean_text (`bool`, defaults to `False`): apply [`pre_caption`] before tokenizing.
+                `"condensed_movies"`, `"pretrain"`, `"activitynet_qa"`) to use the original text length and padding;
+                defaults to `self.task`.
+            clean_text (`bool`, *optional*): apply [`pre_caption`] before tokenizing; defaults to `self.clean_text`.
             **kwargs: tokenizer arguments (`max_length`, `padding`, `return_tensors`, ...) and video-processor
                 arguments (`num_frames`, `frame_sampling`, `return_metadata`, ...), or `text_kwargs={...}` /
                 `videos_kwargs={...}`.
@@ -179,27 +193,47 @@ class TestaProcessor(ProcessorMixin):
         """
         if text is None and videos is None:
             raise ValueError("TestaProcessor needs `text`, `videos`, or both.")
-        if task is not None and task not in TASK_TEXT_SETTINGS:
-            raise ValueError(f"Unknown task={task!r}; use one of {sorted(TASK_TEXT_SETTINGS)} or None.")
+        task = self.task if task is None else task
+        clean_text = self.clean_text if clean_text is None else clean_text
+        _check_task(task)
         if text is not None:
-            if isinstance(text, str):
-                texts = [text]
-            elif isinstance(text, (list, tuple)) and all(isinstance(t, str) for t in text):
-                texts = list(text)
-            else:
-                raise ValueError("`text` must be a string or a list of strings.")
-            if len(texts) == 0:
-                raise ValueError("`text` is an empty list; pass at least one string.")
+            texts, single = text_list(text, "text")
             if clean_text:
                 max_words = TASK_CAPTION_WORDS.get(task, 50)
                 texts = [pre_caption(t, max_words) for t in texts]
-            text = texts if not isinstance(text, str) else texts[0]
+            text = texts[0] if single else texts
             if task is not None:
                 explicit = dict(kwargs.get("text_kwargs", {}))
                 explicit.update({k: v for k, v in kwargs.items() if k in ("max_length", "padding")})
                 task_settings = {k: v for k, v in TASK_TEXT_SETTINGS[task].items() if k not in explicit}
                 kwargs["text_kwargs"] = {**kwargs.get("text_kwargs", {}), **task_settings}
         return super().__call__(text=text, videos=videos, **kwargs)
+
+    # -- saving -------------------------------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """The processor's settings (its video processor's included), without the export metadata `auto_map`: equal
+        for a processor and its saved and reloaded copy, before and after saving (`to_json_string` adds `auto_map`)."""
+        output = super().to_dict()
+        output.pop("auto_map", None)  # set on the object by transformers' `custom_object_save` while saving
+        return output
+
+    def to_json_string(self) -> str:
+        """`to_dict()` with the `auto_map` of this class and of the video processor, as JSON: the content of
+        `processor_config.json`, which `AutoProcessor`/`AutoVideoProcessor` read to load the saved remote code."""
+        dictionary = self.to_dict()
+        if self._auto_class is not None:
+            module = type(self).__module__.rsplit(".", 1)[-1]
+            dictionary["auto_map"] = {self._auto_class: f"{module}.{type(self).__name__}"}
+        video_auto_map = getattr(self.video_processor, "remote_code_auto_map", lambda: None)()
+        if video_auto_map and isinstance(dictionary.get("video_processor"), dict):
+            dictionary["video_processor"]["auto_map"] = video_auto_map
+        return json.dumps(dictionary, indent=2, sort_keys=True) + "\n"
+
+
+def _check_task(task: str | None) -> None:
+    if task is not None and task not in TASK_TEXT_SETTINGS:
+        raise ValueError(f"Unknown task={task!r}; use one of {sorted(TASK_TEXT_SETTINGS)} or None.")
 
 
 TestaProcessor.register_for_auto_class()

@@ -1,6 +1,6 @@
 """Video decoding with decord or PyAV: the readers, and the crash-isolation helper process that runs them.
 
-`video_processing_testa` uses this module in two ways:
+`video_decoding` uses this module in two ways:
 
 * **Run by path** (`python video_decoding_worker.py`), it is the decoder helper process. It reads requests from stdin
   and writes replies to its original stdout, both as length-prefixed pickles; decoded frames follow their header as raw
@@ -18,7 +18,7 @@ Requests and replies:
     ("close",)                             -> ("closed",)
     any request that fails                 -> ("error", exception_type_name, message, is_final_reason)
 
-This file is Hub remote code, exported next to `video_processing_testa.py`: it has no package imports at all (it must
+This file is Hub remote code, exported next to `video_decoding.py`: it has no package imports at all (it must
 run as a plain script), and decord and PyAV are optional, imported lazily inside `try` blocks.
 """
 

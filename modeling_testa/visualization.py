@@ -69,9 +69,9 @@ class AggregationGroups:
         return self.grid[0] * self.grid[1]
 
 
-def _vision_encoder(model: Any) -> Any:
+def vision_encoder(model: Any) -> Any:
     """The TESTA video encoder of ``model`` (itself, or its ``.vision_model``), checked by duck typing so that classes
-    loaded as Hub remote code (a different class object than this package's) work too."""
+    loaded as Hub remote code (a different class object than this package's) work too; a `TypeError` otherwise."""
     encoder = getattr(model, "vision_model", model)
     needed = ("run_blocks", "layers", "config")
     if not all(hasattr(encoder, name) for name in needed) or not hasattr(encoder.config, "aggregation_dims"):
@@ -109,8 +109,19 @@ def _as_channel_stat(value: Any, name: str, channels: int) -> torch.Tensor:
     return stat.view(1, channels, 1, 1)
 
 
-def _pixel_values(processor: Any, video: Any, processor_kwargs: dict | None) -> torch.Tensor:
-    """``(1, T, C, H, W)`` model input from ``video``, through ``processor`` when there is one."""
+def video_pixel_values(processor: Any, video: Any, processor_kwargs: dict | None = None) -> torch.Tensor:
+    """The ``(1, T, C, H, W)`` model input of one video.
+
+    Args:
+        processor: a callable video processor (``processor(videos=[video], return_tensors="pt", **processor_kwargs)``
+            must return one video's ``pixel_values``), or ``None`` when ``video`` already is normalised pixel values.
+        video: what the processor accepts (a path, decoded frames); without a processor a float array/tensor
+            ``(T, C, H, W)`` or ``(1, T, C, H, W)``.
+        processor_kwargs (`dict`, *optional*): extra arguments of the processor call (e.g. ``{"num_frames": 8}``).
+
+    Raises:
+        `TypeError`/`ValueError` naming ``processor`` or ``video`` when they do not give one video's pixel values.
+    """
     if processor is not None:
         if not callable(processor):
             raise TypeError(
@@ -145,6 +156,31 @@ def _pixel_values(processor: Any, video: Any, processor_kwargs: dict | None) -> 
     return video
 
 
+def displayable_frames(
+    pixel_values: torch.Tensor, processor: Any = None, image_mean: Any = None, image_std: Any = None
+) -> torch.Tensor:
+    """The first video of normalised ``pixel_values`` ``(batch, T, C, H, W)`` as ``(T, 3, H, W)`` float frames in
+    [0, 1] for drawing: the normalisation is undone with ``image_mean``/``image_std``, by default those of
+    ``processor`` (or of its video/image processor). When they are unknown, one global stretch to [0, 1] keeps the
+    hues. Grayscale frames are repeated to RGB, a fourth channel is dropped."""
+    channels = pixel_values.shape[2]
+    if processor is not None:
+        image_mean = _find_stat(processor, "image_mean") if image_mean is None else image_mean
+        image_std = _find_stat(processor, "image_std") if image_std is None else image_std
+    pixels = pixel_values[0].detach().float().cpu()
+    if image_mean is not None and image_std is not None:
+        pixels = pixels * _as_channel_stat(image_std, "image_std", channels)
+        pixels = pixels + _as_channel_stat(image_mean, "image_mean", channels)
+    else:  # unknown normalisation: one global stretch to [0, 1], which keeps the hues
+        low, high = pixels.min(), pixels.max()
+        pixels = (pixels - low) / (high - low).clamp(min=1e-6)
+    if channels == 1:
+        pixels = pixels.expand(-1, 3, -1, -1)
+    elif channels != 3:
+        pixels = pixels[:, :3]
+    return pixels.clamp(0, 1)
+
+
 @torch.no_grad()
 def trace_sources(model: Any, pixel_values: torch.Tensor, layer: int = -1) -> tuple[torch.Tensor, tuple[int, int]]:
     """Runs the encoder's embeddings and blocks ``0 .. layer`` with source tracking.
@@ -158,7 +194,7 @@ def trace_sources(model: Any, pixel_values: torch.Tensor, layer: int = -1) -> tu
         ``source_map`` ``(batch, frames, patches)`` (flat token index in the grid after ``layer``, -1 = pruned) and that
         grid ``(frames, patches per frame)``.
     """
-    encoder = _vision_encoder(model)
+    encoder = vision_encoder(model)
     layer = _normalised_layer(layer, len(encoder.layers))
     encoder.check_pixel_values(pixel_values)
     was_training = encoder.training
@@ -183,26 +219,13 @@ def aggregation_groups(
 ) -> AggregationGroups:
     """The frame and patch groups of ``video`` after block ``layer`` (see :func:`visualize_aggregation` for the
     arguments)."""
-    encoder = _vision_encoder(model)
-    pixel_values = _pixel_values(processor, video, processor_kwargs)
+    encoder = vision_encoder(model)
+    pixel_values = video_pixel_values(processor, video, processor_kwargs)
     source_map, grid = trace_sources(encoder, pixel_values, layer)
     source_map = source_map[0]
-    frames, channels, height, width = pixel_values.shape[1:]
+    frames, _, height, width = pixel_values.shape[1:]
     patch = encoder.config.patch_size
-    if processor is not None:
-        image_mean = _find_stat(processor, "image_mean") if image_mean is None else image_mean
-        image_std = _find_stat(processor, "image_std") if image_std is None else image_std
-    mean, std = image_mean, image_std
-    pixels = pixel_values[0].detach().float().cpu()
-    if mean is not None and std is not None:
-        pixels = pixels * _as_channel_stat(std, "image_std", channels) + _as_channel_stat(mean, "image_mean", channels)
-    else:  # unknown normalisation: one global stretch to [0, 1], which keeps the hues
-        low, high = pixels.min(), pixels.max()
-        pixels = (pixels - low) / (high - low).clamp(min=1e-6)
-    if channels == 1:
-        pixels = pixels.expand(-1, 3, -1, -1)
-    elif channels != 3:
-        pixels = pixels[:, :3]
+    pixels = displayable_frames(pixel_values, processor, image_mean, image_std)
     joint = encoder.config.aggregation_dims == "joint"
     if joint:
         frame_groups = torch.arange(frames)
@@ -211,7 +234,7 @@ def aggregation_groups(
         out_frame = torch.where(source_map >= 0, source_map // grid[1], -1)
         frame_groups = out_frame.max(dim=1).values
     return AggregationGroups(
-        pixels=pixels.clamp(0, 1),
+        pixels=pixels,
         source_map=source_map,
         frame_groups=frame_groups,
         grid=grid,
@@ -399,4 +422,13 @@ def visualize_aggregation(
     return draw_aggregation(groups, patch_pixels=patch_pixels, columns=columns, alpha=alpha)
 
 
-__all__ = ["AggregationGroups", "aggregation_groups", "draw_aggregation", "trace_sources", "visualize_aggregation"]
+__all__ = [
+    "AggregationGroups",
+    "aggregation_groups",
+    "displayable_frames",
+    "draw_aggregation",
+    "trace_sources",
+    "video_pixel_values",
+    "vision_encoder",
+    "visualize_aggregation",
+]

@@ -6,8 +6,8 @@
 ``TestaForVideoTextRetrieval``). With an ``auto_map`` in its ``config.json`` it is loaded with
 ``AutoModel.from_pretrained(FOLDER, trust_remote_code=True)``, otherwise with this package's class named in
 ``architectures``. Frames come from the folder's video processor when it has one (``AutoVideoProcessor`` /
-``AutoProcessor``), else from a ``TestaVideoProcessor`` at the model's image size, else (when that module is missing)
-from a plain PyAV decoder: uniform sampling, square resize, CLIP normalisation.
+``AutoProcessor``), else from a ``TestaVideoProcessor`` built for the model (its image size and frame count, uniform
+sampling, square resize, CLIP normalisation).
 """
 
 import argparse
@@ -16,56 +16,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-from PIL import Image
-
+from .video_processing_testa import TestaVideoProcessor
 from .visualization import visualize_aggregation
 
 
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 _PROCESSOR_FILES = ("video_preprocessor_config.json", "preprocessor_config.json", "processor_config.json")
-
-
-class PyAVVideoProcessor:
-    """A minimal stand-in for ``TestaVideoProcessor``: decodes with PyAV, samples ``num_frames`` frames uniformly
-    (the middle frame of equal segments), resizes them to ``image_size`` squared (bicubic) and normalises them with the
-    CLIP mean and standard deviation."""
-
-    image_mean = CLIP_MEAN
-    image_std = CLIP_STD
-
-    def __init__(self, num_frames: int, image_size: int):
-        self.num_frames, self.image_size = num_frames, image_size
-
-    def _decode(self, path: str, num_frames: int) -> list[np.ndarray]:
-        import av  # noqa: PLC0415 (optional dependency, only needed here)
-
-        with av.open(path) as container:
-            if not container.streams.video:
-                raise ValueError(f"{path!r} has no video stream.")
-            frames = [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
-        if not frames:
-            raise ValueError(f"No frames could be decoded from {path!r}.")
-        indices = ((np.arange(num_frames) + 0.5) * len(frames) / num_frames).astype(int).clip(0, len(frames) - 1)
-        return [frames[i] for i in indices]
-
-    def __call__(
-        self, videos: list, return_tensors: str = "pt", num_frames: int | None = None
-    ) -> dict[str, torch.Tensor]:
-        mean = torch.tensor(self.image_mean).view(1, 3, 1, 1)
-        std = torch.tensor(self.image_std).view(1, 3, 1, 1)
-        batch = []
-        for video in videos:
-            frames = self._decode(str(video), num_frames or self.num_frames)
-            resized = [
-                np.asarray(Image.fromarray(f).resize((self.image_size, self.image_size), Image.Resampling.BICUBIC))
-                for f in frames
-            ]
-            clip = torch.from_numpy(np.stack(resized)).permute(0, 3, 1, 2).float() / 255.0
-            batch.append((clip - mean) / std)
-        return {"pixel_values": torch.stack(batch)}
 
 
 def load_model(folder: str | Path) -> Any:
@@ -97,7 +52,8 @@ def load_model(folder: str | Path) -> Any:
 
 
 def load_processor(folder: str | Path, num_frames: int, image_size: int) -> tuple[Any, str]:
-    """The video processor to use and a description of where it came from."""
+    """The video processor to use and a description of where it came from: the one saved in ``folder``, else a
+    ``TestaVideoProcessor`` sampling ``num_frames`` frames resized to ``image_size`` squared."""
     folder = Path(folder)
     if any((folder / name).is_file() for name in _PROCESSOR_FILES):
         from transformers import AutoProcessor, AutoVideoProcessor  # noqa: PLC0415
@@ -109,10 +65,6 @@ def load_processor(folder: str | Path, num_frames: int, image_size: int) -> tupl
             except (OSError, ValueError, KeyError, TypeError, ImportError) as error:
                 errors.append(f"{loader.__name__}: {error}")
         print(f"warning: the processor in {folder} could not be loaded ({'; '.join(errors)})", file=sys.stderr)
-    try:
-        from .video_processing_testa import TestaVideoProcessor  # noqa: PLC0415
-    except ImportError:
-        return PyAVVideoProcessor(num_frames, image_size), "PyAV fallback decoder"
     processor = TestaVideoProcessor(
         num_frames=num_frames,
         size={"shortest_edge": image_size},
@@ -122,6 +74,7 @@ def load_processor(folder: str | Path, num_frames: int, image_size: int) -> tupl
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs the command line (``argv``: the arguments, default ``sys.argv[1:]``); returns the exit status."""
     parser = argparse.ArgumentParser(
         prog="python -m modeling_testa.visualize", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,

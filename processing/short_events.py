@@ -94,7 +94,7 @@ class ShortEventVideo:
 def uniform_sample_positions(num_frames: int, samples: int) -> list[int]:
     """The frames that uniform sampling takes (the middle of each of `samples` equal segments): the video
     processor's own rule, ``sample_frame_indices(..., strategy="uniform")``."""
-    from modeling_testa.video_processing_testa import sample_frame_indices
+    from modeling_testa.video_decoding import sample_frame_indices
 
     return sample_frame_indices(num_frames, samples, strategy="uniform").tolist()
 

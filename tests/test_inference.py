@@ -15,9 +15,9 @@ from pipeline_helpers import build_qa, build_retrieval, tiny_processor, write_ba
 from torch import nn
 from transformers import pipeline
 
-import modeling_testa.inference as inference
 import modeling_testa.aggregation_block as aggregation_block
-import modeling_testa.video_processing_testa as video_processing
+import modeling_testa.inference as inference
+import modeling_testa.video_decoding as video_decoding
 from modeling_testa import (
     PRECISIONS,
     Bf16Linear,
@@ -292,13 +292,13 @@ def test_pipeline_precision_option(videos, tmp_path):
 
 def test_encode_videos_with_workers_matches_sequential_in_order(retrieval_pipe, videos, monkeypatch):
     used = set()
-    decode = video_processing._DecoderWorker.decode
+    decode = video_decoding.DecoderProcess.decode
 
     def recording(self, *args, **kwargs):
         used.add(id(self))
         return decode(self, *args, **kwargs)
 
-    monkeypatch.setattr(video_processing._DecoderWorker, "decode", recording)
+    monkeypatch.setattr(video_decoding.DecoderProcess, "decode", recording)
     order = videos[::-1] + videos[:2]  # 7 videos, a repeat included
     expected = retrieval_pipe.encode_videos(order, batch_size=3)
     shared = set(used)
@@ -312,7 +312,7 @@ def test_encode_videos_with_workers_matches_sequential_in_order(retrieval_pipe, 
         assert stats["videos"] == 7 and stats["videos_per_second"] > 0
         assert 0 < stats["decode_wait_seconds"] <= stats["seconds"] and 0 < stats["encode_seconds"] <= stats["seconds"]
     assert (expected.stats["num_workers"], got.stats["num_workers"]) == (0, 2)
-    assert all(worker.process is None for worker in video_processing._OWN_WORKERS)  # stopped afterwards
+    assert all(worker.process is None for worker in video_decoding._OWN_WORKERS)  # stopped afterwards
 
 
 def test_encode_videos_with_workers_names_a_bad_file(retrieval_pipe, videos, tmp_path):
@@ -321,6 +321,6 @@ def test_encode_videos_with_workers_names_a_bad_file(retrieval_pipe, videos, tmp
     for workers in (0, 2):
         with pytest.raises(ValueError, match=rf"{os.path.basename(bad)}") as error:
             retrieval_pipe.encode_videos(batch, batch_size=2, num_workers=workers)
-        assert isinstance(error.value, video_processing.VideoDecodingError)
+        assert isinstance(error.value, video_decoding.VideoDecodingError)
     with pytest.raises(ValueError, match="num_workers"):
         retrieval_pipe.encode_videos(videos, num_workers=-1)

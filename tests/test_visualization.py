@@ -203,12 +203,20 @@ def _write_video(path, num_frames=12, size=64):
             container.mux(packet)
 
 
-def test_pyav_fallback_decoder_samples_uniformly_and_normalises(tmp_path):
-    from modeling_testa.visualize import PyAVVideoProcessor
+def test_cli_without_a_saved_processor_decodes_with_a_testa_video_processor_for_the_model(tmp_path, capsys):
+    """A model folder without a processor: the frames come from a TestaVideoProcessor at the model's image size and
+    frame count (uniform sampling, square resize, CLIP normalisation), the one decoding path of the package."""
+    from modeling_testa import TestaVideoProcessor
+    from modeling_testa.visualize import load_processor, main
 
+    model = _model(temporal_reduction=[1, 1], spatial_reduction=3)
+    folder = tmp_path / "model"
+    model.save_pretrained(folder)
     path = tmp_path / "clip.mp4"
     _write_video(path)
-    processor = PyAVVideoProcessor(num_frames=4, image_size=32)
+    processor, origin = load_processor(folder, num_frames=4, image_size=32)
+    assert isinstance(processor, TestaVideoProcessor) and origin == "TestaVideoProcessor at 32 px"
+    assert processor.num_frames == 4 and (processor.crop_size.height, processor.crop_size.width) == (32, 32)
     pixel_values = processor(videos=[path], return_tensors="pt")["pixel_values"]
     assert pixel_values.shape == (1, 4, 3, 32, 32)
     rgb = pixel_values[0] * torch.tensor(processor.image_std).view(1, 3, 1, 1)
@@ -218,6 +226,33 @@ def test_pyav_fallback_decoder_samples_uniformly_and_normalises(tmp_path):
     red = rgb[:, 0, 8:20] > 0.7  # rows of the red block, at half scale
     centroids = [float(torch.nonzero(r)[:, 1].float().mean()) for r in red]
     assert centroids == sorted(centroids) and centroids[-1] - centroids[0] > 6  # sampled in time order, spread out
+
+    out = tmp_path / "aggregation.png"
+    assert main([str(path), "--model", str(folder), "--out", str(out), "--layer", "0"]) == 0
+    assert "frames from TestaVideoProcessor at 32 px" in capsys.readouterr().out
+    expected = visualize_aggregation(
+        model, TestaVideoProcessor(num_frames=8, size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}),
+        path, layer=0,
+    )  # the model's 8 frames
+    assert np.array_equal(np.asarray(Image.open(out).convert("RGB")), np.asarray(expected))
+
+
+def test_cli_uses_the_processor_saved_in_the_folder(tmp_path, capsys):
+    from modeling_testa import TestaVideoProcessor
+    from modeling_testa.visualize import main
+
+    model = _model(temporal_reduction=[1, 1], spatial_reduction=3)
+    folder = tmp_path / "model"
+    model.save_pretrained(folder)
+    TestaVideoProcessor(num_frames=4, size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(
+        folder)
+    path = tmp_path / "clip.mp4"
+    _write_video(path)
+    out = tmp_path / "aggregation.png"
+    assert main([str(path), "--model", str(folder), "--out", str(out), "--layer", "0"]) == 0
+    assert f"frames from AutoVideoProcessor from {folder}" in capsys.readouterr().out
+    expected = visualize_aggregation(model, None, torch.zeros(4, 3, 32, 32), layer=0)  # the saved 4 frames' layout
+    assert Image.open(out).size == expected.size
 
 
 def test_cli_writes_a_png_for_a_saved_model_and_an_mp4(tmp_path, capsys):

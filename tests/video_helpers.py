@@ -13,6 +13,8 @@ import numpy as np
 
 BITS = 10  # frame indices up to 1023; frames must be at least 16 * BITS = 160 pixels wide
 BLOCK = 16
+RAW = dict(do_resize=False, do_rescale=False, do_normalize=False)
+"""Video processor arguments that keep the decoded pixel values (0-255), so that `read_index` reads the frames."""
 
 
 def frame_image(index: int, width: int, height: int) -> np.ndarray:
@@ -94,3 +96,35 @@ def zero_media_data(src: Path, dst: Path) -> Path:
             data[offset + 8 : offset + size] = bytes(size - 8)
     Path(dst).write_bytes(bytes(data))
     return dst
+
+
+def write_test_videos(folder: Path) -> dict[str, Path]:
+    """Real H.264 mp4s of different lengths, frame rates and sizes, one grayscale, one with B-frames, plus broken
+    files: `truncated` (moov atom cut off), `empty` (0 bytes), `text` (not a video), `no_frames` (zeroed media data)."""
+    folder = Path(folder)
+    v = {
+        "long": write_video(folder / "long.mp4", 90, fps=30, width=320, height=240),
+        "small": write_video(folder / "small.mp4", 50, fps=25, width=176, height=144),
+        "short": write_video(folder / "short.mp4", 5, fps=10, width=192, height=160),
+        "gray": write_video(folder / "gray.mp4", 40, fps=24, width=208, height=160, gray=True),
+        "bframes": write_video(folder / "bframes.mp4", 60, fps=30, width=192, height=160, bframes=3),
+    }
+    data = v["long"].read_bytes()
+    (folder / "truncated.mp4").write_bytes(data[: len(data) // 2])  # moov atom is at the end: cut off
+    v["truncated"] = folder / "truncated.mp4"
+    (folder / "empty.mp4").write_bytes(b"")
+    v["empty"] = folder / "empty.mp4"
+    (folder / "notes.mp4").write_text("these are meeting notes, not a video\n" * 50)
+    v["text"] = folder / "notes.mp4"
+    v["no_frames"] = zero_media_data(v["small"], folder / "no_frames.mp4")
+    return v
+
+
+def uniform(total: int, n: int) -> list[int]:
+    """Segment midpoints, written out independently of the implementation."""
+    return [int((i + 0.5) * total / n) for i in range(n)]
+
+
+def random_clip(t: int = 6, h: int = 40, w: int = 48, seed: int = 0) -> np.ndarray:
+    """A `(t, h, w, 3)` uint8 clip of uniform noise."""
+    return np.random.default_rng(seed).integers(0, 256, size=(t, h, w, 3), dtype=np.uint8)

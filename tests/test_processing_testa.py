@@ -146,7 +146,7 @@ def test_save_load_and_remote_code(tmp_path, processor, video):
     custom.save_pretrained(folder)
     files = sorted(p.name for p in folder.iterdir())
     assert files == ["processing_testa.py", "processor_config.json", "tokenizer.json", "tokenizer_config.json",
-                     "video_decoding_worker.py", "video_processing_testa.py"]
+                     "video_decoding.py", "video_decoding_worker.py", "video_inputs.py", "video_processing_testa.py"]
     config = json.loads((folder / "processor_config.json").read_text())
     assert config["auto_map"] == {"AutoProcessor": "processing_testa.TestaProcessor"}
     assert config["video_processor"]["auto_map"]["AutoVideoProcessor"] == "video_processing_testa.TestaVideoProcessor"
@@ -199,3 +199,46 @@ def test_package_exports():
     for name in ("TestaProcessor", "TestaVideoProcessor", "build_testa_tokenizer", "pre_caption", "decode_video",
                  "VideoDecodingError", "sample_frame_indices"):
         assert name in modeling_testa.__all__ and hasattr(modeling_testa, name)
+
+
+def test_saved_task_and_clean_text_apply_unless_a_call_says_otherwise(tmp_path):
+    """Issue #24: `task`/`clean_text` of a call default to None, so the processor's saved settings apply."""
+    folder = tmp_path / "settings"
+    TestaProcessor(task="condensed_movies", clean_text=True).save_pretrained(folder)
+    config = json.loads((folder / "processor_config.json").read_text())
+    assert config["task"] == "condensed_movies" and config["clean_text"] is True
+    loaded = TestaProcessor.from_pretrained(folder)
+    raw = "The (red) CAR stops!"
+    out = loaded(text=raw)
+    # cleaned ("the red car stops") and padded to Condensed Movies' 32 tokens
+    assert out["input_ids"].shape == (1, 32) and out["attention_mask"].sum() == 6
+    tokens = loaded.tokenizer.convert_ids_to_tokens(out["input_ids"][0, :6].tolist())
+    assert tokens == ["[CLS]", "the", "red", "car", "stops", "[SEP]"]
+    assert out["input_ids"][0, 6:].tolist() == [0] * 26
+    raw_out = loaded(text=raw, clean_text=False, task="activitynet_qa")  # explicit arguments win: kept, longest
+    assert loaded.tokenizer.convert_ids_to_tokens(raw_out["input_ids"][0].tolist()) == [
+        "[CLS]", "the", "(", "red", ")", "car", "stops", "!", "[SEP]"]
+    assert TestaProcessor()(text=raw)["input_ids"].shape == (1, 9)  # defaults: no cleaning, longest
+    with pytest.raises(ValueError, match="Unknown task='msrvtt'"):
+        TestaProcessor(task="msrvtt")
+    with pytest.raises(ValueError, match="`clean_text` must be True or False"):
+        TestaProcessor(clean_text="yes")
+
+
+def test_save_and_load_keeps_to_dict_exactly(tmp_path):
+    """Issue #24: `auto_map` (export metadata) is written to the saved files but is no setting, so saving does not
+    change `to_dict` and the loaded processor has the same `to_dict` as the saved one."""
+    from transformers import AutoProcessor
+
+    processor = TestaProcessor(video_processor=TestaVideoProcessor(num_frames=6, fps=None), task="didemo")
+    before = processor.to_dict()
+    assert "auto_map" not in before and "auto_map" not in before["video_processor"]
+    processor.save_pretrained(tmp_path)
+    assert processor.to_dict() == before
+    for loaded in (TestaProcessor.from_pretrained(tmp_path), AutoProcessor.from_pretrained(tmp_path,
+                                                                                           trust_remote_code=True)):
+        assert loaded.to_dict() == before
+        assert loaded.video_processor.to_dict() == processor.video_processor.to_dict()
+    config = json.loads((tmp_path / "processor_config.json").read_text())
+    assert config["auto_map"] == {"AutoProcessor": "processing_testa.TestaProcessor"}
+    assert config["video_processor"]["auto_map"] == {"AutoVideoProcessor": "video_processing_testa.TestaVideoProcessor"}

@@ -1,27 +1,22 @@
-"""Tests of TestaVideoProcessor on real mp4 files written with PyAV, and on arrays, tensors and PIL frames."""
+"""Video decoding (`modeling_testa.video_decoding`): frame sampling, the exact frames of real mp4 files written with
+PyAV for decord and PyAV (in process and in the helper process), errors that name the file, and the guard that turns
+a decoder crash or hang in the helper process into an exception."""
 
-import json
 import os
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
-import PIL.Image
 import pytest
 import torch
-import torchvision.transforms.v2.functional as tvF
-from video_helpers import mp4_boxes, read_index, write_video, zero_media_data
+from video_helpers import RAW, mp4_boxes, read_index, uniform, write_test_videos
 
+import modeling_testa.video_decoding as decoding
 import modeling_testa.video_decoding_worker as worker
-import modeling_testa.video_processing_testa as vpt
 from modeling_testa import TestaVideoProcessor, VideoDecodingError, VideoDecodingTimeoutError, decode_video
-from modeling_testa.video_processing_testa import sample_frame_indices
+from modeling_testa.video_decoding import frames_for_fps, sample_frame_indices
 
-
-CLIP_MEAN = torch.tensor([0.48145466, 0.4578275, 0.40821073]).view(1, 3, 1, 1)
-CLIP_STD = torch.tensor([0.26862954, 0.26130258, 0.27577711]).view(1, 3, 1, 1)
-RAW = dict(do_resize=False, do_rescale=False, do_normalize=False)  # keep decoded pixel values (0-255)
 
 # (decoder backend, run the decoder in the helper process)
 BACKENDS = [("decord", True), ("decord", False), ("pyav", True), ("pyav", False)]
@@ -30,36 +25,15 @@ BACKENDS = [("decord", True), ("decord", False), ("pyav", True), ("pyav", False)
 @pytest.fixture(scope="module")
 def videos(tmp_path_factory):
     """Real H.264 mp4s of different lengths, frame rates and sizes; one grayscale; plus broken files."""
-    d = tmp_path_factory.mktemp("videos")
-    v = {
-        "long": write_video(d / "long.mp4", 90, fps=30, width=320, height=240),
-        "small": write_video(d / "small.mp4", 50, fps=25, width=176, height=144),
-        "short": write_video(d / "short.mp4", 5, fps=10, width=192, height=160),
-        "gray": write_video(d / "gray.mp4", 40, fps=24, width=208, height=160, gray=True),
-        "bframes": write_video(d / "bframes.mp4", 60, fps=30, width=192, height=160, bframes=3),
-    }
-    data = v["long"].read_bytes()
-    (d / "truncated.mp4").write_bytes(data[: len(data) // 2])  # moov atom is at the end: cut off
-    v["truncated"] = d / "truncated.mp4"
-    (d / "empty.mp4").write_bytes(b"")
-    v["empty"] = d / "empty.mp4"
-    (d / "notes.mp4").write_text("these are meeting notes, not a video\n" * 50)
-    v["text"] = d / "notes.mp4"
-    v["no_frames"] = zero_media_data(v["small"], d / "no_frames.mp4")
-    return v
+    return write_test_videos(tmp_path_factory.mktemp("videos"))
 
 
 @pytest.fixture
 def fresh_decoder_process():
     """Stops the decoder helper process before and after a test that patches it."""
-    vpt.shutdown_decoder_process()
+    decoding.shutdown_decoder_process()
     yield
-    vpt.shutdown_decoder_process()
-
-
-def uniform(total: int, n: int) -> list[int]:
-    """Segment midpoints, written out independently of the implementation."""
-    return [int((i + 0.5) * total / n) for i in range(n)]
+    decoding.shutdown_decoder_process()
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -122,10 +96,22 @@ def test_sampling_rejects_bad_arguments():
         sample_frame_indices(10, 4, "middle")
     with pytest.raises(ValueError, match="0 frames"):
         sample_frame_indices(0, 4)
-    with pytest.raises(ValueError, match="num_frames"):
-        TestaVideoProcessor(num_frames=0)
-    with pytest.raises(ValueError, match="fps"):
-        TestaVideoProcessor()(np.zeros((4, 8, 8, 3), np.uint8), fps=2)
+
+
+def test_frames_for_fps_follows_transformers_rule():
+    # max(1, int(total / video_fps * fps)), worked out by hand
+    assert frames_for_fps(90, 30, 2) == 6  # 3 s at 2 frames per second
+    assert frames_for_fps(50, 25, 1) == 2
+    assert frames_for_fps(100, 29.97, 1) == 3  # 3.34 s
+    assert frames_for_fps(5, 10, 0.1) == 1  # 0.05 frames: at least one
+    assert frames_for_fps(90, 30, 30) == 90  # the video's own rate: every frame
+    with pytest.raises(ValueError, match=r"clip\.mp4 at fps=60 asks for 180 frames, but it has only 90"):
+        frames_for_fps(90, 30, 60, "clip.mp4")
+    with pytest.raises(ValueError, match=r"fps=2.*frame rate of an array.*video_metadata"):
+        frames_for_fps(90, None, 2, "an array")
+    for bad in (0, -1, True, "2"):
+        with pytest.raises(ValueError, match="`fps` must be a positive number"):
+            frames_for_fps(90, 30, bad)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -250,185 +236,8 @@ def test_reused_rgb_converter_matches_per_frame_conversion(videos):
     assert checked == 90 + 50 + 40 + 60 + 5
 
 
-def test_batch_of_files_with_different_sizes_and_fps(videos):
-    vp = TestaVideoProcessor(num_frames=4)
-    paths = [videos["long"], str(videos["small"]), videos["gray"], videos["short"]]
-    out = vp(paths, return_metadata=True)
-    assert out["pixel_values"].shape == (4, 4, 3, 224, 224) and out["pixel_values"].dtype == torch.float32
-    metas = out["video_metadata"]
-    assert [m.total_num_frames for m in metas] == [90, 50, 40, 5]
-    assert [m.fps for m in metas] == [30, 25, 24, 10]
-    assert [(m.width, m.height) for m in metas] == [(320, 240), (176, 144), (208, 160), (192, 160)]
-    frames, metas = vp.fetch_videos([videos["long"], videos["short"]], sample_indices_fn=lambda metadata: [0, 1])
-    assert [f.shape for f in frames] == [(2, 240, 320, 3), (2, 160, 192, 3)]
-    assert [read_index(f) for f in frames[1]] == [0, 1]
-    for backend in ("decord", "pyav"):  # any order and repeats, as requested
-        for wanted in ([70, 3, 12], [70, 3, 70, 12]):
-            frames, meta = vp.fetch_videos(videos["long"], lambda metadata: wanted, video_backend=backend)
-            assert [read_index(f) for f in frames] == wanted == meta.frames_indices
-
-
-def test_grayscale_video_becomes_rgb(videos):
-    out = TestaVideoProcessor(num_frames=4)(videos["gray"], **RAW)["pixel_values"][0]
-    assert out.shape[1] == 3
-    assert torch.equal(out[:, 0], out[:, 1]) and torch.equal(out[:, 1], out[:, 2])
-    frames = [PIL.Image.fromarray(np.full((20, 30), v, np.uint8), mode="L") for v in (0, 128, 255)]
-    out = TestaVideoProcessor(num_frames=3)(frames, **RAW)["pixel_values"][0]
-    assert out.shape == (3, 3, 20, 30) and out[1].unique().tolist() == [128.0]
-
-
-def test_full_pipeline_numbers_match_a_manual_reference(videos):
-    frames, _ = decode_video(videos["small"], lambda m: uniform(m.total_num_frames, 4), backend="pyav")
-    clip = torch.from_numpy(frames).permute(0, 3, 1, 2)
-    square = tvF.resize(clip, [224, 224], interpolation=tvF.InterpolationMode.BICUBIC, antialias=True)
-    expected = (square.float() / 255 - CLIP_MEAN) / CLIP_STD
-    out = TestaVideoProcessor(num_frames=4, video_backend="pyav")(videos["small"])["pixel_values"][0]
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-
-    # shortest edge (144 -> 224, width 176 -> 273) then a center crop to 224 x 224
-    resized = tvF.resize(clip, [224, 273], interpolation=tvF.InterpolationMode.BICUBIC, antialias=True)
-    left = (273 - 224) // 2
-    expected = (resized[..., :, left : left + 224].float() / 255 - CLIP_MEAN) / CLIP_STD
-    out = TestaVideoProcessor(num_frames=4, video_backend="pyav", resize_mode="shortest_edge")(videos["small"])
-    torch.testing.assert_close(out["pixel_values"][0], expected, atol=1e-5, rtol=1e-5)
-
-
 # ----------------------------------------------------------------------------------------------------------------------
-# array, tensor and PIL inputs
-# ----------------------------------------------------------------------------------------------------------------------
-
-
-def _clip(t=6, h=40, w=48, seed=0):
-    return np.random.default_rng(seed).integers(0, 256, size=(t, h, w, 3), dtype=np.uint8)
-
-
-def test_all_input_layouts_give_the_same_output():
-    clip = _clip()
-    vp = TestaVideoProcessor(num_frames=4, crop_size={"height": 40, "width": 48})  # square resize to own size
-    reference = vp(clip)["pixel_values"]
-    assert reference.shape == (1, 4, 3, 40, 48)
-    tchw = torch.from_numpy(clip).permute(0, 3, 1, 2)
-    variants = {
-        "THWC tensor": torch.from_numpy(clip),
-        "TCHW tensor": tchw,
-        "TCHW numpy": tchw.numpy(),
-        "float [0, 1]": clip.astype(np.float32) / 255,
-        "float [0, 255]": torch.from_numpy(clip).double(),
-        "PIL frames": [PIL.Image.fromarray(f) for f in clip],
-        "list of arrays": list(clip),
-        "RGBA": np.concatenate([clip, np.full(clip.shape[:3] + (1,), 255, np.uint8)], -1),
-        "int64": clip.astype(np.int64),
-    }
-    for name, video in variants.items():
-        torch.testing.assert_close(vp(video)["pixel_values"], reference, atol=1e-5, rtol=1e-5, msg=name)
-    batch = vp([clip, tchw])["pixel_values"]
-    assert batch.shape == (2, 4, 3, 40, 48) and torch.equal(batch[0], batch[1])
-    batch5d = vp(np.stack([clip, clip[::-1]]))["pixel_values"]
-    assert torch.equal(batch5d[0], reference[0]) and not torch.equal(batch5d[1], reference[0])
-
-
-def test_defaults_dtype_and_array_metadata():
-    vp = TestaVideoProcessor()
-    assert vp.num_frames == 32 and vp.crop_size.height == vp.crop_size.width == 224
-    assert vp.frame_sampling == "uniform" and vp.resize_mode == "square" and vp.video_backend == "auto"
-    clip = np.arange(10, dtype=np.uint8).reshape(10, 1, 1, 1).repeat(20, 1).repeat(30, 2).repeat(3, 3)
-    out = vp(clip, num_frames=4, return_metadata=True, video_metadata={"fps": 5.0}, **RAW)
-    meta = out["video_metadata"][0]
-    assert meta.frames_indices == uniform(10, 4) == [1, 3, 6, 8]
-    assert out["pixel_values"][0, :, 0, 0, 0].tolist() == [1.0, 3.0, 6.0, 8.0]  # the sampled frames
-    assert meta.timestamps == [0.2, 0.6, 1.2, 1.6] and meta.duration == 2.0
-    assert vp(clip, dtype="bfloat16")["pixel_values"].dtype == torch.bfloat16
-    assert TestaVideoProcessor(dtype=torch.float16)(clip)["pixel_values"].dtype == torch.float16
-    assert isinstance(vp(clip, return_tensors="np")["pixel_values"], np.ndarray)
-    listed = vp([clip, clip[:, :10]], return_tensors=None, do_sample_frames=False, **RAW)["pixel_values"]
-    assert [tuple(p.shape) for p in listed] == [(10, 3, 20, 30), (10, 3, 10, 30)]
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# save / load
-# ----------------------------------------------------------------------------------------------------------------------
-
-
-def test_save_and_load_round_trip(tmp_path):
-    from transformers import AutoVideoProcessor
-
-    vp = TestaVideoProcessor(num_frames=8, frame_sampling="headtail", resize_mode="shortest_edge",
-                             dtype=torch.bfloat16, video_backend="pyav", crop_size={"height": 112, "width": 96})
-    vp.save_pretrained(tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["video_decoding_worker.py", "video_preprocessor_config.json",
-                                                          "video_processing_testa.py"]
-    saved = json.loads((tmp_path / "video_preprocessor_config.json").read_text())
-    assert saved["auto_map"] == {"AutoVideoProcessor": "video_processing_testa.TestaVideoProcessor"}
-    assert saved["num_frames"] == 8 and saved["dtype"] == "bfloat16" and saved["frame_sampling"] == "headtail"
-
-    local = TestaVideoProcessor.from_pretrained(tmp_path)
-    remote = AutoVideoProcessor.from_pretrained(tmp_path, trust_remote_code=True)
-    assert type(remote).__name__ == "TestaVideoProcessor"  # the local registration wins in this process; the
-    # pure remote-code load (modeling_testa not importable) is tested in test_processing.py
-    clip = _clip(t=12)
-    expected = vp(clip, seed=0)["pixel_values"]
-    assert expected.shape == (1, 8, 3, 112, 96) and expected.dtype == torch.bfloat16
-    for loaded in (local, remote):
-        assert loaded.to_dict() | {"auto_map": None} == vp.to_dict() | {"auto_map": None}
-        assert torch.equal(loaded(clip, seed=0)["pixel_values"], expected)
-
-
-def test_exported_folder_decodes_in_its_own_helper_without_the_package(videos, tmp_path):
-    """The helper is exported with the remote code and runs from there: a fresh interpreter outside the repo, where
-    `modeling_testa` cannot be imported, decodes with both backends in the helper, and a helper crash is an
-    exception there too."""
-    import subprocess
-    import textwrap
-
-    folder = tmp_path / "exported"
-    TestaVideoProcessor(num_frames=4).save_pretrained(folder)
-    assert (folder / "video_decoding_worker.py").read_text() == Path(worker.__file__).read_text()
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    script = textwrap.dedent(f"""
-        import os, sys
-        repo = {repo!r}
-        sys.path = [p for p in sys.path if p not in ("", ".", repo) and not (p.startswith(repo) and ".venv" not in p)]
-        sys.modules["modeling_testa"] = None
-        try:
-            import modeling_testa
-            raise SystemExit("modeling_testa must not be importable here")
-        except ImportError:
-            pass
-        from transformers import AutoVideoProcessor
-        vp = AutoVideoProcessor.from_pretrained({str(folder)!r}, trust_remote_code=True)
-        module = sys.modules[type(vp).__module__]
-        assert module.__name__.startswith("transformers_modules"), module.__name__
-        assert module._WORKER_SCRIPT.startswith(os.environ["HF_MODULES_CACHE"]), module._WORKER_SCRIPT
-        for backend in ("decord", "pyav"):
-            out = vp({str(videos["small"])!r}, video_backend=backend, return_metadata=True)
-            assert out["video_metadata"][0].video_backend == backend
-            assert out["pixel_values"].shape == (1, 4, 3, 224, 224)
-            process = module._WORKER.process
-            assert process is not None and process.poll() is None
-            print("HELPER", backend, process.pid, process.args[-1])
-        text = open(module._WORKER_SCRIPT).read()
-        faulty = os.path.join({str(tmp_path)!r}, "faulty.py")
-        open(faulty, "w").write(text.replace({_READ_STEP!r}, "frames = os.abort() or reader.read(request[1])"))
-        module._WORKER_SCRIPT = faulty
-        module.shutdown_decoder_process()
-        try:
-            vp({str(videos["small"])!r}, video_backend="pyav")
-        except module.VideoDecodingError as exc:
-            print("CAUGHT", exc)
-    """)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"))
-    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
-                            timeout=240)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    helpers = [line.split() for line in result.stdout.splitlines() if line.startswith("HELPER")]
-    assert [h[1] for h in helpers] == ["decord", "pyav"] and helpers[0][2] == helpers[1][2]  # one helper, reused
-    assert helpers[0][3].startswith(str(tmp_path / "modules")) and helpers[0][3].endswith("video_decoding_worker.py")
-    assert "CAUGHT Could not decode video" in result.stdout and "pyav decoder crashed (SIGABRT)" in result.stdout
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# bad input: clear exceptions that name the input
+# bad files: clear exceptions that name the file
 # ----------------------------------------------------------------------------------------------------------------------
 
 
@@ -476,45 +285,10 @@ def test_file_without_video_stream(tmp_path):
         TestaVideoProcessor(video_backend="auto")(path)
 
 
-def test_bad_arrays_and_lists():
-    vp = TestaVideoProcessor(num_frames=2)
-    cases = [
-        (np.zeros((8, 8, 3), np.uint8), r"3 dimensions.*shape \(8, 8, 3\)"),
-        (np.zeros((1, 2, 4, 8, 8, 3), np.uint8), "6 dimensions"),
-        (np.zeros((4, 8, 8, 5), np.uint8), r"shape \(4, 8, 8, 5\).*no channel dimension"),
-        (torch.zeros(4, 2, 8, 8), "no channel dimension"),
-        (np.zeros((0, 8, 8, 3), np.uint8), "0 frames"),
-        (np.zeros((2, 0, 8, 3), np.uint8), "empty frames"),
-        (np.zeros((2, 8, 8, 3), bool), "dtype bool"),
-        ([], "empty list"),
-        ([np.zeros((2, 8, 8, 3), np.uint8), []], r"videos\[1\] is an empty list"),
-        ([np.zeros((2, 8, 8, 3), np.uint8), np.zeros((8, 8, 3))], r"videos\[1\].*3 dimensions"),
-        ([[np.zeros((8, 8, 3)), np.zeros((4, 8, 8, 3))]], r"videos\[0\]\[1\]"),
-        ([np.zeros((8, 8, 3)), np.zeros((9, 8, 3))], "same shape"),
-        (PIL.Image.new("RGB", (8, 8)), "single PIL image"),
-        (None, "None"),
-        (np.zeros((2, 4, 8, 8, 2), np.uint8), r"videos\[0\].*no channel dimension"),
-    ]
-    for video, message in cases:
-        with pytest.raises(ValueError, match=message):
-            vp(video)
-    with pytest.raises(TypeError, match="unsupported type"):
-        vp(12)
-    with pytest.raises(ValueError, match="channels"):
-        vp(np.zeros((2, 8, 8, 2), np.uint8), input_data_format="channels_last")
-    with pytest.raises(ValueError, match="do_convert_rgb"):
-        vp(np.zeros((2, 8, 8, 1), np.uint8), do_convert_rgb=False)
-    with pytest.raises(ValueError, match="video_metadata"):
-        vp([np.zeros((2, 8, 8, 3), np.uint8)] * 2, video_metadata=[{"fps": 1}])
-    for option, value in [("frame_sampling", "middle"), ("resize_mode", "fit"), ("video_backend", "opencv"),
-                          ("dtype", "int8")]:
-        with pytest.raises(ValueError, match=option):
-            vp(np.zeros((2, 8, 8, 3), np.uint8), **{option: value})
-
-
 # ----------------------------------------------------------------------------------------------------------------------
 # the decoder guard: whichever backend runs, a decoder crash or hang cannot kill or block the caller
 # ----------------------------------------------------------------------------------------------------------------------
+
 
 # The helper script's read step; the fault tests run a copy of the script with a fault injected right there.
 _READ_STEP = "frames = reader.read(request[1])"
@@ -523,15 +297,15 @@ _READ_STEP = "frames = reader.read(request[1])"
 def _faulty_worker(tmp_path, monkeypatch, fault: str, backends: tuple[str, ...]) -> None:
     """Makes this process start its decoder helper from a copy of `video_decoding_worker.py` that runs `fault` (a
     Python expression: a segfault, an abort, a sleep) before reading frames with one of `backends`."""
-    text = Path(vpt._WORKER_SCRIPT).read_text(encoding="utf-8")
+    text = Path(decoding._WORKER_SCRIPT).read_text(encoding="utf-8")
     assert text.count(_READ_STEP) == 1
     faulty_step = f"frames = (reader.backend in {backends!r} and ({fault})) or reader.read(request[1])"
     text = text.replace(_READ_STEP, faulty_step)
     script = tmp_path / "faulty_worker" / "video_decoding_worker.py"
     script.parent.mkdir()
     script.write_text(text, encoding="utf-8")
-    monkeypatch.setattr(vpt, "_WORKER_SCRIPT", str(script))
-    vpt.shutdown_decoder_process()
+    monkeypatch.setattr(decoding, "_WORKER_SCRIPT", str(script))
+    decoding.shutdown_decoder_process()
 
 
 def _without_decord(tmp_path, monkeypatch) -> None:
@@ -541,12 +315,12 @@ def _without_decord(tmp_path, monkeypatch) -> None:
     (fake / "decord" / "__init__.py").write_text("raise ImportError('No module named decord (simulated)')\n")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(fake), os.environ.get("PYTHONPATH")])))
     monkeypatch.setitem(sys.modules, "decord", None)
-    vpt.shutdown_decoder_process()
-    assert not vpt.decord_available() and vpt.pyav_available()
+    decoding.shutdown_decoder_process()
+    assert not decoding.decord_available() and decoding.pyav_available()
 
 
 def _helper_pid() -> int | None:
-    worker_process = vpt._WORKER.process if vpt._WORKER is not None else None
+    worker_process = decoding._WORKER.process if decoding._WORKER is not None else None
     return worker_process.pid if worker_process is not None and worker_process.poll() is None else None
 
 
@@ -571,14 +345,14 @@ def test_decoder_crash_is_an_exception(videos, tmp_path, monkeypatch, fresh_deco
     vp = TestaVideoProcessor(num_frames=4, video_backend=backend)
     with pytest.raises(VideoDecodingError, match=r"small\.mp4'" + message.format(signal=signal_name)):
         vp(videos["small"])
-    assert vpt._WORKER.process is None  # the crashed helper was reaped; this process goes on
+    assert decoding._WORKER.process is None  # the crashed helper was reaped; this process goes on
     if scenario == "decord":  # "auto" falls back to PyAV, in a new helper, and still returns the exact frames
         out = TestaVideoProcessor(num_frames=4, video_backend="auto")(videos["small"], return_metadata=True, **RAW)
         assert out["video_metadata"][0].video_backend == "pyav" and _helper_pid() is not None
         assert [read_index(f.permute(1, 2, 0).numpy()) for f in out["pixel_values"][0]] == uniform(50, 4)
     # once the fault is gone, a new helper process serves the next call with the backend that crashed
-    monkeypatch.setattr(vpt, "_WORKER_SCRIPT", worker.__file__)
-    vpt.shutdown_decoder_process()
+    monkeypatch.setattr(decoding, "_WORKER_SCRIPT", worker.__file__)
+    decoding.shutdown_decoder_process()
     out = vp(videos["small"], return_metadata=True, **RAW)
     assert out["video_metadata"][0].video_backend == hit[0] and _helper_pid() is not None
     assert [read_index(f.permute(1, 2, 0).numpy()) for f in out["pixel_values"][0]] == uniform(50, 4)
@@ -593,14 +367,14 @@ def test_decoder_hang_times_out(videos, tmp_path, monkeypatch, fresh_decoder_pro
     with pytest.raises(VideoDecodingTimeoutError, match=r"small\.mp4.*decode_timeout=1 s"):
         TestaVideoProcessor(num_frames=4, video_backend=backend, decode_timeout=1)(videos["small"])
     assert time.monotonic() - start < 15 * len(hit)
-    assert vpt._WORKER.process is None  # the hung helper was killed
+    assert decoding._WORKER.process is None  # the hung helper was killed
     assert isinstance(VideoDecodingTimeoutError("x", "y"), (ValueError, TimeoutError))
 
 
 def test_helper_that_cannot_start_is_an_exception(videos, tmp_path, monkeypatch, fresh_decoder_process):
     script = tmp_path / "video_decoding_worker.py"
     script.write_text("import sys\nsys.exit('the helper is broken')\n")
-    monkeypatch.setattr(vpt, "_WORKER_SCRIPT", str(script))
+    monkeypatch.setattr(decoding, "_WORKER_SCRIPT", str(script))
     for backend in ("decord", "pyav"):
         with pytest.raises(VideoDecodingError, match=rf"small\.mp4' with {backend}: could not start the decoder "
                                                      r"process: .*exit code 1.*decoder log: the helper is broken"):
@@ -616,7 +390,7 @@ def test_no_decord_install_decodes_with_pyav_in_the_helper(videos, tmp_path, mon
         TestaVideoProcessor(video_backend="decord")(videos["small"])
     # the simulation holds in the helper process too
     with pytest.raises(VideoDecodingError, match=r"small\.mp4.*decoder process cannot import it.*simulated"):
-        vpt._decoder_worker().decode("decord", str(videos["small"]), lambda metadata: [0], None, 30)
+        decoding._decoder_worker().decode("decord", str(videos["small"]), lambda metadata: [0], None, 30)
 
 
 def test_one_helper_process_serves_both_backends_and_survives_decoding_errors(videos, fresh_decoder_process):
@@ -629,6 +403,61 @@ def test_one_helper_process_serves_both_backends_and_survives_decoding_errors(vi
                 assert name in ("truncated", "text") and exc.source == str(videos[name])
             pids.add(_helper_pid())
     assert len(pids) == 1 and None not in pids  # started once, reused for every video, file error and backend
+
+
+def test_exported_folder_decodes_in_its_own_helper_without_the_package(videos, tmp_path):
+    """The helper is exported with the remote code and runs from there: a fresh interpreter outside the repo, where
+    `modeling_testa` cannot be imported, decodes with both backends in the helper, and a helper crash is an
+    exception there too."""
+    import subprocess
+    import textwrap
+
+    folder = tmp_path / "exported"
+    TestaVideoProcessor(num_frames=4).save_pretrained(folder)
+    assert (folder / "video_decoding_worker.py").read_text() == Path(worker.__file__).read_text()
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = textwrap.dedent(f"""
+        import os, sys
+        repo = {repo!r}
+        sys.path = [p for p in sys.path if p not in ("", ".", repo) and not (p.startswith(repo) and ".venv" not in p)]
+        sys.modules["modeling_testa"] = None
+        try:
+            import modeling_testa
+            raise SystemExit("modeling_testa must not be importable here")
+        except ImportError:
+            pass
+        from transformers import AutoVideoProcessor
+        vp = AutoVideoProcessor.from_pretrained({str(folder)!r}, trust_remote_code=True)
+        module = sys.modules[type(vp).__module__]
+        assert module.__name__.startswith("transformers_modules"), module.__name__
+        module = sys.modules[module.__name__.rsplit(".", 1)[0] + ".video_decoding"]  # the exported decoding module
+        assert module._WORKER_SCRIPT.startswith(os.environ["HF_MODULES_CACHE"]), module._WORKER_SCRIPT
+        for backend in ("decord", "pyav"):
+            out = vp({str(videos["small"])!r}, video_backend=backend, return_metadata=True)
+            assert out["video_metadata"][0].video_backend == backend
+            assert out["pixel_values"].shape == (1, 4, 3, 224, 224)
+            process = module._WORKER.process
+            assert process is not None and process.poll() is None
+            print("HELPER", backend, process.pid, process.args[-1])
+        text = open(module._WORKER_SCRIPT).read()
+        faulty = os.path.join({str(tmp_path)!r}, "faulty.py")
+        open(faulty, "w").write(text.replace({_READ_STEP!r}, "frames = os.abort() or reader.read(request[1])"))
+        module._WORKER_SCRIPT = faulty
+        module.shutdown_decoder_process()
+        try:
+            vp({str(videos["small"])!r}, video_backend="pyav")
+        except module.VideoDecodingError as exc:
+            print("CAUGHT", exc)
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"))
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=240)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    helpers = [line.split() for line in result.stdout.splitlines() if line.startswith("HELPER")]
+    assert [h[1] for h in helpers] == ["decord", "pyav"] and helpers[0][2] == helpers[1][2]  # one helper, reused
+    assert helpers[0][3].startswith(str(tmp_path / "modules")) and helpers[0][3].endswith("video_decoding_worker.py")
+    assert "CAUGHT Could not decode video" in result.stdout and "pyav decoder crashed (SIGABRT)" in result.stdout
 
 
 @pytest.fixture(scope="module")
@@ -665,14 +494,3 @@ def test_corrupt_real_files_raise_an_error_naming_the_file(corrupt_videos, backe
     assert error.source == str(path) and error.backend == backend
     assert str(error).startswith(f"Could not decode video {str(path)!r} with {backend}: ")
     assert "crashed" not in error.reason and "exited" not in error.reason and len(error.reason) > 10
-
-
-def test_dtype_auto_means_float32(tmp_path):
-    """`pipeline()` and `from_pretrained(..., dtype="auto")` pass the model's "auto" dtype to the processor."""
-    from modeling_testa import TestaVideoProcessor
-
-    TestaVideoProcessor(num_frames=2, size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16}).save_pretrained(tmp_path)
-    loaded = TestaVideoProcessor.from_pretrained(tmp_path, dtype="auto")
-    frames = np.zeros((3, 20, 20, 3), dtype=np.uint8)
-    assert loaded(videos=[frames])["pixel_values"].dtype == torch.float32
-    assert TestaVideoProcessor(dtype="bfloat16")(videos=[frames])["pixel_values"].dtype == torch.bfloat16
