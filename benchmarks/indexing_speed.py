@@ -32,7 +32,9 @@ from modeling_testa import (
     TestaVideoProcessor,
     optimize_for_inference,
 )
-from modeling_testa.pipeline_testa import VideoTextRetrievalPipeline, _DecodeAhead
+from modeling_testa.indexing import DecodeAhead, InMemorySink, encode_videos
+from modeling_testa.pipeline_testa import VideoTextRetrievalPipeline
+from modeling_testa.video_decoding import own_decoder_process
 
 
 def vit_b_model() -> tuple[TestaForVideoTextRetrieval, TestaProcessor]:
@@ -60,17 +62,17 @@ def make_pipe(model, processor) -> VideoTextRetrievalPipeline:
 
 def decode_all(pipe, videos, workers: int) -> tuple[float, list[torch.Tensor]]:
     start = time.perf_counter()
-    with _DecodeAhead(pipe, videos, {}, workers, max(2 * workers, 1)) as decoded:
+    decode = lambda i: pipe.video_processor(videos[i], return_tensors="pt")["pixel_values"]  # noqa: E731
+    with DecodeAhead(decode, len(videos), workers, max(2 * workers, 1), own_decoder_process) as decoded:
         pixels = [decoded.get(i) for i in range(len(videos))]
     return time.perf_counter() - start, pixels
 
 
 @torch.inference_mode()
 def encode_all(pipe, pixels, batch_size: int) -> float:
-    start = time.perf_counter()
-    for i in range(0, len(pixels), batch_size):
-        pipe._encode(torch.cat(pixels[i : i + batch_size]))
-    return time.perf_counter() - start
+    batches = ((list(range(i, min(i + batch_size, len(pixels)))), torch.cat(pixels[i : i + batch_size]), [])
+               for i in range(0, len(pixels), batch_size))
+    return encode_videos(pipe.model, batches, InMemorySink()).encode_seconds
 
 
 def main() -> None:

@@ -28,40 +28,28 @@ This file is Hub remote code: flat relative imports only, absolute imports of in
 optional and imported inside `try`).
 """
 
-import json
 import os
 import re
 import sys
-import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
 from transformers.pipelines import PIPELINE_REGISTRY
 from transformers.pipelines.base import Pipeline
 from transformers.utils import logging
 
+from .indexing import DecodeAhead, InMemorySink, encode_videos
 from .inference import optimize_for_inference
 from .processing_testa import TestaProcessor
+from .ranking import ranked_order, two_stage_scores
 from .saving import check_savable, push_folder_to_hub
+from .video_index import VideoIndex, video_name
 from .video_inputs import check_video, is_array, is_single_video, text_list, video_list
-from .video_store import (
-    STORE_INFO_FILE,
-    VideoStoreWriter,
-    VideoTokenStore,
-    finalize_store,
-    is_video_store,
-)
+from .video_store import VideoStoreWriter, finalize_store
 
 
 logger = logging.get_logger(__name__)
 
-INDEX_TENSORS_FILE = "video_index.safetensors"
-INDEX_INFO_FILE = "video_index.json"
 PROGRESS_BAR_MIN_VIDEOS = 16
 """With `progress_bar=None`, a progress bar is shown when at least this many videos are encoded."""
 
@@ -91,239 +79,16 @@ def _check_rerank_k(rerank_k: Any) -> None:
         )
 
 
-def _two_tier_ranking(
-    items: list[Any],
-    reranked: torch.Tensor,
-    reranked_scores: torch.Tensor,
-    similarity: torch.Tensor | None,
-    top_k: int | None,
-) -> list[dict[str, Any]]:
-    """One query's result list: the re-ranked candidates by decreasing score, then (when `similarity` is given) every
-    other item by decreasing cosine similarity; the first `top_k` entries (all for `None`).
-
-    Args:
-        items (`list`): the videos, as they are returned.
-        reranked (`torch.LongTensor` of shape `(k,)`): indices into `items` of the re-ranked candidates.
-        reranked_scores (`torch.FloatTensor` of shape `(k,)`): their two-stage scores.
-        similarity (`torch.FloatTensor` of shape `(len(items),)`, *optional*): the cosine of every item.
-        top_k (`int`, *optional*): how many entries to return.
-    """
-    reranked, reranked_scores = reranked.cpu(), reranked_scores.float().cpu()
-    order = torch.argsort(reranked_scores, descending=True, stable=True)
-    result = [
-        {"video": items[int(reranked[i])], "score": float(reranked_scores[i]), "reranked": True} for i in order
-    ]
-    if similarity is not None and (top_k is None or top_k > len(result)):
-        similarity = similarity.float().cpu()
-        rest = torch.ones(len(items), dtype=torch.bool)
-        rest[reranked] = False
-        others = rest.nonzero().flatten()
-        others = others[torch.argsort(similarity[others], descending=True, stable=True)]
-        result += [{"video": items[int(i)], "score": float(similarity[i]), "reranked": False} for i in others]
-    return result if top_k is None else result[:top_k]
-
-
-def _video_name(item: Any, index: int) -> str:
-    return os.fspath(item) if isinstance(item, (str, os.PathLike)) else f"videos[{index}]"
-
-
-def _faiss() -> Any:
-    """The `faiss` module when installed, else None."""
-    try:
-        import faiss  # optional dependency
-    except ImportError:
-        return None
-    return faiss
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Encode-once index
-# ----------------------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class VideoIndex:
-    r"""
-    A collection of videos encoded once by [`VideoTextRetrievalPipeline.encode_videos`].
-
-    Two forms, searched the same way by [`VideoTextRetrievalPipeline.search`]:
-
-    - in memory (default): `tokens` and `token_sizes` are tensors.
-    - backed by an on-disk video store (`encode_videos(..., store_dir=DIR)` or `VideoIndex.load(DIR)` of a store, see
-      `video_store.py`, the format the training evaluation writes too): `embeddings` are in memory, while `tokens`
-      and `token_sizes` are lazy tensor-likes whose indexing (`index.tokens[candidates]`) reads only those videos from
-      disk. A collection is indexed once and searched many times with memory bounded by the candidates.
-
-    Args:
-        videos (`list`): the videos as given (paths, or arrays for in-memory videos); after `load`, their names.
-        embeddings (`torch.FloatTensor` of shape `(num_videos, projection_dim)`): L2-normalised contrastive video
-            embeddings (`model.get_video_features`), used for the first stage.
-        tokens (`torch.Tensor` of shape `(num_videos, tokens, hidden_size)`, *optional*): the aggregated video tokens
-            the matching head cross-attends to, for the second (re-ranking) stage (lazy when store-backed).
-        token_sizes (`torch.FloatTensor` of shape `(num_videos, tokens)`, *optional*): input patches per token.
-        info (`dict`): how the index was built (model class, frames, ...); saved with it.
-        store (`VideoTokenStore`, *optional*): the on-disk store backing `tokens`, when there is one.
-        stats (`dict`): how fast `encode_videos` built it (not saved): `videos`, `seconds` (wall time),
-            `videos_per_second`, `decode_wait_seconds` (time the encoder waited for decoded videos; all the decoding
-            time without workers), `encode_seconds` (encoder forwards) and `num_workers`.
-    """
-
-    videos: list[Any]
-    embeddings: torch.Tensor
-    tokens: Any = None
-    token_sizes: Any = None
-    info: dict[str, Any] = field(default_factory=dict)
-    store: VideoTokenStore | None = None
-    stats: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
-
-    def __post_init__(self) -> None:
-        n = len(self.videos)
-        if self.embeddings.ndim != 2 or self.embeddings.shape[0] != n:
-            raise ValueError(f"`embeddings` must be ({n}, dim) for {n} videos, got {tuple(self.embeddings.shape)}.")
-        for name in ("tokens", "token_sizes"):
-            value = getattr(self, name)
-            if value is not None and value.shape[0] != n:
-                raise ValueError(f"`{name}` has {value.shape[0]} rows for {n} videos.")
-
-    def __len__(self) -> int:
-        return len(self.videos)
-
-    @property
-    def names(self) -> list[str]:
-        """The videos' paths (or `videos[i]` for in-memory videos), as saved in the json file."""
-        return [_video_name(item, i) for i, item in enumerate(self.videos)]
-
-    @property
-    def has_tokens(self) -> bool:
-        """Whether the aggregated tokens are stored, i.e. whether search can re-rank with the matching head."""
-        return self.tokens is not None
-
-    @property
-    def valid(self) -> torch.Tensor:
-        """`(num_videos,)` bool: the videos that were encoded (a store written by the training evaluation may hold
-        videos that could not be decoded; they are never returned by `nearest`)."""
-        return self.store.valid if self.store is not None else torch.ones(len(self), dtype=torch.bool)
-
-    @classmethod
-    def from_store(cls, store: "VideoTokenStore | str | os.PathLike") -> "VideoIndex":
-        """An index over an on-disk video store (a `VideoTokenStore` or its directory)."""
-        if not isinstance(store, VideoTokenStore):
-            store = VideoTokenStore(store)
-        return cls(videos=list(store.videos), embeddings=store.embeddings, tokens=store.tokens,
-                   token_sizes=store.token_sizes, info=dict(store.info), store=store)
-
-    def save(self, directory: str | os.PathLike, as_store: bool | None = None) -> Path:
-        """Saves the index into `directory` (created if needed). Returns the directory.
-
-        Args:
-            as_store (`bool`, *optional*): write the on-disk video store format (`video_store.json` and shards; the
-                tokens keep their dtype, which must be float16, bfloat16 or float32). Defaults to `True` for a
-                store-backed index and to `False` otherwise, which writes the single-file format of earlier versions
-                (`video_index.safetensors` with embeddings, tokens and token sizes, and `video_index.json`). `load`
-                reads both.
-        """
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        as_store = self.store is not None if as_store is None else as_store
-        if as_store:
-            if not self.has_tokens:
-                raise ValueError("The video store format holds tokens; this index has none (save it with "
-                                 "as_store=False, or encode with store_tokens=True).")
-            if self.store is not None and Path(self.store.directory).resolve() == directory.resolve():
-                return directory  # already there
-            self._write_store(directory)
-            return directory
-        tensors = {"embeddings": self.embeddings.detach().cpu().contiguous()}
-        if self.tokens is not None:
-            tokens = self.tokens if isinstance(self.tokens, torch.Tensor) else self.tokens.materialize()
-            tensors["tokens"] = tokens.detach().cpu().contiguous()
-        if self.token_sizes is not None:
-            sizes = self.token_sizes if isinstance(self.token_sizes, torch.Tensor) else self.token_sizes.materialize()
-            tensors["token_sizes"] = sizes.detach().cpu().contiguous()
-        save_file(tensors, str(directory / INDEX_TENSORS_FILE), metadata={"format": "pt"})
-        info = {"format_version": 1, "videos": self.names, "info": self.info}
-        (directory / INDEX_INFO_FILE).write_text(json.dumps(info, indent=2), encoding="utf-8")
-        return directory
-
-    def _write_store(self, directory: Path, chunk: int = 64) -> None:
-        valid = self.valid
-        dtype = self.tokens.dtype if self.tokens.dtype in (torch.float16, torch.bfloat16) else torch.float32
-        writer = VideoStoreWriter(directory, 0, 0, len(self), token_dtype=dtype)
-        failures = {f["index"]: f for f in (self.store.failures if self.store is not None else [])}
-        for start in range(0, len(self), chunk):
-            rows = [i for i in range(start, min(start + chunk, len(self))) if valid[i]]
-            for i in range(start, min(start + chunk, len(self))):
-                if not valid[i]:
-                    writer.add_failure(i, failures[i]["video"], failures[i]["reason"])
-            if rows:
-                index = torch.tensor(rows)
-                sizes = self.token_sizes[index] if self.token_sizes is not None else None
-                writer.add_batch(rows, self.tokens[index], sizes, self.embeddings[index])
-        writer.close()
-        finalize_store(directory, self.names, 1, self.info)
-
-    @classmethod
-    def load(cls, directory: str | os.PathLike) -> "VideoIndex":
-        """Reads an index written by `save` (either format) or any video store (e.g. the one the training
-        evaluation writes with `eval.store_dir`); `videos` then holds the saved names. A video store stays on disk:
-        its tokens are read when indexed."""
-        directory = Path(directory)
-        if is_video_store(directory):
-            return cls.from_store(directory)
-        for name in (INDEX_TENSORS_FILE, INDEX_INFO_FILE):
-            if not (directory / name).is_file():
-                raise FileNotFoundError(
-                    f"No video index in {str(directory)!r}: it holds neither a video store ({STORE_INFO_FILE}) nor "
-                    f"the single-file index ({name} is missing)."
-                )
-        tensors = load_file(str(directory / INDEX_TENSORS_FILE))
-        info = json.loads((directory / INDEX_INFO_FILE).read_text(encoding="utf-8"))
-        if info.get("format_version") != 1:
-            raise ValueError(f"Unknown video index format_version {info.get('format_version')!r} in "
-                             f"{str(directory / INDEX_INFO_FILE)!r}; this version reads 1 and video stores.")
-        return cls(
-            videos=list(info["videos"]),
-            embeddings=tensors["embeddings"],
-            tokens=tensors.get("tokens"),
-            token_sizes=tensors.get("token_sizes"),
-            info=dict(info.get("info", {})),
-        )
-
-    def nearest(
-        self, query_embeddings: torch.Tensor, k: int, use_faiss: bool | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """First-stage search: the `k` videos of highest cosine similarity for each query.
-
-        Uses an exact inner-product FAISS index (`IndexFlatIP`) when `faiss` is installed (`use_faiss=None`), torch
-        top-k otherwise. The embeddings are L2-normalised, so inner product = cosine. Videos that could not be
-        encoded (possible in a store written by the training evaluation) are left out.
-
-        Args:
-            query_embeddings (`torch.FloatTensor` of shape `(num_queries, projection_dim)`): normalised text features.
-            k (`int`): candidates per query (capped at the number of encoded videos).
-            use_faiss (`bool`, *optional*): force (`True`, raises if missing) or avoid (`False`) FAISS.
-
-        Returns:
-            `(scores, indices)`, both `(num_queries, k)`, by decreasing similarity.
-        """
-        valid = self.valid
-        rows = None if bool(valid.all()) else valid.nonzero().flatten()
-        k = min(int(k), len(self) if rows is None else rows.numel())
-        queries = query_embeddings.detach().float().cpu()
-        database = self.embeddings.float().cpu()
-        if rows is not None:
-            database = database[rows]
-        faiss = _faiss() if use_faiss in (None, True) else None
-        if use_faiss and faiss is None:
-            raise ImportError("use_faiss=True but `faiss` is not installed (pip install faiss-cpu).")
-        if faiss is not None:
-            index = faiss.IndexFlatIP(database.shape[1])
-            index.add(np.ascontiguousarray(database.numpy(), dtype=np.float32))
-            scores, indices = index.search(np.ascontiguousarray(queries.numpy(), dtype=np.float32), k)
-            scores, indices = torch.from_numpy(scores), torch.from_numpy(indices).long()
-        else:
-            scores, indices = (queries @ database.T).topk(k, dim=1)
-        return scores, (indices if rows is None else rows[indices])
+def _result_list(items: list[Any], scores: torch.Tensor, similarity: torch.Tensor, top_k: int | None) -> list[dict]:
+    """One query's result list, in the order of `ranking.ranked_order`: the re-ranked items (finite ``scores``) by
+    decreasing two-stage score, then the other items (finite ``similarity``) by decreasing cosine; ties by index.
+    The first ``top_k`` entries (all for None), each ``{"video", "score", "reranked"}``."""
+    results = []
+    for i in ranked_order(scores, similarity, top_k):
+        reranked = bool(torch.isfinite(scores[i]))
+        results.append({"video": items[i], "score": float(scores[i] if reranked else similarity[i]),
+                        "reranked": reranked})
+    return results
 
 
 def _load_testa_processor(source: str | os.PathLike, trust_remote_code: bool | None = None) -> TestaProcessor:
@@ -351,54 +116,6 @@ def _is_remote_code(obj: Any) -> bool:
     """Whether `obj`'s class was loaded as Hub remote code (its module lives in `transformers_modules`), which
     transformers only does after the user passed `trust_remote_code=True` for that repository."""
     return type(obj).__module__.split(".")[0] == "transformers_modules"
-
-
-class _DecodeAhead:
-    """Decodes `videos[i]` (`pipeline._pixels`) in `num_workers` threads, at most `window` videos ahead of the
-    next one asked for, in order; with `num_workers=0`, decodes each video when it is asked for. A context manager:
-    leaving it cancels what is pending and stops the threads' decoder processes.
-
-    Each thread decodes in a decoder helper process of its own (the video processor module's
-    `own_decoder_process`), so the threads decode in parallel instead of queueing for the shared helper."""
-
-    def __init__(self, pipeline: Any, videos: list[Any], video_kwargs: dict[str, Any], num_workers: int,
-                 window: int) -> None:
-        self.pipeline, self.videos, self.video_kwargs = pipeline, videos, video_kwargs
-        self.num_workers, self.window = num_workers, window
-        self.futures: dict[int, Any] = {}
-        self.submitted = 0
-        self.executor = None
-        self.workers: list[Any] = []
-
-    def _decode(self, i: int) -> torch.Tensor:
-        return self.pipeline._pixels(self.videos[i], f"videos[{i}]", self.video_kwargs)
-
-    def _attach_decoder(self) -> None:
-        module = sys.modules.get(type(self.pipeline.video_processor).__module__)
-        own = getattr(module, "own_decoder_process", None)
-        if own is not None:
-            self.workers.append(own())
-
-    def __enter__(self) -> "_DecodeAhead":
-        if self.num_workers:
-            self.executor = ThreadPoolExecutor(
-                self.num_workers, thread_name_prefix="testa-decode", initializer=self._attach_decoder
-            )
-        return self
-
-    def get(self, i: int) -> torch.Tensor:
-        if self.executor is None:
-            return self._decode(i)
-        while self.submitted < min(len(self.videos), i + 1 + self.window):
-            self.futures[self.submitted] = self.executor.submit(self._decode, self.submitted)
-            self.submitted += 1
-        return self.futures.pop(i).result()
-
-    def __exit__(self, *exc_info: Any) -> None:
-        if self.executor is not None:
-            self.executor.shutdown(wait=True, cancel_futures=True)
-        for worker in self.workers:
-            worker.stop()
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -504,15 +221,12 @@ class _TestaPipeline(Pipeline):
         disable = (total < PROGRESS_BAR_MIN_VIDEOS) if progress_bar is None else not progress_bar
         return logging.tqdm(total=total, desc=desc, unit="video", disable=disable)
 
-    @torch.no_grad()
-    def _encode(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Runs the video encoder once: ``(features, tokens, token_sizes)``."""
-        dtype = getattr(self.model, "dtype", torch.float32)
-        out = self.model.get_video_tokens(pixel_values.to(self.device, dtype=dtype))
-        features = self.model.get_video_features(
-            video_tokens=out.last_hidden_state, video_token_sizes=out.token_sizes
-        ).pooler_output
-        return features, out.last_hidden_state, out.token_sizes
+    def _decoder_for_thread(self) -> Any:
+        """A decoder helper process of its own for the calling thread (decoding threads then decode in parallel),
+        from the video processor's own copy of the decoding code; None when it has none."""
+        module = sys.modules.get(type(self.video_processor).__module__)
+        own = getattr(module, "own_decoder_process", None)
+        return own() if own is not None else None
 
     # -- saving -----------------------------------------------------------------------------------------------------
 
@@ -669,7 +383,6 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         return {
             "scores": ranking.scores.float().cpu(),
             "similarity": ranking.similarity.float().cpu(),
-            "candidates": ranking.topk_indices.cpu(),
             "videos": videos,
             "single": model_inputs["single"],
         }
@@ -685,10 +398,8 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
     def postprocess(self, model_outputs: dict[str, Any], top_k: int | None = None) -> Any:
         videos = model_outputs["videos"]
         results = []
-        for scores, similarity, candidates in zip(
-            model_outputs["scores"], model_outputs["similarity"], model_outputs["candidates"]
-        ):
-            results.append(_two_tier_ranking(videos, candidates, scores[candidates], similarity, top_k))
+        for scores, similarity in zip(model_outputs["scores"], model_outputs["similarity"]):
+            results.append(_result_list(videos, scores, similarity, top_k))
         return results[0] if model_outputs["single"] else results
 
     # -- encode once, search many times ------------------------------------------------------------------------------
@@ -736,48 +447,24 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
             raise ValueError(f"`num_workers` must be a non-negative int, got {num_workers!r}.")
         if store_dir is not None and not store_tokens:
             raise ValueError("`store_dir` writes the tokens: it cannot be combined with store_tokens=False.")
-        writer = None
         if store_dir is not None:
-            writer = VideoStoreWriter(store_dir, 0, 0, len(videos), token_dtype=token_dtype or torch.float16)
-        features, tokens, sizes = [], [], []
-        begin = time.perf_counter()
-        wait_seconds = encode_seconds = 0.0
-        decoded = _DecodeAhead(self, videos, video_kwargs, num_workers, max(2 * batch_size, num_workers))
+            sink = VideoStoreWriter(store_dir, 0, 0, len(videos), token_dtype=token_dtype or torch.float16)
+        else:
+            sink = InMemorySink(store_tokens=store_tokens, token_dtype=token_dtype)
+        show = (len(videos) >= PROGRESS_BAR_MIN_VIDEOS) if progress_bar is None else bool(progress_bar)
+        decoded = DecodeAhead(lambda i: self._pixels(videos[i], f"videos[{i}]", video_kwargs), len(videos),
+                              num_workers, max(2 * batch_size, num_workers), self._decoder_for_thread)
         try:
-            with self._progress(len(videos), progress_bar, "Encoding videos") as bar, decoded:
-                for start in range(0, len(videos), batch_size):
-                    chunk = videos[start : start + batch_size]
-                    started = time.perf_counter()
-                    pixels = torch.cat([decoded.get(start + j) for j in range(len(chunk))])
-                    encoding = time.perf_counter()
-                    wait_seconds += encoding - started
-                    feats, toks, token_sizes = self._encode(pixels)
-                    encode_seconds += time.perf_counter() - encoding
-                    if writer is not None:
-                        writer.add_batch(range(start, start + len(chunk)), toks, token_sizes, feats)
-                    else:
-                        features.append(feats.float().cpu())
-                        if store_tokens:
-                            tokens.append(toks.detach().to("cpu", dtype=token_dtype or toks.dtype))
-                            sizes.append(token_sizes.detach().float().cpu())
-                    bar.update(len(chunk))
-                    elapsed = time.perf_counter() - begin
-                    bar.set_postfix_str(f"waiting for decoding {100 * wait_seconds / elapsed:.0f}%", refresh=False)
+            with decoded:
+                stats = encode_videos(self.model, decoded.batches(batch_size), sink, total=len(videos),
+                                      progress_bar=show, num_workers=num_workers)
         except BaseException:
-            if writer is not None:
-                writer.abort()  # files closed; the store has no index, so it cannot be opened half-written
+            if store_dir is not None:
+                sink.abort()  # files closed; the store has no index, so it cannot be opened half-written
             raise
-        seconds = time.perf_counter() - begin
-        stats = {
-            "videos": len(videos),
-            "seconds": seconds,
-            "videos_per_second": len(videos) / seconds if seconds > 0 else float("inf"),
-            "decode_wait_seconds": wait_seconds,
-            "encode_seconds": encode_seconds,
-            "num_workers": num_workers,
-        }
         logger.info("Encoded %d videos in %.1f s (%.2f videos/s; waited %.1f s for decoding, encoder %.1f s).",
-                    len(videos), seconds, stats["videos_per_second"], wait_seconds, encode_seconds)
+                    len(videos), stats.seconds, stats.videos_per_second, stats.decode_wait_seconds,
+                    stats.encode_seconds)
         vision = self.model.config.vision_config
         info = {
             "model_class": type(self.model).__name__,
@@ -787,21 +474,16 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
             "temporal_reduction": vision.temporal_reduction_per_layer,
             "spatial_reduction": vision.spatial_reduction_per_layer,
         }
-        if writer is not None:
-            writer.close()
-            finalize_store(store_dir, [_video_name(item, i) for i, item in enumerate(videos)], 1, info)
+        if store_dir is not None:
+            sink.close()
+            finalize_store(store_dir, [video_name(item, i) for i, item in enumerate(videos)], 1, info)
             index = VideoIndex.from_store(store_dir)
             index.videos = list(videos)
-            index.stats = stats
+            index.stats = stats.as_dict()
             return index
-        return VideoIndex(
-            videos=list(videos),
-            embeddings=torch.cat(features),
-            tokens=torch.cat(tokens) if store_tokens else None,
-            token_sizes=torch.cat(sizes) if store_tokens else None,
-            info=info,
-            stats=stats,
-        )
+        embeddings, tokens, sizes = sink.result()
+        return VideoIndex(videos=list(videos), embeddings=embeddings, tokens=tokens, token_sizes=sizes, info=info,
+                          stats=stats.as_dict())
 
     @torch.no_grad()
     def search(
@@ -852,25 +534,18 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         cosines, candidates = index.nearest(text_features, depth, use_faiss=use_faiss)
         results = []
         for q in range(len(texts)):
-            cand = candidates[q]
-            items = [index.videos[int(c)] for c in cand]
-            head = cand[:window]
+            # the query's scores over the whole collection: -inf for what the first stage did not reach
+            scores = torch.full((num_videos,), float("-inf"))
+            similarity = torch.full((num_videos,), float("-inf"))
+            similarity[candidates[q]] = cosines[q].float()
+            head = candidates[q][:window]
             if window:
-                ranking = self.model.rank_videos(
-                    input_ids[q : q + 1],
-                    index.tokens[head],
-                    attention_mask=attention_mask[q : q + 1],
-                    video_token_sizes=index.token_sizes[head] if index.token_sizes is not None else None,
-                    text_features=text_features[q : q + 1],
-                    video_features=index.embeddings[head],
-                    k=len(head),
-                    itm_score=itm_score,
-                    add_cosine=add_cosine,
+                ranking = two_stage_scores(
+                    self.model, True, input_ids[q : q + 1], attention_mask[q : q + 1], text_features[q : q + 1],
+                    index.embeddings[head], lambda rows: index.tokens[head[rows]], len(head), itm_score, add_cosine,
                 )
-                head_scores = ranking.scores[0]
-            else:
-                head_scores = torch.empty(0)
-            results.append(_two_tier_ranking(items, torch.arange(len(head)), head_scores, cosines[q], top_k))
+                scores[head] = ranking.scores[0].float().cpu()
+            results.append(_result_list(index.videos, scores, similarity, top_k))
         return results[0] if single else results
 
 
@@ -976,7 +651,10 @@ class ZeroShotVideoClassificationPipeline(_TestaPipeline):
         return {"pixel_values": torch.cat(pixels), **self._tokenize(prompts, text_kwargs), "candidate_labels": labels}
 
     def _forward(self, model_inputs: dict[str, Any]) -> dict[str, Any]:
-        video_features, _, _ = self._encode(model_inputs["pixel_values"])
+        dtype = getattr(self.model, "dtype", torch.float32)
+        video_features = self.model.get_video_features(
+            model_inputs["pixel_values"].to(self.device, dtype=dtype)
+        ).pooler_output
         text_features = self.model.get_text_features(model_inputs["input_ids"], model_inputs["attention_mask"]).pooler_output
         temperature = self.model.temp.detach().clamp(0.001, 0.5)
         logits = (video_features @ text_features.to(video_features.dtype).T) / temperature

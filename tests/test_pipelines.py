@@ -282,7 +282,7 @@ def test_first_stage_search_backends(retrieval_pipe, videos, monkeypatch):
     assert torch.equal(indices, expected.indices) and torch.allclose(scores, expected.values)
     # without faiss: use_faiss=True names the missing package, the default falls back to torch
     module = sys.modules[type(index).__module__]
-    monkeypatch.setattr(module, "_faiss", lambda: None)
+    monkeypatch.setattr(module, "faiss_module", lambda: None)
     with pytest.raises(ImportError, match="faiss-cpu"):
         index.nearest(query, k=4, use_faiss=True)
     fallback_scores, fallback_indices = index.nearest(query, k=4)
@@ -303,7 +303,7 @@ def test_faiss_search_equals_the_exact_torch_search(retrieval_pipe, videos):
     """The FAISS branch (installed by the `faiss` extra, which `make test` uses) against the exact torch search."""
     faiss = pytest.importorskip("faiss")
     module = sys.modules[type(retrieval_pipe).__module__]
-    assert module._faiss() is faiss
+    assert sys.modules[module.VideoIndex.__module__].faiss_module() is faiss
     index = _random_index(module, 300)
     queries = F.normalize(torch.randn(7, 16, generator=torch.Generator().manual_seed(1)), dim=-1)
     exact = (queries @ index.embeddings.T).topk(25)  # the reference: plain matrix product
