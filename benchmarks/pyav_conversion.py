@@ -3,7 +3,7 @@
     python -m benchmarks.pyav_conversion [--rounds 5] [--short-event-videos 24]
 
 `modeling_testa.video_decoding_worker` converts decoded frames to RGB through one `VideoReformatter` per decode call
-(`_RGBConverter`); before, every frame went through ``frame.to_ndarray(format="rgb24")``, which sets up a new
+(`RGBConverter`); before, every frame went through ``frame.to_ndarray(format="rgb24")``, which sets up a new
 conversion each time. This times `pyav_collect_skipping` (the decode path the processor uses for PyAV) both ways,
 on the same files, alternating the two in every round, one thread, and checks that the pixels are identical:
 
@@ -36,7 +36,7 @@ class PerFrameConversion:
         return frame.to_ndarray(format="rgb24")
 
 
-WAYS = {"new conversion per frame (before)": PerFrameConversion, "one reused converter (now)": worker._RGBConverter}
+WAYS = {"new conversion per frame (before)": PerFrameConversion, "one reused converter (now)": worker.RGBConverter}
 
 
 def uniform(total: int, samples: int) -> list[int]:
@@ -44,12 +44,12 @@ def uniform(total: int, samples: int) -> list[int]:
 
 
 def decode_all(jobs, converter_class) -> list[dict]:
-    worker._RGBConverter = converter_class
+    worker.RGBConverter = converter_class
     return [worker.pyav_collect_skipping(path, wanted, sorted_pts, 1) for path, wanted, sorted_pts in jobs]
 
 
 def compare(name: str, jobs, rounds: int) -> None:
-    original = worker._RGBConverter
+    original = worker.RGBConverter
     try:
         outputs = {way: decode_all(jobs, cls) for way, cls in WAYS.items()}  # warm-up, and the pixel check
         first, second = outputs.values()
@@ -63,7 +63,7 @@ def compare(name: str, jobs, rounds: int) -> None:
                 decode_all(jobs, cls)
                 times[way].append(1e3 * (time.perf_counter() - start) / len(jobs))
     finally:
-        worker._RGBConverter = original
+        worker.RGBConverter = original
     before, now = (statistics.median(t) for t in times.values())
     print(f"| {name} | {len(jobs)} | {before:.2f} | {now:.2f} | {before / now:.2f}x | {'yes' if identical else 'NO'} |",
           flush=True)

@@ -18,7 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from modeling_testa import TestaConfig, TestaForVideoTextRetrieval, TestaVisionConfig
-from modeling_testa.flops import _layer_norm_flops, count_encoder_gmac
+from modeling_testa.flops import layer_norm_flops, count_encoder_gmac
 
 
 BERT_BASE = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072)
@@ -31,7 +31,7 @@ def itm_pair_gmac(config: TestaConfig, video_tokens: int, text_length: int) -> f
         model = TestaForVideoTextRetrieval(config).eval()
         input_ids = torch.zeros(1, text_length, dtype=torch.long)
         video = torch.empty(1, video_tokens, config.vision_config.hidden_size)
-    mapping = {torch.ops.aten.native_layer_norm: _layer_norm_flops}
+    mapping = {torch.ops.aten.native_layer_norm: layer_norm_flops}
     with FlopCounterMode(display=False, custom_mapping=mapping) as counter, sdpa_kernel(SDPBackend.MATH):
         with torch.no_grad():
             model.itm_logits(input_ids, None, video)

@@ -146,7 +146,7 @@ def accuracy(model, pixels, labels, batch_size: int = 64) -> tuple[float, float]
     return correct / len(labels), time.perf_counter() - start
 
 
-def _layer_norm_flops(input_shape, *args, out_shape=None, **kwargs) -> int:
+def layer_norm_flops(input_shape, *args, out_shape=None, **kwargs) -> int:
     return 10 * math.prod(input_shape)  # 5 operations per element (fvcore), 2 FLOPs per MAC
 
 
@@ -154,7 +154,7 @@ def _layer_norm_flops(input_shape, *args, out_shape=None, **kwargs) -> int:
 def gmac(model, video) -> tuple[float, int]:
     """GMAC of one video through the (patched) model, and its encoder's output tokens."""
     model.eval()
-    mapping = {torch.ops.aten.native_layer_norm: _layer_norm_flops}
+    mapping = {torch.ops.aten.native_layer_norm: layer_norm_flops}
     with FlopCounterMode(display=False, custom_mapping=mapping) as counter, sdpa_kernel(SDPBackend.MATH):
         output = model(video)
     return counter.get_total_flops() / 2e9, output.token_sizes.shape[1]

@@ -19,7 +19,7 @@ from .configuration_testa import TestaVisionConfig
 from .modeling_testa_vision import TestaVisionModel
 
 
-def _layer_norm_flops(input_shape, *args, out_shape=None, **kwargs) -> int:
+def layer_norm_flops(input_shape, *args, out_shape=None, **kwargs) -> int:
     # fvcore counts 5 operations per normalised element; FlopCounterMode reports 2 FLOPs per MAC, hence 10.
     return 10 * math.prod(input_shape)
 
@@ -35,7 +35,7 @@ def count_encoder_gmac(
     """
     frames = num_frames or config.num_frames
     size = image_size or config.image_size
-    mapping = {torch.ops.aten.native_layer_norm: _layer_norm_flops}
+    mapping = {torch.ops.aten.native_layer_norm: layer_norm_flops}
     with torch.device("meta"):
         model = TestaVisionModel(config).eval()
         pixel_values = torch.empty(1, frames, config.num_channels, size, size)

@@ -398,6 +398,10 @@ class DecoderProcess:
         self.busy = False
         self.process = subprocess.Popen(
             [sys.executable, _WORKER_SCRIPT],
+            # Run by path, the script's folder (this package, or a Hub code folder) would come first on the helper's
+            # import path, where a sibling file could shadow a module that numpy, decord or PyAV import; Python 3.11+
+            # leaves it out with PYTHONSAFEPATH.
+            env={**os.environ, "PYTHONSAFEPATH": "1"},
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.log,
@@ -571,7 +575,7 @@ def own_decoder_process() -> DecoderProcess:
     return worker
 
 
-def _decoder_worker() -> DecoderProcess:
+def decoder_process() -> DecoderProcess:
     """The calling thread's own decoder helper (`own_decoder_process`), else this process' shared one (a new one
     after `fork`, e.g. in DataLoader workers)."""
     global _WORKER
@@ -658,7 +662,7 @@ def decode_video(
             if name == "pyav" and not pyav_available():
                 raise ImportError("video_backend='pyav' needs PyAV: `pip install av`.")
             if isolate:
-                return _decoder_worker().decode(name, source, sample_indices_fn, num_threads, decode_timeout)
+                return decoder_process().decode(name, source, sample_indices_fn, num_threads, decode_timeout)
             return _decode_in_process(source, name, sample_indices_fn, num_threads)
         except VideoDecodingError as exc:
             failures.append((name, exc))

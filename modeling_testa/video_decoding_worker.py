@@ -153,7 +153,7 @@ def pyav_probe(source: str) -> dict:
     return info
 
 
-class _RGBConverter:
+class RGBConverter:
     """Converts decoded frames to RGB arrays through one reused `VideoReformatter` (one per decode call; not shared
     between threads).
 
@@ -185,7 +185,7 @@ def pyav_collect(source: str, wanted, num_threads: int | None):
     frames = {}
     decoded = 0
     error = None
-    to_rgb = _RGBConverter(av)
+    to_rgb = RGBConverter(av)
     container, stream = pyav_open(source, num_threads)
     with container:
         try:
@@ -212,7 +212,7 @@ def pyav_collect_skipping(source: str, wanted, sorted_pts, num_threads: int | No
     av = import_av()
     wanted_pts = {sorted_pts[int(i)]: int(i) for i in set(int(i) for i in wanted)}
     frames = {}
-    to_rgb = _RGBConverter(av)
+    to_rgb = RGBConverter(av)
     container, stream = pyav_open(source, num_threads)
     context = stream.codec_context
     with container:
@@ -373,10 +373,6 @@ def _exit_with_parent() -> None:
 
 def main() -> None:
     _exit_with_parent()
-    # Run by path, this file's folder (the package, or a Hub code folder) is sys.path[0]; drop it so that no sibling
-    # file can shadow a module that numpy, decord or PyAV import.
-    here = os.path.dirname(os.path.realpath(__file__))
-    sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != here]
     proto_in, proto_out = 0, os.dup(1)
     os.dup2(2, 1)  # anything written to stdout by C code goes to the log, never into the protocol pipe
     try:

@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from .synthetic import COLOURS, _split_families, _write_jsonl, write_mp4, write_videos
+from .synthetic import COLOURS, split_families, write_jsonl, write_mp4, write_videos
 
 
 #: frame counts whose uniform sampling is recorded in the metadata (``seen_by``) and the dataset card
@@ -144,7 +144,7 @@ def make_videos(
 
     rng = random.Random(f"testa-short-events-{seed}")
     num_families = math.ceil(num_videos / family_size)
-    splits = _split_families(num_families, val_fraction, test_fraction, rng)
+    splits = split_families(num_families, val_fraction, test_fraction, rng)
     signatures: set[tuple] = set()
     videos: list[ShortEventVideo] = []
     for family in range(num_families):
@@ -286,7 +286,7 @@ def generate_short_events_dataset(
     for v in videos:
         rows[v.split].append({"video": v.video_path, "text": caption(v), "video_id": v.video_id})
     for split, split_rows in rows.items():
-        _write_jsonl(os.path.join(output_dir, f"{split}.jsonl"), split_rows)
+        write_jsonl(os.path.join(output_dir, f"{split}.jsonl"), split_rows)
 
     seen = {}
     for samples in SAMPLED_FRAME_COUNTS:

@@ -200,7 +200,7 @@ def _event_taken(events: list[Event]) -> set[tuple[str, str]]:
     return taken
 
 
-def _split_families(num_families: int, val_fraction: float, test_fraction: float, rng: random.Random) -> list[str]:
+def split_families(num_families: int, val_fraction: float, test_fraction: float, rng: random.Random) -> list[str]:
     """Assigns every family a split; val and test get at least one family each when there are 3 or more."""
     n_val = round(num_families * val_fraction)
     n_test = round(num_families * test_fraction)
@@ -248,7 +248,7 @@ def make_specs(
 
     rng = random.Random(f"testa-synthetic-{seed}")
     num_families = math.ceil(num_videos / family_size)
-    family_splits = _split_families(num_families, val_fraction, test_fraction, rng)
+    family_splits = split_families(num_families, val_fraction, test_fraction, rng)
     signatures: set[tuple[tuple[str, str], ...]] = set()
     specs: list[VideoSpec] = []
     for family in range(num_families):
@@ -409,7 +409,7 @@ def write_videos(videos_dir: str, prefix: str, jobs: list[tuple], encode_job, nu
 # writing the dataset
 
 
-def _write_jsonl(path: str, rows: list[dict]) -> None:
+def write_jsonl(path: str, rows: list[dict]) -> None:
     with open(path, "w", encoding="utf-8", newline="\n") as f:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
@@ -512,8 +512,8 @@ def generate_synthetic_dataset(
             qa[spec.split].append({"video": spec.video_path, "question": question, "answer": answer,
                                    "video_id": spec.video_id})
     for split in splits:
-        _write_jsonl(os.path.join(output_dir, f"{split}.jsonl"), retrieval[split])
-        _write_jsonl(os.path.join(output_dir, f"qa_{split}.jsonl"), qa[split])
+        write_jsonl(os.path.join(output_dir, f"{split}.jsonl"), retrieval[split])
+        write_jsonl(os.path.join(output_dir, f"qa_{split}.jsonl"), qa[split])
 
     settings = dict(num_videos=num_videos, seed=seed, fps=fps, size=size, min_duration=min_duration,
                     max_duration=max_duration, min_events=min_events, max_events=max_events, family_size=family_size,

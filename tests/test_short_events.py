@@ -144,7 +144,6 @@ def test_argument_errors():
 
 def test_demo_variants_are_at_equal_compute():
     """(b) has 2x the frames of (a) at GMAC within 10% (counted by the FLOP counter), (c) costs about 2x."""
-    sys.path.insert(0, str(REPO))
     from train.demo import VARIANTS, check_equal_compute, load_recipe
 
     recipe = load_recipe()

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 
 
@@ -60,7 +59,6 @@ def losses(run_dir: Path, key: str = "loss") -> dict[int, float]:
 # (the stream that dropout masks and hard negatives use) and the video keys it trained on.
 PROBE = """
 import dataclasses, json, os, sys, torch
-sys.path.insert(0, {repo!r})
 from train.finetune_retrieval import TASK, compute_loss
 from train.loop import main
 
@@ -87,7 +85,7 @@ def test_two_process_training_resumes_exactly(synthetic, tmp_path, streaming):
     (shuffled, randomly frame-sampled, possibly streamed) data must all be restored. The two processes draw
     different random numbers, and the learning rates follow warmup_start_lr -> lr -> min_lr."""
     script = tmp_path / "probed_retrieval.py"
-    script.write_text(PROBE.format(repo=str(REPO)))
+    script.write_text(PROBE.format())
     common = ["--config", "configuration/synthetic_retrieval.yaml", "--dataset", str(synthetic), *TINY,
               "--set", f"data.streaming={str(streaming).lower()}", "--set", "train.warmup_start_lr=2e-4",
               "--set", "train.min_lr=1e-4", "--set", "train.log_every=1", "--max-steps", "4"]
@@ -431,7 +429,6 @@ def test_an_empty_reservoir_is_filled_from_spare_rows_and_strict_data_stops(tmp_
 
 CRASHING_EVALUATION = """
 import dataclasses, sys
-sys.path.insert(0, {repo!r})
 from train.finetune_retrieval import TASK
 from train.loop import main
 
@@ -457,7 +454,7 @@ def test_bad_training_videos_are_replaced_and_final_is_saved_before_evaluation(s
     for path in first_batch:
         Path(path).write_bytes(b"\x00\x00\x00\x18ftypmp42" + bytes(range(256)) * 8)
     script = tmp_path / "crashing_evaluation.py"
-    script.write_text(CRASHING_EVALUATION.format(repo=str(REPO)))
+    script.write_text(CRASHING_EVALUATION.format())
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     result = subprocess.run(
         [sys.executable, str(script), "--config", "configuration/synthetic_retrieval.yaml", "--dataset", str(data),
@@ -476,13 +473,13 @@ def test_a_launch_config_that_accelerate_ignores_is_reported(monkeypatch, capsys
 
     from accelerate.utils import DistributedType
 
-    from train.loop import _warn_if_launch_config_ignored
+    from train.loop import warn_if_launch_config_ignored
 
     fake = SimpleNamespace(distributed_type=DistributedType.MULTI_CPU, print=print)
-    _warn_if_launch_config_ignored(fake)
+    warn_if_launch_config_ignored(fake)
     assert capsys.readouterr().out == ""
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-    _warn_if_launch_config_ignored(fake)
+    warn_if_launch_config_ignored(fake)
     assert "asks for FSDP, but Accelerate runs DistributedType.MULTI_CPU" in capsys.readouterr().out
-    _warn_if_launch_config_ignored(SimpleNamespace(distributed_type=DistributedType.FSDP, print=print))
+    warn_if_launch_config_ignored(SimpleNamespace(distributed_type=DistributedType.FSDP, print=print))
     assert capsys.readouterr().out == ""

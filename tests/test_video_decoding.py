@@ -219,11 +219,11 @@ def test_decord_and_pyav_give_identical_pixels(videos):
 
 
 def test_reused_rgb_converter_matches_per_frame_conversion(videos):
-    """One `_RGBConverter` across videos of different sizes and pixel formats gives exactly PyAV's own
+    """One `RGBConverter` across videos of different sizes and pixel formats gives exactly PyAV's own
     ``to_ndarray(format="rgb24")`` for every frame (a cached swscale context must follow size/format changes)."""
     import av
 
-    convert = worker._RGBConverter(av)
+    convert = worker.RGBConverter(av)
     assert convert.reformatter is not None  # the fast path is what is tested
     checked = 0
     for name in ("long", "small", "gray", "bframes", "short"):
@@ -390,7 +390,7 @@ def test_no_decord_install_decodes_with_pyav_in_the_helper(videos, tmp_path, mon
         TestaVideoProcessor(video_backend="decord")(videos["small"])
     # the simulation holds in the helper process too
     with pytest.raises(VideoDecodingError, match=r"small\.mp4.*decoder process cannot import it.*simulated"):
-        decoding._decoder_worker().decode("decord", str(videos["small"]), lambda metadata: [0], None, 30)
+        decoding.decoder_process().decode("decord", str(videos["small"]), lambda metadata: [0], None, 30)
 
 
 def test_one_helper_process_serves_both_backends_and_survives_decoding_errors(videos, fresh_decoder_process):
@@ -415,11 +415,8 @@ def test_exported_folder_decodes_in_its_own_helper_without_the_package(videos, t
     folder = tmp_path / "exported"
     TestaVideoProcessor(num_frames=4).save_pretrained(folder)
     assert (folder / "video_decoding_worker.py").read_text() == Path(worker.__file__).read_text()
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     script = textwrap.dedent(f"""
         import os, sys
-        repo = {repo!r}
-        sys.path = [p for p in sys.path if p not in ("", ".", repo) and not (p.startswith(repo) and ".venv" not in p)]
         sys.modules["modeling_testa"] = None
         try:
             import modeling_testa

@@ -558,7 +558,7 @@ def resolve_mixed_precision(value: str | None) -> str | None:
     return value
 
 
-def _warn_if_launch_config_ignored(accelerator: Accelerator) -> None:
+def warn_if_launch_config_ignored(accelerator: Accelerator) -> None:
     """Accelerate (1.15) only turns FSDP or DeepSpeed on with GPUs (or other accelerators): on CPU processes
     (`cpu=True`, gloo) it silently runs plain data parallelism (MULTI_CPU). Say so instead of pretending."""
     for name, variable in (("FSDP", "ACCELERATE_USE_FSDP"), ("DeepSpeed", "ACCELERATE_USE_DEEPSPEED")):
@@ -589,7 +589,7 @@ def main(task: Task, argv: list[str] | None = None) -> dict:
         kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=bool(train_cfg.get(
             "find_unused_parameters", recipe["model"].get("vision_config", {}).get("aggregation_dims") == "joint")))],
     )
-    _warn_if_launch_config_ignored(accelerator)
+    warn_if_launch_config_ignored(accelerator)
     accelerator.print(f"{accelerator.num_processes} process(es), {accelerator.distributed_type}, mixed precision "
                       f"{accelerator.mixed_precision} (recipe: {train_cfg.get('mixed_precision')})")
     seed = train_cfg.get("seed", 42)
