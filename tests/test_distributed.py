@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from heads_helpers import randomize, text_ids, tiny_config, videos
+from helpers.models import randomize, text_ids, tiny_config, videos
 
 from modeling_testa import TestaForVideoTextRetrieval
 

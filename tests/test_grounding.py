@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from pipeline_helpers import FRAMES, SIZE, build_retrieval, tiny_processor
+from helpers.pipelines import FRAMES, SIZE, build_retrieval, tiny_processor
 
 from modeling_testa.grounding import draw_grounding, ground_phrases
 

@@ -9,9 +9,9 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_vision_config
-from heads_helpers import randomize
-from pipeline_helpers import build_qa, build_retrieval, tiny_processor, write_bad_files, write_videos
+from helpers.models import tiny_vision_config
+from helpers.models import randomize
+from helpers.pipelines import build_qa, build_retrieval, tiny_processor, write_bad_files, write_videos
 from torch import nn
 from transformers import pipeline
 

@@ -10,7 +10,7 @@ import textwrap
 import numpy as np
 import pytest
 import torch
-from video_helpers import read_index, write_video
+from helpers.videos import read_index, write_video
 
 import modeling_testa
 from modeling_testa import TestaConfig, TestaProcessor, TestaVideoProcessor, build_testa_tokenizer, pre_caption

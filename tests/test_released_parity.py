@@ -9,9 +9,9 @@ import json
 
 import pytest
 import torch
-from heads_helpers import ENC
-from released_reference import released_encoder
-from test_converters import GRID, HEADS, TEXT_OVERRIDES, _original_config, _original_state
+from helpers.models import ENC
+from helpers.released_reference import released_encoder
+from helpers.original_checkpoints import GRID, HEADS, TEXT_OVERRIDES, original_config, original_state
 
 from modeling_testa.aggregation import geometry_matching, mode
 from modeling_testa.convert_original_testa import convert_original_testa
@@ -97,8 +97,8 @@ def _in_released_order(tokens: torch.Tensor, frames: int) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def checkpoint() -> dict:
-    state = _original_state(seed=3)
-    return {"model": state, "config": _original_config(testa_r=SCHEDULE, num_frames=FRAMES)}
+    state = original_state(seed=3)
+    return {"model": state, "config": original_config(testa_r=SCHEDULE, num_frames=FRAMES)}
 
 
 def _convert(checkpoint: dict, **kwargs):

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from video_helpers import RAW, mp4_boxes, read_index, uniform, write_test_videos
+from helpers.videos import RAW, mp4_boxes, read_index, uniform, write_test_videos
 
 import modeling_testa.video_decoding as decoding
 import modeling_testa.video_decoding_worker as worker

@@ -5,7 +5,7 @@ import numpy as np
 import PIL.Image
 import pytest
 import torch
-from video_helpers import random_clip
+from helpers.videos import random_clip
 
 from modeling_testa import TestaVideoProcessor
 from modeling_testa.video_inputs import (

@@ -8,7 +8,7 @@ import PIL.Image
 import pytest
 import torch
 import torchvision.transforms.v2.functional as tvF
-from video_helpers import RAW, random_clip, read_index, uniform, write_test_videos
+from helpers.videos import RAW, random_clip, read_index, uniform, write_test_videos
 
 from modeling_testa import TestaVideoProcessor, decode_video
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_vision_config
+from helpers.models import tiny_vision_config
 from PIL import Image
 
 from modeling_testa import TestaVisionModel

@@ -1,5 +1,5 @@
-"""Shared by tests/test_evaluation_store.py and the 2-process run it launches (`python -m accelerate.commands.launch
-tests/evaluation_store_helpers.py OUT_JSON DATASET_JSONL`): a tiny retrieval model, synthetic pixel inputs, and the
+"""Shared by tests/test_evaluation.py and the 2-process run it launches (from tests/: `python -m
+accelerate.commands.launch -m helpers.evaluation OUT_JSON DATASET_JSONL`): a tiny retrieval model, synthetic pixel inputs, and the
 evaluations whose results must not depend on the number of processes."""
 
 import json
@@ -8,9 +8,8 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
 
-from heads_helpers import randomize, text_ids, tiny_config, videos
+from .models import randomize, text_ids, tiny_config, videos
 
 from modeling_testa import TestaForVideoTextRetrieval
 
@@ -80,7 +79,7 @@ def recipe_for(dataset: str) -> dict:
 def write_dataset(directory: Path) -> Path:
     """A jsonl split over 5 tiny mp4 files and one corrupt file: 7 paragraphs (videos 0 and 2 have two, the
     corrupt one has one)."""
-    from video_helpers import write_video
+    from .videos import write_video
 
     directory.mkdir(parents=True, exist_ok=True)
     rows = []

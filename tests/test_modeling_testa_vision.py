@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 import torch
-from conftest import tiny_vision_config
+from helpers.models import tiny_vision_config
 
 from modeling_testa import TestaVisionConfig, TestaVisionModel, token_schedule
 from modeling_testa.flops import count_encoder_gmac

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from pipeline_helpers import (
+from helpers.pipelines import (
     build_qa,
     build_retrieval,
     reference_ranking,

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from pipeline_helpers import build_qa, build_retrieval, save_folder, tiny_processor, tiny_testa_config, write_videos
+from helpers.pipelines import build_qa, build_retrieval, save_folder, tiny_processor, tiny_testa_config, write_videos
 from transformers import (
     AutoConfig,
     AutoModel,

@@ -1,10 +1,26 @@
-"""Tiny configurations and inputs shared by the head, converter and distributed tests."""
+"""Tiny configurations and inputs: the video encoder, the heads, BLIP, token ids and videos."""
 
 import torch
-from conftest import tiny_vision_config
 from transformers import BlipConfig
 
-from modeling_testa import TestaConfig
+from modeling_testa import TestaConfig, TestaVisionConfig
+
+
+def tiny_vision_config(**overrides) -> TestaVisionConfig:
+    """A 2-layer encoder on 8 frames of 32x32 pixels (16 patches of 8x8 per frame)."""
+    settings = dict(
+        num_frames=8,
+        image_size=32,
+        patch_size=8,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        temporal_reduction=1,
+        spatial_reduction=3,
+    )
+    settings.update(overrides)
+    return TestaVisionConfig(**settings)
 
 
 VOCAB, CLS, SEP, PAD, DEC, ENC = 120, 101, 102, 0, 118, 119

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate import Accelerator
-from evaluation_store_helpers import (
+from helpers.evaluation import (
     NUM_VIDEOS,
     TEXT_VIDEO,
     PixelCollate,
@@ -29,7 +29,7 @@ from evaluation_store_helpers import (
     write_dataset,
 )
 
-from modeling_testa.ranking import match_scores, ranked_order
+from modeling_testa.ranking import match_scores
 from modeling_testa.video_store import (
     VideoStoreWriter,
     VideoTokenStore,
@@ -117,14 +117,6 @@ def test_recall_helpers_hand_worked():
     # row 0: positive 0 is first; row 1: positive 2 ties with 1 (ties count against it) -> rank 1; row 2: no positive
     ranks = [rank_of_positive(row, targets) for row, targets in zip(scores, [{0}, {2}, set()])]
     assert ranks == [0, 1, None]
-    # the evaluation's rankings: re-ranked candidates best first (a tie puts the non-positive first), then the others
-    # by cosine (-inf: never ranked), truncated
-    inf = float("-inf")
-    assert ranked_order(scores[1], scores[1], 4, {2}) == [1, 2, 3, 0]
-    assert ranked_order(scores[1], scores[1], 3, {1}) == [2, 1, 3]
-    two_stage, cosine = torch.tensor([0.3, inf, 0.7, inf, inf]), torch.tensor([0.9, 0.5, 0.1, inf, 0.5])
-    assert ranked_order(two_stage, cosine, 5, {4}) == [2, 0, 1, 4]  # the cosine tie puts item 1 first
-    assert ranked_order(two_stage, cosine, 3, {1}) == [2, 0, 4]
     assert [per_process_batch_size(256, 8), per_process_batch_size(5, 2), per_process_batch_size(1, 8)] == [32, 2, 1]
     with pytest.raises(ValueError, match="eval.batch_size"):
         per_process_batch_size(0, 2)
@@ -278,10 +270,10 @@ def test_two_processes_equal_one_process(dataset, tmp_path):
     out = tmp_path / "two.json"
     command = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1", "--mixed_precision", "no",
                "--dynamo_backend", "no", "--multi_gpu", "--num_processes", "2",
-               str(REPO / "tests" / "evaluation_store_helpers.py"), str(out), dataset]
+               "-m", "helpers.evaluation", str(out), dataset]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "ACCELERATE_USE_CPU": "true"}
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    result = subprocess.run(command, cwd=REPO / "tests", env=env, capture_output=True, text=True, timeout=600,
                             check=False)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     two = json.loads(out.read_text())
@@ -297,8 +289,8 @@ def test_two_processes_equal_one_process(dataset, tmp_path):
 
 @pytest.fixture(scope="module")
 def pipe():
-    from pipeline_helpers import build_retrieval
-    from pipeline_helpers import tiny_processor as pipeline_processor
+    from helpers.pipelines import build_retrieval
+    from helpers.pipelines import tiny_processor as pipeline_processor
 
     from modeling_testa import VideoTextRetrievalPipeline
 
@@ -307,7 +299,7 @@ def pipe():
 
 @pytest.fixture(scope="module")
 def mp4s(tmp_path_factory):
-    from pipeline_helpers import write_videos
+    from helpers.pipelines import write_videos
 
     return write_videos(tmp_path_factory.mktemp("index_videos"))
 

@@ -4,7 +4,7 @@ import itertools
 import math
 
 import pytest
-from conftest import tiny_vision_config
+from helpers.models import tiny_vision_config
 
 from modeling_testa import TestaVisionConfig, token_schedule
 from modeling_testa.flops import count_encoder_gmac, estimate_encoder_gmac, suggest_reduction

@@ -4,7 +4,7 @@ retrieval and answer ranking against brute force, and the HF plumbing (save/load
 import pytest
 import torch
 import torch.nn.functional as F
-from heads_helpers import DEC, ENC, PAD, randomize, text_ids, tiny_blip_config, tiny_config, videos
+from helpers.models import DEC, ENC, PAD, randomize, text_ids, tiny_blip_config, tiny_config, videos
 from transformers import BlipForImageTextRetrieval, BlipForQuestionAnswering
 
 from modeling_testa import TestaForPreTraining, TestaForVideoQA, TestaForVideoTextRetrieval

@@ -4,9 +4,9 @@ shared by the pipeline and remote-code tests."""
 from pathlib import Path
 
 import torch
-from conftest import tiny_vision_config
-from heads_helpers import randomize
-from video_helpers import write_video, zero_media_data
+from .models import tiny_vision_config
+from .models import randomize
+from .videos import write_video, zero_media_data
 
 from modeling_testa import TestaConfig, TestaForVideoQA, TestaForVideoTextRetrieval, TestaProcessor, TestaVideoProcessor
 
