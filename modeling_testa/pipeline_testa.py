@@ -59,12 +59,18 @@ PROGRESS_BAR_MIN_VIDEOS = 16
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def _merged_video_kwargs(video_kwargs: dict[str, Any] | None, num_frames: int | None) -> dict[str, Any]:
-    """The video-processor keyword arguments of a call, with the `num_frames` shortcut folded in."""
+def _common_parameters(
+    pipeline: Any, unused: dict, text_kwargs: dict | None, video_kwargs: dict | None, num_frames: int | None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The call arguments every TESTA pipeline takes: raises a `TypeError` naming unknown ones; returns the preprocess
+    entry for `text_kwargs` (empty when not given) and the video-processor keyword arguments with the `num_frames`
+    shortcut folded in."""
+    if unused:
+        raise TypeError(f"{type(pipeline).__name__} got unexpected arguments {sorted(unused)}.")
     merged = dict(video_kwargs or {})
     if num_frames is not None:
         merged["num_frames"] = num_frames
-    return merged
+    return ({"text_kwargs": text_kwargs} if text_kwargs is not None else {}), merged
 
 
 def _check_top_k(top_k: Any) -> None:
@@ -316,12 +322,8 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         video_batch_size: int | None = None,
         **unused: Any,
     ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-        if unused:
-            raise TypeError(f"{type(self).__name__} got unexpected arguments {sorted(unused)}.")
-        preprocess, forward, postprocess = {}, {}, {}
-        if text_kwargs is not None:
-            preprocess["text_kwargs"] = text_kwargs
-        video_kwargs = _merged_video_kwargs(video_kwargs, num_frames)
+        preprocess, video_kwargs = _common_parameters(self, unused, text_kwargs, video_kwargs, num_frames)
+        forward, postprocess = {}, {}
         if video_kwargs:
             forward["video_kwargs"] = video_kwargs
         if rerank_k is not None:
@@ -586,16 +588,12 @@ class ZeroShotVideoClassificationPipeline(_TestaPipeline):
         text_kwargs: dict[str, Any] | None = None,
         **unused: Any,
     ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-        if unused:
-            raise TypeError(f"{type(self).__name__} got unexpected arguments {sorted(unused)}.")
-        preprocess, postprocess = {}, {}
+        preprocess, video_kwargs = _common_parameters(self, unused, text_kwargs, video_kwargs, num_frames)
+        postprocess = {}
         if candidate_labels is not None:
             preprocess["candidate_labels"] = candidate_labels
         if hypothesis_template is not None:
             preprocess["hypothesis_template"] = hypothesis_template
-        if text_kwargs is not None:
-            preprocess["text_kwargs"] = text_kwargs
-        video_kwargs = _merged_video_kwargs(video_kwargs, num_frames)
         if video_kwargs:
             preprocess["video_kwargs"] = video_kwargs
         if top_k is not None:
@@ -716,14 +714,10 @@ class VideoQuestionAnsweringPipeline(_TestaPipeline):
         text_kwargs: dict[str, Any] | None = None,
         **unused: Any,
     ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-        if unused:
-            raise TypeError(f"{type(self).__name__} got unexpected arguments {sorted(unused)}.")
-        preprocess, forward, postprocess = {}, {}, {}
+        preprocess, video_kwargs = _common_parameters(self, unused, text_kwargs, video_kwargs, num_frames)
+        forward, postprocess = {}, {}
         if candidate_answers is not None:
             preprocess["candidate_answers"] = candidate_answers
-        if text_kwargs is not None:
-            preprocess["text_kwargs"] = text_kwargs
-        video_kwargs = _merged_video_kwargs(video_kwargs, num_frames)
         if video_kwargs:
             preprocess["video_kwargs"] = video_kwargs
         if top_k is not None:
