@@ -33,8 +33,8 @@ flops: install
 speed: install
 	$(PY) -m benchmarks.encoder_speed
 
-# Regenerates the README's tables and pictures on CPU (over an hour on 2 cores; parity_with_released.py needs
-# a checkout of the released code and is run by hand, see README).
+# Regenerates the tables and pictures of docs/ on CPU (over an hour on 2 cores; parity_with_released needs a
+# checkout of the released code and is run by hand, see docs/parity.md).
 evidence: install
 	$(VENV)/bin/pip install -q --disable-pip-version-check matplotlib
 	test -f outputs/synthetic/train/final/model.safetensors || ( \

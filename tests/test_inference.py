@@ -176,7 +176,7 @@ def test_int8_quantizes_activations_per_video():
 @pytest.mark.parametrize("precision, threshold", [("bf16", 0.9999), ("int8", 0.999)])
 def test_pooled_embeddings_stay_close_to_fp32(precision, threshold):
     """On the clear-cut video (the same merge decisions as fp32, checked below). Where two merges are nearly tied,
-    any change of the arithmetic can flip one and move the embedding further; see the README's quality table."""
+    any change of the arithmetic can flip one and move the embedding further; see docs/inference.md's quality contract."""
     reference, video = _clear_cut_model_and_video()
     model = optimize_for_inference(copy.deepcopy(reference), precision)
     with torch.inference_mode():

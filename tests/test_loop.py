@@ -42,8 +42,11 @@ def launch(script, args: list[str], processes: int = 2, env: dict | None = None)
                "--dynamo_backend", "no"]
     command += ["--multi_gpu", "--num_processes", str(processes)] if processes > 1 else ["--num_processes", "1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **(env or {})}
-    path = script if isinstance(script, Path) else REPO / "train" / script
-    result = subprocess.run(command + [str(path)] + args, cwd=REPO, env=env, capture_output=True, text=True,
+    if isinstance(script, str) and script.startswith("train."):  # the module form: accelerate launch -m train.X
+        target = ["-m", script]
+    else:  # the documented script path
+        target = [str(script if isinstance(script, Path) else REPO / "train" / script)]
+    result = subprocess.run(command + target + args, cwd=REPO, env=env, capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return result
@@ -130,12 +133,16 @@ def test_two_process_training_resumes_exactly(synthetic, tmp_path, streaming):
 
 
 def test_qa_training_uses_training_answers(synthetic, tmp_path):
-    """QA fine-tuning on 1 process; evaluation ranks the training answers for every test question. Also: with
+    """QA fine-tuning on 1 process, launched as a module (`accelerate launch -m train.finetune_qa`); evaluation ranks
+    the training answers for every test question. Also: with
     train.log_every=2 only every 2nd step (and the last) is logged, and with grad_accum=2 the (prepared) scheduler
     advances once per optimiser step, not per micro-batch."""
-    launch("finetune_qa.py", ["--config", "configuration/synthetic_qa.yaml", "--dataset", str(synthetic), *TINY,
-                              "--output-dir", str(tmp_path), "--max-steps", "3", "--set", "train.log_every=2",
-                              "--set", "train.grad_accum=2", "--set", "train.warmup_ratio=0"], processes=1)
+    result = launch("train.finetune_qa", ["--config", "configuration/synthetic_qa.yaml", "--dataset", str(synthetic),
+                                          *TINY, "--output-dir", str(tmp_path), "--max-steps", "3",
+                                          "--set", "train.log_every=2", "--set", "train.grad_accum=2",
+                                          "--set", "train.warmup_ratio=0"], processes=1)
+    # trackers are asked for only when installed: accelerate would warn about `log_with=[]` on every process
+    assert "no supported trackers" not in result.stdout + result.stderr
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     train_answers = {json.loads(line)["answer"] for line in (synthetic / "qa_train.jsonl").read_text().splitlines()}
     assert metrics["num_candidate_answers"] == len(train_answers)

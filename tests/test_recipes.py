@@ -137,7 +137,7 @@ def test_accelerate_configs_load():
     from accelerate.commands.config.config_args import load_config_from_file
 
     assert {p.name for p in ACCELERATE} == {"single_gpu.yaml", "ddp.yaml", "fsdp.yaml", "multi_node.yaml",
-                                            "cpu_2proc.yaml"}  # DeepSpeed: not runnable here, see the README
+                                            "cpu_2proc.yaml"}  # DeepSpeed: not runnable here, see configuration/README.md
     expected = {  # file: (distributed type, processes, machines)
         "single_gpu.yaml": ("NO", 1, 1),
         "ddp.yaml": ("MULTI_GPU", 8, 1),

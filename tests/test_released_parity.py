@@ -2,7 +2,7 @@
 
 The reference is ``released_reference.py``, an independent float64 re-statement of the released encoder (loops over
 positions and tokens, the released ``[CLS, (position, frame)]`` layout). ``benchmarks/parity_with_released.py`` runs
-the released code itself against this library; its numbers are in the README.
+the released code itself against this library; its numbers are in docs/parity.md.
 """
 
 import json

@@ -2,7 +2,7 @@
 
     python train/demo.py [--output-dir outputs/demo] [--quick] [--upper-bound] [--seed 0]
 
-Steps (the README's demo section gives the measured wall time; ``--quick``: under 2 minutes):
+Steps (docs/evidence.md's demo section gives the measured wall time; ``--quick``: under 2 minutes):
 
 1. ``python -m processing.short_events`` writes the short-event task (OUTPUT/data): 512 synthetic videos of three
    long colour scenes and 2-3 short flashes that each last 1/20 to 1/10 of the video; families of 4 videos share
