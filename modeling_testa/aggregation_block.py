@@ -394,6 +394,14 @@ def sequence(state: TokenState) -> torch.Tensor:
     return tokens if state.cls is None else torch.cat([state.cls, tokens], dim=1)
 
 
+def with_sequence(state: TokenState, tokens: torch.Tensor) -> TokenState:
+    """The state whose tokens are views of ``tokens`` (laid out as `sequence` gives them), so that later blocks
+    compute from ``tokens`` itself: returned hidden states are then part of the graph and receive gradients."""
+    first = 0 if state.cls is None else state.cls.shape[1]
+    cls = None if state.cls is None else tokens[:, :first]
+    return state._replace(cls=cls, patches=tokens[:, first:].view(state.patches.shape))
+
+
 __all__ = [
     "AggregationSettings",
     "AttentionOutput",
@@ -408,4 +416,5 @@ __all__ = [
     "sequence",
     "size_bias",
     "token_sizes_with_cls",
+    "with_sequence",
 ]

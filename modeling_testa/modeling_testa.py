@@ -76,6 +76,10 @@ class TestaVideoTextRetrievalOutput(ModelOutput):
             video drawn for every text, as an index into the batch gathered over all processes.
         negative_text_indices (`torch.LongTensor` of shape `(batch,)`, *optional*): the same for the texts.
         vision_hidden_states (`tuple(torch.FloatTensor)`, *optional*): the video encoder's hidden states.
+        vision_attentions (`tuple(torch.FloatTensor)`, *optional*): with `output_attentions`, the video encoder's
+            attention per block, as [`TestaVisionModelOutput.attentions`] (sizes shrink as tokens merge).
+        vision_temporal_attentions (`tuple(torch.FloatTensor)`, *optional*): with `output_attentions` and divided
+            blocks, the temporal attention per block, as [`TestaVisionModelOutput.temporal_attentions`].
     """
 
     loss: torch.FloatTensor | None = None
@@ -88,6 +92,8 @@ class TestaVideoTextRetrievalOutput(ModelOutput):
     negative_video_indices: torch.LongTensor | None = None
     negative_text_indices: torch.LongTensor | None = None
     vision_hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    vision_attentions: tuple[torch.FloatTensor, ...] | None = None
+    vision_temporal_attentions: tuple[torch.FloatTensor, ...] | None = None
 
 
 @dataclass
@@ -307,6 +313,7 @@ class _TestaContrastiveModel(_TestaMultimodalPreTrainedModel):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPooling:
         r"""
@@ -317,6 +324,7 @@ class _TestaContrastiveModel(_TestaMultimodalPreTrainedModel):
                 first ([ENC] is only for the video-grounded encoder).
             attention_mask (`torch.LongTensor`, *optional*): their attention mask.
             output_hidden_states (`bool`, *optional*): also return the text encoder's hidden states.
+            output_attentions (`bool`, *optional*): also return the text encoder's attention weights.
             return_dict (`bool`, *optional*): a tuple instead of the output when `False`.
 
         Returns:
@@ -325,13 +333,14 @@ class _TestaContrastiveModel(_TestaMultimodalPreTrainedModel):
             `last_hidden_state` the unimodal text encoder's states.
         """
         check_input_ids(input_ids)
-        outputs = self.text_encoder(
-            input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=output_hidden_states,
-            return_dict=True,
-        )
+        # only explicit flags are passed: BlipTextModel takes `None` as "off", not as "use the config"
+        flags = {name: value for name, value in (("output_hidden_states", output_hidden_states),
+                                                 ("output_attentions", output_attentions)) if value is not None}
+        outputs = self.text_encoder(input_ids=input_ids, attention_mask=attention_mask, return_dict=True, **flags)
         embeds = F.normalize(self.text_proj(outputs.last_hidden_state[:, 0]), dim=-1)
         return BaseModelOutputWithPooling(
-            last_hidden_state=outputs.last_hidden_state, pooler_output=embeds, hidden_states=outputs.hidden_states
+            last_hidden_state=outputs.last_hidden_state, pooler_output=embeds, hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
         )
 
     def get_video_tokens(self, pixel_values: torch.Tensor, **kwargs) -> TestaVisionModelOutput:
@@ -346,6 +355,7 @@ class _TestaContrastiveModel(_TestaMultimodalPreTrainedModel):
         video_tokens: torch.Tensor | None = None,
         video_token_sizes: torch.Tensor | None = None,
         output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPooling:
         r"""
@@ -360,6 +370,8 @@ class _TestaContrastiveModel(_TestaMultimodalPreTrainedModel):
             video_token_sizes (`torch.FloatTensor` of shape `(batch, tokens)`, *optional*): with `video_tokens`, their
                 sizes (needed for `video_pooling="weighted_mean"`).
             output_hidden_states (`bool`, *optional*): with `pixel_values`, also return the encoder's hidden states.
+            output_attentions (`bool`, *optional*): with `pixel_values`, also return the encoder's attention per block
+                (spatial attention for divided blocks; see [`TestaVisionModelOutput`] for the shapes).
             return_dict (`bool`, *optional*): a tuple instead of the output when `False`.
 
         Returns:
@@ -369,14 +381,17 @@ class _TestaContrastiveModel(_TestaMultimodalPreTrainedModel):
         """
         if (pixel_values is None) == (video_tokens is None):
             raise ValueError("Pass exactly one of `pixel_values` and `video_tokens` to `get_video_features`.")
-        hidden_states = None
+        hidden_states = attentions = None
         if pixel_values is not None:
-            out = self.get_video_tokens(pixel_values, output_hidden_states=output_hidden_states)
-            video_tokens, video_token_sizes, hidden_states = out.last_hidden_state, out.token_sizes, out.hidden_states
+            out = self.get_video_tokens(
+                pixel_values, output_hidden_states=output_hidden_states, output_attentions=output_attentions
+            )
+            video_tokens, video_token_sizes = out.last_hidden_state, out.token_sizes
+            hidden_states, attentions = out.hidden_states, out.attentions
         video_tokens = video_tokens.to(self.vision_proj.weight.dtype)
         embeds = F.normalize(self.vision_proj(self._pool_video(video_tokens, video_token_sizes)), dim=-1)
         return BaseModelOutputWithPooling(last_hidden_state=video_tokens, pooler_output=embeds,
-                                          hidden_states=hidden_states)
+                                          hidden_states=hidden_states, attentions=attentions)
 
     def itm_logits(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, video_embeds: torch.Tensor
@@ -679,6 +694,7 @@ class TestaForVideoTextRetrieval(_TestaContrastiveModel):
         video_ids: torch.LongTensor | None = None,
         alpha: float | None = None,
         output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
     ) -> TestaVideoTextRetrievalOutput:
         r"""
         Mirrors [`BlipForImageTextRetrieval.forward`].
@@ -698,10 +714,13 @@ class TestaForVideoTextRetrieval(_TestaContrastiveModel):
             alpha (`float`, *optional*): distillation weight for this step (defaults to `config.alpha`; the original
                 ramps it up linearly during the first epoch).
             output_hidden_states (`bool`, *optional*): return the video encoder's hidden states.
+            output_attentions (`bool`, *optional*): return the video encoder's attention per block.
         """
         check_input_ids(input_ids)
         pixel_values = self._video_inputs(pixel_values)
-        vision = self.vision_model(pixel_values, output_hidden_states=output_hidden_states)
+        vision = self.vision_model(
+            pixel_values, output_hidden_states=output_hidden_states, output_attentions=output_attentions
+        )
         video_embeds, token_sizes = vision.last_hidden_state, vision.token_sizes
         loss = loss_vtc = loss_vtm = neg_videos = neg_texts = None
         if return_loss:
@@ -733,6 +752,8 @@ class TestaForVideoTextRetrieval(_TestaContrastiveModel):
             negative_video_indices=neg_videos,
             negative_text_indices=neg_texts,
             vision_hidden_states=vision.hidden_states,
+            vision_attentions=vision.attentions,
+            vision_temporal_attentions=vision.temporal_attentions,
         )
 
 

@@ -27,6 +27,7 @@ from .aggregation_block import (
     joint_block,
     sequence,
     token_sizes_with_cls,
+    with_sequence,
 )
 from .configuration_testa import TestaConfig, TestaVisionConfig
 from .saving import TestaHubMixin
@@ -258,10 +259,25 @@ class TestaVisionLayer(GradientCheckpointingLayer):
         self.layer_norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.mlp = TestaMLP(config)
 
-    def forward(self, state: TokenState, settings: AggregationSettings, attentions: list | None = None) -> TokenState:
+    def forward(
+        self,
+        cls: torch.Tensor | None,
+        patches: torch.Tensor,
+        sizes: torch.Tensor,
+        source_map: torch.Tensor | None,
+        merged: bool,
+        settings: AggregationSettings,
+        attentions: list | None = None,
+    ) -> tuple:
+        """Takes and returns the fields of a `TokenState` as a plain tuple of positional values: gradient
+        checkpointing with `use_reentrant=True` only carries gradients through positional tensors, and returns
+        tuples."""
+        state = TokenState(cls, patches, sizes, source_map, merged)
         if settings.aggregation_dims == "joint":
-            return joint_block(TESTA_JOINT_HOST, self, settings, self.layer_index, state, attentions)
-        return divided_block(TESTA_DIVIDED_HOST, self, settings, self.layer_index, state, attentions)
+            state = joint_block(TESTA_JOINT_HOST, self, settings, self.layer_index, state, attentions)
+        else:
+            state = divided_block(TESTA_DIVIDED_HOST, self, settings, self.layer_index, state, attentions)
+        return tuple(state)
 
 
 class TestaPreTrainedModel(TestaHubMixin, PreTrainedModel):
@@ -384,13 +400,13 @@ class TestaVisionModel(TestaPreTrainedModel):
         self.check_pixel_values(pixel_values)
         cls, patches = self.embeddings(pixel_values)
         state = initial_state(cls, patches, settings)
-        if hidden_states is not None:
-            hidden_states.append(sequence(state))
         layers = self.layers if last_layer is None else self.layers[: last_layer + 1]
-        for layer in layers:
-            state = layer(state, settings, attentions)
-            if hidden_states is not None:
+        for index in range(len(layers) + 1):
+            if hidden_states is not None:  # the returned tensors are the ones the next block reads
                 hidden_states.append(sequence(state))
+                state = with_sequence(state, hidden_states[-1])
+            if index < len(layers):
+                state = TokenState(*layers[index](*state, settings, attentions))
         return state
 
     @can_return_tuple

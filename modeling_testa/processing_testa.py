@@ -170,8 +170,6 @@ class TestaProcessor(ProcessorMixin):
         self,
         text: str | list[str] | None = None,
         videos: Any = None,
-        task: str | None = None,
-        clean_text: bool | None = None,
         **kwargs: Any,
     ) -> Any:
         """Tokenizes `text` and/or processes `videos`; see the class docstring.
@@ -179,10 +177,10 @@ class TestaProcessor(ProcessorMixin):
         Args:
             text (`str` or `list[str]`, *optional*): captions, paragraphs, queries or questions.
             videos (*optional*): anything [`TestaVideoProcessor`] accepts.
-            task (`str`, *optional*): one of `TASK_TEXT_SETTINGS` (`"queryd"`, `"didemo"`, `"activitynet"`,
+            task (`str`, *optional*, keyword only): one of `TASK_TEXT_SETTINGS` (`"queryd"`, `"didemo"`, `"activitynet"`,
                 `"condensed_movies"`, `"pretrain"`, `"activitynet_qa"`) to use the original text length and padding;
                 defaults to `self.task`.
-            clean_text (`bool`, *optional*): apply [`pre_caption`] before tokenizing; defaults to `self.clean_text`.
+            clean_text (`bool`, *optional*, keyword only): apply [`pre_caption`] before tokenizing; defaults to `self.clean_text`.
             **kwargs: tokenizer arguments (`max_length`, `padding`, `return_tensors`, ...) and video-processor
                 arguments (`num_frames`, `frame_sampling`, `return_metadata`, ...), or `text_kwargs={...}` /
                 `videos_kwargs={...}`.
@@ -193,6 +191,10 @@ class TestaProcessor(ProcessorMixin):
         """
         if text is None and videos is None:
             raise ValueError("TestaProcessor needs `text`, `videos`, or both.")
+        # keyword arguments, not parameters: transformers reserves explicit `__call__` parameters for runtime inputs,
+        # and processor attributes (saved in processor_config.json) are overridden through kwargs
+        task = kwargs.pop("task", None)
+        clean_text = kwargs.pop("clean_text", None)
         task = self.task if task is None else task
         clean_text = self.clean_text if clean_text is None else clean_text
         _check_task(task)
