@@ -22,6 +22,7 @@ demo: install
 	$(PY) train/demo.py --output-dir outputs/demo
 
 test: install
+	$(PY) tests/helpers/transformers_common.py  # transformers' own common test mixins, from its sdist (pip)
 	$(PY) -m pytest -q -m "not slow"
 
 test-slow: install

@@ -9,6 +9,13 @@ import torch  # noqa: E402
 
 
 
+def pytest_configure(config):
+    # markers that transformers' own common test mixins use (tests/test_transformers_common.py runs them)
+    for marker in ("accelerate_tests", "flash_attn_test", "flash_attn_3_test", "flash_attn_4_test",
+                   "torch_compile_test"):
+        config.addinivalue_line("markers", f"{marker}: used by transformers' common tests")
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

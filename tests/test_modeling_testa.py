@@ -447,6 +447,27 @@ def test_feature_methods_return_model_outputs_like_clip_and_blip():
     assert torch.equal(as_tuple[0], video.last_hidden_state) and torch.equal(as_tuple[1], video.pooler_output)
 
 
+def test_feature_methods_follow_the_config_flags_and_return_attentions():
+    """`output_hidden_states=None` means "as the config says" (transformers' rule), and attentions come back too."""
+    model = _retrieval()
+    ids, clips = text_ids(2, 6), videos(2, seed=2)
+    assert model.get_text_features(ids).hidden_states is None
+    for sub in (model.config.text_config, model.config.vision_config):
+        sub.output_hidden_states = True
+    text, video = model.get_text_features(ids), model.get_video_features(clips)
+    assert len(text.hidden_states) == model.config.text_config.num_hidden_layers + 1
+    assert len(video.hidden_states) == model.config.vision_config.num_hidden_layers + 1
+    text = model.get_text_features(ids, output_attentions=True)
+    reference = model.text_encoder(input_ids=ids, output_attentions=True).attentions
+    assert len(text.attentions) == len(reference) and all(torch.equal(a, b) for a, b in zip(text.attentions, reference))
+    video = model.get_video_features(clips, output_attentions=True)
+    reference = model.vision_model(clips, output_attentions=True).attentions
+    assert all(torch.equal(a, b) for a, b in zip(video.attentions, reference))
+    out = model(text_ids(2, 6), clips, output_attentions=True)
+    assert all(torch.equal(a, b) for a, b in zip(out.vision_attentions, reference))
+    assert len(out.vision_temporal_attentions) == model.config.vision_config.num_hidden_layers
+
+
 @pytest.mark.parametrize("head", [TestaForVideoTextRetrieval, TestaForPreTraining])
 def test_loading_is_deterministic_and_init_weights_rebuilds_the_buffers_of_init(head, tmp_path):
     """Training state is not saved: what `from_pretrained` returns for it is fixed (empty queues, momentum copies

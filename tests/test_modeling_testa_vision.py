@@ -344,3 +344,48 @@ def test_attention_outputs_in_joint_mode_and_off_by_default():
         tokens -= 20
     plain = model(_video())
     assert plain.attentions is None and plain.temporal_attentions is None
+
+
+@pytest.mark.parametrize("use_reentrant", [None, True, False])
+def test_gradient_checkpointing_gives_the_gradients_of_a_plain_backward(use_reentrant):
+    """Both checkpointing modes carry gradients through the merged tokens (reentrant checkpointing only sees
+    positional tensors, which is why a layer takes the token state's fields one by one)."""
+    torch.manual_seed(0)
+    config = tiny_vision_config(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0)
+    reference = TestaVisionModel(config).double().train()
+    model = TestaVisionModel(config).double().train()
+    model.load_state_dict(reference.state_dict())
+    if use_reentrant is not None:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    pixels = torch.randn(2, 8, 3, 32, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    for m in (reference, model):
+        m(pixels.clone().requires_grad_(True)).last_hidden_state.pow(2).sum().backward()
+    for (name, a), b in zip(reference.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_returned_hidden_states_are_the_tensors_later_blocks_read():
+    """As in transformers' models, a returned hidden state gets the gradient of the output (here: of the last
+    hidden state's sum w.r.t. the embeddings, checked against autograd on a second, unmodified pass), and asking for
+    hidden states changes no output."""
+    model = TestaVisionModel(tiny_vision_config()).double().eval()
+    pixels = torch.randn(2, 8, 3, 32, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    out = model(pixels, output_hidden_states=True)
+    assert torch.equal(out.last_hidden_state, model(pixels).last_hidden_state)
+    first = out.hidden_states[0]
+    first.retain_grad()
+    out.last_hidden_state.sum().backward()
+    assert first.grad is not None and first.grad.abs().sum() > 0
+    # the gradient w.r.t. block 1's output, recomputed by running block 2 and the LayerNorm on a leaf copy of it
+    leaf = out.hidden_states[1].detach().requires_grad_(True)
+    state = model.aggregation_settings(None)
+    from modeling_testa.aggregation_block import TokenState, sequence, with_sequence
+
+    template = model.run_blocks(pixels, state, last_layer=0)
+    rebuilt = with_sequence(template, leaf)
+    final = TokenState(*model.layers[1](*rebuilt, state, None))
+    model.post_layernorm(sequence(final)).sum().backward()
+    middle = model(pixels, output_hidden_states=True)
+    middle.hidden_states[1].retain_grad()
+    middle.last_hidden_state.sum().backward()
+    torch.testing.assert_close(middle.hidden_states[1].grad, leaf.grad)

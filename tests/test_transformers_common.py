@@ -1,8 +1,8 @@
 """transformers' own common tests, run on our classes as transformers runs them on TimeSformer, BLIP and VideoMAE.
 
 The mixins come unchanged from the transformers source distribution of the installed version (see
-`tests/helpers/transformers_common.py`); `make test-transformers` downloads it with pip and runs this file. Without the
-sdist the module is skipped with that instruction. Overrides below are the ones a model's own test file makes where a
+`tests/helpers/transformers_common.py`); `make test` downloads it with pip before running the suite. Without the sdist
+the module is skipped with that instruction. Overrides below are the ones a model's own test file makes where a
 mixin assumes something the model does not do (as TimeSformer's test overrides the attention shapes); each says why.
 """
 
@@ -24,12 +24,10 @@ from modeling_testa import (
 )
 from modeling_testa.processing_testa import build_testa_tokenizer
 
-pytestmark = pytest.mark.slow
-
 ROOT = sdist_dir()
 if ROOT is None:
-    pytest.skip("no transformers source distribution: run `make test-transformers` (it downloads one with pip) or "
-                "set TRANSFORMERS_SDIST_DIR", allow_module_level=True)
+    pytest.skip("no transformers source distribution: run `python tests/helpers/transformers_common.py` (it downloads "
+                "one with pip) or set TRANSFORMERS_SDIST_DIR", allow_module_level=True)
 COMMON = load_common_tests(ROOT)
 ConfigTester = COMMON["test_configuration_common"].ConfigTester
 ModelTesterMixin = COMMON["test_modeling_common"].ModelTesterMixin

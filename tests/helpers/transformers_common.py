@@ -5,8 +5,8 @@ The source distribution ships `tests/test_*_common.py` but not four helper files
 checkout; this module registers small stand-ins for those (see `STAND_INS`) and says so. Nothing here edits
 `sys.path`: the sdist's `tests/` folder is loaded as a package named `transformers_common_tests`.
 
-Get the sdist with `make test-transformers` (pip downloads it into `.cache/`), or point `TRANSFORMERS_SDIST_DIR` at an
-unpacked `transformers-<version>/` folder.
+`make test` fetches the sdist first (`python tests/helpers/transformers_common.py`: pip downloads it into `.cache/`
+and unpacks its `tests/`); or point `TRANSFORMERS_SDIST_DIR` at an unpacked `transformers-<version>/` folder.
 """
 
 from __future__ import annotations
@@ -14,7 +14,10 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import subprocess
 import sys
+import tarfile
+import tempfile
 import types
 from pathlib import Path
 
@@ -49,11 +52,14 @@ CONFIG_COMMON_KWARGS = {
 }
 
 
+CACHE = Path(__file__).resolve().parents[2] / ".cache"
+
+
 def sdist_dir() -> Path | None:
     """The unpacked `transformers-<installed version>` folder: `$TRANSFORMERS_SDIST_DIR`, else `.cache/` of the repo."""
     env = os.environ.get("TRANSFORMERS_SDIST_DIR")
     candidates = [Path(env)] if env else []
-    candidates.append(Path(__file__).resolve().parents[2] / ".cache" / f"transformers-{transformers.__version__}")
+    candidates.append(CACHE / f"transformers-{transformers.__version__}")
     for candidate in candidates:
         if (candidate / "tests" / "test_modeling_common.py").is_file():
             return candidate
@@ -86,3 +92,27 @@ def load_common_tests(root: Path) -> dict[str, types.ModuleType]:
     names = ("test_configuration_common", "test_modeling_common", "test_video_processing_common",
              "test_processing_common")
     return {name: importlib.import_module(f"{PACKAGE}.{name}") for name in names}
+
+
+def fetch_sdist(cache: Path = CACHE) -> Path:
+    """Downloads the installed version's source distribution with pip and unpacks its `tests/` into `cache`."""
+    target = cache / f"transformers-{transformers.__version__}"
+    if (target / "tests" / "test_modeling_common.py").is_file():
+        return target
+    with tempfile.TemporaryDirectory() as download:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check", "--no-deps",
+                        "--no-binary", ":all:", f"transformers=={transformers.__version__}", "-d", download],
+                       check=True)
+        (archive,) = Path(download).glob("transformers-*.tar.gz")
+        with tarfile.open(archive) as tar:
+            members = [m for m in tar.getmembers() if m.name.startswith(f"{target.name}/tests/")]
+            tar.extractall(cache, members=members, filter="data")
+    return target
+
+
+if __name__ == "__main__":
+    try:
+        print(f"transformers' common tests: {fetch_sdist()}")
+    except (subprocess.CalledProcessError, ValueError, OSError) as error:
+        print(f"could not fetch the transformers source distribution ({error}); tests/test_transformers_common.py "
+              "will be skipped", file=sys.stderr)
