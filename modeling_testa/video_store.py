@@ -10,6 +10,8 @@ Layout of a store directory::
 
     video_store.json               format, shapes, dtypes, the shards, the video names, failed videos, `info`
     shard-00000.json               one shard's range, failures and token shape (written by the process that encoded it)
+    journal-00000.jsonl            what the shard holds, batch by batch (what a resumed writer continues from)
+    embeddings-00000.bin           (rows, projection_dim) fp32, in row order (the journal's copy of the embeddings)
     shard-00000.safetensors        `embeddings` (count, projection_dim) fp32 and `rows` (count,) int64: the row of
                                    each video in the token file, -1 for a video that could not be encoded
     tokens-00000.bin               (rows, num_tokens, hidden_size) in the store's token dtype, C order, no header
@@ -65,10 +67,17 @@ class VideoStoreWriter:
     for shard 0, the store's index (``video_store.json``) are removed, so a run that fails halfway can never leave an
     old index describing new, partial shards. Use it as a context manager (or call `abort` on failure) so that its
     files are closed whatever happens.
+
+    **Journal and resume.** Every batch is journaled: its tokens, token sizes and embeddings are appended to the
+    shard's files and flushed, then one line naming its videos is appended to ``journal-NNNNN.jsonl`` (failures get
+    a line each). With ``resume=True`` a writer reopens what a killed run left: it reads the journal (a torn last
+    line is ignored), cuts the data files back to what the journal records, and continues; `done` holds the videos
+    already written, which the caller skips. A killed process loses at most the batch in flight. (Flushed data
+    survives a killed process; surviving a machine crash would need ``fsync``, which is not done.)
     """
 
     def __init__(self, directory: str | os.PathLike, shard: int, start: int, stop: int,
-                 token_dtype: torch.dtype | str = torch.float16):
+                 token_dtype: torch.dtype | str = torch.float16, resume: bool = False):
         if not 0 <= start <= stop:
             raise ValueError(f"Invalid shard range [{start}, {stop}).")
         self.directory = Path(directory)
@@ -84,8 +93,69 @@ class VideoStoreWriter:
         (self.directory / _shard_name("shard", self.shard, "json")).unlink(missing_ok=True)
         if self.shard == 0:
             (self.directory / STORE_INFO_FILE).unlink(missing_ok=True)
-        self._tokens_file = open(self.directory / _shard_name("tokens", shard, "bin"), "wb")  # noqa: SIM115
-        self._sizes_file = open(self.directory / _shard_name("token_sizes", shard, "bin"), "wb")  # noqa: SIM115
+        paths = {kind: self.directory / _shard_name(kind, shard, "bin") for kind in ("tokens", "token_sizes", "embeddings")}
+        journal = self.directory / _shard_name("journal", shard, "jsonl")
+        header = {"shard": self.shard, "start": self.start, "stop": self.stop,
+                  "token_dtype": _dtype_name(self.token_dtype)}
+        if resume and journal.is_file():
+            self._replay(journal, header, paths)
+        else:
+            for path in (*paths.values(), journal):
+                path.unlink(missing_ok=True)
+            journal.write_text(json.dumps(header) + "\n", encoding="utf-8")
+        self._tokens_file = open(paths["tokens"], "ab")  # noqa: SIM115
+        self._sizes_file = open(paths["token_sizes"], "ab")  # noqa: SIM115
+        self._embeddings_file = open(paths["embeddings"], "ab")  # noqa: SIM115
+        self._journal = open(journal, "a", encoding="utf-8")  # noqa: SIM115
+
+    @property
+    def done(self) -> set[int]:
+        """The videos (collection indices) already written or marked failed."""
+        return {self.start + i for i in (self.rows != -2).nonzero().flatten().tolist()}
+
+    def _replay(self, journal: Path, header: dict[str, Any], paths: dict[str, Path]) -> None:
+        """Restores the state a killed writer journaled, and cuts its data files back to it."""
+        lines = journal.read_text(encoding="utf-8").split("\n")
+        entries = []
+        for number, line in enumerate(lines):
+            try:
+                entries.append(json.loads(line))
+            except json.JSONDecodeError:
+                if number < len(lines) - 1 and any(rest.strip() for rest in lines[number + 1:]):
+                    raise ValueError(f"{str(journal)!r} is corrupt at line {number + 1}.") from None
+                break  # a torn last line: the batch it named is written again
+        if not entries or {k: entries[0].get(k) for k in header} != header:
+            raise ValueError(f"{str(journal)!r} belongs to another shard or token dtype: {entries[:1]} (this writer: "
+                             f"{header}). Remove the store directory or use another one.")
+        rows_per_video = None
+        for entry in entries[1:]:
+            if "failed" in entry:
+                self.add_failure(entry["failed"], entry["video"], entry["reason"], journal=False)
+                continue
+            if self.num_tokens is None:
+                self.num_tokens, self.hidden_size = entry["num_tokens"], entry["hidden_size"]
+                self.has_token_sizes = entry["has_token_sizes"]
+                self.embeddings = torch.zeros(self.stop - self.start, entry["embedding_dim"], dtype=torch.float32)
+            for index in entry["encoded"]:
+                self.rows[self._local(index)] = self._written
+                self._written += 1
+        if self.num_tokens is not None:
+            rows_per_video = {"tokens": self.num_tokens * self.hidden_size * self.token_dtype.itemsize,
+                              "token_sizes": self.num_tokens * 4 if self.has_token_sizes else 0,
+                              "embeddings": self.embeddings.shape[1] * 4}
+        for kind, path in paths.items():
+            size = self._written * (rows_per_video[kind] if rows_per_video else 0)
+            if (path.stat().st_size if path.exists() else 0) < size:
+                raise ValueError(f"{str(path)!r} holds less than its journal records ({size} bytes): the store is "
+                                 "damaged; remove it and index again.")
+            with open(path, "ab") as handle:
+                handle.truncate(size)
+        if self._written:
+            raw = paths["embeddings"].read_bytes()
+            written = torch.frombuffer(bytearray(raw), dtype=torch.float32).view(self._written, -1)
+            valid = (self.rows >= 0).nonzero().flatten()
+            self.embeddings[valid] = written[self.rows[valid]]
+        journal.write_text("".join(json.dumps(e) + "\n" for e in entries), encoding="utf-8")
 
     def _local(self, index: int) -> int:
         if not self.start <= index < self.stop:
@@ -118,20 +188,38 @@ class VideoStoreWriter:
         if (token_sizes is not None) != self.has_token_sizes:
             raise ValueError("Give `token_sizes` for every batch of a store or for none.")
         locals_ = [self._local(i) for i in indices]
+        if len(set(locals_)) != len(locals_):
+            raise ValueError(f"A batch names a video twice: {indices}.")
         cpu_tokens = tokens.detach().to("cpu", self.token_dtype).contiguous()
         self._tokens_file.write(cpu_tokens.view(torch.uint8).numpy().tobytes())
         if token_sizes is not None:
             cpu_sizes = token_sizes.detach().to("cpu", torch.float32).contiguous()
             self._sizes_file.write(cpu_sizes.numpy().tobytes())
+        cpu_embeddings = embeddings.detach().to("cpu", torch.float32).contiguous()
+        self._embeddings_file.write(cpu_embeddings.numpy().tobytes())
+        for handle in (self._tokens_file, self._sizes_file, self._embeddings_file):
+            handle.flush()  # the data first, then the journal line that makes it count
+        self._log({"encoded": indices, "num_tokens": self.num_tokens, "hidden_size": self.hidden_size,
+                   "has_token_sizes": self.has_token_sizes, "embedding_dim": int(embeddings.shape[1])})
         for j, local in enumerate(locals_):
             self.rows[local] = self._written + j
         self._written += len(indices)
-        self.embeddings[locals_] = embeddings.detach().to("cpu", torch.float32)
+        self.embeddings[locals_] = cpu_embeddings
 
-    def add_failure(self, index: int, video: str, reason: str) -> None:
+    def add_failure(self, index: int, video: str, reason: str, journal: bool = True) -> None:
         """Marks a video that could not be encoded; it is never a candidate, and a query about it is a miss."""
         self.rows[self._local(int(index))] = -1
         self.failures.append({"index": int(index), "video": str(video), "reason": str(reason)})
+        if journal:
+            self._log({"failed": int(index), "video": str(video), "reason": str(reason)})
+
+    def _log(self, entry: dict[str, Any]) -> None:
+        self._journal.write(json.dumps(entry) + "\n")
+        self._journal.flush()
+
+    def _close_files(self) -> None:
+        for handle in (self._tokens_file, self._sizes_file, self._embeddings_file, self._journal):
+            handle.close()
 
     def __enter__(self) -> "VideoStoreWriter":
         return self
@@ -143,13 +231,12 @@ class VideoStoreWriter:
             self.abort()
 
     def abort(self) -> None:
-        """Closes the shard's files without marking it complete (the store stays unreadable)."""
-        self._tokens_file.close()
-        self._sizes_file.close()
+        """Closes the shard's files without marking it complete (the store stays unreadable; a writer with
+        ``resume=True`` continues it)."""
+        self._close_files()
 
     def close(self) -> None:
-        self._tokens_file.close()
-        self._sizes_file.close()
+        self._close_files()
         missing = (self.rows == -2).nonzero().flatten()
         if missing.numel():
             raise ValueError(f"Videos {(missing + self.start).tolist()[:10]} of shard {self.shard} were never added.")

@@ -128,3 +128,23 @@ def uniform(total: int, n: int) -> list[int]:
 def random_clip(t: int = 6, h: int = 40, w: int = 48, seed: int = 0) -> np.ndarray:
     """A `(t, h, w, 3)` uint8 clip of uniform noise."""
     return np.random.default_rng(seed).integers(0, 256, size=(t, h, w, 3), dtype=np.uint8)
+
+
+def write_noise_video(path: Path, seed: int, frames: int = 4, size: int = 32, fps: int = 8) -> Path:
+    """A small H.264 mp4 of coarse random colour blocks (8x8 pixels), different for every ``seed``: a collection of
+    these gives a tiny model distinct embeddings."""
+    rng = np.random.default_rng(seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with av.open(str(path), mode="w") as container:
+        stream = container.add_stream("libx264", rate=fps)
+        stream.width = stream.height = size
+        stream.pix_fmt = "yuv420p"
+        stream.options = {"crf": "10", "preset": "ultrafast"}
+        for _ in range(frames):
+            blocks = rng.integers(0, 256, size=(size // 8, size // 8, 3), dtype=np.uint8)
+            image = np.ascontiguousarray(blocks.repeat(8, axis=0).repeat(8, axis=1))
+            for packet in stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return path

@@ -1,0 +1,75 @@
+"""Search a video store built by `train.index` from the command line.
+
+    python -m train.search --store OUT --model FOLDER_OR_HUB_ID "a paragraph" ["another query" ...] \
+        [--top-k 10] [--rerank-k K] [--no-rerank] [--json]
+
+Ranks in two stages through the retrieval pipeline's `search` (`modeling_testa.ranking`): the cosine of the
+contrastive embeddings picks the ``rerank_k`` nearest videos (default: the model's ``k_test``), the matching head
+re-scores them from the stored tokens; no video is decoded. Prints one ranked list per query (``--json``: a JSON list
+of lists of ``{"video", "score", "reranked"}``).
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from modeling_testa import TestaProcessor, VideoTextRetrievalPipeline
+from modeling_testa.video_index import VideoIndex
+
+from .index import SETTINGS_FILE, load_retrieval_model
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m train.search", description=__doc__.split("\n\n")[0])
+    parser.add_argument("queries", nargs="+", help="sentences or paragraphs to search for")
+    parser.add_argument("--store", required=True, help="a store written by `python -m train.index`")
+    parser.add_argument("--model", default=None,
+                        help="the retrieval model (default: the one the store was built with)")
+    parser.add_argument("--top-k", type=int, default=10, help="results per query (default: 10)")
+    parser.add_argument("--rerank-k", type=int, default=None, help="candidates re-ranked (default: the model's k_test)")
+    parser.add_argument("--no-rerank", action="store_true", help="rank by cosine only")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    args = parser.parse_args(argv)
+    if args.top_k < 1 or (args.rerank_k is not None and args.rerank_k < 1):
+        parser.error("--top-k and --rerank-k must be at least 1")
+    if any(not query.strip() for query in args.queries):
+        parser.error("a query is empty")
+    return args
+
+
+def search(store: str, queries: list[str], model: str | None = None, top_k: int = 10, rerank_k: int | None = None,
+           rerank: bool = True) -> list[list[dict[str, Any]]]:
+    """The ranked videos of every query in ``store`` (see the module docstring)."""
+    index = VideoIndex.load(store)
+    if model is None:
+        settings = Path(store) / SETTINGS_FILE
+        if not settings.is_file():
+            raise ValueError(f"--store {store!r} does not say which model built it ({SETTINGS_FILE}): pass --model.")
+        model = json.loads(settings.read_text(encoding="utf-8"))["model"]
+    retrieval, _ = load_retrieval_model(model)
+    pipe = VideoTextRetrievalPipeline(model=retrieval, processor=TestaProcessor.from_pretrained(model), device="cpu")
+    results = pipe.search(queries, index, top_k=top_k, rerank=None if rerank else False, rerank_k=rerank_k)
+    return [results] if isinstance(results[0], dict) else results
+
+
+def main(argv: list[str] | None = None) -> list[list[dict[str, Any]]]:
+    args = parse_args(argv)
+    try:
+        results = search(args.store, args.queries, args.model, args.top_k, args.rerank_k, not args.no_rerank)
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"error: {error}") from None
+    if args.json:
+        print(json.dumps(results, indent=1))
+    else:
+        for query, ranked in zip(args.queries, results):
+            print(f"{query}")
+            for rank, item in enumerate(ranked, 1):
+                print(f"  {rank:3d}. {item['score']:9.4f}{' *' if item['reranked'] else '  '}  {item['video']}")
+        print("(* re-ranked by the matching head)")
+    return results
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
