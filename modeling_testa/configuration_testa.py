@@ -209,6 +209,12 @@ class TestaConfig(PreTrainedConfig):
         self.text_config.encoder_hidden_size = self.vision_config.hidden_size
         self.check_heads()
 
+    @property
+    def max_position_embeddings(self) -> int:
+        """The longest text the model reads (`text_config.max_position_embeddings`), also at the top level, where
+        generic code looks for it (Sentence Transformers caps its `max_seq_length` with it)."""
+        return self.text_config.max_position_embeddings
+
     def check_heads(self) -> None:
         """Raises `ValueError` with an explanation for any inconsistent top-level setting."""
         if self.projection_dim <= 0:

@@ -40,7 +40,7 @@ from transformers.utils import logging
 
 from .indexing import DecodeAhead, InMemorySink, encode_videos
 from .inference import optimize_for_inference
-from .processing_testa import TestaProcessor
+from .processing_testa import TestaProcessor, load_testa_processor
 from .ranking import ranked_order, two_stage_scores
 from .saving import check_savable, push_folder_to_hub
 from .video_index import VideoIndex, video_name
@@ -97,27 +97,6 @@ def _result_list(items: list[Any], scores: torch.Tensor, similarity: torch.Tenso
     return results
 
 
-def _load_testa_processor(source: str | os.PathLike, trust_remote_code: bool | None = None) -> TestaProcessor:
-    """Loads a saved `TestaProcessor` with this module's own classes (`TestaVideoProcessor` from the nested
-    `processor_config.json`, the tokenizer from `tokenizer.json`).
-
-    The tokenizer goes through `AutoTokenizer`, which reads the folder's `config.json` (and its `auto_map`):
-    `trust_remote_code` is passed to it, so that a folder whose custom code the caller already trusts is never
-    asked about again ("Do you wish to run the custom code?") nor, without a terminal, refused.
-
-    Args:
-        source (`str` or `os.PathLike`): a folder or Hub repo holding a saved processor.
-        trust_remote_code (`bool`, *optional*): the caller's answer for the custom code of `source`.
-    """
-    from transformers import AutoTokenizer
-
-    from .video_processing_testa import TestaVideoProcessor
-
-    video_processor = TestaVideoProcessor.from_pretrained(source)
-    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
-    return TestaProcessor(video_processor=video_processor, tokenizer=tokenizer)
-
-
 def _is_remote_code(obj: Any) -> bool:
     """Whether `obj`'s class was loaded as Hub remote code (its module lives in `transformers_modules`), which
     transformers only does after the user passed `trust_remote_code=True` for that repository."""
@@ -169,7 +148,7 @@ class _TestaPipeline(Pipeline):
         trusted = True if trust_remote_code is None and _is_remote_code(model) else trust_remote_code
         if isinstance(processor, (str, os.PathLike)):
             same_source = source is not None and os.fspath(processor) == os.fspath(source)
-            processor = _load_testa_processor(
+            processor = load_testa_processor(
                 processor, trust_remote_code=trusted if same_source else trust_remote_code
             )
         if processor is None and tokenizer is not None and video_processor is not None:
@@ -178,7 +157,7 @@ class _TestaPipeline(Pipeline):
             reason = "the model has no `name_or_path` to load it from"
             if source:
                 try:
-                    processor = _load_testa_processor(source, trust_remote_code=trusted)
+                    processor = load_testa_processor(source, trust_remote_code=trusted)
                 except Exception as error:  # noqa: BLE001 - reported below with the remedy
                     reason = f"loading it from {source!r} failed: {type(error).__name__}: {error}"
             if processor is None:

@@ -200,6 +200,7 @@ class TestaProcessor(ProcessorMixin):
         _check_task(task)
         if text is not None:
             texts, single = text_list(text, "text")
+            check_not_video_paths(texts)
             if clean_text:
                 max_words = TASK_CAPTION_WORDS.get(task, 50)
                 texts = [pre_caption(t, max_words) for t in texts]
@@ -212,6 +213,18 @@ class TestaProcessor(ProcessorMixin):
         return super().__call__(text=text, videos=videos, **kwargs)
 
     # -- saving -------------------------------------------------------------------------------------------------------
+
+    def save_pretrained(self, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> Any:
+        """`ProcessorMixin.save_pretrained`; when the model is already saved in the folder, the tokenizer's
+        `model_max_length` is capped at its text limit (the model's `save_pretrained` does the same in the other
+        order), so generic code (Sentence Transformers' `max_seq_length`) reads the real limit."""
+        from .saving import cap_tokenizer_length, text_limit_in
+
+        result = super().save_pretrained(save_directory, *args, **kwargs)
+        limit = text_limit_in(save_directory)
+        if limit is not None:
+            cap_tokenizer_length(save_directory, limit)
+        return result
 
     def to_dict(self) -> dict[str, Any]:
         """The processor's settings (its video processor's included), without the export metadata `auto_map`: equal
@@ -233,6 +246,43 @@ class TestaProcessor(ProcessorMixin):
         return json.dumps(dictionary, indent=2, sort_keys=True) + "\n"
 
 
+def load_testa_processor(source: str | os.PathLike, trust_remote_code: bool | None = None, **kwargs: Any) -> "TestaProcessor":
+    """Loads a saved `TestaProcessor` with this module's own classes (`TestaVideoProcessor` from the nested
+    `processor_config.json`, the tokenizer from `tokenizer.json`).
+
+    The tokenizer goes through `AutoTokenizer`, which reads the folder's `config.json` (and its `auto_map`):
+    `trust_remote_code` is passed to it, so that a folder whose custom code the caller already trusts is never
+    asked about again ("Do you wish to run the custom code?") nor, without a terminal, refused.
+
+    Args:
+        source (`str` or `os.PathLike`): a folder or Hub repo holding a saved processor.
+        trust_remote_code (`bool`, *optional*): the caller's answer for the custom code of `source`.
+    """
+    from transformers import AutoTokenizer
+
+    video_processor = TestaVideoProcessor.from_pretrained(source, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code, **kwargs)
+    return TestaProcessor(video_processor=video_processor, tokenizer=tokenizer)
+
+
+VIDEO_FILE_NAME = re.compile(r"^\S+\.(mp4|avi|mov|wmv|flv|mkv|webm|m4v|mpg|mpeg|3gp|ts)$", re.IGNORECASE)
+"""A text that is only a video file name: no caption or question looks like this, but a video path that a caller
+(e.g. Sentence Transformers, for a file that does not exist or an extension it does not know) passed as text does."""
+
+
+def check_not_video_paths(texts: list[str]) -> None:
+    """Raises `ValueError` for a text that is a video file name: embedding a path as text gives a silently wrong
+    answer. Pass videos as videos (with Sentence Transformers: `{"video": path}`)."""
+    for i, text in enumerate(texts):
+        if isinstance(text, str) and VIDEO_FILE_NAME.match(text.strip()):
+            state = "does not exist" if not os.path.exists(text.strip()) else "exists"
+            raise ValueError(
+                f"text[{i}] = {text!r} is a video file name, not text (the file {state}). Pass videos as videos: with "
+                "Sentence Transformers, `model.encode_document([{'video': path}])`; a missing file then raises "
+                "naming it."
+            )
+
+
 def _check_task(task: str | None) -> None:
     if task is not None and task not in TASK_TEXT_SETTINGS:
         raise ValueError(f"Unknown task={task!r}; use one of {sorted(TASK_TEXT_SETTINGS)} or None.")
@@ -245,6 +295,8 @@ __all__ = [
     "ENC_TOKEN",
     "TASK_CAPTION_WORDS",
     "TASK_TEXT_SETTINGS",
+    "check_not_video_paths",
+    "load_testa_processor",
     "TestaProcessor",
     "build_testa_tokenizer",
     "pre_caption",

@@ -164,6 +164,110 @@ FRAME_MATCHING_NOTES = {
 }
 
 
+SENTENCE_TRANSFORMERS_HEADS = ("TestaForVideoTextRetrieval", "TestaForPreTraining")
+"""Heads saved as Sentence Transformers bi-encoders as well (the contrastive embeddings)."""
+CROSS_ENCODER_MODULE = "cross_encoder"
+"""The module (file name without `.py`) of the Sentence Transformers re-ranker (`TestaVideoTextMatcher`)."""
+
+
+def sentence_transformers_files(kind: str = "bi-encoder") -> dict[str, Any]:
+    """The files (name -> JSON content) that make a saved folder load in Sentence Transformers 6.
+
+    ``"bi-encoder"``: ST's own `Transformer` module on `get_text_features` / `get_video_features`, whose
+    `BaseModelOutputWithPooling.pooler_output` holds the L2-normalised embeddings; cosine similarity.
+    ``"cross-encoder"``: this package's `cross_encoder.TestaVideoTextMatcher` (remote code), scores returned as they are
+    (identity activation), so that they equal `rank_videos`'.
+    """
+    if kind == "bi-encoder":
+        return {
+            "modules.json": [{"idx": 0, "name": "0", "path": "",
+                              "type": "sentence_transformers.base.modules.transformer.Transformer"}],
+            "sentence_bert_config.json": {
+                "transformer_task": "feature-extraction",
+                "modality_config": {
+                    "text": {"method": "get_text_features", "method_output_name": "pooler_output"},
+                    "video": {"method": "get_video_features", "method_output_name": "pooler_output"},
+                },
+                "module_output_name": "sentence_embedding",
+            },
+            "config_sentence_transformers.json": {
+                "model_type": "SentenceTransformer", "similarity_fn_name": "cosine",
+                "prompts": {"query": "", "document": ""}, "default_prompt_name": None,
+            },
+        }
+    if kind == "cross-encoder":
+        return {
+            "modules.json": [{"idx": 0, "name": "0", "path": "",
+                              "type": f"{CROSS_ENCODER_MODULE}.TestaVideoTextMatcher"}],
+            "config_sentence_transformers.json": {
+                "model_type": "CrossEncoder", "activation_fn": "torch.nn.modules.linear.Identity",
+            },
+        }
+    raise ValueError(f"kind={kind!r}: use 'bi-encoder' or 'cross-encoder'.")
+
+
+def write_sentence_transformers_files(save_directory: str | os.PathLike, kind: str = "bi-encoder") -> None:
+    """Writes `sentence_transformers_files(kind)` into `save_directory`."""
+    for name, content in sentence_transformers_files(kind).items():
+        (Path(save_directory) / name).write_text(json.dumps(content, indent=2) + "\n", encoding="utf-8")
+
+
+def cap_tokenizer_length(save_directory: str | os.PathLike, limit: int) -> None:
+    """Caps `model_max_length` in the folder's `tokenizer_config.json` (when there is one) at `limit`, the text
+    encoder's `max_position_embeddings`: generic code (Sentence Transformers' `max_seq_length`) reads it there."""
+    path = Path(save_directory) / "tokenizer_config.json"
+    if not path.is_file():
+        return
+    settings = json.loads(path.read_text(encoding="utf-8"))
+    current = settings.get("model_max_length")
+    if not isinstance(current, (int, float)) or current > limit:
+        settings["model_max_length"] = int(limit)
+        path.write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def text_limit_in(save_directory: str | os.PathLike) -> int | None:
+    """`text_config.max_position_embeddings` of a TESTA `config.json` already saved in the folder, or None."""
+    path = Path(save_directory) / "config.json"
+    try:
+        return int(json.loads(path.read_text(encoding="utf-8"))["text_config"]["max_position_embeddings"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def save_cross_encoder(model: Any, processor: Any, save_directory: str | os.PathLike, **options: Any) -> Path:
+    """Saves `model` and `processor` as a Sentence Transformers `CrossEncoder` folder: the model's files, the
+    re-ranker module's code (`cross_encoder.py`, with the model code it imports) and its settings.
+
+    `CrossEncoder(save_directory, trust_remote_code=True)` then scores (text, video) pairs with the matching head
+    (`.predict`, `.rank`). One folder cannot be both a `SentenceTransformer` and a `CrossEncoder` (one
+    `modules.json`), so this is a second folder (or Hub repo) beside the model's own.
+
+    Args:
+        options: the re-ranker's settings (`itm_score`, `add_cosine`, `cache_size`, `batch_size`; see
+            `cross_encoder.TestaVideoTextMatcher`).
+    """
+    if type(model).__name__ not in SENTENCE_TRANSFORMERS_HEADS:
+        raise TypeError(f"A re-ranker needs a retrieval model ({', '.join(SENTENCE_TRANSFORMERS_HEADS)}), got "
+                        f"{type(model).__name__}.")
+    directory = Path(save_directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "sentence_bert_config.json").unlink(missing_ok=True)  # a bi-encoder's, if the folder held one
+    write_sentence_transformers_files(directory, "cross-encoder")  # first: save_pretrained keeps a modules.json
+    model.save_pretrained(directory)
+    processor.save_pretrained(directory)
+    from transformers.dynamic_module_utils import get_relative_import_files
+
+    source = Path(__file__).resolve().parent / f"{CROSS_ENCODER_MODULE}.py"
+    for module in (source, *map(Path, get_relative_import_files(source))):
+        target = directory / module.name
+        if module.resolve() != target.resolve():
+            shutil.copyfile(module, target)
+    settings = {"itm_score": "logit", "add_cosine": True, "cache_size": 4096, "batch_size": 32, **options}
+    (directory / "testa_cross_encoder_config.json").write_text(json.dumps(settings, indent=2) + "\n",
+                                                              encoding="utf-8")
+    return directory
+
+
 def model_card(model: Any, processor: Any = None, repo_id: str | None = None) -> str:
     """Writes the model card (README.md text) of a TESTA model.
 
@@ -376,6 +480,10 @@ class TestaHubMixin:
         super().save_pretrained(save_directory, *args, **kwargs)
         if is_main_process and os.path.isdir(save_directory):
             self._export_pipeline_code(save_directory, code_dir)
+            if name in SENTENCE_TRANSFORMERS_HEADS and not (Path(save_directory) / "modules.json").is_file():
+                write_sentence_transformers_files(save_directory)  # an existing one (e.g. a re-ranker's) is kept
+            if hasattr(self.config, "text_config"):
+                cap_tokenizer_length(save_directory, self.config.text_config.max_position_embeddings)
             write_model_card(self, save_directory, processor=_processor_in(save_directory),
                              repo_id=kwargs.get("repo_id"))
 
