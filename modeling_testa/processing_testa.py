@@ -112,7 +112,8 @@ class TestaProcessor(ProcessorMixin):
     - `text` (`str` or `list[str]`) is tokenized with truncation. Without `task` the batch is padded to its longest
       sequence and truncated to 64 tokens; with `task` the original setting of that task is used (see
       `TASK_TEXT_SETTINGS`: QuerYD 128, DiDeMo 64, ActivityNet 64, Condensed Movies 32, padded to `max_length`).
-      Explicit `max_length=`/`padding=` arguments win over the task's.
+      Explicit `max_length=`/`padding=` arguments win over the task's; a tokenizer `model_max_length` below the
+      default length (e.g. set by Sentence Transformers' `max_seq_length`) lowers it.
     - `clean_text=True` applies the original caption cleaning ([`pre_caption`]) first, with the task's word limit
       (50 by default).
     - `task` and `clean_text` left at `None` take the processor's settings (`processor.task`, `processor.clean_text`),
@@ -205,11 +206,17 @@ class TestaProcessor(ProcessorMixin):
                 max_words = TASK_CAPTION_WORDS.get(task, 50)
                 texts = [pre_caption(t, max_words) for t in texts]
             text = texts[0] if single else texts
-            if task is not None:
-                explicit = dict(kwargs.get("text_kwargs", {}))
-                explicit.update({k: v for k, v in kwargs.items() if k in ("max_length", "padding")})
-                task_settings = {k: v for k, v in TASK_TEXT_SETTINGS[task].items() if k not in explicit}
-                kwargs["text_kwargs"] = {**kwargs.get("text_kwargs", {}), **task_settings}
+            explicit = dict(kwargs.get("text_kwargs", {}))
+            explicit.update({k: v for k, v in kwargs.items() if k in ("max_length", "padding")})
+            settings = dict(TASK_TEXT_SETTINGS[task]) if task is not None else {}
+            # a tokenizer limit set below the default length (e.g. Sentence Transformers' `max_seq_length`) wins
+            default_length = settings.get("max_length", self.text_kwargs["max_length"])
+            limit = getattr(self.tokenizer, "model_max_length", None)
+            if isinstance(limit, int) and limit < default_length:
+                settings["max_length"] = limit
+            settings = {k: v for k, v in settings.items() if k not in explicit}
+            if settings:
+                kwargs["text_kwargs"] = {**kwargs.get("text_kwargs", {}), **settings}
         return super().__call__(text=text, videos=videos, **kwargs)
 
     # -- saving -------------------------------------------------------------------------------------------------------

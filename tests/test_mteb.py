@@ -1,0 +1,92 @@
+"""MTEB 2 on a local split in the builders' format, offline, videos decoded by TESTA's processor (no torchcodec).
+
+Reference: the library's own metric module (`train/metrics/video_text_retrieval`, through `train.evaluation`) on the
+cosine scores of `get_text_features`/`get_video_features`, and, for re-ranking, `rank_videos` on the candidates."""
+
+import json
+
+import pytest
+import torch
+from helpers.pipelines import build_retrieval, save_folder, tiny_processor
+from helpers.videos import write_noise_video
+
+from modeling_testa import TestaForVideoTextRetrieval
+from modeling_testa.saving import save_cross_encoder
+
+mteb = pytest.importorskip("mteb")  # the `mteb` extra, installed by `make test`
+sentence_transformers = pytest.importorskip("sentence_transformers")
+
+from train.evaluation import load_metric  # noqa: E402
+from train.mteb_evaluation import (  # noqa: E402
+    TestaMTEBCrossEncoder,
+    TestaMTEBEncoder,
+    first_stage_top_k,
+    local_retrieval_task,
+)
+
+NUM = 8
+CAPTIONS = [f"clip {i}: {'red green blue yellow white black pink gray'.split()[i]} squares flash" for i in range(NUM)]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mteb")
+    model, processor = build_retrieval(), tiny_processor()
+    bi = save_folder(model, processor, root / "bi")
+    ce = save_cross_encoder(model, processor, root / "ce")
+    data = root / "data"
+    with open(data.mkdir() or data / "test.jsonl", "w") as handle:
+        for i, caption in enumerate(CAPTIONS):
+            write_noise_video(data / "videos" / f"clip{i}.mp4", seed=50 + i)
+            handle.write(json.dumps({"video": f"videos/clip{i}.mp4", "text": caption}) + "\n")
+    return root, bi, ce, data
+
+
+def cosine_scores(folder, data):
+    model, processor = TestaForVideoTextRetrieval.from_pretrained(folder).eval(), tiny_processor()
+    videos = [str(data / "videos" / f"clip{i}.mp4") for i in range(NUM)]
+    with torch.no_grad():
+        encoded = processor(text=CAPTIONS)
+        text = model.get_text_features(encoded["input_ids"], encoded["attention_mask"]).pooler_output
+        pixels = torch.cat([processor(videos=[v])["pixel_values"] for v in videos])
+        tokens = model.get_video_tokens(pixels).last_hidden_state
+        video = model.get_video_features(video_tokens=tokens).pooler_output
+    return model, encoded, tokens, (text @ video.T).double()
+
+
+def mteb_scores(model, task):
+    result = mteb.evaluate(model, task, cache=None, show_progress_bar=False)
+    return result.task_results[0].scores["test"][0]
+
+
+def test_mteb_metrics_equal_the_library_metric_module_both_ways(setup):
+    _, bi, _, data = setup
+    encoder = TestaMTEBEncoder(sentence_transformers.SentenceTransformer(str(bi), trust_remote_code=True))
+    assert encoder.mteb_model_meta.modalities == ["text", "video"]
+    _, _, _, similarity = cosine_scores(bi, data)
+    metric = load_metric("video_text_retrieval")
+    for direction, scores in (("t2v", similarity), ("v2t", similarity.T)):
+        ours = metric.compute(predictions=scores.tolist(), references=[[i] for i in range(NUM)], return_ranks=True)
+        got = mteb_scores(encoder, local_retrieval_task(str(data), direction=direction))
+        for k in (1, 5, 10):
+            assert got[f"recall_at_{k}"] * 100 == pytest.approx(ours[f"R@{k}"], abs=1e-9), (direction, k)
+        mrr = sum(1 / (r + 1) for r in ours["ranks"] if r < 10) / NUM
+        assert got["mrr_at_10"] == pytest.approx(mrr, abs=1e-9), direction
+
+
+def test_mteb_re_ranking_equals_rank_videos_on_the_first_stage_candidates(setup):
+    _, bi, ce, data = setup
+    encoder = TestaMTEBEncoder(sentence_transformers.SentenceTransformer(str(bi), trust_remote_code=True))
+    task = local_retrieval_task(str(data), direction="t2v")
+    k = 3
+    top = first_stage_top_k(encoder, task, k)
+    model, encoded, tokens, similarity = cosine_scores(bi, data)
+    expected_top = torch.sort(similarity, dim=1, descending=True, stable=True).indices[:, :k]
+    assert [top[f"t{i}"] for i in range(NUM)] == [[f"v{j}" for j in row] for row in expected_top.tolist()]
+
+    reranker = TestaMTEBCrossEncoder(sentence_transformers.CrossEncoder(str(ce), trust_remote_code=True))
+    got = mteb_scores(reranker, local_retrieval_task(str(data), direction="t2v", top_ranked=top, name="rerank"))
+    ranking = model.rank_videos(encoded["input_ids"], tokens, attention_mask=encoded["attention_mask"], k=k)
+    best = ranking.scores.argmax(dim=1)  # the re-ranked top 1 of every query
+    assert got["recall_at_1"] == pytest.approx((best == torch.arange(NUM)).double().mean().item(), abs=1e-9)
+    assert reranker.model[0].videos_encoded <= NUM  # every candidate video decoded once over all queries
