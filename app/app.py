@@ -1,0 +1,331 @@
+"""TESTA video search: a Gradio app (and Hugging Face Space) on the library's pipelines.
+
+    python app/app.py --model FOLDER_OR_HUB_ID --videos DIR [--qa-model FOLDER_OR_HUB_ID] [--host 127.0.0.1] [--port N]
+
+Index a folder (or uploaded videos), search it by sentence or paragraph, see which frames and patches TESTA merged
+for a result and where the query's words land (grounding), classify a video zero-shot, ask a question about it, and
+change R_T/R_S live to see what the merging saves. Every step calls the library: the retrieval, zero-shot and QA
+pipelines (`modeling_testa.pipeline_testa`), `visualization.visualize_aggregation`, `grounding.ground_phrases` /
+`draw_grounding`, `flops.count_encoder_gmac`, and `set_aggregation`.
+
+API names (stable, for `gradio_client`): ``/index``, ``/search``, ``/visualize``, ``/classify``, ``/answer``,
+``/aggregation``; see `app/README.md`. Analytics are off and the server binds 127.0.0.1 unless ``--host`` (or
+``GRADIO_SERVER_NAME``, as Spaces set it) says otherwise.
+"""
+
+import argparse
+import os
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+import gradio as gr  # noqa: E402
+
+VIDEO_SUFFIXES = (".mp4", ".mkv", ".webm", ".avi", ".mov", ".m4v", ".mpg", ".mpeg")
+THEME = gr.themes.Default(font=[gr.themes.LocalFont("Source Sans Pro", weights=(400, 700)), "ui-sans-serif",
+                                "sans-serif"])  # gradio 6.31's bundled SemiBold file is a broken subset
+EXAMPLES = ["first the screen is red. a blue square flashes. finally the screen is green.",
+            "a yellow square flashes on a white screen.",
+            "first the screen is orange. then the screen is white."]
+
+
+@dataclass
+class AppState:
+    """What the app holds: the pipelines (None with the reason when a model could not be loaded) and the index."""
+
+    retrieval: Any = None
+    classifier: Any = None
+    qa: Any = None
+    model_error: str | None = None
+    qa_error: str | None = None
+    videos_dir: str | None = None
+    index: Any = None
+    indexed: list[str] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # one index change at a time
+    output_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="testa-app-"))
+
+    def require_model(self) -> Any:
+        if self.retrieval is None:
+            raise gr.Error(f"No retrieval model is loaded: {self.model_error}")
+        return self.retrieval
+
+
+def load_state(model: str, videos_dir: str | None, qa_model: str | None) -> AppState:
+    """Loads the pipelines; a model that cannot be loaded is reported on the page, not fatal."""
+    from transformers import pipeline
+
+    state = AppState(videos_dir=videos_dir)
+    try:
+        state.retrieval = pipeline("video-text-retrieval", model=model, trust_remote_code=True)
+        state.classifier = pipeline("zero-shot-video-classification", model=state.retrieval.model,
+                                    processor=state.retrieval.processor, trust_remote_code=True)
+    except (OSError, ValueError, TypeError, KeyError) as error:
+        state.model_error = f"--model {model!r} could not be loaded ({type(error).__name__}: {error})"
+    if qa_model:
+        try:
+            state.qa = pipeline("video-question-answering", model=qa_model, trust_remote_code=True)
+        except (OSError, ValueError, TypeError, KeyError) as error:
+            state.qa_error = f"--qa-model {qa_model!r} could not be loaded ({type(error).__name__}: {error})"
+    else:
+        state.qa_error = "no VideoQA model: start the app with --qa-model FOLDER_OR_HUB_ID"
+    return state
+
+
+def folder_videos(folder: str) -> tuple[list[str], list[str]]:
+    """The video files of ``folder`` (recursive, sorted) and the other files."""
+    path = Path(folder).expanduser()
+    if not path.is_dir():
+        raise gr.Error(f"{folder!r} is not a folder.")
+    files = sorted(p for p in path.rglob("*") if p.is_file())
+    videos = [str(p.resolve()) for p in files if p.suffix.lower() in VIDEO_SUFFIXES]
+    return videos, [str(p.resolve()) for p in files if p.suffix.lower() not in VIDEO_SUFFIXES]
+
+
+def index_videos(state: AppState, folder: str, uploads: list[str] | None, progress: Any = None) -> str:
+    """Indexes the folder's videos and the uploads; videos that cannot be decoded are left out and listed."""
+    retrieval = state.require_model()
+    paths, others = folder_videos(folder) if folder and folder.strip() else ([], [])
+    for upload in uploads or []:
+        (paths if Path(upload).suffix.lower() in VIDEO_SUFFIXES else others).append(str(upload))
+    if not paths:
+        raise gr.Error(f"No video to index in {folder!r}" + (" or the uploads" if uploads else "") +
+                       f" (looked for {', '.join(VIDEO_SUFFIXES)}; {len(others)} other files).")
+    failed: list[str] = []
+    with state.lock:
+        while paths:
+            try:
+                if progress is not None:
+                    progress(0, desc=f"Encoding {len(paths)} videos")
+                index = retrieval.encode_videos(paths, batch_size=8, progress_bar=False)
+                break
+            except (ValueError, OSError) as error:  # the decoder names the file: leave it out, try the rest
+                culprit = next((p for p in paths if p in str(error)), None)
+                if culprit is None:
+                    raise gr.Error(f"Indexing failed: {error}") from None
+                failed.append(f"{Path(culprit).name}: {str(error).splitlines()[0][:200]}")
+                paths.remove(culprit)
+        else:
+            raise gr.Error("No video could be decoded:\n" + "\n".join(failed))
+        state.index, state.indexed = index, list(paths)
+    stats = index.stats or {}
+    seconds = stats.get("seconds") or 0.0
+    waiting = 100 * stats.get("decode_wait_seconds", 0.0) / seconds if seconds else 0.0
+    lines = [f"Indexed {len(paths)} videos: {stats.get('videos_per_second', 0.0):.1f} videos/s, "
+             f"{waiting:.0f}% of the time waiting for decoding."]
+    lines += [f"Not a video, skipped: {Path(o).name}" for o in others]
+    lines += [f"Could not be decoded, skipped: {f}" for f in failed]
+    return "\n".join(lines)
+
+
+def search_videos(state: AppState, query: str, top_k: float) -> tuple[list, list[list], str]:
+    """Ranked videos: gallery items, table rows (rank, video, score, re-ranked) and the best video's path."""
+    retrieval = state.require_model()
+    if not query or not query.strip():
+        raise gr.Error("Type a sentence or a paragraph to search for.")
+    if state.index is None:
+        raise gr.Error("Index a folder first.")
+    hits = retrieval.search(query.strip(), state.index, top_k=max(1, int(top_k)))
+    gallery = [(hit["video"], f"{Path(hit['video']).name}  {hit['score']:.3f}") for hit in hits]
+    rows = [[rank, Path(hit["video"]).name, round(float(hit["score"]), 4), bool(hit["reranked"])]
+            for rank, hit in enumerate(hits, 1)]
+    return gallery, rows, hits[0]["video"]
+
+
+def visualize_result(state: AppState, video: str, query: str) -> tuple[str, str | None, str]:
+    """The merge picture of ``video`` and, with a query, the grounding of its words."""
+    from modeling_testa.grounding import draw_grounding, ground_phrases
+    from modeling_testa.visualization import visualize_aggregation
+
+    retrieval = state.require_model()
+    if not video:
+        raise gr.Error("Choose a result (search first).")
+    if not Path(video).is_file():
+        raise gr.Error(f"{video!r} does not exist.")
+    out = Path(state.output_dir)
+    try:
+        merges = visualize_aggregation(retrieval.model, retrieval.processor, video)
+    except (ValueError, OSError) as error:
+        raise gr.Error(f"Could not draw {Path(video).name}: {error}") from None
+    merge_path = out / f"merges_{Path(video).stem}.png"
+    merges.save(merge_path)
+    frames = merges.info.get("frame_groups", [])
+    caption = (f"{Path(video).name}: {len(frames)} frames in {len(set(g for g in frames if g >= 0))} merged "
+               f"groups after the last block")
+    grounding_path = None
+    words = [w for w in (query or "").replace(".", " ").split() if len(w) > 2][:6]
+    if words:
+        grounding = ground_phrases(retrieval.model, retrieval.processor, video, words)
+        grounding_path = out / f"grounding_{Path(video).stem}.png"
+        draw_grounding(grounding).save(grounding_path)
+        grounding_path = str(grounding_path)
+    return str(merge_path), grounding_path, caption
+
+
+def classify_video(state: AppState, video: str, labels: str) -> dict[str, float]:
+    """Zero-shot labels -> scores for one video."""
+    state.require_model()
+    names = [label.strip() for label in (labels or "").split(",") if label.strip()]
+    if len(names) < 2:
+        raise gr.Error("Give at least two labels, separated by commas.")
+    if not video or not Path(video).is_file():
+        raise gr.Error(f"Choose or upload a video (got {video!r}).")
+    try:
+        result = state.classifier(video, candidate_labels=names)
+    except (ValueError, OSError) as error:
+        raise gr.Error(f"Could not classify {Path(video).name}: {error}") from None
+    return {item["label"]: float(item["score"]) for item in result}
+
+
+def answer_question(state: AppState, video: str, question: str) -> str:
+    """The VideoQA model's answer."""
+    if state.qa is None:
+        raise gr.Error(state.qa_error)
+    if not question or not question.strip():
+        raise gr.Error("Type a question.")
+    if not video or not Path(video).is_file():
+        raise gr.Error(f"Choose or upload a video (got {video!r}).")
+    try:
+        result = state.qa(video=video, question=question.strip())
+    except (ValueError, OSError) as error:
+        raise gr.Error(f"Could not answer about {Path(video).name}: {error}") from None
+    return str(result[0]["answer"])
+
+
+def model_panel(state: AppState) -> str:
+    """Frames, R_T/R_S, tokens and GMAC against the same encoder without aggregation."""
+    from modeling_testa import TestaVisionConfig
+    from modeling_testa.flops import count_encoder_gmac
+
+    if state.retrieval is None:
+        return f"**No model loaded.** {state.model_error}"
+    vision = state.retrieval.model.config.vision_config
+    plain = TestaVisionConfig(**{**vision.to_dict(), "temporal_reduction": 0, "spatial_reduction": 0})
+    gmac, tokens = count_encoder_gmac(vision)
+    gmac_plain, tokens_plain = count_encoder_gmac(plain)
+    return (f"{vision.num_frames} frames of {vision.image_size} px, {vision.num_hidden_layers} blocks; "
+            f"R_T {vision.temporal_reduction_per_layer}, R_S {vision.spatial_reduction_per_layer}\n\n"
+            f"Video tokens: {tokens} (without aggregation {tokens_plain}); encoder: {gmac:.4g} GMAC per video "
+            f"(without aggregation {gmac_plain:.4g}: {gmac_plain / gmac:.2f}x)")
+
+
+def change_aggregation(state: AppState, temporal: float, spatial: float) -> str:
+    """Sets R_T/R_S on the model (`set_aggregation`) and re-indexes the indexed videos with them."""
+    retrieval = state.require_model()
+    try:
+        retrieval.model.set_aggregation(temporal_reduction=int(temporal), spatial_reduction=int(spatial))
+    except ValueError as error:
+        raise gr.Error(f"R_T={int(temporal)}, R_S={int(spatial)}: {error}") from None
+    panel = model_panel(state)
+    if state.indexed:
+        with state.lock:
+            state.index = retrieval.encode_videos(state.indexed, batch_size=8, progress_bar=False)
+        panel += (f"\n\nRe-indexed {len(state.indexed)} videos with these settings: "
+                  f"{state.index.stats['videos_per_second']:.1f} videos/s.")
+    return panel
+
+
+def chosen_video(event: gr.SelectData) -> str | None:
+    """The path of the gallery video a user clicked."""
+    value = event.value if isinstance(event.value, dict) else {}
+    media = value.get("video") or value.get("image") or {}
+    return media.get("path") if isinstance(media, dict) else None
+
+
+def build_app(state: AppState) -> gr.Blocks:
+    vision = state.retrieval.model.config.vision_config if state.retrieval is not None else None
+    with gr.Blocks(title="TESTA video search", delete_cache=(3600, 3600)) as demo:
+        gr.Markdown("# TESTA video search\nSearch a folder of videos by sentence or paragraph. TESTA merges similar "
+                    "frames and patches inside its video encoder; the pictures show what it merged.")
+        if state.model_error:
+            gr.Markdown(f"**Error:** {state.model_error}")
+        with gr.Tab("Search"):
+            with gr.Row():
+                folder = gr.Textbox(label="Folder", value=state.videos_dir or "", scale=3)
+                uploads = gr.File(label="Or upload videos", file_count="multiple", type="filepath", scale=2)
+                index_button = gr.Button("Index", variant="secondary", scale=1)
+            status = gr.Textbox(label="Index", interactive=False, lines=2)
+            query = gr.Textbox(label="Paragraph", lines=2, placeholder="a sentence or a paragraph")
+            with gr.Row():
+                top_k = gr.Slider(1, 20, value=5, step=1, label="Results")
+                search_button = gr.Button("Search", variant="primary")
+            gr.Examples(EXAMPLES, inputs=query)
+            gallery = gr.Gallery(label="Results", columns=5, height=220)
+            table = gr.Dataframe(headers=["rank", "video", "score", "re-ranked"], label="Ranking", interactive=False)
+            result = gr.Textbox(label="Result to inspect (click a video above to choose another)")
+            show_button = gr.Button("What did TESTA merge?")
+            caption = gr.Markdown()
+            with gr.Row():
+                merges = gr.Image(label="Merged frames and patches", type="filepath", height=320)
+                grounding = gr.Image(label="Where the query's words land", type="filepath", height=320)
+        with gr.Tab("Classify"):
+            classify_video_input = gr.Textbox(label="Video path (e.g. a search result)")
+            labels = gr.Textbox(label="Labels, comma separated", value="red screen, green screen, blue square")
+            classify_button = gr.Button("Classify")
+            label_scores = gr.Label(label="Scores")
+        with gr.Tab("Ask"):
+            qa_video = gr.Textbox(label="Video path (e.g. a search result)")
+            question = gr.Textbox(label="Question")
+            answer_button = gr.Button("Answer")
+            answer = gr.Textbox(label="Answer", interactive=False)
+        with gr.Tab("Model"):
+            panel = gr.Markdown(model_panel(state))
+            # bipartite matching merges at most half of the frames (patches) of a block
+            temporal = gr.Slider(0, vision.num_frames // 2 if vision else 1, step=1,
+                                 value=vision.temporal_reduction_per_layer[0] if vision else 0,
+                                 label="R_T (frames merged per block)")
+            spatial = gr.Slider(0, vision.num_patches_per_frame // 2 if vision else 1, step=1,
+                                value=vision.spatial_reduction_per_layer[0] if vision else 0,
+                                label="R_S (patches merged per frame and block)")
+            apply_button = gr.Button("Apply and re-index")
+
+        index_button.click(lambda f, u, progress=gr.Progress(): index_videos(state, f, u, progress),
+                           [folder, uploads], status, api_name="index")
+        search_button.click(lambda q, k: search_videos(state, q, k), [query, top_k], [gallery, table, result],
+                            api_name="search")
+        show_button.click(lambda v, q: visualize_result(state, v, q), [result, query], [merges, grounding, caption],
+                          api_name="visualize")
+        classify_button.click(lambda v, labs: classify_video(state, v, labs), [classify_video_input, labels],
+                              label_scores, api_name="classify")
+        answer_button.click(lambda v, q: answer_question(state, v, q), [qa_video, question], answer,
+                            api_name="answer")
+        apply_button.click(lambda t, s: change_aggregation(state, t, s), [temporal, spatial], panel,
+                           api_name="aggregation")
+        gallery.select(chosen_video, None, result, api_name=False)
+        result.change(lambda v: (v, v), result, [classify_video_input, qa_video], api_name=False)
+    demo.queue(default_concurrency_limit=1)  # one model: requests wait their turn, none is dropped
+    return demo
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=os.environ.get("TESTA_MODEL", "outputs/demo/runs/b/final"),
+                        help="a retrieval model folder or Hub id (env TESTA_MODEL)")
+    parser.add_argument("--videos", default=os.environ.get("TESTA_VIDEOS"),
+                        help="the folder indexed at start (env TESTA_VIDEOS)")
+    parser.add_argument("--qa-model", default=os.environ.get("TESTA_QA_MODEL"),
+                        help="a VideoQA model folder or Hub id for the Ask tab (env TESTA_QA_MODEL)")
+    parser.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"))
+    parser.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", 7860)))
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    state = load_state(args.model, args.videos, args.qa_model)
+    if state.retrieval is not None and args.videos:
+        try:
+            print(index_videos(state, args.videos, None), flush=True)
+        except gr.Error as error:
+            print(f"The start-up index failed: {error}", file=sys.stderr)
+    demo = build_app(state)
+    demo.launch(server_name=args.host, server_port=args.port, theme=THEME, show_error=True,
+                allowed_paths=[str(Path(args.videos).resolve())] if args.videos else None)
+
+
+if __name__ == "__main__":
+    main()

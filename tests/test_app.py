@@ -1,0 +1,184 @@
+"""The Gradio app (`app/app.py`): every API name through `gradio_client`, bad inputs, concurrent searches, and a real
+browser (Playwright on the system Chromium) typing a paragraph and reading the results.
+
+References: the retrieval pipeline's own `search` on the same index, PNG headers, the labels given."""
+
+import importlib.util
+import os
+import shutil
+import struct
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from helpers.pipelines import build_qa, build_retrieval, save_folder, tiny_processor, write_bad_files
+from helpers.videos import write_noise_video
+
+gr = pytest.importorskip("gradio")  # the `app` extra, installed by `make test`
+gradio_client = pytest.importorskip("gradio_client")
+
+APP = Path(__file__).resolve().parents[1] / "app" / "app.py"
+QUERY = "first the screen is red. a blue square flashes. finally the screen is green."
+
+
+def load_app_module():
+    spec = importlib.util.spec_from_file_location("testa_app", APP)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def png_size(path: str) -> tuple[int, int]:
+    data = Path(path).read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    return struct.unpack(">II", data[16:24])
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    os.environ.setdefault("GRADIO_TEMP_DIR", str(tmp_path_factory.mktemp("gradio")))
+    root = tmp_path_factory.mktemp("app")
+    model = save_folder(build_retrieval(), tiny_processor(), root / "model")
+    qa = save_folder(build_qa(), tiny_processor(), root / "qa")
+    for i in range(6):
+        write_noise_video(root / "videos" / f"clip{i}.mp4", seed=i)
+    module = load_app_module()
+    state = module.load_state(str(model), str(root / "videos"), str(qa))
+    assert state.model_error is None and state.qa_error is None
+    demo = module.build_app(state)
+    _, url, _ = demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True, show_error=True,
+                            theme=module.THEME)
+    client = gradio_client.Client(url, verbose=False)
+    yield module, state, client, root, url
+    demo.close()
+
+
+def test_every_api_name_answers(served):
+    module, state, client, root, _ = served
+    status = client.predict(str(root / "videos"), None, api_name="/index")
+    assert status.startswith("Indexed 6 videos") and "videos/s" in status and "waiting for decoding" in status
+
+    gallery, table, best = client.predict(QUERY, 4, api_name="/search")
+    expected = state.retrieval.search(QUERY, state.index, top_k=4)
+    assert [row[1] for row in table["data"]] == [Path(hit["video"]).name for hit in expected]
+    assert [row[2] for row in table["data"]] == [round(hit["score"], 4) for hit in expected]
+    assert all(Path(item["video"]).is_file() for item in gallery) and len(gallery) == 4
+    assert best == expected[0]["video"]
+
+    merges, grounding, caption = client.predict(best, QUERY, api_name="/visualize")
+    reference = module.visualize_aggregation if hasattr(module, "visualize_aggregation") else None
+    from modeling_testa.visualization import visualize_aggregation
+
+    reference = visualize_aggregation(state.retrieval.model, state.retrieval.processor, best)
+    assert png_size(merges) == reference.size
+    assert png_size(grounding)[0] > 0 and Path(best).name in caption
+
+    scores = client.predict(best, "red screen, green screen, blue square", api_name="/classify")
+    assert sorted(c["label"] for c in scores["confidences"]) == ["blue square", "green screen", "red screen"]
+    assert sum(c["confidence"] for c in scores["confidences"]) == pytest.approx(1.0, abs=1e-5)
+
+    answer = client.predict(best, "what color is the screen?", api_name="/answer")
+    expected_answer = state.qa(video=best, question="what color is the screen?")[0]["answer"]
+    assert answer == expected_answer
+
+    panel = client.predict(0, 0, api_name="/aggregation")
+    assert "R_T [0, 0], R_S [0, 0]" in panel and "Re-indexed 6 videos" in panel and "1.00x" in panel
+    panel = client.predict(1, 3, api_name="/aggregation")  # back to the model's own settings
+    assert "R_T [1, 1], R_S [3, 3]" in panel
+
+
+def test_bad_inputs_get_a_message_and_the_app_keeps_serving(served, tmp_path):
+    module, state, client, root, _ = served
+    AppError = gradio_client.exceptions.AppError
+    client.predict(str(root / "videos"), None, api_name="/index")
+    with pytest.raises(AppError, match="Type a sentence"):
+        client.predict("   ", 3, api_name="/search")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(AppError, match="No video to index"):
+        client.predict(str(empty), None, api_name="/index")
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a video")
+    bad = write_bad_files(tmp_path / "bad", str(root / "videos" / "clip0.mp4"))
+    uploads = [gradio_client.handle_file(str(notes)), gradio_client.handle_file(bad["truncated"]),
+               gradio_client.handle_file(str(root / "videos" / "clip1.mp4"))]
+    status = client.predict("", uploads, api_name="/index")
+    assert status.startswith("Indexed 1 videos")
+    assert "Not a video, skipped: notes.txt" in status and "Could not be decoded, skipped: truncated.mp4" in status
+    with pytest.raises(AppError, match="does not exist"):
+        client.predict(str(tmp_path / "gone.mp4"), "x", api_name="/visualize")
+    with pytest.raises(AppError, match="at least two labels"):
+        client.predict(str(root / "videos" / "clip0.mp4"), "only one", api_name="/classify")
+    with pytest.raises(AppError, match="greater than maximum value 2"):  # R_T up to half of the 4 frames
+        client.predict(99, 0, api_name="/aggregation")
+    # still serving, with the index from the last successful /index
+    _, table, _ = client.predict(QUERY, 3, api_name="/search")
+    assert len(table["data"]) == 1
+
+    missing = module.load_state(str(tmp_path / "no_model"), None, None)
+    assert "could not be loaded" in missing.model_error and str(tmp_path / "no_model") in missing.model_error
+    demo = module.build_app(missing)
+    _, url, _ = demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True, show_error=True)
+    try:
+        other = gradio_client.Client(url, verbose=False)
+        with pytest.raises(AppError, match="No retrieval model is loaded"):
+            other.predict(QUERY, 3, api_name="/search")
+        with pytest.raises(AppError, match="start the app with --qa-model"):
+            other.predict(str(root / "videos" / "clip0.mp4"), "why?", api_name="/answer")
+    finally:
+        demo.close()
+
+
+def test_eight_simultaneous_searches_get_the_ranking_of_one(served):
+    _, _, client, root, url = served
+    client.predict(str(root / "videos"), None, api_name="/index")
+    alone = client.predict(QUERY, 5, api_name="/search")[1]["data"]
+
+    def search(_):
+        return gradio_client.Client(url, verbose=False).predict(QUERY, 5, api_name="/search")[1]["data"]
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(search, range(8)))
+    assert results == [alone] * 8
+
+
+def chromium() -> str:
+    found = shutil.which("chromium") or shutil.which("chromium-headless-shell")
+    if found is None:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail("No system Chromium under CI=true: .ci/run installs the `chromium` package.")
+        pytest.skip("no system Chromium (apt-get install chromium)")
+    return found
+
+
+def test_a_browser_searches_and_sees_results_and_the_merge_picture(served, tmp_path):
+    _, _, client, root, url = served
+    executable = chromium()
+    sync_api = pytest.importorskip("playwright.sync_api")
+    client.predict(str(root / "videos"), None, api_name="/index")
+    expected = [row[1] for row in client.predict(QUERY, 5, api_name="/search")[1]["data"]]
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=executable, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
+            "--disable-component-update", "--no-first-run"])
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 1000})
+            hosts = set()
+            page.on("request", lambda request: hosts.add(request.url.split("/")[2]))
+            page.goto(url)
+            page.get_by_label("Paragraph").fill(QUERY)
+            page.get_by_role("button", name="Search", exact=True).click()
+            rows = page.get_by_role("row").filter(has_text=".mp4")
+            sync_api.expect(rows).to_have_count(5, timeout=60_000)
+            names = [next(w for w in rows.nth(i).inner_text().split() if w.endswith(".mp4")) for i in range(5)]
+            assert names == expected
+            page.get_by_role("button", name="What did TESTA merge?").click()
+            image = page.locator("img[src*='merges_']")  # the merge picture's file name
+            sync_api.expect(image).to_have_count(1, timeout=60_000)
+            image.scroll_into_view_if_needed()
+            page.wait_for_function("i => i.complete && i.naturalWidth > 0", arg=image.element_handle())
+            page.screenshot(path=str(tmp_path / "app.png"), full_page=True)
+            assert png_size(str(tmp_path / "app.png"))[0] == 1280
+            assert hosts <= {url.split("/")[2]}, hosts  # nothing but the app's own address
+        finally:
+            browser.close()
