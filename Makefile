@@ -6,14 +6,14 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo test test-slow flops speed evidence clean
+.PHONY: install demo test test-slow app flops speed evidence clean
 
 install: $(VENV)/.installed
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --disable-pip-version-check torch torchvision
-	$(VENV)/bin/pip install -q --disable-pip-version-check -e ".[test,faiss,st,mteb]"
+	$(VENV)/bin/pip install -q --disable-pip-version-check -e ".[test,faiss,st,mteb,app]"
 	touch $@
 
 # The main job: the short-event task -> (a) 8 frames and (b) 16 frames + TESTA at the GMAC of (a), trained on CPU ->
@@ -24,6 +24,11 @@ demo: install
 test: install
 	$(PY) tests/helpers/transformers_common.py  # transformers' own common test mixins, from its sdist (pip)
 	$(PY) -m pytest -q -m "not slow"
+
+# The Gradio app on the demo's model (b) over the demo's test videos, at http://127.0.0.1:7860
+app: install
+	@test -f outputs/demo/runs/b/final/model.safetensors || { echo "No demo model: run \`make demo\` first (about 8 minutes), or: python app/app.py --model FOLDER_OR_HUB_ID --videos DIR"; exit 1; }
+	$(PY) app/app.py --model outputs/demo/runs/b/final --videos outputs/demo/data/videos
 
 test-slow: install
 	$(PY) -m pytest -q -m slow

@@ -72,7 +72,8 @@ def ground_phrases(model, processor, video: Any, phrases: list[str]) -> Groundin
     out = encoder(pixel_values.to(device), trace_source=True)
     regions = F.normalize(model.vision_proj(out.last_hidden_state[0, 1:]), dim=-1)
     tokens = processor.tokenizer(list(phrases), padding=True, return_tensors="pt").to(device)
-    text = model.get_text_features(tokens["input_ids"], tokens["attention_mask"]).pooler_output
+    text = model.get_text_features(tokens["input_ids"], tokens["attention_mask"])
+    text = getattr(text, "pooler_output", text)  # the remote code of older saved folders returns the tensor
     side = int(round(out.source_map.shape[-1] ** 0.5))
     return Grounding(
         phrases=list(phrases), similarity=(text @ regions.T).float().cpu(), source_map=out.source_map[0].cpu(),

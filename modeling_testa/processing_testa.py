@@ -225,8 +225,6 @@ class TestaProcessor(ProcessorMixin):
         """`ProcessorMixin.save_pretrained`; when the model is already saved in the folder, the tokenizer's
         `model_max_length` is capped at its text limit (the model's `save_pretrained` does the same in the other
         order), so generic code (Sentence Transformers' `max_seq_length`) reads the real limit."""
-        from .saving import cap_tokenizer_length, text_limit_in
-
         result = super().save_pretrained(save_directory, *args, **kwargs)
         limit = text_limit_in(save_directory)
         if limit is not None:
@@ -272,6 +270,28 @@ def load_testa_processor(source: str | os.PathLike, trust_remote_code: bool | No
     return TestaProcessor(video_processor=video_processor, tokenizer=tokenizer)
 
 
+def cap_tokenizer_length(save_directory: str | os.PathLike, limit: int) -> None:
+    """Caps `model_max_length` in the folder's `tokenizer_config.json` (when there is one) at `limit`, the text
+    encoder's `max_position_embeddings`: generic code (Sentence Transformers' `max_seq_length`) reads it there."""
+    path = Path(save_directory) / "tokenizer_config.json"
+    if not path.is_file():
+        return
+    settings = json.loads(path.read_text(encoding="utf-8"))
+    current = settings.get("model_max_length")
+    if not isinstance(current, (int, float)) or current > limit:
+        settings["model_max_length"] = int(limit)
+        path.write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def text_limit_in(save_directory: str | os.PathLike) -> int | None:
+    """`text_config.max_position_embeddings` of a TESTA `config.json` already saved in the folder, or None."""
+    path = Path(save_directory) / "config.json"
+    try:
+        return int(json.loads(path.read_text(encoding="utf-8"))["text_config"]["max_position_embeddings"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 VIDEO_FILE_NAME = re.compile(r"^\S+\.(mp4|avi|mov|wmv|flv|mkv|webm|m4v|mpg|mpeg|3gp|ts)$", re.IGNORECASE)
 """A text that is only a video file name: no caption or question looks like this, but a video path that a caller
 (e.g. Sentence Transformers, for a file that does not exist or an extension it does not know) passed as text does."""
@@ -302,9 +322,11 @@ __all__ = [
     "ENC_TOKEN",
     "TASK_CAPTION_WORDS",
     "TASK_TEXT_SETTINGS",
+    "cap_tokenizer_length",
     "check_not_video_paths",
     "load_testa_processor",
     "TestaProcessor",
     "build_testa_tokenizer",
     "pre_caption",
+    "text_limit_in",
 ]
