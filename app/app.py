@@ -44,6 +44,7 @@ class AppState:
     model_error: str | None = None
     qa_error: str | None = None
     videos_dir: str | None = None
+    rerank: bool = True  # the page's default for re-ranking
     index: Any = None
     indexed: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)  # one index change at a time
@@ -122,14 +123,15 @@ def index_videos(state: AppState, folder: str, uploads: list[str] | None, progre
     return "\n".join(lines)
 
 
-def search_videos(state: AppState, query: str, top_k: float) -> tuple[list, list[list], str]:
-    """Ranked videos: gallery items, table rows (rank, video, score, re-ranked) and the best video's path."""
+def search_videos(state: AppState, query: str, top_k: float, rerank: bool = True) -> tuple[list, list[list], str]:
+    """Ranked videos: gallery items, table rows (rank, video, score, re-ranked) and the best video's path. With
+    ``rerank`` the matching head re-scores the model's ``k_test`` nearest videos; otherwise the cosine ranks."""
     retrieval = state.require_model()
     if not query or not query.strip():
         raise gr.Error("Type a sentence or a paragraph to search for.")
     if state.index is None:
         raise gr.Error("Index a folder first.")
-    hits = retrieval.search(query.strip(), state.index, top_k=max(1, int(top_k)))
+    hits = retrieval.search(query.strip(), state.index, top_k=max(1, int(top_k)), rerank=None if rerank else False)
     gallery = [(hit["video"], f"{Path(hit['video']).name}  {hit['score']:.3f}") for hit in hits]
     rows = [[rank, Path(hit["video"]).name, round(float(hit["score"]), 4), bool(hit["reranked"])]
             for rank, hit in enumerate(hits, 1)]
@@ -252,6 +254,7 @@ def build_app(state: AppState) -> gr.Blocks:
             query = gr.Textbox(label="Paragraph", lines=2, placeholder="a sentence or a paragraph")
             with gr.Row():
                 top_k = gr.Slider(1, 20, value=5, step=1, label="Results")
+                rerank = gr.Checkbox(value=state.rerank, label="Re-rank with the matching head")
                 search_button = gr.Button("Search", variant="primary")
             gr.Examples(EXAMPLES, inputs=query)
             gallery = gr.Gallery(label="Results", columns=5, height=220)
@@ -285,8 +288,8 @@ def build_app(state: AppState) -> gr.Blocks:
 
         index_button.click(lambda f, u, progress=gr.Progress(): index_videos(state, f, u, progress),
                            [folder, uploads], status, api_name="index")
-        search_button.click(lambda q, k: search_videos(state, q, k), [query, top_k], [gallery, table, result],
-                            api_name="search")
+        search_button.click(lambda q, k, r: search_videos(state, q, k, r), [query, top_k, rerank],
+                            [gallery, table, result], api_name="search")
         show_button.click(lambda v, q: visualize_result(state, v, q), [result, query], [merges, grounding, caption],
                           api_name="visualize")
         classify_button.click(lambda v, labs: classify_video(state, v, labs), [classify_video_input, labels],
@@ -309,6 +312,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the folder indexed at start (env TESTA_VIDEOS)")
     parser.add_argument("--qa-model", default=os.environ.get("TESTA_QA_MODEL"),
                         help="a VideoQA model folder or Hub id for the Ask tab (env TESTA_QA_MODEL)")
+    parser.add_argument("--no-rerank", action="store_true",
+                        help="rank by cosine by default (e.g. a model whose matching head is barely trained)")
     parser.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"))
     parser.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", 7860)))
     return parser.parse_args(argv)
@@ -317,6 +322,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     state = load_state(args.model, args.videos, args.qa_model)
+    state.rerank = not args.no_rerank
     if state.retrieval is not None and args.videos:
         try:
             print(index_videos(state, args.videos, None), flush=True)

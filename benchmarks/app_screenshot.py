@@ -36,6 +36,7 @@ def main() -> None:
     app = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(app)
     state = app.load_state(args.model, args.videos, None)
+    state.rerank = False  # as `make app`: the demo model ranks by cosine
     print(app.index_videos(state, args.videos, None))
     demo = app.build_app(state)
     _, url, _ = demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True, theme=app.THEME,

@@ -58,10 +58,14 @@ def test_every_api_name_answers(served):
     status = client.predict(str(root / "videos"), None, api_name="/index")
     assert status.startswith("Indexed 6 videos") and "videos/s" in status and "waiting for decoding" in status
 
-    gallery, table, best = client.predict(QUERY, 4, api_name="/search")
+    gallery, table, best = client.predict(QUERY, 4, True, api_name="/search")
     expected = state.retrieval.search(QUERY, state.index, top_k=4)
     assert [row[1] for row in table["data"]] == [Path(hit["video"]).name for hit in expected]
     assert [row[2] for row in table["data"]] == [round(hit["score"], 4) for hit in expected]
+    _, cosine, _ = client.predict(QUERY, 4, False, api_name="/search")
+    by_cosine = state.retrieval.search(QUERY, state.index, top_k=4, rerank=False)
+    assert [row[1:] for row in cosine["data"]] == [[Path(h["video"]).name, round(h["score"], 4), False]
+                                                   for h in by_cosine]
     assert all(Path(item["video"]).is_file() for item in gallery) and len(gallery) == 4
     assert best == expected[0]["video"]
 
@@ -92,7 +96,7 @@ def test_bad_inputs_get_a_message_and_the_app_keeps_serving(served, tmp_path):
     AppError = gradio_client.exceptions.AppError
     client.predict(str(root / "videos"), None, api_name="/index")
     with pytest.raises(AppError, match="Type a sentence"):
-        client.predict("   ", 3, api_name="/search")
+        client.predict("   ", 3, True, api_name="/search")
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(AppError, match="No video to index"):
@@ -112,7 +116,7 @@ def test_bad_inputs_get_a_message_and_the_app_keeps_serving(served, tmp_path):
     with pytest.raises(AppError, match="greater than maximum value 2"):  # R_T up to half of the 4 frames
         client.predict(99, 0, api_name="/aggregation")
     # still serving, with the index from the last successful /index
-    _, table, _ = client.predict(QUERY, 3, api_name="/search")
+    _, table, _ = client.predict(QUERY, 3, True, api_name="/search")
     assert len(table["data"]) == 1
 
     missing = module.load_state(str(tmp_path / "no_model"), None, None)
@@ -122,7 +126,7 @@ def test_bad_inputs_get_a_message_and_the_app_keeps_serving(served, tmp_path):
     try:
         other = gradio_client.Client(url, verbose=False)
         with pytest.raises(AppError, match="No retrieval model is loaded"):
-            other.predict(QUERY, 3, api_name="/search")
+            other.predict(QUERY, 3, True, api_name="/search")
         with pytest.raises(AppError, match="start the app with --qa-model"):
             other.predict(str(root / "videos" / "clip0.mp4"), "why?", api_name="/answer")
     finally:
@@ -132,10 +136,10 @@ def test_bad_inputs_get_a_message_and_the_app_keeps_serving(served, tmp_path):
 def test_eight_simultaneous_searches_get_the_ranking_of_one(served):
     _, _, client, root, url = served
     client.predict(str(root / "videos"), None, api_name="/index")
-    alone = client.predict(QUERY, 5, api_name="/search")[1]["data"]
+    alone = client.predict(QUERY, 5, True, api_name="/search")[1]["data"]
 
     def search(_):
-        return gradio_client.Client(url, verbose=False).predict(QUERY, 5, api_name="/search")[1]["data"]
+        return gradio_client.Client(url, verbose=False).predict(QUERY, 5, True, api_name="/search")[1]["data"]
 
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(search, range(8)))
@@ -156,7 +160,7 @@ def test_a_browser_searches_and_sees_results_and_the_merge_picture(served, tmp_p
     executable = chromium()
     sync_api = pytest.importorskip("playwright.sync_api")
     client.predict(str(root / "videos"), None, api_name="/index")
-    expected = [row[1] for row in client.predict(QUERY, 5, api_name="/search")[1]["data"]]
+    expected = [row[1] for row in client.predict(QUERY, 5, True, api_name="/search")[1]["data"]]
     with sync_api.sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=executable, args=[
             "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
