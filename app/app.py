@@ -156,8 +156,8 @@ def visualize_result(state: AppState, video: str, query: str) -> tuple[str, str 
     merge_path = out / f"merges_{Path(video).stem}.png"
     merges.save(merge_path)
     frames = merges.info.get("frame_groups", [])
-    caption = (f"{Path(video).name}: {len(frames)} frames in {len(set(g for g in frames if g >= 0))} merged "
-               f"groups after the last block")
+    caption = (f"{Path(video).name}: {len(frames)} input frames, {len(set(g for g in frames if g >= 0))} frames "
+               "after the last block")
     grounding_path = None
     words = [w for w in (query or "").replace(".", " ").split() if len(w) > 2][:6]
     if words:
