@@ -26,7 +26,8 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 import gradio as gr  # noqa: E402
 
-VIDEO_SUFFIXES = (".mp4", ".mkv", ".webm", ".avi", ".mov", ".m4v", ".mpg", ".mpeg")
+from modeling_testa.video_inputs import VIDEO_SUFFIXES, find_video_files, is_video_file_name  # noqa: E402
+
 THEME = gr.themes.Default(font=[gr.themes.LocalFont("Source Sans Pro", weights=(400, 700)), "ui-sans-serif",
                                 "sans-serif"])  # gradio 6.31's bundled SemiBold file is a broken subset
 EXAMPLES = ["first the screen is red. a blue square flashes. finally the screen is green.",
@@ -77,22 +78,17 @@ def load_state(model: str, videos_dir: str | None, qa_model: str | None) -> AppS
     return state
 
 
-def folder_videos(folder: str) -> tuple[list[str], list[str]]:
-    """The video files of ``folder`` (recursive, sorted) and the other files."""
-    path = Path(folder).expanduser()
-    if not path.is_dir():
-        raise gr.Error(f"{folder!r} is not a folder.")
-    files = sorted(p for p in path.rglob("*") if p.is_file())
-    videos = [str(p.resolve()) for p in files if p.suffix.lower() in VIDEO_SUFFIXES]
-    return videos, [str(p.resolve()) for p in files if p.suffix.lower() not in VIDEO_SUFFIXES]
-
-
 def index_videos(state: AppState, folder: str, uploads: list[str] | None, progress: Any = None) -> str:
     """Indexes the folder's videos and the uploads; videos that cannot be decoded are left out and listed."""
     retrieval = state.require_model()
-    paths, others = folder_videos(folder) if folder and folder.strip() else ([], [])
+    paths, others = [], []
+    if folder and folder.strip():
+        try:
+            paths, others = find_video_files(folder.strip())
+        except NotADirectoryError as error:
+            raise gr.Error(str(error)) from None
     for upload in uploads or []:
-        (paths if Path(upload).suffix.lower() in VIDEO_SUFFIXES else others).append(str(upload))
+        (paths if is_video_file_name(upload) else others).append(str(upload))
     if not paths:
         raise gr.Error(f"No video to index in {folder!r}" + (" or the uploads" if uploads else "") +
                        f" (looked for {', '.join(VIDEO_SUFFIXES)}; {len(others)} other files).")

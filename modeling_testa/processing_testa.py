@@ -9,7 +9,7 @@ from typing import Any
 from transformers import BertTokenizer
 from transformers.processing_utils import ProcessorMixin
 
-from .video_inputs import text_list
+from .video_inputs import VIDEO_SUFFIXES, text_list
 from .video_processing_testa import TestaVideoProcessor
 
 
@@ -292,7 +292,7 @@ def text_limit_in(save_directory: str | os.PathLike) -> int | None:
         return None
 
 
-VIDEO_FILE_NAME = re.compile(r"^\S+\.(mp4|avi|mov|wmv|flv|mkv|webm|m4v|mpg|mpeg|3gp|ts)$", re.IGNORECASE)
+VIDEO_FILE_NAME = re.compile(r"^\S+(" + "|".join(re.escape(s) for s in VIDEO_SUFFIXES) + ")$", re.IGNORECASE)
 """A text that is only a video file name: no caption or question looks like this, but a video path that a caller
 (e.g. Sentence Transformers, for a file that does not exist or an extension it does not know) passed as text does."""
 

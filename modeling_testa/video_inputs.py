@@ -13,6 +13,7 @@ This file is Hub remote code (exported with `video_processing_testa.py`): siblin
 """
 
 import os
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -303,15 +304,37 @@ def metadata_per_video(video_metadata: Any, count: int) -> list[dict[str, Any] |
     return [dict(m) if m is not None else None for m in video_metadata]
 
 
+VIDEO_SUFFIXES = (".mp4", ".mkv", ".webm", ".avi", ".mov", ".m4v", ".mpg", ".mpeg", ".flv", ".wmv", ".3gp", ".ts")
+"""File name endings taken as videos when a folder is searched (`find_video_files`), and in text that is only a
+video file name (`processing_testa.check_not_video_paths`)."""
+
+
+def is_video_file_name(name: str | os.PathLike) -> bool:
+    return Path(name).suffix.lower() in VIDEO_SUFFIXES
+
+
+def find_video_files(folder: str | os.PathLike) -> tuple[list[str], list[str]]:
+    """The video files below ``folder`` (recursive, sorted, absolute) and the other files there. Raises
+    `NotADirectoryError` naming ``folder`` when it is not a folder."""
+    path = Path(folder).expanduser()
+    if not path.is_dir():
+        raise NotADirectoryError(f"{str(folder)!r} is not a folder.")
+    files = sorted(p.resolve() for p in path.rglob("*") if p.is_file())
+    return [str(p) for p in files if is_video_file_name(p)], [str(p) for p in files if not is_video_file_name(p)]
+
+
 __all__ = [
+    "VIDEO_SUFFIXES",
     "check_video",
     "describe",
+    "find_video_files",
     "flatten_video_inputs",
     "is_array",
     "is_frame",
     "is_frame_list",
     "is_path",
     "is_single_video",
+    "is_video_file_name",
     "metadata_per_video",
     "text_list",
     "to_rgb",

@@ -39,13 +39,13 @@ from tqdm.auto import tqdm
 from modeling_testa.distributed import raise_on_every_rank
 from modeling_testa.indexing import EncodingStats, encode_videos
 from modeling_testa.inference import PRECISIONS, optimize_for_inference
+from modeling_testa.video_inputs import VIDEO_SUFFIXES, find_video_files
 from modeling_testa.video_store import TOKEN_DTYPES, VideoStoreWriter, finalize_store, missing_shards
 
 from .evaluation import DecodeVideos
 
 SETTINGS_FILE = "index_settings.json"
 REPORT_FILE = "index_report.json"
-VIDEO_SUFFIXES = (".mp4", ".mkv", ".webm", ".avi", ".mov", ".m4v", ".mpg", ".mpeg", ".flv", ".wmv", ".3gp", ".ts")
 RETRIEVAL_HEADS = ("TestaForVideoTextRetrieval", "TestaForPreTraining")
 
 
@@ -60,9 +60,7 @@ def collect_videos(source: str | os.PathLike, split: str = "test") -> tuple[list
     if path.is_dir() and _has_split(path, split, split_files):
         videos = [str(v) for v in load_split(str(path), split=split)["video"]]
     elif path.is_dir():
-        videos = []
-        for file in sorted(p for p in path.rglob("*") if p.is_file()):
-            (videos if file.suffix.lower() in VIDEO_SUFFIXES else skipped).append(str(file.resolve()))
+        videos, skipped = find_video_files(path)
     elif path.is_file() and path.suffix in (".jsonl", ".json", ".parquet"):
         videos = [str(v) for v in load_split(str(path))["video"]]
     elif path.is_file():
