@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 from helpers.pipelines import build_qa, build_retrieval, save_folder, tiny_processor, write_bad_files
 from helpers.videos import write_noise_video
+from helpers.requirements import require, skip_or_fail
 
 gr = pytest.importorskip("gradio")  # the `app` extra, installed by `make test`
-gradio_client = pytest.importorskip("gradio_client")
+gradio_client = require("gradio_client")
 
 APP = Path(__file__).resolve().parents[1] / "app" / "app.py"
 QUERY = "first the screen is red. a blue square flashes. finally the screen is green."
@@ -149,16 +150,14 @@ def test_eight_simultaneous_searches_get_the_ranking_of_one(served):
 def chromium() -> str:
     found = shutil.which("chromium") or shutil.which("chromium-headless-shell")
     if found is None:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail("No system Chromium under CI=true: .ci/run installs the `chromium` package.")
-        pytest.skip("no system Chromium (apt-get install chromium)")
+        skip_or_fail("no system Chromium", "apt-get install chromium  (.ci/run installs it)")
     return found
 
 
 def test_a_browser_searches_and_sees_results_and_the_merge_picture(served, tmp_path):
     _, _, client, root, url = served
     executable = chromium()
-    sync_api = pytest.importorskip("playwright.sync_api")
+    sync_api = require("playwright.sync_api")
     client.predict(str(root / "videos"), None, api_name="/index")
     expected = [row[1] for row in client.predict(QUERY, 5, True, api_name="/search")[1]["data"]]
     with sync_api.sync_playwright() as playwright:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from helpers.models import tiny_vision_config
 from helpers.models import randomize
 from helpers.pipelines import build_qa, build_retrieval, tiny_processor, write_bad_files, write_videos
+from helpers.requirements import require
 from torch import nn
 from transformers import pipeline
 
@@ -256,7 +257,7 @@ def test_save_pretrained_refuses_an_optimized_model(tmp_path):
 
 @pytest.fixture(scope="module")
 def videos(tmp_path_factory):
-    pytest.importorskip("av")
+    require("av")
     return write_videos(tmp_path_factory.mktemp("inference") / "videos")
 
 

@@ -6,9 +6,10 @@ import statistics
 from pathlib import Path
 
 import pytest
+from helpers.requirements import require
 
 
-evaluate = pytest.importorskip("evaluate")
+evaluate = require("evaluate")
 
 METRICS = Path(__file__).resolve().parents[1] / "train" / "metrics"
 

@@ -9,12 +9,13 @@ import pytest
 import torch
 from helpers.pipelines import build_retrieval, save_folder, tiny_processor
 from helpers.videos import write_noise_video
+from helpers.requirements import require
 
 from modeling_testa import TestaForVideoTextRetrieval
 from modeling_testa.saving import save_cross_encoder
 
-mteb = pytest.importorskip("mteb")  # the `mteb` extra, installed by `make test`
-sentence_transformers = pytest.importorskip("sentence_transformers")
+mteb = require("mteb")  # the `mteb` extra, installed by `make test`
+sentence_transformers = require("sentence_transformers")
 
 from train.evaluation import load_metric  # noqa: E402
 from train.mteb_evaluation import (  # noqa: E402

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from helpers.requirements import require
 from helpers.pipelines import (
     build_qa,
     build_retrieval,
@@ -39,7 +40,7 @@ from modeling_testa import (
 )
 
 
-pytest.importorskip("av")
+require("av")
 
 QUERIES = ["a red square moves to the right", "a blue bar goes down", "a dark gradient"]
 LABELS = ["a red square", "a blue bar", "a cat", "a car"]
@@ -301,7 +302,7 @@ def _random_index(module, num_videos: int, dim: int = 16, seed: int = 0):
 
 def test_faiss_search_equals_the_exact_torch_search(retrieval_pipe, videos):
     """The FAISS branch (installed by the `faiss` extra, which `make test` uses) against the exact torch search."""
-    faiss = pytest.importorskip("faiss")
+    faiss = require("faiss")
     module = sys.modules[type(retrieval_pipe).__module__]
     assert sys.modules[module.VideoIndex.__module__].faiss_module() is faiss
     index = _random_index(module, 300)

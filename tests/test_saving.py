@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from helpers.pipelines import build_qa, build_retrieval, save_folder, tiny_processor, tiny_testa_config, write_videos
+from helpers.requirements import require
 from transformers import (
     AutoConfig,
     AutoModel,
@@ -35,7 +36,7 @@ from modeling_testa import (
 )
 
 
-pytest.importorskip("av")
+require("av")
 
 REPO = Path(__file__).resolve().parents[1]
 QUERIES = ["a red square moves", "a blue bar", "stripes at the top"]

@@ -11,11 +11,12 @@ import pytest
 import torch
 from helpers.pipelines import build_retrieval, save_folder, tiny_processor, write_bad_files
 from helpers.videos import write_noise_video
+from helpers.requirements import require
 
 from modeling_testa import TestaForVideoTextRetrieval, TestaVideoProcessor
 from modeling_testa.saving import MODEL_CARD_MARKER, save_cross_encoder
 
-sentence_transformers = pytest.importorskip("sentence_transformers")  # the `st` extra, installed by `make test`
+sentence_transformers = require("sentence_transformers")  # the `st` extra, installed by `make test`
 
 QUERIES = ["first the screen is red. a blue square flashes.", "green blocks", "a dog catches a frisbee"]
 

@@ -2,16 +2,17 @@
 
 The mixins come unchanged from the transformers source distribution of the installed version (see
 `tests/helpers/transformers_common.py`); `make test` downloads it with pip before running the suite. Without the sdist
-the module is skipped with that instruction. Overrides below are the ones a model's own test file makes where a
+the module is skipped with that instruction, and fails under `CI=true`. Overrides below are the ones a model's own test file makes where a
 mixin assumes something the model does not do (as TimeSformer's test overrides the attention shapes); each says why.
 """
 
 import unittest
 
-import pytest
 import torch
+import transformers
 
 from helpers.models import SEP, CLS, PAD, VOCAB, tiny_config, tiny_vision_config
+from helpers.requirements import skip_or_fail
 from helpers.transformers_common import load_common_tests, sdist_dir
 
 from modeling_testa import (
@@ -26,8 +27,9 @@ from modeling_testa.processing_testa import build_testa_tokenizer
 
 ROOT = sdist_dir()
 if ROOT is None:
-    pytest.skip("no transformers source distribution: run `python tests/helpers/transformers_common.py` (it downloads "
-                "one with pip) or set TRANSFORMERS_SDIST_DIR", allow_module_level=True)
+    skip_or_fail(f"no transformers {transformers.__version__} source distribution",
+                 "python tests/helpers/transformers_common.py  (it downloads one with pip; or set "
+                 "TRANSFORMERS_SDIST_DIR)", allow_module_level=True)
 COMMON = load_common_tests(ROOT)
 ConfigTester = COMMON["test_configuration_common"].ConfigTester
 ModelTesterMixin = COMMON["test_modeling_common"].ModelTesterMixin
