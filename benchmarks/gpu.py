@@ -174,10 +174,9 @@ class Context:
         """Rewrites gpu.json and gpu.md with everything measured so far."""
         write_report(self.report, Path(self.args.output_dir))
 
-    def free(self, collect: bool = True) -> None:
-        """Returns freed memory to the device (CUDA), after a garbage collection unless ``collect`` is False."""
-        if collect:
-            gc.collect()
+    def free(self) -> None:
+        """Collects garbage and returns the freed memory to the device (CUDA), so that peaks do not mix."""
+        gc.collect()
         if self.device.startswith("cuda"):
             torch.cuda.empty_cache()
 
@@ -278,7 +277,7 @@ def build_encoder(ctx: Context, variant: str, frames: int, dtype: str, attention
     try:
         return build(variant, encoder_namespace(ctx.scale, frames, ctx.device, dtype), attention)
     except ValueError as error:  # transformers: "... does not support an attention implementation through ..."
-        ctx.unsupported[(variant, attention)] = f"{type(error).__name__}: {error}".splitlines()[0]
+        ctx.unsupported[(variant, attention)] = str(error).split(". ")[0].rstrip(".") + "."  # the first sentence
         return ctx.unsupported[(variant, attention)]
 
 
@@ -306,7 +305,7 @@ def measure_speeds(ctx: Context, variant: str, frames: int, dtype: str, attentio
                         + (f"{result:.2f} videos/s {entry.get('sdpa_kernels', '')}" if result else
                            entry.get("skipped") or entry.get("unsupported")))
     del model
-    ctx.free(collect=False)  # the model has no reference cycle; a full collection per build would cost seconds
+    ctx.free()
     return [ctx.speed[key] for key in keys]
 
 
@@ -470,14 +469,15 @@ def run_memory_96(ctx: Context, results: dict) -> None:
             results["rows"].append(row)
             log(ctx.budget, f"memory at {frames} frames, {precision}, {name}: "
                             + json.dumps({k: row.get(k) for k in ("inference", "train_step", "error")}))
+            results.update(memory_ratios(results["rows"]))
             trainer = data = None
             ctx.free()
             ctx.save()
-    results["ratios"] = memory_ratios(results["rows"])
 
 
 def memory_ratios(rows: list[dict]) -> dict:
-    """Aggregation / no aggregation of the peak allocated memory, per precision and pass."""
+    """``ratios``: aggregation / no aggregation of the peak allocated memory, per precision and pass, of the rows
+    measured so far; ``targets``: the training-step ratios against the paper's 0.66."""
     ratios = {}
     by_key = {(row["precision"], row["aggregation"]): row for row in rows}
     for precision in ("bf16", "fp32"):
@@ -485,7 +485,10 @@ def memory_ratios(rows: list[dict]) -> dict:
             none, merged = by_key.get((precision, "none"), {}), by_key.get((precision, "aggregation"), {})
             if none.get(phase) and merged.get(phase):
                 ratios[f"{precision} {phase}"] = merged[phase]["peak_allocated"] / none[phase]["peak_allocated"]
-    return ratios
+    limit = PAPER_MEMORY["target_ratio"]
+    targets = {name: dict(target=limit, value=value, met=value <= limit)
+               for name, value in ratios.items() if name.endswith("train_step")}
+    return dict(ratios=ratios, targets=targets)
 
 
 def run_train_step(ctx: Context, results: dict) -> None:
@@ -787,8 +790,10 @@ def render_memory(results: dict) -> list[str]:
 
             paper = (f"{PAPER_MEMORY['aggregation_gb']} / {PAPER_MEMORY['no_aggregation_gb']} GB = 0.66 "
                      f"(target <= {PAPER_MEMORY['target_ratio']})") if phase == "train_step" else "–"
+            target = results.get("targets", {}).get(f"{precision} {phase}")
+            verdict = "" if target is None else f" ({'met' if target['met'] else 'not met'})"
             lines.append(f"| {precision} | {label} | {cell(none)} | {cell(merged)} | "
-                         f"{number(ratios.get(f'{precision} {phase}'))} | {paper} |")
+                         f"{number(ratios.get(f'{precision} {phase}'))}{verdict} | {paper} |")
     unavailable = {row["memory_unavailable"] for row in results.get("rows", []) if row.get("memory_unavailable")}
     lines += [f"\nNot measured: {reason}; the passes ran." for reason in sorted(unavailable)]
     return lines

@@ -179,3 +179,19 @@ def test_readme_rows_link_the_page_and_state_the_memory_ratio(dry_run):
     for row, peak in zip(rows_96, (10 * gpu.GiB, 6 * gpu.GiB, 20 * gpu.GiB, 12 * gpu.GiB)):
         row["train_step"] = dict(peak_allocated=peak, peak_reserved=peak, allocated_before=0)
     assert "[6.00 GiB][gpu]" in gpu.readme_rows(measured) and "[0.60x][gpu]" in gpu.readme_rows(measured)
+
+
+def test_memory_ratios_against_the_paper_target():
+    def row(precision, aggregation, train_gib, inference_gib=None):
+        measured = lambda gib: None if gib is None else dict(peak_allocated=gib * gpu.GiB)  # noqa: E731
+        return dict(precision=precision, aggregation=aggregation, train_step=measured(train_gib),
+                    inference=measured(inference_gib))
+
+    rows = [row("bf16", "none", 10, 4), row("bf16", "aggregation", 7, 3), row("fp32", "none", 20),
+            row("fp32", "aggregation", 12)]
+    result = gpu.memory_ratios(rows)
+    assert result["ratios"] == pytest.approx({"bf16 train_step": 0.7, "bf16 inference": 0.75, "fp32 train_step": 0.6})
+    assert result["targets"]["bf16 train_step"]["met"] is False  # 0.7 > 0.66
+    assert result["targets"]["fp32 train_step"]["met"] is True
+    assert "bf16 inference" not in result["targets"]
+    assert gpu.memory_ratios(rows[:1]) == dict(ratios={}, targets={})  # one side only: no ratio yet
