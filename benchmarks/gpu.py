@@ -319,8 +319,8 @@ def peak_memory(device: str, work: Callable[[], Any]) -> tuple[Any, dict | None]
     before = torch.cuda.memory_allocated()
     result = work()
     torch.cuda.synchronize()
-    return result, dict(peak_allocated=torch.cuda.max_memory_allocated(), peak_reserved=torch.cuda.max_memory_reserved(),
-                        allocated_before=before)
+    return result, dict(peak_allocated=torch.cuda.max_memory_allocated(),
+                        peak_reserved=torch.cuda.max_memory_reserved(), allocated_before=before)
 
 
 MEMORY_UNAVAILABLE = "needs CUDA (torch.cuda.max_memory_allocated); not measured on the CPU"
@@ -504,7 +504,8 @@ def run_train_step(ctx: Context, results: dict) -> None:
             first = trainer.timed_step(data)
             needed = first * (scale.warmup - 1 + scale.iterations)
             if needed > ctx.budget.left():
-                row["skipped"] = f"needs about {needed:.0f} s (first step {first:.2f} s), {ctx.budget.left():.0f} s left"
+                row["skipped"] = (f"needs about {needed:.0f} s (first step {first:.2f} s), "
+                                  f"{ctx.budget.left():.0f} s left")
             else:
                 for _ in range(scale.warmup - 1):
                     trainer.timed_step(data)
@@ -773,7 +774,8 @@ def render_memory(results: dict) -> list[str]:
              "included (reserved by the caching allocator in brackets). Inference: the matching head on one text per "
              "video; training step: VTC + VTM loss, backward, AdamW step, momentum update (the first step, so AdamW "
              "allocates its state in it).", "",
-             f"| precision | pass | no aggregation | R_T={r_t}, R_S={r_s} | ratio | paper |", "|---|---|---|---|---|---|"]
+             f"| precision | pass | no aggregation | R_T={r_t}, R_S={r_s} | ratio | paper |",
+             "|---|---|---|---|---|---|"]
     by_key = {(row["precision"], row["aggregation"]): row for row in results.get("rows", [])}
     ratios = results.get("ratios", {})
     for precision in ("bf16", "fp32"):
@@ -803,7 +805,8 @@ def render_train_step(results: dict) -> list[str]:
     lines = [f"`TestaForVideoTextRetrieval` from `{RECIPES['headline']}` (random init), {results['frames']} frames, "
              f"batch {results['batch']}, bf16 autocast; seconds per step (median), videos/s, and peak memory over the "
              "timed steps (GiB).", "",
-             "| model | seconds per step | videos/s | peak allocated (GiB) | peak reserved (GiB) |", "|---|---|---|---|---|"]
+             "| model | seconds per step | videos/s | peak allocated (GiB) | peak reserved (GiB) |",
+             "|---|---|---|---|---|"]
     for row in results.get("rows", []):
         label = ("TESTA, R_T={}, R_S={}".format(*row["reductions"]) if row["aggregation"] != "none"
                  else "no aggregation")
@@ -812,7 +815,8 @@ def render_train_step(results: dict) -> list[str]:
             continue
         memory = row.get("memory")
         lines.append(f"| {label} | {row['seconds']:.3f} | {row['videos_per_second']:.2f} | "
-                     f"{gib(memory) if memory else 'not measured'} | {gib(memory, 'peak_reserved') if memory else '–'} |")
+                     f"{gib(memory) if memory else 'not measured'} | "
+                     f"{gib(memory, 'peak_reserved') if memory else '–'} |")
     unavailable = {row["memory_unavailable"] for row in results.get("rows", []) if row.get("memory_unavailable")}
     lines += [f"\nNot measured: {reason}." for reason in sorted(unavailable)]
     return lines
@@ -840,7 +844,8 @@ def render_compile(results: dict) -> list[str]:
     lines = [f"Backend `{results['backend']}`, `dynamic=False`; {results['frames']} frames, batch {results['batch']}, "
              "bf16, SDPA.", "", "| | median s per batch | compile s (first call) |", "|---|---|---|",
              f"| eager | {number(results.get('eager_seconds'), 4)} | – |",
-             f"| torch.compile | {number(results.get('compiled_seconds'), 4)} | {number(results.get('compile_seconds'), 1)} |",
+             f"| torch.compile | {number(results.get('compiled_seconds'), 4)} | "
+             f"{number(results.get('compile_seconds'), 1)} |",
              "", f"Speed-up: {number(results.get('speedup'))}x; max abs difference of the outputs: "
                  f"{number(results.get('max_abs_output_difference'), 4)}."]
     return lines
@@ -860,7 +865,8 @@ def render_markdown(report: dict) -> str:
     env = report["environment"]
     lines = ["# GPU numbers", "",
              "Written by `benchmarks/gpu.py` (the sections and how each is measured are in its docstring).", "",
-             f"- Device: {env.get('device')}" + (f", {env['gpu_memory_gib']:.0f} GiB" if env.get("gpu_memory_gib") else ""),
+             f"- Device: {env.get('device')}"
+             + (f", {env['gpu_memory_gib']:.0f} GiB" if env.get("gpu_memory_gib") else ""),
              f"- Versions: torch {env['torch']}, transformers {env['transformers']}, CUDA {env.get('cuda') or '–'}, "
              f"cuDNN {env.get('cudnn') or '–'}, driver {env.get('driver') or '–'}, Python {env['python']}",
              f"- Command: `{report['command']}`",
@@ -902,7 +908,8 @@ def readme_rows(report: dict) -> str:
         if entry["variant"] == "testa":
             speedup = (f" ([{number(ratios.get('vs_no_aggregation'))}x][gpu], "
                        f"[{number(ratios.get('vs_timesformer'))}x][gpu] vs TimesformerModel)")
-        rows.append(f"| {label}, GPU | {entry['frames']} | {entry['output_tokens']} | {gmac_text(entry['gmac_per_video'])} | "
+        rows.append(f"| {label}, GPU | {entry['frames']} | {entry['output_tokens']} | "
+                    f"{gmac_text(entry['gmac_per_video'])} | "
                     f"[{entry['seconds'] / entry['batch']:.4f}][gpu] ({device}, {entry['dtype']}, batch "
                     f"{entry['batch']}, {entry['attention']}){speedup} | – |")
     memory = sections.get("memory_96", {}).get("results", {})
@@ -967,7 +974,8 @@ def main(argv: list[str] | None = None) -> dict:
                   time_budget_s=args.time_budget, warmup=scale.warmup, iterations=scale.iterations,
                   scale=asdict(scale), sections={})
     ctx = Context(args=args, scale=scale, device=device, budget=budget, report=report)
-    log(budget, f"{report['environment']['device']}; torch {torch.__version__}, transformers {transformers.__version__}")
+    log(budget, f"{report['environment']['device']}; torch {torch.__version__}, "
+                f"transformers {transformers.__version__}")
     for section in SECTIONS:
         state = report["sections"][section.name] = dict(status="running", reason=None, results={})
         if section.name not in args.sections:

@@ -7,13 +7,16 @@ with `vision_proj` (the VTC video projection applied to the region's token), and
 """
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from .visualization import displayable_frames, video_pixel_values, vision_encoder
+
+if TYPE_CHECKING:  # Pillow is imported when drawing
+    import PIL.Image
 
 
 @dataclass

@@ -15,16 +15,20 @@ patch position after a frame merge) also share a colour. With ``aggregation_dims
 all space-time tokens) there is no frame-level merge: frames get no group rectangle, and a patch is painted whenever
 its token holds other patches, of its own frame or of any other.
 
-Only pillow is needed (no matplotlib), imported when drawing, so that the package imports without it. Imports are sibling-relative so that the module works as Hub remote code.
+Only pillow is needed (no matplotlib), imported when drawing, so that the package imports without it. Imports are
+sibling-relative so that the module works as Hub remote code.
 """
 
 import colorsys
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:  # Pillow is imported when drawing
+    import PIL.Image
 
 
 # Strong, well separated colours for frame groups (matplotlib's tab10 without its grey), then golden-ratio hues.
