@@ -340,6 +340,7 @@ __all__ = [
     "is_frame",
     "is_frame_list",
     "is_path",
+    "is_pil_image",
     "is_single_video",
     "is_video_file_name",
     "metadata_per_video",
