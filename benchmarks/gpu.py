@@ -37,6 +37,7 @@ import copy
 import gc
 import json
 import math
+import os
 import platform
 import shlex
 import statistics
@@ -926,9 +927,13 @@ def readme_rows(report: dict) -> str:
 
 
 def write_report(report: dict, output_dir: Path) -> None:
+    """gpu.json and gpu.md, each written whole and then renamed into place, so a run killed while writing leaves the
+    previous complete files."""
     output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "gpu.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
-    (output_dir / "gpu.md").write_text(render_markdown(report) + "\n")
+    for name, text in (("gpu.json", json.dumps(report, indent=1, default=str)), ("gpu.md", render_markdown(report))):
+        partial = output_dir / f".{name}.partial"
+        partial.write_text(text + "\n")
+        os.replace(partial, output_dir / name)
 
 
 # --------------------------------------------------------------------------------------------------------- main

@@ -44,6 +44,7 @@ def test_dry_run_runs_every_section_and_writes_both_files(dry_run):
     for name, state in report["sections"].items():
         assert state["status"] == "done", (name, state["reason"])
         assert state["seconds"] > 0
+    assert sorted(path.name for path in output_dir.iterdir()) == ["gpu.json", "gpu.md"]
     saved = json.loads((output_dir / "gpu.json").read_text())
     assert saved["sections"].keys() == report["sections"].keys()
     markdown = (output_dir / "gpu.md").read_text()
