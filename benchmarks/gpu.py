@@ -26,10 +26,12 @@ killed keeps what it finished:
 A training step is the one `train.finetune_retrieval` takes (`compute_loss`: VTC + VTM with momentum distillation,
 the model built by `train.loop.build_model` from the recipe), then AdamW as the recipe sets it and the momentum
 update; bf16 means autocast with fp32 weights, as Accelerate's ``mixed_precision="bf16"``. Timings: ``--warmup``
-passes, then the median of ``--iterations`` passes, each synchronised. fp32 runs with PyTorch's default matmul
-precision (no TF32). ``--dry-run`` runs every section with tiny models on the CPU (``--device`` to change): the
-CUDA-only measurements (memory) are recorded as unavailable with the reason, ``compile`` uses the ``eager`` backend
-(graph capture without code generation), and ``cuda_vs_cpu`` compares the CPU with itself.
+passes, then the median of ``--iterations`` passes, each synchronised. fp32 runs with PyTorch's defaults: no TF32
+in matmuls, TF32 in cuDNN convolutions (the patch embedding); ``cuda_vs_cpu`` turns the latter off.
+
+``--dry-run`` runs every section with tiny models on the CPU (``--device`` to change): the CUDA-only measurements
+(memory) are recorded as unavailable with the reason, ``compile`` uses the ``eager`` backend (graph capture without
+code generation), and ``cuda_vs_cpu`` compares the CPU with itself.
 """
 
 import argparse
@@ -580,10 +582,15 @@ def run_cuda_vs_cpu(ctx: Context, results: dict) -> None:
     }
     results.update(devices=["cpu", ctx.device], frames=frames, reductions=[temporal, spatial], dtype="fp32",
                    frame_matching="original", inputs={})
-    for name, video in videos.items():
-        results["inputs"][name] = compare_runs(model_cpu, model_other, video, "cpu", ctx.device)
-        log(ctx.budget, f"{name}: {results['inputs'][name]}")
-        ctx.save()
+    convolution_tf32 = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False  # true fp32 on both devices (cuDNN convolutions default to TF32)
+    try:
+        for name, video in videos.items():
+            results["inputs"][name] = compare_runs(model_cpu, model_other, video, "cpu", ctx.device)
+            log(ctx.budget, f"{name}: {results['inputs'][name]}")
+            ctx.save()
+    finally:
+        torch.backends.cudnn.allow_tf32 = convolution_tf32
     results["mode_ties"] = mode_tie_agreement("cpu", ctx.device)
 
 
@@ -662,7 +669,7 @@ def environment(device: str) -> dict:
     info = dict(
         python=platform.python_version(), torch=torch.__version__, transformers=transformers.__version__,
         platform=platform.platform(), cpu_threads=torch.get_num_threads(), device_type=device,
-        tf32_matmul=torch.backends.cuda.matmul.allow_tf32,
+        tf32_matmul=torch.backends.cuda.matmul.allow_tf32, tf32_cudnn=torch.backends.cudnn.allow_tf32,
     )
     if device.startswith("cuda"):
         properties = torch.cuda.get_device_properties(device)
@@ -826,7 +833,8 @@ def render_train_step(results: dict) -> list[str]:
 def render_cuda_vs_cpu(results: dict) -> list[str]:
     devices = " and ".join(results["devices"])
     lines = [f"The same fp32 encoder ({results['frames']} frames, R_T={results['reductions'][0]}, "
-             f"R_S={results['reductions'][1]}, `frame_matching=\"original\"`) and the same input on {devices}.", "",
+             f"R_S={results['reductions'][1]}, `frame_matching=\"original\"`, random weights) and the same input on "
+             f"{devices}, without TF32.", "",
              "| input | same merges (source map) | source map agreement | same token sizes | output tokens | "
              "max abs output difference |", "|---|---|---|---|---|---|"]
     for name, row in results.get("inputs", {}).items():
@@ -874,7 +882,8 @@ def render_markdown(report: dict) -> str:
              f"- {'Dry run: tiny models, not the paper sizes. ' if report['dry_run'] else ''}Time budget "
              f"{report['time_budget_s']:.0f} s; took {report.get('elapsed_s', 0):.0f} s. Timings: warm-up "
              f"{report['warmup']}, then the median of {report['iterations']} synchronised passes. fp32 matmuls "
-             f"{'with' if env['tf32_matmul'] else 'without'} TF32.", ""]
+             f"{'with' if env['tf32_matmul'] else 'without'} TF32, convolutions "
+             f"{'with' if env['tf32_cudnn'] else 'without'} (PyTorch's defaults).", ""]
     for section in SECTIONS:
         state = report["sections"].get(section.name)
         lines += [f"## {section.title}", ""]
