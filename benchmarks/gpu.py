@@ -883,7 +883,8 @@ def render_markdown(report: dict) -> str:
              f"{report['time_budget_s']:.0f} s; took {report.get('elapsed_s', 0):.0f} s. Timings: warm-up "
              f"{report['warmup']}, then the median of {report['iterations']} synchronised passes. fp32 matmuls "
              f"{'with' if env['tf32_matmul'] else 'without'} TF32, convolutions "
-             f"{'with' if env['tf32_cudnn'] else 'without'} (PyTorch's defaults).", ""]
+             f"{'with' if env['tf32_cudnn'] else 'without'} (PyTorch's defaults).",
+             *([f"- Resumed (`--resume`): {report['resumed']}."] if report.get("resumed") else []), ""]
     for section in SECTIONS:
         state = report["sections"].get(section.name)
         lines += [f"## {section.title}", ""]
@@ -892,6 +893,8 @@ def render_markdown(report: dict) -> str:
             continue
         if state["status"] != "done":
             lines += [f"**{state['status']}**" + (f": {state['reason']}" if state.get("reason") else ""), ""]
+        if state.get("kept_from_earlier_run"):
+            lines += [f"(Measured by the earlier run `{report.get('earlier_command')}`.)", ""]
         if state.get("results"):
             try:
                 lines += RENDERERS[section.name](state["results"]) + [""]
@@ -959,6 +962,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, help="warm-up passes (default 2; 1 in a dry run)")
     parser.add_argument("--iterations", type=int, help="timed passes (default 5; 2 in a dry run)")
     parser.add_argument("--compile-backend", help="torch.compile backend (default inductor; eager in a dry run)")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the sections that the gpu.json already in --output-dir finished (same device, "
+                             "versions and sizes), reuse its encoder timings, and run the rest")
     args = parser.parse_args(argv)
     names = [name for name in args.sections.split(",") if name]
     unknown = sorted(set(names) - {s.name for s in SECTIONS})
@@ -969,6 +975,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     return args
+
+
+def earlier_run(output_dir: Path, report: dict) -> tuple[dict | None, str]:
+    """The report an earlier run left in ``output_dir`` (gpu.json), if it ran on the same device with the same
+    versions and sizes; otherwise None and the reason."""
+    path = output_dir / "gpu.json"
+    if not path.is_file():
+        return None, f"no gpu.json in {output_dir.name}/, nothing kept"
+    earlier = json.loads(path.read_text())
+    for key in ("device", "torch", "transformers", "cuda"):
+        if earlier["environment"].get(key) != report["environment"].get(key):
+            return None, (f"the earlier run's {key} was {earlier['environment'].get(key)!r}, this one's is "
+                          f"{report['environment'].get(key)!r}; nothing kept")
+    if earlier["scale"] != json.loads(json.dumps(report["scale"])):  # as the json holds it
+        return None, "the earlier run used other sizes or iterations; nothing kept"
+    return earlier, "the sections the earlier run finished are kept, and its encoder timings reused"
+
+
+def resume(ctx: Context, earlier: dict) -> dict:
+    """Takes the finished sections of ``earlier``, and every encoder timing it measured (finished or not) into the
+    speed cache, so that the headline and the grid go on where it stopped; returns the finished sections."""
+    for name in ("headline", "speed_grid"):
+        for entry in earlier["sections"].get(name, {}).get("results", {}).get("entries", []):
+            if "seconds" in entry:
+                key = speed_key(entry["variant"], entry["frames"], entry["batch"], entry["dtype"], entry["attention"])
+                ctx.speed[key] = entry
+    return {name: {**state, "kept_from_earlier_run": True} for name, state in earlier["sections"].items()
+            if state["status"] == "done"}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -990,9 +1024,18 @@ def main(argv: list[str] | None = None) -> dict:
     ctx = Context(args=args, scale=scale, device=device, budget=budget, report=report)
     log(budget, f"{report['environment']['device']}; torch {torch.__version__}, "
                 f"transformers {transformers.__version__}")
+    kept = {}
+    if args.resume:
+        earlier, report["resumed"] = earlier_run(Path(args.output_dir), report)
+        kept = resume(ctx, earlier) if earlier else {}
+        if earlier:
+            report["earlier_command"] = earlier["command"]
+        log(budget, f"--resume: {report['resumed']}")
     for section in SECTIONS:
         state = report["sections"][section.name] = dict(status="running", reason=None, results={})
-        if section.name not in args.sections:
+        if section.name in kept:
+            state.update(kept[section.name])
+        elif section.name not in args.sections:
             state.update(status="skipped", reason="not selected (--sections)")
         elif budget.left() < section.min_seconds:
             state.update(status="skipped", reason=f"needs at least {section.min_seconds:.0f} s, "

@@ -14,9 +14,17 @@ from modeling_testa import TestaVisionConfig, TestaVisionModel
 
 
 @pytest.fixture(scope="module")
-def dry_run(tmp_path_factory):
+def partial_and_resumed(tmp_path_factory):
+    """A dry run of two sections, then one with --resume that keeps them and runs the rest."""
     output_dir = tmp_path_factory.mktemp("gpu")
-    report = gpu.main(["--dry-run", "--output-dir", str(output_dir)])
+    partial = gpu.main(["--dry-run", "--output-dir", str(output_dir), "--sections", "headline,cuda_vs_cpu"])
+    report = gpu.main(["--dry-run", "--output-dir", str(output_dir), "--resume"])
+    return partial, report, output_dir
+
+
+@pytest.fixture(scope="module")
+def dry_run(partial_and_resumed):
+    _, report, output_dir = partial_and_resumed
     return report, output_dir
 
 
@@ -196,3 +204,30 @@ def test_memory_ratios_against_the_paper_target():
     assert result["targets"]["fp32 train_step"]["met"] is True
     assert "bf16 inference" not in result["targets"]
     assert gpu.memory_ratios(rows[:1]) == dict(ratios={}, targets={})  # one side only: no ratio yet
+
+
+def test_resume_keeps_finished_sections_and_reuses_their_timings(partial_and_resumed):
+    partial, report, _ = partial_and_resumed
+    assert [name for name, state in partial["sections"].items() if state["status"] == "done"] == \
+        ["headline", "cuda_vs_cpu"]
+    for name in ("headline", "cuda_vs_cpu"):
+        assert report["sections"][name]["kept_from_earlier_run"]
+        assert report["sections"][name]["results"] == json.loads(json.dumps(partial["sections"][name]["results"]))
+    assert not report["sections"]["memory_96"].get("kept_from_earlier_run")
+    grid = {(e["variant"], e["frames"], e["batch"], e["dtype"], e["attention"]): e
+            for e in report["sections"]["speed_grid"]["results"]["entries"]}
+    for entry in partial["sections"]["headline"]["results"]["entries"]:
+        if "seconds" in entry:  # measured once, by the earlier run
+            key = (entry["variant"], entry["frames"], entry["batch"], entry["dtype"], entry["attention"])
+            assert grid[key]["all_seconds"] == entry["all_seconds"]
+    assert "sections the earlier run finished are kept" in report["resumed"]
+    assert "--sections headline,cuda_vs_cpu" in report["earlier_command"]
+
+
+def test_resume_keeps_nothing_from_another_device(tmp_path):
+    earlier = gpu.main(["--dry-run", "--output-dir", str(tmp_path), "--sections", "cuda_vs_cpu"])
+    earlier["environment"]["device"] = "NVIDIA H100 80GB HBM3"
+    (tmp_path / "gpu.json").write_text(json.dumps(earlier))
+    report = gpu.main(["--dry-run", "--output-dir", str(tmp_path), "--resume", "--time-budget", "0"])
+    assert "device" in report["resumed"] and "nothing kept" in report["resumed"]
+    assert report["sections"]["cuda_vs_cpu"]["status"] == "skipped"
