@@ -31,26 +31,41 @@ from modeling_testa.flops import count_encoder_gmac
 from benchmarks.encoder_args import add_encoder_arguments, encoder_settings, status_kib
 
 
-def build(variant: str, args) -> torch.nn.Module:
-    common = encoder_settings(args)
-    if variant == "timesformer":
-        from transformers import TimesformerConfig, TimesformerModel
+VARIANTS = ("testa-none", "testa", "timesformer")
 
-        config = TimesformerConfig(**common, attention_type="divided_space_time", qkv_bias=True)
-        model = TimesformerModel(config)
-    else:
-        reductions = (0, 0) if variant == "testa-none" else (args.temporal_reduction, args.spatial_reduction)
-        config = TestaVisionConfig(**common, temporal_reduction=reductions[0], spatial_reduction=reductions[1])
-        model = TestaVisionModel(config)
+
+def build(variant: str, args, attention: str | None = None) -> torch.nn.Module:
+    """One of `VARIANTS` with the architecture of ``args`` (`encoder_settings`), on ``args.device`` in
+    ``args.dtype``, in eval mode: TESTA without aggregation, TESTA at ``args.temporal_reduction`` and
+    ``args.spatial_reduction``, or transformers' `TimesformerModel`. ``attention`` is the attention implementation
+    (``"eager"``, ``"sdpa"``; default: transformers' choice); transformers raises a `ValueError` for one the model
+    does not support. The weights are initialised on the device (fast on a GPU)."""
+    common = encoder_settings(args)
+    if attention is not None:
+        common["attn_implementation"] = attention
+    with torch.device(args.device):
+        if variant == "timesformer":
+            from transformers import TimesformerConfig, TimesformerModel
+
+            config = TimesformerConfig(**common, attention_type="divided_space_time", qkv_bias=True)
+            model = TimesformerModel(config)
+        elif variant in VARIANTS:
+            reductions = (0, 0) if variant == "testa-none" else (args.temporal_reduction, args.spatial_reduction)
+            config = TestaVisionConfig(**common, temporal_reduction=reductions[0], spatial_reduction=reductions[1])
+            model = TestaVisionModel(config)
+        else:
+            raise ValueError(f"Unknown encoder variant {variant!r}; allowed values are {', '.join(VARIANTS)}.")
     return model.to(device=args.device, dtype=getattr(torch, args.dtype)).eval()
 
 
 def synchronize(device: str) -> None:
+    """Waits for the device's queued work (CUDA), so that wall-clock times cover it."""
     if device.startswith("cuda"):
         torch.cuda.synchronize()
 
 
 def time_forward(model, video, device) -> float:
+    """Seconds of one inference-mode forward pass of ``model`` on ``video``, synchronised on CUDA."""
     synchronize(device)
     start = time.perf_counter()
     with torch.inference_mode():
@@ -164,7 +179,7 @@ def main() -> None:
 
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)
-    variants = ["testa-none", "testa", "timesformer"]
+    variants = list(VARIANTS)
     models = {v: build(v, args) for v in variants}
     video = torch.randn(args.batch, args.frames, 3, args.image_size, args.image_size).to(args.device, dtype)
     config = models["testa"].config

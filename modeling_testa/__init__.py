@@ -13,6 +13,7 @@ from transformers import (
     AutoProcessor,
     AutoVideoProcessor,
 )
+from transformers.utils import is_torchvision_available, is_vision_available
 
 from .aggregation import Matching, geometry_matching, importance_matching, merge_tokens
 from .configuration_testa import TestaConfig, TestaVisionConfig
@@ -64,7 +65,9 @@ AutoModel.register(TestaConfig, TestaForVideoTextRetrieval, exist_ok=True)
 AutoModel.register(TestaVisionConfig, TestaVisionModel, exist_ok=True)
 AutoModelForVisualQuestionAnswering.register(TestaConfig, TestaForVideoQA, exist_ok=True)
 AutoModelForPreTraining.register(TestaConfig, TestaForPreTraining, exist_ok=True)
-AutoVideoProcessor.register(TestaConfig, video_processor_class=TestaVideoProcessor, exist_ok=True)
+# The video processor needs Pillow and torchvision; the models run without them (e.g. torch + transformers on a GPU).
+if is_vision_available() and is_torchvision_available():
+    AutoVideoProcessor.register(TestaConfig, video_processor_class=TestaVideoProcessor, exist_ok=True)
 AutoProcessor.register(TestaConfig, TestaProcessor, exist_ok=True)
 
 # Hub remote code: `save_pretrained` copies the code files and writes `auto_map` (the processor classes register

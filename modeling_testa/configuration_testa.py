@@ -15,6 +15,9 @@ AGGREGATION_STRATEGIES = ("geometry", "importance")
 REDUCTION_MODES = ("merge", "prune")
 AGGREGATION_DIMS = ("temporal+spatial", "temporal", "spatial", "joint")
 FRAME_MATCHINGS = ("mean", "vote", "original")
+# Whether transformers builds a composite config's sub-configs from `sub_configs_defaults` (newer 5.x releases). Older
+# ones (e.g. 5.17) read the `sub_configs` mapping and leave the building to the config (see `TestaConfig`).
+BUILDS_SUB_CONFIGS = hasattr(PreTrainedConfig, "sub_configs_defaults")
 
 
 def per_layer(value: int | list[int], num_layers: int, name: str) -> list[int]:
@@ -204,6 +207,11 @@ class TestaConfig(PreTrainedConfig):
 
     def __post_init__(self, **kwargs):
         kwargs.setdefault("bos_token_id", self.dec_token_id)
+        if not BUILDS_SUB_CONFIGS:  # as transformers' own composite configs did before `sub_configs_defaults`
+            for key, config_class in self.sub_configs.items():
+                value = getattr(self, key)
+                if value is None or isinstance(value, dict):
+                    setattr(self, key, config_class(**(value or {})))
         super().__post_init__(**kwargs)
         # The video-grounded encoder cross-attends to video tokens of the encoder's width.
         self.text_config.encoder_hidden_size = self.vision_config.hidden_size
@@ -236,6 +244,10 @@ class TestaConfig(PreTrainedConfig):
                 raise ValueError(
                     f"`{name}`={getattr(self, name)} is outside the text vocabulary (text_config.vocab_size={vocab})."
                 )
+
+
+if not BUILDS_SUB_CONFIGS:
+    TestaConfig.sub_configs = dict(TestaConfig.sub_configs_defaults)
 
 
 def token_schedule(

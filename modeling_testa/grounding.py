@@ -7,14 +7,16 @@ with `vision_proj` (the VTC video projection applied to the region's token), and
 """
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from PIL import Image, ImageDraw
 
 from .visualization import displayable_frames, video_pixel_values, vision_encoder
+
+if TYPE_CHECKING:  # Pillow is imported when drawing
+    import PIL.Image
 
 
 @dataclass
@@ -86,9 +88,11 @@ def _uint8_frames(frames: torch.Tensor) -> np.ndarray:
     return (frames.permute(0, 2, 3, 1).numpy() * 255).astype(np.uint8)
 
 
-def draw_grounding(grounding: Grounding, alpha: float = 0.55) -> Image.Image:
+def draw_grounding(grounding: Grounding, alpha: float = 0.55) -> "PIL.Image.Image":
     """One row per phrase: the frames with every patch tinted by its region's similarity (red = high, per-phrase
     min-max scaled); the best region of the phrase is outlined in white."""
+    from PIL import Image, ImageDraw  # when drawing: the package imports without Pillow
+
     frames = grounding.frames
     count, height, width = frames.shape[:3]
     rows, columns = grounding.patch_grid

@@ -13,11 +13,11 @@ This file is Hub remote code (exported with `video_processing_testa.py`): siblin
 """
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import PIL.Image
 import torch
 from transformers.video_utils import VideoMetadata
 
@@ -31,9 +31,16 @@ def is_array(value: Any) -> bool:
     return isinstance(value, (np.ndarray, torch.Tensor))
 
 
+def is_pil_image(value: Any) -> bool:
+    """Whether `value` is a PIL image. Pillow is optional (the models run without it, e.g. on a GPU machine with
+    torch and transformers only), and a value can only be a PIL image once Pillow has been imported."""
+    image_module = sys.modules.get("PIL.Image")
+    return image_module is not None and isinstance(value, image_module.Image)
+
+
 def is_frame(value: Any) -> bool:
     """Whether `value` is one frame: a PIL image, or a 2-D/3-D array or tensor."""
-    return isinstance(value, PIL.Image.Image) or (is_array(value) and value.ndim in (2, 3))
+    return is_pil_image(value) or (is_array(value) and value.ndim in (2, 3))
 
 
 def is_path(value: Any) -> bool:
@@ -78,7 +85,7 @@ def check_video(item: Any, label: str) -> None:
                 f"{VIDEO_DIMENSIONS}."
             )
         return
-    if isinstance(item, PIL.Image.Image):
+    if is_pil_image(item):
         raise ValueError(
             f"{label} is a single PIL image; pass a video as a list of frames (`[image]` for a one-frame video)."
         )
@@ -129,7 +136,7 @@ def video_list(videos: Any, name: str = "videos") -> list[Any]:
         )
     if is_path(videos):
         return [videos]
-    if isinstance(videos, PIL.Image.Image):
+    if is_pil_image(videos):
         raise ValueError(f"`{name}` is a single PIL image; pass a list of frames (`[image]`) for a one-frame video.")
     if not isinstance(videos, (list, tuple)):
         raise TypeError(f"`{name}` must be a video or a list of videos, got {describe(videos)}, an unsupported type.")
@@ -214,9 +221,9 @@ def _channel_axis(shape: tuple[int, ...], label: str, input_data_format: Any) ->
 
 def _stack_frames(frames: list[Any], label: str) -> np.ndarray:
     """A list of PIL images (converted to RGB) or of 2-D/3-D arrays -> one `(T, ...)` array."""
-    if all(isinstance(frame, PIL.Image.Image) for frame in frames):
+    if all(is_pil_image(frame) for frame in frames):
         arrays = [np.asarray(frame.convert("RGB")) for frame in frames]
-    elif any(isinstance(frame, PIL.Image.Image) for frame in frames):
+    elif any(is_pil_image(frame) for frame in frames):
         raise ValueError(f"{label} mixes PIL images and arrays; use one kind of frame per video.")
     else:
         arrays = [
@@ -333,6 +340,7 @@ __all__ = [
     "is_frame",
     "is_frame_list",
     "is_path",
+    "is_pil_image",
     "is_single_video",
     "is_video_file_name",
     "metadata_per_video",

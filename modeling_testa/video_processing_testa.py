@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from huggingface_hub.dataclasses import validate_typed_dict
 from transformers.image_processing_utils import BatchFeature
-from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, PILImageResampling, SizeDict, validate_kwargs
+from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, SizeDict, validate_kwargs
 from transformers.processing_utils import Unpack, VideosKwargs
 from transformers.video_processing_utils import BaseVideoProcessor
 from transformers.video_utils import VideoMetadata
@@ -139,7 +139,7 @@ class TestaVideoProcessor(BaseVideoProcessor):
             (`int`, *optional*): see [`decode_video`].
     """
 
-    resample = PILImageResampling.BICUBIC
+    resample = 3  # PILImageResampling.BICUBIC, as an int (what a saved config holds): importable without Pillow
     image_mean = OPENAI_CLIP_MEAN
     image_std = OPENAI_CLIP_STD
     size = {"shortest_edge": 224}

@@ -15,17 +15,20 @@ patch position after a frame merge) also share a colour. With ``aggregation_dims
 all space-time tokens) there is no frame-level merge: frames get no group rectangle, and a patch is painted whenever
 its token holds other patches, of its own frame or of any other.
 
-Only pillow is needed (no matplotlib). Imports are sibling-relative so that the module works as Hub remote code.
+Only pillow is needed (no matplotlib), imported when drawing, so that the package imports without it. Imports are
+sibling-relative so that the module works as Hub remote code.
 """
 
 import colorsys
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from PIL import Image, ImageDraw, ImageFont
+
+if TYPE_CHECKING:  # Pillow is imported when drawing
+    import PIL.Image
 
 
 # Strong, well separated colours for frame groups (matplotlib's tab10 without its grey), then golden-ratio hues.
@@ -266,8 +269,10 @@ def _frame_colour(index: int) -> tuple[int, int, int]:
 
 def _draw_frame(
     pixels: torch.Tensor, tokens: np.ndarray, highlight: np.ndarray, patch_pixels: int, alpha: float
-) -> Image.Image:
+) -> "PIL.Image.Image":
     """One input frame scaled to ``patch_pixels`` per patch, with merged patch groups tinted and outlined."""
+    from PIL import Image
+
     h, w = tokens.shape
     array = (pixels.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)
     image = Image.fromarray(array).resize((w * patch_pixels, h * patch_pixels), Image.Resampling.BICUBIC)
@@ -298,8 +303,10 @@ def _draw_frame(
 
 def draw_aggregation(
     groups: AggregationGroups, patch_pixels: int | None = None, columns: int | None = None, alpha: float = 0.45
-) -> Image.Image:
+) -> "PIL.Image.Image":
     """Draws :class:`AggregationGroups` as an RGB image (see :func:`visualize_aggregation`)."""
+    from PIL import Image, ImageDraw, ImageFont
+
     frames = groups.pixels.shape[0]
     h, w = groups.patch_grid
     if patch_pixels is None:
@@ -387,7 +394,7 @@ def visualize_aggregation(
     image_mean: Any = None,
     image_std: Any = None,
     processor_kwargs: dict | None = None,
-) -> Image.Image:
+) -> "PIL.Image.Image":
     """Draws which frames and patches of ``video`` the TESTA encoder has merged after block ``layer``.
 
     Frames merged together are outlined with the same coloured rectangle (thin grey: not merged; black: all patches

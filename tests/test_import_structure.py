@@ -9,10 +9,14 @@
 """
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from transformers.dynamic_module_utils import get_relative_imports
+
+from modeling_testa import TestaVisionConfig, token_schedule
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -225,3 +229,50 @@ def test_checker_finds_sys_path_edits(tmp_path):
 def test_no_file_edits_sys_path():
     edits = [item for path in _python_files() for item in _sys_path_edits(path)]
     assert edits == [], "\n".join(edits)
+
+
+# Run in a fresh interpreter in which Pillow, torchvision and the decoders cannot be found, as on a GPU machine that
+# has torch and transformers only (benchmarks/gpu.py runs there).
+WITHOUT_VISION_STACK = """
+import sys
+
+HIDDEN = {"PIL", "torchvision", "av", "decord", "faiss", "torchcodec"}
+
+
+class Hide:
+    def __init__(self, finder):
+        self.finder = finder
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in HIDDEN:
+            return None
+        return self.finder.find_spec(name, path, target)
+
+    def __getattr__(self, name):
+        return getattr(self.finder, name)
+
+
+sys.meta_path[:] = [Hide(finder) for finder in sys.meta_path]
+import torch
+from modeling_testa import TestaConfig, TestaForVideoTextRetrieval, TestaVisionConfig, TestaVisionModel
+
+vision = dict(num_frames=4, image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+              intermediate_size=64, temporal_reduction=1, spatial_reduction=3)
+video = torch.randn(1, 4, 3, 32, 32)
+print(TestaVisionModel(TestaVisionConfig(**vision))(video).last_hidden_state.shape[1])
+text = dict(vocab_size=120, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+model = TestaForVideoTextRetrieval(TestaConfig(vision_config=vision, text_config=text, enc_token_id=119,
+                                               dec_token_id=118, projection_dim=16))
+print(tuple(model(input_ids=torch.randint(0, 118, (1, 5)), pixel_values=video).itm_score.shape))
+print(sorted(name for name in ("PIL", "torchvision", "av", "decord") if name in sys.modules))
+"""
+
+
+def test_the_models_run_without_pillow_torchvision_and_the_decoders():
+    result = subprocess.run([sys.executable, "-c", WITHOUT_VISION_STACK], cwd=REPO, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    frames, patches = token_schedule(TestaVisionConfig(num_frames=4, image_size=32, patch_size=8, hidden_size=32,
+                                                       num_hidden_layers=2, num_attention_heads=4,
+                                                       temporal_reduction=1, spatial_reduction=3))[-1]
+    assert result.stdout.splitlines() == [str(1 + frames * patches), "(1, 2)", "[]"], result.stdout
