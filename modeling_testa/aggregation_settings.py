@@ -151,10 +151,12 @@ class AggregationSettings:
             raise ValueError(f"Unknown aggregation setting(s) {unknown}; allowed settings are {list(AGGREGATION_FIELDS)}.")
         dims = options.get("aggregation_dims", cls.aggregation_dims)
         check_choice(dims, AGGREGATION_DIMS, "aggregation_dims")
-        if zero_switched_off:
-            switched = switched_off_reductions(dims, temporal, spatial)
-            temporal = [0] * num_layers if "temporal_reduction" in switched else temporal
-            spatial = [0] * num_layers if "spatial_reduction" in switched else spatial
+        switched = switched_off_reductions(dims, temporal, spatial)
+        if switched and not zero_switched_off:  # the error names the value as given
+            given = {"temporal_reduction": temporal_reduction, "spatial_reduction": spatial_reduction}
+            raise ValueError(switched_off_message(switched[0], given[switched[0]], dims))
+        temporal = [0] * num_layers if "temporal_reduction" in switched else temporal
+        spatial = [0] * num_layers if "spatial_reduction" in switched else spatial
         return cls(temporal_reduction=tuple(temporal), spatial_reduction=tuple(spatial), **options)
 
     @classmethod
