@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 from modeling_testa import TestaConfig
 from modeling_testa.aggregation_settings import AGGREGATION_FIELDS
 
-from .data import (  # noqa: F401  (re-exported: `from train.loop import load_rows, ...`)
+from .data import (  # re-exported (`__all__`): `from train.loop import load_rows` keeps working
     MEDIA_ERRORS,
     DecodeFailures,
     StreamedEpoch,
@@ -50,7 +50,7 @@ from .data import (  # noqa: F401  (re-exported: `from train.loop import load_ro
     spare_rows,
     synchronized,
 )
-from .recipe import (  # noqa: F401  (re-exported: `from train.loop import load_recipe, ...`)
+from .recipe import (  # re-exported (`__all__`), as above
     MIXED_PRECISIONS,
     RECIPE_KEYS,
     SCHEDULERS,
@@ -438,3 +438,39 @@ def save_final(accelerator: Accelerator, model, processor, path: Path) -> None:
         unwrapped.save_pretrained(str(path), state_dict=state_dict)
         processor.save_pretrained(str(path))
     accelerator.wait_for_everyone()
+
+
+__all__ = [
+    # this module's own
+    "RECIPE_AGGREGATION_FIELDS",
+    "Task",
+    "TrainState",
+    "build_model",
+    "build_scheduler",
+    "learning_rate",
+    "main",
+    "resolve_mixed_precision",
+    "save_final",
+    "warmup_steps",
+    "warn_if_launch_config_ignored",
+    # re-exported from train.recipe and train.data, where they live
+    "MEDIA_ERRORS",
+    "MIXED_PRECISIONS",
+    "RECIPE_KEYS",
+    "SCHEDULERS",
+    "TASKS",
+    "DecodeFailures",
+    "Recipe",
+    "StreamedEpoch",
+    "TrainRecipe",
+    "VideoTextCollator",
+    "build_processor",
+    "epoch_loader",
+    "load_recipe",
+    "load_rows",
+    "move_to_device",
+    "parse_args",
+    "spare_rows",
+    "synchronized",
+    "validate_recipe",
+]
