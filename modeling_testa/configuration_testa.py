@@ -54,6 +54,12 @@ class TestaVisionConfig(PreTrainedConfig):
             `(T - 1) // 2` (the original code's cap) and the patch merge at `L // 2`.
         spatial_reduction (`int` or `list[int]`, defaults to 12): R_S, patches removed per frame per block. With
             `aggregation_dims="joint"` it is the number of space-time tokens removed per block instead.
+
+            A reduction that `aggregation_dims` switches off (R_T with `"spatial"` or `"joint"`, R_S with
+            `"temporal"`) must be 0, as `apply_testa` requires; because the defaults are R_T=1, R_S=12, configs that
+            leave it non-zero (saved folders included) still load, with a warning, and the encoder runs with it at 0.
+            The fields, allowed values and checks are `aggregation_settings.AggregationSettings`' (one declaration for
+            the config, `apply_testa` and the FLOP count).
         aggregation_strategy (`str`, defaults to `"geometry"`): `"geometry"` is the paper's default: alternating
             bipartite split, the R most similar (A, B) pairs are merged. `"importance"` puts the R least-attended tokens
             (Eq. 1 of the paper) in set A and merges each into its most similar token of set B.
