@@ -88,7 +88,7 @@ class EvalRecipe:
     batch_size: int = 8  # global
     store_dir: str | None = None  # where the encoded test videos go; None: a temporary folder
 
-    CHOICES: typing.ClassVar[dict] = {}
+    CHOICES = {}
 
 
 SECTIONS: dict[str, type] = {"data": DataRecipe, "train": TrainRecipe, "eval": EvalRecipe}
