@@ -3,7 +3,8 @@
 Both TESTA's own encoder (`modeling_testa_vision`) and transformers' encoders patched by `apply_testa` (`patching`)
 run their blocks through the two functions here. The host supplies how its attention, norms, residual projections and
 MLP are computed (a :class:`DividedHost` or a :class:`JointHost`); the block owns matching, merging, token sizes and
-source tracking, so a change to the matching order or to proportional attention is made once.
+source tracking, so a change to the matching order or to proportional attention is made once. The settings they run
+with are an :class:`.aggregation_settings.AggregationSettings` (re-exported here).
 
 Token layout between blocks (a :class:`TokenState`):
 
@@ -30,8 +31,7 @@ size is 1 and the bias is zero, so it is left out).
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -48,48 +48,7 @@ from .aggregation import (
     output_slot_of_inputs,
     shift_protected,
 )
-
-
-@dataclass(frozen=True)
-class AggregationSettings:
-    """The aggregation settings of one encoder: one R per block, and how tokens are matched (see `TestaVisionConfig`
-    for the meaning of every field)."""
-
-    temporal_reduction: tuple[int, ...]
-    spatial_reduction: tuple[int, ...]
-    aggregation_strategy: str = "geometry"
-    reduction_mode: str = "merge"
-    aggregation_dims: str = "temporal+spatial"
-    frame_matching: str = "mean"
-    proportional_attention: bool = False
-    trace_source: bool = False
-
-    @classmethod
-    def from_config(cls, config: Any) -> "AggregationSettings":
-        """The settings of a `TestaVisionConfig`."""
-        return cls(
-            temporal_reduction=tuple(config.temporal_reduction_per_layer),
-            spatial_reduction=tuple(config.spatial_reduction_per_layer),
-            aggregation_strategy=config.aggregation_strategy,
-            reduction_mode=config.reduction_mode,
-            aggregation_dims=config.aggregation_dims,
-            frame_matching=config.frame_matching,
-            proportional_attention=config.proportional_attention,
-            trace_source=config.trace_source,
-        )
-
-    @property
-    def uses_importance(self) -> bool:
-        """Whether matching needs the attention received by every token (Eq. 1)."""
-        return self.aggregation_strategy == "importance" or self.reduction_mode == "prune"
-
-    def reductions(self, index: int) -> tuple[int, int]:
-        """``(R_T, R_S)`` requested for block ``index``; zero where `aggregation_dims` switches a step off. In joint
-        mode R_S is the number of space-time tokens merged and R_T is 0."""
-        dims = self.aggregation_dims
-        temporal = self.temporal_reduction[index] if dims in ("temporal", "temporal+spatial") else 0
-        spatial = self.spatial_reduction[index] if dims != "temporal" else 0
-        return temporal, spatial
+from .aggregation_settings import AggregationSettings
 
 
 class AttentionOutput(NamedTuple):

@@ -5,41 +5,31 @@ composite configuration of the full video-language model (video encoder + BLIP t
 """
 
 
+import logging
+
 from huggingface_hub.dataclasses import strict
 from transformers import BlipTextConfig, PreTrainedConfig
 
-from .aggregation import capped_reduction
+from .aggregation_settings import (
+    AGGREGATION_DIMS,
+    AGGREGATION_FIELDS,
+    AGGREGATION_STRATEGIES,
+    DEFAULTS,
+    FRAME_MATCHINGS,
+    REDUCTION_MODES,
+    AggregationSettings,
+    check_choice,
+    per_layer,
+    switched_off_message,
+    switched_off_reductions,
+)
 
 
-AGGREGATION_STRATEGIES = ("geometry", "importance")
-REDUCTION_MODES = ("merge", "prune")
-AGGREGATION_DIMS = ("temporal+spatial", "temporal", "spatial", "joint")
-FRAME_MATCHINGS = ("mean", "vote", "original")
 # Whether transformers builds a composite config's sub-configs from `sub_configs_defaults` (newer 5.x releases). Older
 # ones (e.g. 5.17) read the `sub_configs` mapping and leave the building to the config (see `TestaConfig`).
 BUILDS_SUB_CONFIGS = hasattr(PreTrainedConfig, "sub_configs_defaults")
 
-
-def per_layer(value: int | list[int], num_layers: int, name: str) -> list[int]:
-    """Expands an int or per-layer list into a validated per-layer list; raises a `ValueError` naming ``name``."""
-    values = [value] * num_layers if isinstance(value, int) else list(value)
-    if len(values) != num_layers:
-        raise ValueError(
-            f"`{name}` has {len(values)} entries but the encoder has num_hidden_layers={num_layers}; "
-            f"give one int for every layer or a list of exactly {num_layers} ints."
-        )
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise ValueError(f"`{name}` must hold ints, got {v!r} in {values}.")
-        if v < 0:
-            raise ValueError(f"`{name}` must be >= 0 (tokens removed per layer), got {v} in {values}.")
-    return values
-
-
-def check_choice(value: str, allowed: tuple[str, ...], name: str) -> None:
-    """Raises a `ValueError` naming ``name`` and the allowed values unless ``value`` is one of them."""
-    if value not in allowed:
-        raise ValueError(f"Unknown {name}={value!r}; allowed values are {', '.join(map(repr, allowed))}.")
+logger = logging.getLogger(__name__)
 
 
 @strict
@@ -68,6 +58,12 @@ class TestaVisionConfig(PreTrainedConfig):
             `(T - 1) // 2` (the original code's cap) and the patch merge at `L // 2`.
         spatial_reduction (`int` or `list[int]`, defaults to 12): R_S, patches removed per frame per block. With
             `aggregation_dims="joint"` it is the number of space-time tokens removed per block instead.
+
+            A reduction that `aggregation_dims` switches off (R_T with `"spatial"` or `"joint"`, R_S with
+            `"temporal"`) must be 0, as `apply_testa` requires; because the defaults are R_T=1, R_S=12, configs that
+            leave it non-zero (saved folders included) still load, with a warning, and the encoder runs with it at 0.
+            The fields, allowed values and checks are `aggregation_settings.AggregationSettings`' (one declaration for
+            the config, `apply_testa` and the FLOP count).
         aggregation_strategy (`str`, defaults to `"geometry"`): `"geometry"` is the paper's default: alternating
             bipartite split, the R most similar (A, B) pairs are merged. `"importance"` puts the R least-attended tokens
             (Eq. 1 of the paper) in set A and merges each into its most similar token of set B.
@@ -113,12 +109,13 @@ class TestaVisionConfig(PreTrainedConfig):
     initializer_range: float = 0.02
     temporal_reduction: int | list[int] = 1
     spatial_reduction: int | list[int] = 12
-    aggregation_strategy: str = "geometry"
-    reduction_mode: str = "merge"
-    aggregation_dims: str = "temporal+spatial"
-    frame_matching: str = "mean"
-    proportional_attention: bool = False
-    trace_source: bool = False
+    # The aggregation fields: their defaults, checks and meaning are `AggregationSettings`' (declared once there).
+    aggregation_strategy: str = DEFAULTS["aggregation_strategy"]
+    reduction_mode: str = DEFAULTS["reduction_mode"]
+    aggregation_dims: str = DEFAULTS["aggregation_dims"]
+    frame_matching: str = DEFAULTS["frame_matching"]
+    proportional_attention: bool = DEFAULTS["proportional_attention"]
+    trace_source: bool = DEFAULTS["trace_source"]
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
@@ -135,26 +132,30 @@ class TestaVisionConfig(PreTrainedConfig):
             )
         if self.image_size % self.patch_size:
             raise ValueError(f"image_size={self.image_size} is not a multiple of patch_size={self.patch_size}.")
-        check_choice(self.aggregation_strategy, AGGREGATION_STRATEGIES, "aggregation_strategy")
-        check_choice(self.reduction_mode, REDUCTION_MODES, "reduction_mode")
-        check_choice(self.aggregation_dims, AGGREGATION_DIMS, "aggregation_dims")
-        check_choice(self.frame_matching, FRAME_MATCHINGS, "frame_matching")
-        per_layer(self.temporal_reduction, self.num_hidden_layers, "temporal_reduction")
-        per_layer(self.spatial_reduction, self.num_hidden_layers, "spatial_reduction")
+        self.aggregation_settings()  # raises for impossible aggregation settings, as apply_testa does
+        for name in switched_off_reductions(self.aggregation_dims, self.temporal_reduction, self.spatial_reduction):
+            # Configs default to R_T=1, R_S=12, so saved configs with another `aggregation_dims` carry a reduction
+            # that the encoder has always ignored: they load, with a warning, and run with it at 0.
+            logger.warning(
+                "TestaVisionConfig: %s The encoder runs with %s=0; set it to 0 to silence this warning "
+                "(apply_testa refuses such settings).",
+                switched_off_message(name, getattr(self, name), self.aggregation_dims), name,
+            )
+
+    def aggregation_settings(self) -> AggregationSettings:
+        """The settings the encoder's blocks run with (validated; a reduction that `aggregation_dims` switches off is
+        0)."""
+        return AggregationSettings.from_config(self)
 
     @property
     def temporal_reduction_per_layer(self) -> list[int]:
         """R_T for every block; zero where temporal aggregation is switched off by `aggregation_dims`."""
-        if self.aggregation_dims not in ("temporal", "temporal+spatial"):
-            return [0] * self.num_hidden_layers
-        return per_layer(self.temporal_reduction, self.num_hidden_layers, "temporal_reduction")
+        return list(self.aggregation_settings().temporal_reduction)
 
     @property
     def spatial_reduction_per_layer(self) -> list[int]:
         """R_S (or the joint R) for every block; zero where `aggregation_dims` switches it off."""
-        if self.aggregation_dims == "temporal":
-            return [0] * self.num_hidden_layers
-        return per_layer(self.spatial_reduction, self.num_hidden_layers, "spatial_reduction")
+        return list(self.aggregation_settings().spatial_reduction)
 
     @property
     def num_patches_per_frame(self) -> int:
@@ -261,19 +262,12 @@ def token_schedule(
     """
     frames = config.num_frames if num_frames is None else num_frames
     patches = ((image_size or config.image_size) // config.patch_size) ** 2
-    if config.aggregation_dims == "joint":
-        frames, patches = 1, frames * patches
-    schedule = []
-    for r_t, r_s in zip(config.temporal_reduction_per_layer, config.spatial_reduction_per_layer):
-        if config.aggregation_dims != "joint":
-            frames -= capped_reduction(r_t, frames, protected=1)
-        patches -= capped_reduction(r_s, patches + 1, protected=1)
-        schedule.append((frames, patches))
-    return schedule
+    return config.aggregation_settings().token_schedule(frames, patches)
 
 
 __all__ = [
     "AGGREGATION_DIMS",
+    "AGGREGATION_FIELDS",
     "AGGREGATION_STRATEGIES",
     "FRAME_MATCHINGS",
     "REDUCTION_MODES",

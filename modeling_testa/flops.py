@@ -14,7 +14,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from .aggregation import capped_reduction
+from .aggregation_settings import AggregationSettings
 from .configuration_testa import TestaVisionConfig
 from .modeling_testa_vision import TestaVisionModel
 
@@ -84,7 +84,7 @@ def estimate_encoder_gmac(
         num_frames, image_size: the input (defaults: ``config.num_frames``, ``config.image_size``).
     """
     frames, size = _checked_input(config, num_frames, image_size)
-    return _estimate(config, frames, size, config.temporal_reduction_per_layer, config.spatial_reduction_per_layer)
+    return _estimate(config, frames, size, config.aggregation_settings())
 
 
 def _checked_input(config: TestaVisionConfig, num_frames: int | None, image_size: int | None) -> tuple[int, int]:
@@ -98,54 +98,46 @@ def _checked_input(config: TestaVisionConfig, num_frames: int | None, image_size
     return frames, size
 
 
-def _estimate(
-    config: TestaVisionConfig, frames: int, size: int, temporal: list[int], spatial: list[int]
-) -> tuple[float, int]:
-    """:func:`estimate_encoder_gmac` with explicit per-block reductions (already zeroed by ``aggregation_dims``)."""
+def _estimate(config: TestaVisionConfig, frames: int, size: int, settings: AggregationSettings) -> tuple[float, int]:
+    """:func:`estimate_encoder_gmac` with explicit settings: the blocks' token counts are ``settings``' schedule,
+    the reductions each block makes are the differences between its entries."""
     dim, mlp = config.hidden_size, config.intermediate_size
     patches = (size // config.patch_size) ** 2
-    importance = config.aggregation_strategy == "importance" or config.reduction_mode == "prune"
+    importance = settings.uses_importance
     macs = frames * patches * dim * config.num_channels * config.patch_size**2  # patch embedding
-    joint = config.aggregation_dims == "joint"
+    schedule = settings.token_schedule(frames, patches)
+    joint = settings.aggregation_dims == "joint"
     if joint:
         frames, patches = 1, frames * patches
-    for r_t, r_s in zip(temporal, spatial):
+    for frames_out, patches_out in schedule:
         if joint:
             tokens = patches + 1
-            r = capped_reduction(r_s, tokens, protected=1)
+            r = patches - patches_out
             macs += 5 * tokens * dim + 4 * tokens * dim * dim + 2 * tokens * tokens * dim  # LN, qkv + proj, attention
             if r:
                 macs += importance * tokens * tokens * dim + _matching_macs(config, tokens, r)
-            patches -= r
+            patches = patches_out
             macs += (patches + 1) * (5 * dim + 2 * dim * mlp)  # LN + MLP
             continue
         # temporal attention over the frames at every patch position, then temporal_fc
         tokens = frames * patches
         macs += 5 * tokens * dim + 5 * tokens * dim * dim + 2 * patches * frames * frames * dim
-        r = capped_reduction(r_t, frames, protected=1)
+        r = frames - frames_out
         if r:
             vote = patches if config.frame_matching != "mean" else 1
             macs += importance * patches * frames * frames * dim + _matching_macs(config, frames, r, vote)
-            frames -= r
+            frames = frames_out
         # spatial attention over [CLS, patches] of every frame
         tokens = patches + 1
         macs += frames * (5 * tokens * dim + 4 * tokens * dim * dim + 2 * tokens * tokens * dim)
-        r = capped_reduction(r_s, tokens, protected=1)
+        r = patches - patches_out
         if r:
             macs += frames * (importance * tokens * tokens * dim + _matching_macs(config, tokens, r))
-            patches -= r
+            patches = patches_out
         macs += (1 + frames * patches) * (5 * dim + 2 * dim * mlp)  # LN + MLP
     output_tokens = 1 + frames * patches
     macs += 5 * output_tokens * dim  # post LayerNorm
     return macs / 1e9, output_tokens
-
-
-def _final_grid(frames: int, patches: int, r_t: int, r_s: int, num_layers: int) -> tuple[int, int]:
-    """``(frames, patches per frame)`` after ``num_layers`` blocks with constant R_T / R_S (divided aggregation)."""
-    for _ in range(num_layers):
-        frames -= capped_reduction(r_t, frames, protected=1)
-        patches -= capped_reduction(r_s, patches + 1, protected=1)
-    return frames, patches
 
 
 def _is_number(value) -> bool:
@@ -213,10 +205,10 @@ def suggest_reduction(
             f"target_ratio={target_ratio!r}."
         )
     frames, size = _checked_input(config, num_frames, image_size)
-    layers, patches = config.num_hidden_layers, (size // config.patch_size) ** 2
+    patches = (size // config.patch_size) ** 2
     dims = config.aggregation_dims
-    zeros = [0] * layers
-    full_gmac = _estimate(config, frames, size, zeros, zeros)[0]
+    base = config.aggregation_settings()
+    full_gmac = _estimate(config, frames, size, base.with_reductions(0, 0))[0]
 
     if target_ratio is not None:
         if not _is_number(target_ratio) or not 0 < target_ratio <= 1:
@@ -233,9 +225,11 @@ def suggest_reduction(
     else:
         max_s = patches // 2 if dims in ("spatial", "temporal+spatial") else 0
 
+    def constant(r_t: int, r_s: int) -> AggregationSettings:  # max_t / max_s are 0 where dims switch a step off
+        return base.with_reductions(r_t if max_t else 0, r_s if max_s else 0)
+
     def gmac(r_t: int, r_s: int) -> float:
-        temporal = [r_t] * layers if max_t else zeros
-        return _estimate(config, frames, size, temporal, [r_s] * layers if max_s else zeros)[0]
+        return _estimate(config, frames, size, constant(r_t, r_s))[0]
 
     candidates = []  # (imbalance, distance to budget, R_T, R_S, gmac)
     for r_t in range(max_t + 1):
@@ -243,7 +237,7 @@ def suggest_reduction(
             cost = gmac(r_t, r_s)
             if cost <= budget:
                 if dims == "temporal+spatial":
-                    t_out, l_out = _final_grid(frames, patches, r_t, r_s, layers)
+                    t_out, l_out = constant(r_t, r_s).token_schedule(frames, patches)[-1]
                     imbalance = abs((1 - t_out / frames) - (1 - l_out / patches))
                 else:
                     imbalance = 0.0

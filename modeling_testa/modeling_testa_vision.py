@@ -3,7 +3,7 @@ similar frames and similar patches (`aggregation_block`). Split out of the heads
 `modeling_blip_text.py` out of `modeling_blip.py`."""
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,7 @@ from .aggregation_block import (
     token_sizes_with_cls,
     with_sequence,
 )
+from .aggregation_settings import AGGREGATION_FIELDS
 from .configuration_testa import TestaConfig, TestaVisionConfig
 from .saving import TestaHubMixin
 
@@ -353,10 +354,7 @@ class TestaVisionModel(TestaPreTrainedModel):
         """Changes aggregation settings in place (e.g. ``temporal_reduction=0, spatial_reduction=0`` to evaluate the
         same weights without aggregation). Accepts any `TestaVisionConfig` aggregation field; validates like the
         config does and leaves the model unchanged on error."""
-        allowed = {
-            "temporal_reduction", "spatial_reduction", "aggregation_strategy", "reduction_mode", "aggregation_dims",
-            "frame_matching", "proportional_attention", "trace_source",
-        }
+        allowed = set(AGGREGATION_FIELDS)
         unknown = set(settings) - allowed
         if unknown:
             raise ValueError(f"set_aggregation() got {sorted(unknown)}; allowed settings are {sorted(allowed)}.")
@@ -366,9 +364,9 @@ class TestaVisionModel(TestaPreTrainedModel):
 
     def aggregation_settings(self, trace_source: bool | None = None) -> AggregationSettings:
         """The settings the blocks run with (from the config; ``trace_source`` overrides the config's)."""
-        settings = AggregationSettings.from_config(self.config)
+        settings = self.config.aggregation_settings()
         if trace_source is not None:
-            settings = AggregationSettings(**{**settings.__dict__, "trace_source": bool(trace_source)})
+            settings = replace(settings, trace_source=bool(trace_source))
         return settings
 
     def check_pixel_values(self, pixel_values: torch.Tensor) -> None:

@@ -31,7 +31,7 @@ Imports are sibling-relative so that the module works as Hub remote code.
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 import torch
@@ -40,7 +40,7 @@ import torch.utils.checkpoint
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPooling, ImageClassifierOutput
 
-from .aggregation import attention_received, capped_reduction
+from .aggregation import attention_received
 from .aggregation_block import (
     AggregationSettings,
     AttentionOutput,
@@ -53,14 +53,7 @@ from .aggregation_block import (
     sequence,
     token_sizes_with_cls,
 )
-from .configuration_testa import (
-    AGGREGATION_DIMS,
-    AGGREGATION_STRATEGIES,
-    FRAME_MATCHINGS,
-    REDUCTION_MODES,
-    check_choice,
-    per_layer,
-)
+from .aggregation_settings import DEFAULTS
 from .visualization import AggregationGroups, draw_aggregation
 
 
@@ -156,57 +149,32 @@ def _layers(base: nn.Module, family: str) -> nn.ModuleList:
 def _settings_for(
     base: nn.Module, family: str, temporal_reduction, spatial_reduction, **options
 ) -> AggregationSettings:
-    num_layers = len(_layers(base, family))
-    r_t = tuple(per_layer(temporal_reduction, num_layers, "temporal_reduction"))
-    r_s = tuple(per_layer(spatial_reduction, num_layers, "spatial_reduction"))
-    check_choice(options["aggregation_strategy"], AGGREGATION_STRATEGIES, "aggregation_strategy")
-    check_choice(options["reduction_mode"], REDUCTION_MODES, "reduction_mode")
-    check_choice(options["aggregation_dims"], AGGREGATION_DIMS, "aggregation_dims")
-    check_choice(options["frame_matching"], FRAME_MATCHINGS, "frame_matching")
-    dims = options["aggregation_dims"]
+    """The validated settings (`AggregationSettings` raises for impossible ones), then what this host allows."""
+    proportional = options.pop("proportional_attention")
+    if proportional is None:  # the paper's setting for divided attention, ToMe's for joint attention
+        proportional = family != "timesformer"
+    settings = AggregationSettings.for_layers(
+        len(_layers(base, family)), temporal_reduction, spatial_reduction, proportional_attention=proportional,
+        **options,
+    )
     name = type(base).__name__
     if family == "timesformer" and getattr(base.config, "attention_type", None) != "divided_space_time":
         raise ValueError(
             f"apply_testa supports {name} with attention_type='divided_space_time' only; this model has "
             f"attention_type={base.config.attention_type!r}."
         )
-    if family == "timesformer" and dims == "joint":
+    if family == "timesformer" and settings.aggregation_dims == "joint":
         raise ValueError(
             f"aggregation_dims='joint' (ToMe over all space-time tokens) needs joint space-time attention; {name} "
             "uses divided space-time attention. Use it with VideoMAE or ViViT, or pick 'temporal+spatial', "
             "'temporal' or 'spatial'."
         )
-    if family == "clip" and any(r_t):
+    if family == "clip" and any(settings.temporal_reduction):
         raise ValueError(
             f"{name} encodes every frame on its own and has no temporal stage: temporal_reduction must be 0; got "
             f"{temporal_reduction!r}."
         )
-    if dims in ("joint", "spatial") and any(r_t):
-        raise ValueError(
-            f"With aggregation_dims={dims!r} nothing is merged along time by frames (in 'joint' mode "
-            f"spatial_reduction is the number of space-time tokens merged per block): temporal_reduction must be 0; "
-            f"got {temporal_reduction!r}."
-        )
-    if dims == "temporal" and any(r_s):
-        raise ValueError(
-            f"With aggregation_dims='temporal' only frames are merged: spatial_reduction must be 0; got "
-            f"{spatial_reduction!r}."
-        )
-    proportional = options["proportional_attention"]
-    if proportional is None:  # the paper's setting for divided attention, ToMe's for joint attention
-        proportional = family != "timesformer"
-    if not isinstance(proportional, bool) or not isinstance(options["trace_source"], bool):
-        raise TypeError("`proportional_attention` (or None) and `trace_source` must be bools.")
-    return AggregationSettings(
-        temporal_reduction=r_t,
-        spatial_reduction=r_s,
-        aggregation_strategy=options["aggregation_strategy"],
-        reduction_mode=options["reduction_mode"],
-        aggregation_dims=dims,
-        frame_matching=options["frame_matching"],
-        proportional_attention=proportional,
-        trace_source=options["trace_source"],
-    )
+    return settings
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -559,12 +527,12 @@ def apply_testa(
     temporal_reduction: int | list[int] = 0,
     spatial_reduction: int | list[int] = 0,
     *,
-    aggregation_strategy: str = "geometry",
-    reduction_mode: str = "merge",
-    aggregation_dims: str = "temporal+spatial",
-    frame_matching: str = "mean",
+    aggregation_strategy: str = DEFAULTS["aggregation_strategy"],
+    reduction_mode: str = DEFAULTS["reduction_mode"],
+    aggregation_dims: str = DEFAULTS["aggregation_dims"],
+    frame_matching: str = DEFAULTS["frame_matching"],
     proportional_attention: bool | None = None,
-    trace_source: bool = False,
+    trace_source: bool = DEFAULTS["trace_source"],
 ) -> nn.Module:
     """Makes ``model`` (a supported transformers video encoder, see the module docstring) aggregate tokens with TESTA,
     training-free, by replacing the ``forward`` of the model instance. Calling it again replaces the settings.
@@ -648,19 +616,7 @@ def patched_token_grid(model: nn.Module, frames: int, patches_per_frame: int) ->
     state = model.__dict__.get(_STATE_ATTRIBUTE)
     if state is None:
         raise ValueError(f"{type(model).__name__} is not patched; call apply_testa(model, ...) first.")
-    settings = state.settings
-    has_cls = state.family != "videomae"
-    joint = settings.aggregation_dims == "joint"
-    if joint:
-        frames, patches_per_frame = 1, frames * patches_per_frame
-    grid = []
-    for r_t, r_s in zip(settings.temporal_reduction, settings.spatial_reduction):
-        if settings.aggregation_dims in ("temporal", "temporal+spatial"):
-            frames -= capped_reduction(r_t, frames, protected=1)
-        if settings.aggregation_dims != "temporal":
-            patches_per_frame -= capped_reduction(r_s, patches_per_frame + has_cls, protected=int(has_cls))
-        grid.append((frames, patches_per_frame))
-    return grid
+    return state.settings.token_schedule(frames, patches_per_frame, has_cls=state.family != "videomae")
 
 
 def _patch_size(config, family: str) -> int:
@@ -689,7 +645,7 @@ def patched_aggregation_groups(
     if video.ndim != 4 or (pixel_values.ndim == 5 and pixel_values.shape[0] != 1):
         raise ValueError(f"`pixel_values` must be one video (frames, channels, height, width); got {tuple(pixel_values.shape)}.")
     settings, was_training = state.settings, base.training
-    state.settings = AggregationSettings(**{**settings.__dict__, "trace_source": True})
+    state.settings = replace(settings, trace_source=True)
     base.eval()
     try:
         device = next(base.parameters()).device

@@ -29,7 +29,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from .configuration_testa import token_schedule
+from .configuration_testa import AGGREGATION_FIELDS, token_schedule
 from .processing_testa import cap_tokenizer_length
 
 
@@ -318,8 +318,9 @@ def model_card(model: Any, processor: Any = None, repo_id: str | None = None) ->
                   "intermediate_size", "layer_norm_eps"):
         lines.append(f"| {field} | {_fmt(getattr(vision, field))} |")
     lines += ["", "## Token aggregation", "", "| setting | value |", "|---|---|"]
-    for field in ("aggregation_strategy", "reduction_mode", "aggregation_dims", "frame_matching",
-                  "proportional_attention"):
+    for field in AGGREGATION_FIELDS[2:]:  # the reductions get rows of their own below
+        if field == "trace_source":  # an output option, not how the model aggregates
+            continue
         lines.append(f"| {field} | {_fmt(getattr(vision, field))} |")
     lines.append(f"| temporal_reduction (R_T, frames per block) | {_fmt(vision.temporal_reduction_per_layer)} |")
     spatial = _fmt(vision.spatial_reduction_per_layer)

@@ -313,3 +313,72 @@ def test_decoder_settings_reach_the_video_processor(tmp_path):
     assert default.video_processor.video_backend == "auto" and default.video_processor.isolate_decoder is True
     with pytest.raises(ValueError, match="video_backend"):
         build_processor({"data": {"num_frames": 4, "image_size": 32, "video_backend": "ffmpeg"}})
+
+
+# ----------------------------------------------------------------------------------------------------- typed recipe
+
+
+def test_a_minimal_recipe_takes_every_default_from_the_dataclasses():
+    """Defaults are declared once, on the section dataclasses (hand-written here as the reference)."""
+    from train.recipe import DataRecipe, EvalRecipe, TrainRecipe, parse_recipe
+
+    recipe = parse_recipe({"task": "retrieval"}, "minimal.yaml")
+    assert recipe.data == DataRecipe() and recipe.train == TrainRecipe() and recipe.eval == EvalRecipe()
+    assert (recipe.train.lr, recipe.train.weight_decay, recipe.train.batch_size, recipe.train.seed) == (
+        1e-5, 0.05, 16, 42)
+    assert (recipe.train.scheduler, recipe.train.min_lr, recipe.train.warmup_steps, recipe.train.epochs) == (
+        "cosine", 0.0, None, 1)
+    assert (recipe.data.num_frames, recipe.data.image_size, recipe.data.sampling, recipe.data.num_workers) == (
+        32, 224, "random", 2)
+    assert (recipe.data.max_text_length, recipe.data.eval_split, recipe.data.streaming) == (64, "test", False)
+    assert (recipe.eval.k_test, recipe.eval.batch_size, recipe.eval.store_dir) == (128, 8, None)
+    # the dict view (what train/evaluation.py reads) holds the same values
+    assert recipe["data"]["num_frames"] == 32 and recipe.get("eval")["k_test"] == 128
+    assert recipe.to_dict()["train"] == recipe["train"]
+    # pretraining's own defaults: streamed, 30-token captions, evaluation only when a split is named
+    for raw, task in (({"task": "pretrain"}, None), ({}, "pretrain")):
+        pretrain = parse_recipe(raw, "minimal.yaml", task=task)
+        assert (pretrain.data.streaming, pretrain.data.max_text_length, pretrain.data.eval_split) == (True, 30, None)
+        assert pretrain.train == TrainRecipe()
+
+
+def test_no_reader_restates_a_recipe_default():
+    """The loop, the data pipeline and the task scripts read recipe values as attributes: no `.get(key, default)` of
+    a recipe key (that would be a second default)."""
+    import ast
+
+    from train.recipe import RECIPE_KEYS
+
+    keys = set().union(*RECIPE_KEYS.values())
+    for name in ("loop.py", "data.py", "recipe.py", "finetune_retrieval.py", "finetune_qa.py", "pretrain.py"):
+        tree = ast.parse((ROOT / "train" / name).read_text())
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+                    and len(node.args) == 2 and isinstance(node.args[0], ast.Constant)
+                    and node.args[0].value in keys):
+                pytest.fail(f"train/{name}:{node.lineno} reads {node.args[0].value!r} with its own default")
+
+
+def test_recipe_values_are_typed_and_checked(tmp_path):
+    from train.loop import load_recipe, parse_args
+
+    base = ["--config", str(CONFIGS / "synthetic_retrieval.yaml")]
+    recipe = load_recipe(parse_args("t", base + ["--set", "train.lr=1e-4", "--set", "train.max_grad_norm=null",
+                                                 "--set", "data.num_frames=16", "--set", "eval.store_dir=/tmp/x"]))
+    assert recipe.train.lr == 1e-4 and isinstance(recipe.train.lr, float)  # YAML reads `1e-4` as a string
+    assert recipe.train.max_grad_norm is None and recipe.data.num_frames == 16 and recipe.eval.store_dir == "/tmp/x"
+    assert recipe.train.min_lr == 0.0 and recipe.train.seed == 0  # the file's values
+    for override, message in (
+        ("train.lr=fast", r"train\.lr='fast': expected float"),
+        ("data.num_frames=8.5", r"data\.num_frames=8\.5: expected int"),
+        ("data.streaming=maybe", r"data\.streaming='maybe': expected bool"),
+        ("data.sampling=every", r"data\.sampling='every'; allowed values are \['uniform', 'headtail', 'random'\]"),
+        ("train.mixed_precision=fp64", r"train\.mixed_precision='fp64'; allowed values are .* or null"),
+        ("task=caption", r"task='caption'; allowed values are"),
+        ("model.vision_config=3", r"model\.vision_config must be a mapping"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            load_recipe(parse_args("t", base + ["--set", override]))
+    # a null section (pretrain.yaml's `eval: null`) still takes --set values
+    pretrain = load_recipe(parse_args("t", ["--config", str(CONFIGS / "pretrain.yaml"), "--set", "eval.k_test=5"]))
+    assert pretrain.eval.k_test == 5 and pretrain.eval.batch_size == 8

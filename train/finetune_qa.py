@@ -18,7 +18,7 @@ ANSWERS: list[str] = []
 
 def training_answers(model, processor, recipe, accelerator) -> None:
     """The candidate answers: every distinct answer of the training split, in first-seen order."""
-    rows = load_rows(recipe, recipe["data"].get("train_split", "train"), "qa", streaming=False)
+    rows = load_rows(recipe, recipe.data.train_split, "qa", streaming=False)
     ANSWERS[:] = list(dict.fromkeys(str(answer) for answer in rows["answer"]))
 
 
@@ -36,7 +36,7 @@ def evaluate(model, processor, recipe, accelerator) -> dict:
 TASK = Task(
     name="qa",
     model_class=TestaForVideoQA,
-    text_lengths={"question": ("max_question_length", 35), "answer": ("max_answer_length", 10)},
+    text_lengths={"question": "max_question_length", "answer": "max_answer_length"},
     compute_loss=compute_loss,
     evaluate=evaluate,
     prepare_model=training_answers,

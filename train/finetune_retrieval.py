@@ -3,7 +3,7 @@
     accelerate launch [accelerate flags] train/finetune_retrieval.py --config configuration/retrieval_queryd_f32.yaml \
         [--dataset DIR_OR_HUB_ID] [--output-dir OUT] [--max-steps N] [--resume-from CKPT]
 
-`OUT/final/` is a `save_pretrained` folder (model, processor, remote code). See train/loop.py for every option.
+`OUT/final/` is a `save_pretrained` folder (model, processor, remote code). See train/recipe.py for every recipe key and train/loop.py for the loop.
 """
 
 import zlib
@@ -33,7 +33,7 @@ def compute_loss(model, batch: dict, warmup_progress: float) -> torch.Tensor:
 TASK = Task(
     name="retrieval",
     model_class=TestaForVideoTextRetrieval,
-    text_lengths={"text": ("max_text_length", 64)},
+    text_lengths={"text": "max_text_length"},
     compute_loss=compute_loss,
     evaluate=evaluate_retrieval,
 )

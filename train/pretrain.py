@@ -15,7 +15,7 @@ from train.loop import Task, main
 
 def evaluate(model, processor, recipe, accelerator) -> dict:
     """Zero-shot retrieval on the evaluation split, when the recipe names one."""
-    if not recipe["data"].get("eval_split"):
+    if not recipe.data.eval_split:  # pretraining evaluates only when the recipe names a split
         return {}
     return evaluate_retrieval(model, processor, recipe, accelerator)
 
@@ -23,7 +23,7 @@ def evaluate(model, processor, recipe, accelerator) -> dict:
 TASK = Task(
     name="pretrain",
     model_class=TestaForPreTraining,
-    text_lengths={"text": ("max_text_length", 30)},
+    text_lengths={"text": "max_text_length"},  # 30 tokens unless the recipe says otherwise (TASK_DEFAULTS)
     compute_loss=compute_loss,
     evaluate=evaluate,
 )
