@@ -103,10 +103,21 @@ def sequence_nll(
     return loss.sum(dim=1)
 
 
+def sequence_log_likelihood(logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-sequence log-likelihood of ``input_ids`` under ``logits``: the sum of the log-probabilities of the tokens
+    at positions ``1..`` where ``mask`` is true (position 0, [DEC], is never predicted). It is
+    ``-sequence_nll(..., label_smoothing=0.0)`` up to rounding, computed directly (the vocabulary's log-softmax,
+    gathered), which is how answers are scored."""
+    log_probs = logits[:, :-1].float().log_softmax(dim=-1)
+    token_log_probs = log_probs.gather(2, input_ids[:, 1:, None]).squeeze(2) * mask[:, 1:]
+    return token_log_probs.sum(dim=1)
+
+
 __all__ = [
     "contrastive_positives",
     "hard_negative_weights",
     "sample_hard_negatives",
+    "sequence_log_likelihood",
     "sequence_nll",
     "vtc_loss",
     "vtm_loss",
