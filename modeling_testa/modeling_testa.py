@@ -1,7 +1,11 @@
 """PyTorch TESTA heads: video-text retrieval (VTC + VTM, two-stage ranking), video question answering and
 pre-training (VTC + VTM + captioning), on the TESTA video encoder (`modeling_testa_vision`) and transformers' BLIP
-text modules. Momentum contrast is a component the contrastive heads hold (`momentum.MomentumContrast`), the losses
-are plain functions (`losses`), and two-stage ranking lives in `ranking`."""
+text modules. Contrastive training is a component: its orchestration is `contrastive`, momentum contrast a module the
+contrastive heads hold (`momentum.MomentumContrast`), the losses plain functions (`losses`); two-stage ranking lives
+in `ranking`.
+
+"TESTA `path` Lx-Ly" names a file and lines of the released implementation, github.com/RenShuhuai-Andy/TESTA at
+commit 41b9486, that a function follows."""
 
 import copy
 from dataclasses import dataclass
@@ -24,7 +28,8 @@ from .ranking import RankingOptions, TestaRankingOutput, two_stage_scores
 
 
 def _with_first_token(input_ids: torch.Tensor, token_id: int) -> torch.Tensor:
-    """A copy of ``input_ids`` whose first token is ``token_id`` ([ENC] or [DEC]), as in the original code."""
+    """A copy of ``input_ids`` whose first token is ``token_id`` ([ENC] or [DEC]), as the released code writes them
+    (TESTA `models/testa_retrieval.py` L160-L161, `models/testa_vqa.py` L66 and L74)."""
     input_ids = input_ids.clone()
     input_ids[:, 0] = token_id
     return input_ids
@@ -89,7 +94,7 @@ class TestaVideoQAOutput(ModelOutput):
 
     Args:
         loss (`torch.FloatTensor` of shape `()`, *optional*): with `labels`, `sum(answer_weights * answer_loss) /
-            num_questions`, the original objective.
+            num_questions`, the released objective (TESTA `models/testa_vqa.py` L101-L102).
         answer_loss (`torch.FloatTensor` of shape `(num_answers,)`, *optional*): label-smoothed LM loss of every
             answer, summed over its tokens.
         logits (`torch.FloatTensor` of shape `(num_answers, answer_length, vocab_size)`): decoder logits.
@@ -114,7 +119,8 @@ class TestaAnswerRankingOutput(ModelOutput):
         answer_indices (`torch.LongTensor` of shape `(batch,)`): the chosen answer (an index into the candidate list).
         topk_indices (`torch.LongTensor` of shape `(batch, k)`): the `k` candidates with the most probable first token.
         topk_log_likelihoods (`torch.FloatTensor` of shape `(batch, k)`): their teacher-forced log-likelihoods (minus
-            the label-smoothed loss when `label_smoothing > 0`, as in the original).
+            the label-smoothed loss when `label_smoothing > 0`, as the released decoder's loss is, TESTA
+            `models/med.py` L910).
         first_token_probs (`torch.FloatTensor` of shape `(batch, k)`): the first-token probabilities used to pick them.
     """
 
@@ -365,8 +371,8 @@ class _TestaContrastiveModel(_TestaMultimodalPreTrainedModel):
 
         Returns:
             `BaseModelOutputWithPooling`: `pooler_output` `(batch, projection_dim)` holds the **L2-normalised**
-            embeddings (`vision_proj` of the pooled tokens, ``config.video_pooling``; the original checkpoints use the
-            plain mean over all output tokens); `last_hidden_state` the aggregated video tokens.
+            embeddings (`vision_proj` of the pooled tokens, ``config.video_pooling``; the released checkpoints use the
+            plain mean over all output tokens, TESTA `models/testa_retrieval.py` L113); `last_hidden_state` the aggregated video tokens.
         """
         if (pixel_values is None) == (video_tokens is None):
             raise ValueError("Pass exactly one of `pixel_values` and `video_tokens` to `get_video_features`.")
@@ -387,8 +393,9 @@ class _TestaContrastiveModel(_TestaMultimodalPreTrainedModel):
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, video_embeds: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Matching logits ``(batch, 2)`` (index 1 = match) of paired texts and videos, and the video-grounded text
-        states. The first text token becomes [ENC] here; every video token is attended to (all-ones mask, as in the
-        original)."""
+        states. The first text token becomes [ENC] here; every video token is attended to (all-ones mask).
+
+        Adapted from TESTA `models/testa_retrieval.py` L159-L170 (the positive pairs of `TESTA_Retrieval.forward`)."""
         states = self.text_encoder(
             input_ids=_with_first_token(input_ids, self.config.enc_token_id),
             attention_mask=attention_mask,
@@ -489,7 +496,7 @@ class _TestaContrastiveModel(_TestaMultimodalPreTrainedModel):
         self, input_ids: torch.Tensor, video_tokens: torch.Tensor, attention_mask: torch.Tensor | None = None, **options
     ) -> TestaRankingOutput:
         r"""
-        Text-to-video retrieval in two stages, as in the original evaluation (see `ranking.py`): the cosine
+        Text-to-video retrieval in two stages, as the released evaluation ranks (see `ranking.py`): the cosine
         similarity of the VTC embeddings picks the top-``k`` videos of every text (``k`` defaults to
         ``config.k_test``), then the ITM head re-scores those pairs. The final score is the ITM match logit plus the
         cosine (original); ``itm_score="softmax"`` uses the match probability instead, and ``add_cosine=False`` drops
@@ -537,7 +544,8 @@ class TestaForVideoTextRetrieval(_TestaContrastiveModel):
     `convert_blip_to_testa`).
 
     The video embedding is `vision_proj` of the **unweighted mean over all output tokens** (CLS included), which is
-    what the original TESTA checkpoints were trained with (`config.video_pooling="mean"`); `"weighted_mean"` weights
+    what the released TESTA checkpoints were trained with (`config.video_pooling="mean"`, TESTA
+    `models/testa_retrieval.py` L113); `"weighted_mean"` weights
     every token by the number of patches it stands for, `"cls"` takes the CLS token like image BLIP.
 
     The momentum encoder and queues (`self.momentum`, a `MomentumContrast`) and the `temp` clamp are training state:
@@ -576,8 +584,8 @@ class TestaForVideoTextRetrieval(_TestaContrastiveModel):
 
         Args:
             input_ids (`torch.LongTensor` of shape `(batch, length)`): tokenised texts with the tokenizer's [CLS]
-                first. For the ITM head the model replaces it by [ENC] (`config.enc_token_id`), as the original
-                does; transformers' BLIP leaves that to the caller (transformers issue #22732).
+                first. For the ITM head the model replaces it by [ENC] (`config.enc_token_id`), as the released code
+                does (TESTA `models/testa_retrieval.py` L161); transformers' BLIP leaves that to the caller (transformers issue #22732).
             pixel_values (`torch.FloatTensor` of shape `(batch, frames, channels, height, width)`): the videos; images
                 `(batch, channels, height, width)` are taken as static videos of `vision_config.num_frames` frames.
             attention_mask (`torch.LongTensor`, *optional*): the texts' attention mask.
@@ -586,8 +594,8 @@ class TestaForVideoTextRetrieval(_TestaContrastiveModel):
             return_loss (`bool`, defaults to `False`): compute the fine-tuning loss VTC + VTM on the batch of pairs.
             video_ids (`torch.LongTensor` of shape `(batch,)`, *optional*): with a loss, the video id of every pair;
                 all pairs (and queue entries) with the same id are positives. Without it, only the pair itself is.
-            alpha (`float`, *optional*): distillation weight for this step (defaults to `config.alpha`; the original
-                ramps it up linearly during the first epoch).
+            alpha (`float`, *optional*): distillation weight for this step (defaults to `config.alpha`; the released
+                training ramps it up linearly during the first epoch, TESTA `train_video_retrieval.py` L129-L132).
             output_hidden_states (`bool`, *optional*): return the video encoder's hidden states.
             output_attentions (`bool`, *optional*): return the video encoder's attention per block.
         """
@@ -640,7 +648,7 @@ class TestaForVideoQA(_TestaMultimodalPreTrainedModel, GenerationMixin):
     [`BlipTextLMHeadModel`]) cross-attends to the question states. Parameter names equal transformers'
     [`BlipForQuestionAnswering`].
 
-    Answers are produced either by `generate()` or by ranking a candidate list with `rank_answers()` (the original's
+    Answers are produced either by `generate()` or by ranking a candidate list with `rank_answers()` (the released
     `inference: rank`: top-k candidates by first-token probability, then the full log-likelihood).
     """
 
@@ -717,9 +725,11 @@ class TestaForVideoQA(_TestaMultimodalPreTrainedModel, GenerationMixin):
             decoder_input_ids (`torch.LongTensor`, *optional*): decoder inputs without a loss (defaults to `labels`).
             decoder_attention_mask (`torch.LongTensor`, *optional*): the answers' attention mask.
             answer_weights (`torch.FloatTensor` of shape `(num_answers,)`, *optional*): weight of every answer
-                (defaults to 1). The loss is `sum(weight * answer_loss) / batch`, as in the original.
+                (defaults to 1). The loss is `sum(weight * answer_loss) / batch`.
             num_answers (`torch.LongTensor` or `list[int]` of length `batch`, *optional*): how many consecutive
                 answers belong to each question (defaults to one each).
+
+        Adapted from TESTA `models/testa_vqa.py` L68-L103 (`TESTA_VQA.forward`, training).
         """
         if labels is None and decoder_input_ids is None:
             raise ValueError(
@@ -780,7 +790,7 @@ class TestaForVideoQA(_TestaMultimodalPreTrainedModel, GenerationMixin):
         batch_size: int = 512,
     ) -> TestaAnswerRankingOutput:
         r"""
-        Picks an answer from a candidate list (the original's `rank_answer`): the decoder's first-step distribution
+        Picks an answer from a candidate list: the decoder's first-step distribution
         after [DEC] selects the ``k`` candidates whose first token is most probable (``k`` defaults to
         ``config.k_test``), then each is scored by its teacher-forced log-likelihood and the best one wins.
 
@@ -788,8 +798,10 @@ class TestaForVideoQA(_TestaMultimodalPreTrainedModel, GenerationMixin):
             answer_ids (`torch.LongTensor` of shape `(num_candidates, length)`): the tokenised candidate answers.
             answer_attention_mask (`torch.LongTensor`, *optional*): their attention mask (defaults to non-pad).
             label_smoothing (`float`, *optional*): smoothing of the likelihood score; defaults to
-                `config.label_smoothing`, which the original used here too. Use 0.0 for the exact log-likelihood.
+                `config.label_smoothing`, which the released code used here too. Use 0.0 for the exact log-likelihood.
             batch_size (`int`, defaults to 512): candidate sequences decoded at a time.
+
+        Adapted from TESTA `models/testa_vqa.py` L138-L185 (`TESTA_VQA.rank_answer`).
         """
         check_input_ids(answer_ids, "answer_ids")
         if answer_ids.shape[1] < 2:
@@ -836,7 +848,8 @@ class TestaForVideoQA(_TestaMultimodalPreTrainedModel, GenerationMixin):
         r"""
         Generates answers: the decoder starts from [DEC] and stops at [SEP] (`text_config.sep_token_id`), with the
         settings of `self.generation_config` (greedy by default) and `generate_kwargs` on top. The released code
-        generates with `num_beams=3, max_length=10`, the defaults of the question answering pipeline.
+        generates with `num_beams=3, max_length=10` (TESTA `models/testa_vqa.py` L111-L124), the defaults of the
+        question answering pipeline.
 
         Args:
             input_ids, pixel_values, attention_mask: as in `forward`.
@@ -918,8 +931,9 @@ class TestaForPreTraining(_TestaContrastiveModel, GenerationMixin):
         self.post_init()
 
     def _share_encoder_decoder(self) -> None:
-        """BLIP's ``tie_encoder_decoder_weights(text_encoder, text_decoder.bert, '', '/attention')``: the decoder
-        uses the encoder's modules for everything except self-attention."""
+        """BLIP's ``tie_encoder_decoder_weights(text_encoder, text_decoder.bert, '', '/attention')`` (TESTA
+        `models/blip_pretrain.py` L96 and L568-L620): the decoder uses the encoder's modules for everything except
+        self-attention."""
         decoder = self.text_decoder.bert
         decoder.embeddings = self.text_encoder.embeddings
         for encoder_layer, decoder_layer in zip(self.text_encoder.encoder.layer, decoder.encoder.layer):
@@ -956,6 +970,9 @@ class TestaForPreTraining(_TestaContrastiveModel, GenerationMixin):
             alpha (`float`, *optional*): distillation weight for this step (defaults to `config.alpha`).
             return_loss (`bool`, defaults to `True`): compute VTC + VTM + CAP; otherwise only the caption logits and
                 the ITM logits of the pairs.
+
+        Adapted from TESTA `models/blip_pretrain.py` L98-L244 (`BLIP_Pretrain.forward`; the captioning loss is
+        L230-L243); VTC and VTM as in `contrastive`.
         """
         check_input_ids(input_ids)
         pixel_values = self._video_inputs(pixel_values)

@@ -5,14 +5,14 @@ The heads (`TestaForVideoTextRetrieval`, `TestaForPreTraining`) keep it as ``mod
 it is in the state dict (so `accelerate.save_state` resumes it) but not in `save_pretrained` checkpoints. A fresh or
 loaded model holds it in a fixed state (copies equal to the online weights, empty queues), so that `from_pretrained`
 is deterministic; `start` (called by the training loop, else by the first training forward) fills the queues with
-random unit vectors, as the original does at construction.
+random unit vectors, as the released code does at construction (TESTA `models/testa_retrieval.py` L93-L99).
 
 Everything in it stays in fp32 whatever the model is cast to: an EMA with momentum 0.995 adds 0.5% of the difference
 per step, below bf16's resolution (the weights would barely move in bf16, and drift the wrong way in fp16).
 
 When the EMA and the enqueue happen:
 
-- by default (the original's behaviour), every training forward with a loss first updates the EMA, then enqueues its
+- by default (the released behaviour, TESTA `models/testa_retrieval.py` L131 and L157), every training forward with a loss first updates the EMA, then enqueues its
   batch's momentum features;
 - after `defer_updates()` (what `train/loop.py` does), forwards only collect their momentum features, and the owner
   calls `step(online)` once per optimiser step, after ``optimizer.step()``. With gradient accumulation, the EMA then
@@ -164,8 +164,8 @@ class MomentumContrast(nn.Module):
     @torch.no_grad()
     def start(self, online: Mapping[str, nn.Module]) -> None:
         """Starts training (once; a no-op when started): the momentum copies take the weights of the ``online``
-        modules and the queues random unit vectors, as the original does at construction (their ids stay -100: never
-        positives)."""
+        modules and the queues random unit vectors, as the released code does at construction (their ids stay -100:
+        never positives). Adapted from TESTA `models/testa_retrieval.py` L86-L99 (`copy_params` and the queues)."""
         if bool(self.initialized):
             return
         self.to_fp32()
@@ -178,7 +178,8 @@ class MomentumContrast(nn.Module):
 
     @torch.no_grad()
     def update(self, online: Mapping[str, nn.Module]) -> None:
-        """EMA of the ``online`` modules' weights into the (fp32) momentum copies; before `start`, starts instead."""
+        """EMA of the ``online`` modules' weights into the (fp32) momentum copies; before `start`, starts instead.
+        Adapted from TESTA `models/testa_retrieval.py` L268-L272 (`_momentum_update`)."""
         if not bool(self.initialized):
             self.start(online)
             return
@@ -235,7 +236,8 @@ class MomentumContrast(nn.Module):
     @torch.no_grad()
     def enqueue(self, video_feat: torch.Tensor, text_feat: torch.Tensor, ids: torch.Tensor) -> None:
         """Writes a global batch into the ring-buffer queues (identical on every process). Any batch size works; a
-        batch larger than the queue keeps its last ``queue_size`` entries."""
+        batch larger than the queue keeps its last ``queue_size`` entries (the released `_dequeue_and_enqueue`, TESTA
+        `models/testa_retrieval.py` L274-L291, asserts that the queue size is a multiple of the batch)."""
         size = self.config.queue_size
         if size == 0:
             return

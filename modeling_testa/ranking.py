@@ -5,7 +5,8 @@ video index and store search, and the training evaluation.
    query (``k`` is the model's ``k_test`` unless given).
 2. **Re-ranking**: the matching (ITM) head scores those ``(text, video)`` pairs, ``batch_size`` pairs at a time,
    reading only their videos' tokens (`match_scores`); a candidate's score is the ITM match logit (or its softmax
-   probability) plus, by default, its cosine, as in the original evaluation. Every other item scores ``-inf``.
+   probability) plus, by default, its cosine, as in the released evaluation (TESTA `train_video_retrieval.py`
+   L178-L345, `evaluation`). Every other item scores ``-inf``.
 3. **Order** (`ranked_order`): the re-ranked candidates by decreasing score, then the other items by decreasing
    cosine. Items whose cosine is ``-inf`` (videos that could not be encoded) are never ranked.
 
