@@ -54,6 +54,12 @@ def _pixels(seed: int, batch: int, frames: int = 4) -> torch.Tensor:
     return torch.randn(batch, frames, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
 
 
+def _batch(processor, texts: list[str], seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask, pixel_values)`` of ``texts`` and as many seeded random videos."""
+    encoded = processor(text=texts)
+    return encoded["input_ids"], encoded["attention_mask"], _pixels(seed, len(texts))
+
+
 def _train_steps(model: torch.nn.Module, batch: dict, steps: int, deferred: bool, seed: int) -> list[torch.Tensor]:
     """Losses of a few SGD steps, with the momentum updated per forward (default) or per optimiser step."""
     torch.manual_seed(seed)
@@ -77,9 +83,7 @@ def _train_steps(model: torch.nn.Module, batch: dict, steps: int, deferred: bool
 @torch.no_grad()
 def retrieval_outputs(out: dict[str, Any], processor, videos: list[str]) -> None:
     model = build_retrieval()
-    text = processor(text=CAPTIONS)
-    ids, mask = text["input_ids"], text["attention_mask"]
-    pixels = _pixels(0, 2)
+    ids, mask, pixels = _batch(processor, CAPTIONS, seed=0)
     _flatten("retrieval.itm", model(ids, pixels, mask), out)
     _flatten("retrieval.cosine", model(ids, pixels, mask, use_itm_head=False), out)
     _flatten("retrieval.text_features", model.get_text_features(ids, mask), out)
@@ -101,9 +105,8 @@ def retrieval_outputs(out: dict[str, Any], processor, videos: list[str]) -> None
 
     retrieval = VideoTextRetrievalPipeline(model=model, processor=processor, device="cpu")
     _flatten("pipeline.retrieval", retrieval(CAPTIONS, videos=videos, top_k=4), out)
-    with tempfile.TemporaryDirectory() as folder:
-        index = retrieval.encode_videos(videos, store_tokens=True, progress_bar=False)
-        _flatten("pipeline.retrieval.search", retrieval.search(CAPTIONS, index, top_k=3), out)
+    index = retrieval.encode_videos(videos, store_tokens=True, progress_bar=False)
+    _flatten("pipeline.retrieval.search", retrieval.search(CAPTIONS, index, top_k=3), out)
     zero_shot = ZeroShotVideoClassificationPipeline(model=model, processor=processor, device="cpu")
     _flatten("pipeline.zero_shot", zero_shot(videos[:3], candidate_labels=["surfing", "cooking", "driving"]), out)
 
@@ -111,9 +114,7 @@ def retrieval_outputs(out: dict[str, Any], processor, videos: list[str]) -> None
 @torch.no_grad()
 def qa_outputs(out: dict[str, Any], processor, videos: list[str]) -> None:
     model = build_qa()
-    question = processor(text=QUESTIONS)
-    ids, mask = question["input_ids"], question["attention_mask"]
-    pixels = _pixels(2, 2)
+    ids, mask, pixels = _batch(processor, QUESTIONS, seed=2)
     answers = processor.tokenizer(ANSWERS[:2], padding="longest", return_tensors="pt")
     _flatten("qa.forward", model(ids, pixels, mask, labels=answers["input_ids"],
                                  decoder_attention_mask=answers["attention_mask"]), out)
@@ -139,9 +140,7 @@ def pretraining_outputs(out: dict[str, Any], processor) -> None:
         return randomize(TestaForPreTraining(tiny_testa_config()), seed=3).eval()
 
     model = build()
-    text = processor(text=CAPTIONS)
-    ids, mask = text["input_ids"], text["attention_mask"]
-    pixels = _pixels(4, 2)
+    ids, mask, pixels = _batch(processor, CAPTIONS, seed=4)
     _flatten("pretraining.eval", model(ids, pixels, mask, return_loss=False), out)
     out["pretraining.generate.default"] = model.generate(pixels)
     out["pretraining.generate.beams"] = model.generate(pixels, num_beams=3, max_length=10)

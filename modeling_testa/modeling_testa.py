@@ -230,7 +230,7 @@ class _TestaMultimodalPreTrainedModel(TestaPreTrainedModel):
 
     def _video_inputs(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """Accepts videos ``(B, T, C, H, W)``, or images ``(B, C, H, W)`` that become static videos of
-        ``vision_config.num_frames`` repeated frames (how the original pre-trains on image-text pairs)."""
+        ``vision_config.num_frames`` repeated frames (how image-text pairs become videos for pre-training)."""
         if isinstance(pixel_values, torch.Tensor) and pixel_values.ndim == 4:
             frames = self.config.vision_config.num_frames
             pixel_values = pixel_values.unsqueeze(1).expand(-1, frames, -1, -1, -1)
@@ -922,6 +922,8 @@ class TestaForPreTraining(_TestaContrastiveModel, GenerationMixin):
         self.text_encoder = BlipTextModel(config.text_config, add_pooling_layer=False)
         self.text_decoder = BlipTextLMHeadModel(config.text_config)
         self._share_encoder_decoder()
+        # Copied from TestaForVideoTextRetrieval.__init__: the contrastive modules, under the same names (the
+        # state-dict keys) and in the same order (the initialisation order)
         self.vision_proj = nn.Linear(vision_width, config.projection_dim)
         self.text_proj = nn.Linear(text_width, config.projection_dim)
         self.itm_head = nn.Linear(text_width, 2)
