@@ -7,9 +7,10 @@ matching head on [ENC] texts), `logit_scale` and `temp` (the learned temperature
 `sample_hard_negatives` (overridable), and `momentum` (a `MomentumContrast`, which computes the momentum features and
 keeps the queues). The losses themselves are the plain functions of `losses`.
 
-Adapted from TESTA `models/testa_retrieval.py` L127-L226 (`TESTA_Retrieval.forward`) and `models/blip_pretrain.py`
-L120-L215 (`BLIP_Pretrain.forward`) (RenShuhuai-Andy/TESTA, commit 41b9486): the released code compares against the
-local batch and the queue; here the batch is the one gathered over processes (see `video_text_contrast`).
+Adapted from TESTA `models/testa_retrieval.py` L107-L258 (`TESTA_Retrieval.forward`: VTC L123-L157, VTM L159-L256)
+and `models/blip_pretrain.py` L98-L228 (`BLIP_Pretrain.forward`) (github.com/RenShuhuai-Andy/TESTA at commit 41b9486):
+the released code contrasts with the local batch and the queue; here the batch is the one gathered over processes
+(see `video_text_contrast`).
 """
 
 from typing import Any, NamedTuple

@@ -4,7 +4,7 @@ A folder written by `saving.save_cross_encoder(model, processor, folder)` loads 
 ``CrossEncoder(folder, trust_remote_code=True)``; then ``ce.rank(paragraph, video_paths)`` re-ranks videos and
 ``ce.predict([(text, video), ...])`` scores pairs. A pair's score is the ITM "match" logit (or its softmax,
 ``itm_score="softmax"``) plus, by default, the cosine of the contrastive embeddings: `rank_videos`' score, computed by
-the library's one implementation (`ranking.match_scores`), so ``rank`` equals `rank_videos` over the same candidates
+the library's one implementation (`ranking.pair_scores`), so ``rank`` equals `rank_videos` over the same candidates
 (order and scores; ties keep the candidates' order, as `ranking.ranked_order` does).
 
 Every video is decoded and encoded once: its aggregated tokens and embedding are cached per path (``cache_size``
