@@ -108,7 +108,8 @@ def _best_partner(
 def geometry_matching(
     metric: torch.Tensor, r: int, protect_first: bool = False, vote_dim: int | None = None, vote: str = "vote"
 ) -> Matching:
-    """The paper's geometry-based aggregation (ToMe's bipartite soft matching).
+    """The paper's geometry-based aggregation (ToMe's bipartite soft matching). Adapted from TESTA `testa/merge.py`
+    L15-L103 (`bipartite_soft_matching`, RenShuhuai-Andy/TESTA at 41b9486).
 
     Tokens are split alternately into A (even positions) and B (odd positions); every A token finds its most similar B
     token (cosine of ``metric``), and the ``r`` best pairs are merged.
@@ -191,7 +192,8 @@ def _take(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def merge_tokens(x: torch.Tensor, size: torch.Tensor, matching: Matching) -> tuple[torch.Tensor, torch.Tensor]:
-    """Applies a matching with a size-weighted average (ToMe's ``merge_wavg``).
+    """Applies a matching with a size-weighted average (ToMe's ``merge_wavg``; adapted from TESTA `testa/merge.py`
+    L106-L120).
 
     The token axis is the last axis of the matching's indices: for ``(*batch, K)`` indices it is axis
     ``len(batch)``. Patches use ``x (B, T, L, D)`` with ``(B, T, K)`` indices; frames use the same ``x`` with

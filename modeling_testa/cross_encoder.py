@@ -4,7 +4,7 @@ A folder written by `saving.save_cross_encoder(model, processor, folder)` loads 
 ``CrossEncoder(folder, trust_remote_code=True)``; then ``ce.rank(paragraph, video_paths)`` re-ranks videos and
 ``ce.predict([(text, video), ...])`` scores pairs. A pair's score is the ITM "match" logit (or its softmax,
 ``itm_score="softmax"``) plus, by default, the cosine of the contrastive embeddings: `rank_videos`' score, computed by
-the library's one implementation (`ranking.match_scores`), so ``rank`` equals `rank_videos` over the same candidates
+the library's one implementation (`ranking.pair_scores`), so ``rank`` equals `rank_videos` over the same candidates
 (order and scores; ties keep the candidates' order, as `ranking.ranked_order` does).
 
 Every video is decoded and encoded once: its aggregated tokens and embedding are cached per path (``cache_size``
@@ -24,7 +24,7 @@ from sentence_transformers.base.modules import InputModule
 
 from .modeling_testa import TestaForVideoTextRetrieval
 from .processing_testa import TestaProcessor, load_testa_processor
-from .ranking import check_itm_score, match_scores
+from .ranking import check_itm_score, pair_scores
 
 
 def _is_video(item: Any) -> bool:
@@ -97,7 +97,7 @@ class TestaVideoTextMatcher(InputModule):
         if key is not None and key in self.cache:
             self.cache.move_to_end(key)
             return self.cache[key]
-        device = self.model.itm_head.weight.device
+        device = self.model.device
         pixel_values = self.processor(videos=[video], return_tensors="pt")["pixel_values"]
         out = self.model.get_video_tokens(pixel_values.to(device, self.model.dtype))
         features = self.model.get_video_features(video_tokens=out.last_hidden_state,
@@ -112,18 +112,14 @@ class TestaVideoTextMatcher(InputModule):
 
     @torch.no_grad()
     def forward(self, features: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
-        device = self.model.itm_head.weight.device
+        device = self.model.device
         input_ids = features["input_ids"].to(device)
         attention_mask = features["attention_mask"].to(device)
         encoded = [self._encode(video) for video in features["videos"]]
         tokens = torch.cat([t for t, _ in encoded])
-        rows = torch.arange(len(encoded), device=device)
-        scores = match_scores(self.model, input_ids, attention_mask, rows, rows, lambda index: tokens[index],
-                              batch_size=self.batch_size, itm_score=self.itm_score)
-        if self.add_cosine:
-            text_features = self.model.get_text_features(input_ids, attention_mask).pooler_output
-            video_features = torch.cat([f for _, f in encoded]).to(text_features.dtype)
-            scores = scores + (text_features * video_features).sum(dim=-1)
+        scores = pair_scores(self.model, input_ids, attention_mask, lambda index: tokens[index],
+                             torch.cat([f for _, f in encoded]), itm_score=self.itm_score,
+                             add_cosine=self.add_cosine, batch_size=self.batch_size)
         return {**features, "scores": scores}
 
     def save(self, output_path: str, *args: Any, safe_serialization: bool = True, **kwargs: Any) -> None:

@@ -44,6 +44,8 @@ def vtc_loss(
         positives: ``(batch, columns)`` bool, see `contrastive_positives`.
         temp: the learned temperature.
         alpha: weight of the momentum model's soft targets against the one-hot (or multi-hot) targets.
+
+    Adapted from TESTA `models/testa_retrieval.py` L123-L154.
     """
     targets = positives.float() / positives.sum(dim=1, keepdim=True)
     with torch.no_grad():
@@ -64,14 +66,16 @@ def hard_negative_weights(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """VTM sampling weights of the local rows: ``softmax(similarity / temp)`` over the candidates, with every
     candidate of the same video (``same_video``, ``(batch, candidates)`` bool) set to 0. Returns the
-    ``(video->text, text->video)`` weights; a row can be all zeros (no candidate of another video)."""
+    ``(video->text, text->video)`` weights; a row can be all zeros (no candidate of another video). Adapted from
+    TESTA `models/testa_retrieval.py` L174-L186."""
     weights_v2t = F.softmax(video_feat @ text_candidates.T / temp, dim=1).masked_fill(same_video, 0)
     weights_t2v = F.softmax(text_feat @ video_candidates.T / temp, dim=1).masked_fill(same_video, 0)
     return weights_v2t, weights_t2v
 
 
 def sample_hard_negatives(weights: torch.Tensor) -> torch.Tensor:
-    """One negative per row of the ``(rows, candidates)`` sampling weights (``torch.multinomial``, as the original)."""
+    """One negative per row of the ``(rows, candidates)`` sampling weights (``torch.multinomial``, as the released
+    code draws them, TESTA `models/testa_retrieval.py` L193 and L204)."""
     return torch.multinomial(weights, 1).squeeze(1)
 
 
@@ -92,7 +96,8 @@ def sequence_nll(
     """Per-sequence sum of the (label-smoothed) next-token cross-entropy of ``input_ids`` under ``logits``.
 
     Position 0 ([DEC]) is never predicted; padding (``attention_mask == 0``, or ``pad_token_id`` without a mask) is
-    ignored. With ``label_smoothing=0`` this is minus the log-likelihood of the sequence.
+    ignored. With ``label_smoothing=0`` this is minus the log-likelihood of the sequence. Adapted from the released
+    decoder's loss (TESTA `models/med.py` L905-L913, ``reduction="none"``).
     """
     targets = input_ids[:, 1:]
     valid = attention_mask[:, 1:].bool() if attention_mask is not None else targets.ne(pad_token_id)
@@ -103,10 +108,21 @@ def sequence_nll(
     return loss.sum(dim=1)
 
 
+def sequence_log_likelihood(logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-sequence log-likelihood of ``input_ids`` under ``logits``: the sum of the log-probabilities of the tokens
+    at positions ``1..`` where ``mask`` is true (position 0, [DEC], is never predicted). It is
+    ``-sequence_nll(..., label_smoothing=0.0)`` up to rounding, computed directly (the vocabulary's log-softmax,
+    gathered), which is how answers are scored."""
+    log_probs = logits[:, :-1].float().log_softmax(dim=-1)
+    token_log_probs = log_probs.gather(2, input_ids[:, 1:, None]).squeeze(2) * mask[:, 1:]
+    return token_log_probs.sum(dim=1)
+
+
 __all__ = [
     "contrastive_positives",
     "hard_negative_weights",
     "sample_hard_negatives",
+    "sequence_log_likelihood",
     "sequence_nll",
     "vtc_loss",
     "vtm_loss",

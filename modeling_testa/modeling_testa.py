@@ -1,8 +1,13 @@
 """PyTorch TESTA heads: video-text retrieval (VTC + VTM, two-stage ranking), video question answering and
 pre-training (VTC + VTM + captioning), on the TESTA video encoder (`modeling_testa_vision`) and transformers' BLIP
-text modules. Momentum contrast is a component the contrastive heads hold (`momentum.MomentumContrast`), the losses
-are plain functions (`losses`), and two-stage ranking lives in `ranking`."""
+text modules. Contrastive training is a component: its orchestration is `contrastive`, momentum contrast a module the
+contrastive heads hold (`momentum.MomentumContrast`), the losses plain functions (`losses`); two-stage ranking lives
+in `ranking`.
 
+"TESTA `path` Lx-Ly" names a file and lines of the released implementation, github.com/RenShuhuai-Andy/TESTA at
+commit 41b9486, that a function follows."""
+
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -15,30 +20,16 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling
 from transformers.utils import ModelOutput, can_return_tuple
 
 from .configuration_testa import TestaConfig, token_schedule
-from .distributed import (
-    check_same_shape_on_all_ranks,
-    gather_padded,
-    gather_with_grad,
-    gather_without_grad,
-    raise_on_every_rank,
-    rank,
-    world_size,
-)
-from .losses import (
-    contrastive_positives,
-    hard_negative_weights,
-    sample_hard_negatives,
-    sequence_nll,
-    vtc_loss,
-    vtm_loss,
-)
-from .modeling_testa_vision import TestaPreTrainedModel, TestaVisionModel, TestaVisionModelOutput
-from .momentum import MomentumContrast, rename_legacy_keys
-from .ranking import TestaRankingOutput, check_batch_size, check_itm_score, two_stage_scores
+from .contrastive import contrastive_losses, hard_negative_sampling_weights
+from .losses import sample_hard_negatives, sequence_log_likelihood, sequence_nll
+from .modeling_testa_vision import TestaPreTrainedModel, TestaVisionModel, TestaVisionModelOutput, pool_video_tokens
+from .momentum import MomentumContrast, online_modules, rename_legacy_keys
+from .ranking import RankingOptions, TestaRankingOutput, two_stage_scores
 
 
 def _with_first_token(input_ids: torch.Tensor, token_id: int) -> torch.Tensor:
-    """A copy of ``input_ids`` whose first token is ``token_id`` ([ENC] or [DEC]), as in the original code."""
+    """A copy of ``input_ids`` whose first token is ``token_id`` ([ENC] or [DEC]), as the released code writes them
+    (TESTA `models/testa_retrieval.py` L160-L161, `models/testa_vqa.py` L66 and L74)."""
     input_ids = input_ids.clone()
     input_ids[:, 0] = token_id
     return input_ids
@@ -103,7 +94,7 @@ class TestaVideoQAOutput(ModelOutput):
 
     Args:
         loss (`torch.FloatTensor` of shape `()`, *optional*): with `labels`, `sum(answer_weights * answer_loss) /
-            num_questions`, the original objective.
+            num_questions`, the released objective (TESTA `models/testa_vqa.py` L101-L102).
         answer_loss (`torch.FloatTensor` of shape `(num_answers,)`, *optional*): label-smoothed LM loss of every
             answer, summed over its tokens.
         logits (`torch.FloatTensor` of shape `(num_answers, answer_length, vocab_size)`): decoder logits.
@@ -128,7 +119,8 @@ class TestaAnswerRankingOutput(ModelOutput):
         answer_indices (`torch.LongTensor` of shape `(batch,)`): the chosen answer (an index into the candidate list).
         topk_indices (`torch.LongTensor` of shape `(batch, k)`): the `k` candidates with the most probable first token.
         topk_log_likelihoods (`torch.FloatTensor` of shape `(batch, k)`): their teacher-forced log-likelihoods (minus
-            the label-smoothed loss when `label_smoothing > 0`, as in the original).
+            the label-smoothed loss when `label_smoothing > 0`, as the released decoder's loss is, TESTA
+            `models/med.py` L910).
         first_token_probs (`torch.FloatTensor` of shape `(batch, k)`): the first-token probabilities used to pick them.
     """
 
@@ -176,6 +168,27 @@ class TestaGenerationConfig(GenerationConfig):
         return super().from_model_config(config_dict)
 
 
+def generate_after_dec(
+    model: "TestaForVideoQA | TestaForPreTraining",
+    input_ids: torch.LongTensor,
+    decoder_inputs: dict,
+    generate_kwargs: dict,
+) -> torch.LongTensor:
+    """The one [DEC] generation of the heads with a text decoder (`TestaForVideoQA`, `TestaForPreTraining`):
+    ``model.text_decoder`` continues ``input_ids`` ([DEC] first) cross-attending to ``decoder_inputs``, with the
+    settings of ``model.generation_config`` (or of a ``generation_config`` in ``generate_kwargs``) and the other
+    ``generate_kwargs`` on top. It stops at [SEP] and pads with [PAD] (`text_config`) unless the call says otherwise,
+    as transformers' `BlipForQuestionAnswering.generate` does."""
+    generate_kwargs = dict(generate_kwargs)
+    generation_config = copy.deepcopy(generate_kwargs.pop("generation_config", None) or model.generation_config)
+    text_config = model.config.text_config
+    settings = {"eos_token_id": text_config.sep_token_id, "pad_token_id": text_config.pad_token_id}
+    model_kwargs = generation_config.update(**{**settings, **generate_kwargs})
+    return model.text_decoder.generate(
+        input_ids=input_ids, generation_config=generation_config, **decoder_inputs, **model_kwargs
+    )
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Shared bases of the heads
 # ----------------------------------------------------------------------------------------------------------------------
@@ -197,7 +210,7 @@ class _TestaMultimodalPreTrainedModel(TestaPreTrainedModel):
             # Deterministic, so that `from_pretrained` (which never loads training state) returns the same model
             # every time: empty queues, and momentum copies equal to the online weights (visited before them).
             module.reset()
-            module.copy_weights_from(self)
+            module.copy_weights_from(online_modules(self))
         if isinstance(module, _TestaContrastiveModel):
             init.constant_(module.temp, self.config.temperature)
 
@@ -217,7 +230,7 @@ class _TestaMultimodalPreTrainedModel(TestaPreTrainedModel):
 
     def _video_inputs(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """Accepts videos ``(B, T, C, H, W)``, or images ``(B, C, H, W)`` that become static videos of
-        ``vision_config.num_frames`` repeated frames (how the original pre-trains on image-text pairs)."""
+        ``vision_config.num_frames`` repeated frames (how image-text pairs become videos for pre-training)."""
         if isinstance(pixel_values, torch.Tensor) and pixel_values.ndim == 4:
             frames = self.config.vision_config.num_frames
             pixel_values = pixel_values.unsqueeze(1).expand(-1, frames, -1, -1, -1)
@@ -241,43 +254,36 @@ class _TestaMultimodalPreTrainedModel(TestaPreTrainedModel):
         self.text_encoder.set_input_embeddings(value)
 
 
-class _TestaContrastiveModel(_TestaMultimodalPreTrainedModel):
-    """What retrieval and pre-training share: the contrastive projections and learned temperature, the matching
-    (ITM) head, momentum contrast (`self.momentum`), the VTC and VTM losses, and two-stage ranking.
+TEMPERATURE_RANGE = (0.001, 0.5)
+"""The range the learned contrastive temperature is kept in (`logit_scale`), as in the released training step."""
 
-    Subclasses build their encoders, then call `_build_contrastive_heads`, then `post_init()`, then
-    `_finish_contrastive_heads()`.
+
+class _TestaContrastiveModel(_TestaMultimodalPreTrainedModel):
+    """The inference API that retrieval and pre-training share: contrastive features, the matching (ITM) logits, the
+    learned temperature (`logit_scale`) and two-stage ranking, plus the training entry points of their momentum
+    contrast. Each head builds its own modules (`vision_proj`, `text_proj`, `itm_head`, `temp` and `momentum`, a
+    `MomentumContrast`) in its `__init__` and computes its VTC and VTM losses with `contrastive.contrastive_losses`.
     """
 
-    def _build_contrastive_heads(self, config: TestaConfig) -> None:
-        vision_width, text_width = config.vision_config.hidden_size, config.text_config.hidden_size
-        self.vision_proj = nn.Linear(vision_width, config.projection_dim)
-        self.text_proj = nn.Linear(text_width, config.projection_dim)
-        self.itm_head = nn.Linear(text_width, 2)
-        self.temp = nn.Parameter(torch.tensor(config.temperature))
-        # Momentum encoder: frozen EMA copies that produce the distillation targets and the queue features.
-        self.momentum = MomentumContrast(config)
+    # Training state, never saved (`MomentumContrast` lists its keys as not to save; the released code drops the
+    # queues on load as well); rebuilt deterministically on load. The position ids of the momentum text encoder are a
+    # non-persistent buffer, not a key to ignore.
+    _keys_to_ignore_on_load_missing = [r"^momentum\.(?!text_encoder\.embeddings\.position_ids$)"]
+
+    def __init__(self, config: TestaConfig):
+        super().__init__(config)
         # accelerate `save_state` checkpoints of version 0.1 kept the momentum state on the head
         self.register_load_state_dict_pre_hook(
             lambda module, state_dict, prefix, *args: rename_legacy_keys(state_dict, prefix)
         )
 
-    def _finish_contrastive_heads(self) -> None:
-        """After `post_init`: the momentum state is saved by `accelerate.save_state` (it is in the state dict) but not
-        by `save_pretrained`, so checkpoints keep BLIP's size and layout."""
-        self._keys_to_ignore_on_save = {k for k in self.state_dict() if k.startswith("momentum.")}
-
-    # Training state, never saved (the original drops the queues on load as well); rebuilt deterministically on load.
-    # The position ids of the momentum text encoder are a non-persistent buffer, not a key to ignore.
-    _keys_to_ignore_on_load_missing = [r"^momentum\.(?!text_encoder\.embeddings\.position_ids$)"]
-
-    # ------------------------------------------------------------------------------------------ training protocol
+    # ------------------------------------------------------------------------------------------ training entry points
 
     def start_momentum(self) -> None:
         """Starts momentum contrast (`MomentumContrast.start`): the momentum copies take the online weights and the
-        queues random unit vectors, as the original does at construction. The training loop calls it before the
+        queues random unit vectors, as the released code does at construction. The training loop calls it before the
         first step; otherwise the first training forward does."""
-        self.momentum.start(self)
+        self.momentum.start(online_modules(self))
 
     def defer_momentum_updates(self, enabled: bool = True) -> None:
         """Training forwards only collect their momentum features; `momentum_step` (once per optimiser step) does
@@ -287,25 +293,14 @@ class _TestaContrastiveModel(_TestaMultimodalPreTrainedModel):
     def momentum_step(self) -> None:
         """Enqueues the momentum features collected since the last optimiser step, then moves the momentum copies
         towards the updated weights (deferred mode, see `defer_momentum_updates`)."""
-        self.momentum.step(self)
+        self.momentum.step(online_modules(self))
 
     # ---------------------------------------------------------------------------------------------------- features
 
-    def _text_features(self, encoder: nn.Module, proj: nn.Module, input_ids, attention_mask) -> torch.Tensor:
-        states = encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        return F.normalize(proj(states[:, 0]), dim=-1)
-
-    def _pool_video(self, video_embeds: torch.Tensor, token_sizes: torch.Tensor | None) -> torch.Tensor:
-        """The ``(batch, hidden)`` summary that `vision_proj` embeds, following ``config.video_pooling``."""
-        pooling = self.config.video_pooling
-        if pooling == "cls":
-            return video_embeds[:, 0]
-        if pooling == "weighted_mean":
-            if token_sizes is None:
-                raise ValueError("`video_pooling='weighted_mean'` needs the token sizes (`video_token_sizes`).")
-            weights = token_sizes.to(video_embeds.dtype).unsqueeze(-1)
-            return (video_embeds * weights).sum(dim=1) / weights.sum(dim=1)
-        return video_embeds.mean(dim=1)
+    def logit_scale(self) -> torch.Tensor:
+        """The contrastive temperature: the learned `temp` clamped to `TEMPERATURE_RANGE`. Cosine similarities are
+        divided by it in the contrastive loss, in hard-negative sampling and in zero-shot classification."""
+        return self.temp.clamp(*TEMPERATURE_RANGE)
 
     @can_return_tuple
     def get_text_features(
@@ -376,8 +371,8 @@ class _TestaContrastiveModel(_TestaMultimodalPreTrainedModel):
 
         Returns:
             `BaseModelOutputWithPooling`: `pooler_output` `(batch, projection_dim)` holds the **L2-normalised**
-            embeddings (`vision_proj` of the pooled tokens, ``config.video_pooling``; the original checkpoints use the
-            plain mean over all output tokens); `last_hidden_state` the aggregated video tokens.
+            embeddings (`vision_proj` of the pooled tokens, ``config.video_pooling``; the released checkpoints use the
+            plain mean over all output tokens, TESTA `models/testa_retrieval.py` L113); `last_hidden_state` the aggregated video tokens.
         """
         if (pixel_values is None) == (video_tokens is None):
             raise ValueError("Pass exactly one of `pixel_values` and `video_tokens` to `get_video_features`.")
@@ -389,7 +384,8 @@ class _TestaContrastiveModel(_TestaMultimodalPreTrainedModel):
             video_tokens, video_token_sizes = out.last_hidden_state, out.token_sizes
             hidden_states, attentions = out.hidden_states, out.attentions
         video_tokens = video_tokens.to(self.vision_proj.weight.dtype)
-        embeds = F.normalize(self.vision_proj(self._pool_video(video_tokens, video_token_sizes)), dim=-1)
+        pooled = pool_video_tokens(video_tokens, video_token_sizes, self.config.video_pooling)
+        embeds = F.normalize(self.vision_proj(pooled), dim=-1)
         return BaseModelOutputWithPooling(last_hidden_state=video_tokens, pooler_output=embeds,
                                           hidden_states=hidden_states, attentions=attentions)
 
@@ -397,8 +393,9 @@ class _TestaContrastiveModel(_TestaMultimodalPreTrainedModel):
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, video_embeds: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Matching logits ``(batch, 2)`` (index 1 = match) of paired texts and videos, and the video-grounded text
-        states. The first text token becomes [ENC] here; every video token is attended to (all-ones mask, as in the
-        original)."""
+        states. The first text token becomes [ENC] here; every video token is attended to (all-ones mask).
+
+        Adapted from TESTA `models/testa_retrieval.py` L159-L170 (the positive pairs of `TESTA_Retrieval.forward`)."""
         states = self.text_encoder(
             input_ids=_with_first_token(input_ids, self.config.enc_token_id),
             attention_mask=attention_mask,
@@ -411,7 +408,7 @@ class _TestaContrastiveModel(_TestaMultimodalPreTrainedModel):
     @staticmethod
     def sample_hard_negatives(weights: torch.Tensor) -> torch.Tensor:
         """Draws one negative per row of the ``(rows, candidates)`` sampling weights (``torch.multinomial``, as in the
-        original). Override it for another sampler, e.g. a seeded or deterministic one."""
+        released code). Override it for another sampler, e.g. a seeded or deterministic one."""
         return sample_hard_negatives(weights)
 
     @torch.no_grad()
@@ -420,127 +417,9 @@ class _TestaContrastiveModel(_TestaMultimodalPreTrainedModel):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The VTM sampling weights of the local rows over the candidate set: ``softmax(sim / temp)`` with every pair
         sharing a video id (or the pair itself) set to 0. With ``negative_all_rank`` the candidates are the batch
-        gathered over all processes, otherwise the local batch. Returns ``(video->text, text->video)`` weights."""
-        gather = self.config.negative_all_rank
-        video_all = gather_without_grad(video_feat) if gather else video_feat
-        text_all = gather_without_grad(text_feat) if gather else text_feat
-        batch, device = video_feat.shape[0], video_feat.device
-        if video_ids is not None:
-            same = contrastive_positives(video_ids, batch, gather_without_grad(video_ids) if gather else video_ids)
-        elif gather:
-            same = contrastive_positives(None, batch, torch.empty(video_all.shape[0], device=device), rank())
-        else:
-            same = torch.eye(batch, dtype=torch.bool, device=device)
-        weights_v2t, weights_t2v = hard_negative_weights(video_feat, text_feat, video_all, text_all, same, self.temp)
-        error = None
-        for name, weights in (("video", weights_v2t), ("text", weights_t2v)):
-            if error is None and (not torch.isfinite(weights).all() or (weights.sum(dim=1) <= 0).any()):
-                error = ValueError(
-                    f"Cannot draw a hard negative {name} pair: some rows have no candidate with a different video id "
-                    "(every candidate shares the row's `video_ids`, or the global batch has one sample)."
-                )
-        raise_on_every_rank(error, device)  # a rank-local failure must not leave the others waiting
-        return weights_v2t, weights_t2v
-
-    def _vtc(self, video_feat, text_feat, video_feat_m, text_feat_m, video_ids, alpha) -> torch.Tensor:
-        """Contrastive loss of the local rows against the momentum features of the **global** batch plus the queue.
-
-        The original compares against the local batch plus the queue; gathering the batch makes the loss and its
-        gradient independent of how the global batch is split over processes. Only momentum features (no gradient)
-        are gathered: the gradient flows through the local online features, and DDP's gradient averaging then gives
-        exactly the gradient of the global-batch loss.
-        """
-        batch, device = video_feat.shape[0], video_feat.device
-        ids_batch = gather_without_grad(video_ids) if video_ids is not None else None
-        video_m_batch, text_m_batch = gather_without_grad(video_feat_m), gather_without_grad(text_feat_m)
-        video_targets, text_targets = self.momentum.targets(video_m_batch, text_m_batch)
-        if video_ids is not None:
-            positives = contrastive_positives(video_ids, batch, torch.cat([ids_batch, self.momentum.idx_queue]))
-        else:
-            columns = torch.empty(video_m_batch.shape[0], device=device)
-            positives = F.pad(contrastive_positives(None, batch, columns, rank()), (0, self.config.queue_size))
-        loss = vtc_loss(video_feat, text_feat, video_feat_m, text_feat_m, video_targets, text_targets, positives,
-                        self.temp, alpha)
-        if self.training:
-            if ids_batch is None:
-                ids_batch = torch.full((video_m_batch.shape[0],), -100, dtype=torch.long, device=device)
-            self.momentum.after_loss(video_m_batch, text_m_batch, ids_batch)
-        return loss
-
-    def _vtm(self, video_embeds, input_ids, attention_mask, video_feat, text_feat, video_ids):
-        """Matching loss over ``B`` positives, ``B`` (text, hard-negative video) and ``B`` (video, hard-negative text)
-        pairs. Negative video tokens come from all processes with their gradients (``all_gather`` with backward).
-        Returns ``(loss, positive pairs' logits, negative videos, negative texts)``."""
-        batch = video_embeds.shape[0]
-        enc_ids = _with_first_token(input_ids, self.config.enc_token_id)
-        gather = self.config.negative_all_rank and world_size() > 1
-        with torch.no_grad():
-            weights_v2t, weights_t2v = self.hard_negative_weights(video_feat.detach(), text_feat.detach(), video_ids)
-            negative_videos = self.sample_hard_negatives(weights_t2v)
-            negative_texts = self.sample_hard_negatives(weights_v2t)
-        pad = self.config.text_config.pad_token_id or 0
-        if gather:
-            check_same_shape_on_all_ranks(video_embeds, "pixel_values -> video tokens", (0, 1))
-            videos_all = gather_with_grad(video_embeds)
-            ids_all, mask_all = gather_padded(enc_ids, pad), gather_padded(attention_mask, 0)
-        else:
-            videos_all, ids_all, mask_all = video_embeds, enc_ids, attention_mask
-        length = ids_all.shape[1]
-        enc_ids = F.pad(enc_ids, (0, length - enc_ids.shape[1]), value=pad)
-        attention_mask = F.pad(attention_mask, (0, length - attention_mask.shape[1]), value=0)
-
-        text_ids = torch.cat([enc_ids, enc_ids, ids_all[negative_texts]], dim=0)
-        text_mask = torch.cat([attention_mask, attention_mask, mask_all[negative_texts]], dim=0)
-        videos = torch.cat([video_embeds, videos_all[negative_videos], video_embeds], dim=0)
-        states = self.text_encoder(
-            input_ids=text_ids, attention_mask=text_mask, encoder_hidden_states=videos
-        ).last_hidden_state
-        logits = self.itm_head(states[:, 0])
-        return vtm_loss(logits, batch), logits[:batch], negative_videos, negative_texts
-
-    def _contrastive_losses(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        pixel_values: torch.Tensor,
-        video_embeds: torch.Tensor,
-        video_token_sizes: torch.Tensor,
-        video_ids: torch.Tensor | None,
-        alpha: float | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """VTC and VTM for one batch; returns ``(loss_vtc, loss_vtm, positive itm logits, neg videos, neg texts)``."""
-        batch = input_ids.shape[0]
-        alpha = self.config.alpha if alpha is None else alpha
-        error = None
-        if video_embeds.shape[0] != batch:
-            error = ValueError(f"Got {video_embeds.shape[0]} videos but {batch} texts; training needs aligned pairs.")
-        elif video_ids is not None:
-            video_ids = torch.as_tensor(video_ids, device=input_ids.device).view(-1)
-            if video_ids.shape[0] != batch or (video_ids < 0).any():
-                error = ValueError(f"`video_ids` must hold {batch} non-negative ids, got {video_ids.tolist()}.")
-        if error is None and not 0.0 <= alpha <= 1.0:
-            error = ValueError(f"`alpha` must lie in [0, 1], got {alpha}.")
-        raise_on_every_rank(error, input_ids.device)  # raised on every process or on none
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        check_same_shape_on_all_ranks(input_ids, "input_ids", (0,))
-        with torch.no_grad():
-            self.temp.clamp_(0.001, 0.5)
-        video_feat = F.normalize(self.vision_proj(self._pool_video(video_embeds, video_token_sizes)), dim=-1)
-        text_feat = self._text_features(self.text_encoder, self.text_proj, input_ids, attention_mask)
-        momentum = self.momentum
-        with torch.no_grad():
-            momentum.before_loss(self, self.training)
-            out_m = momentum.vision_model(pixel_values.to(momentum.vision_proj.weight.dtype))
-            video_feat_m = F.normalize(
-                momentum.vision_proj(self._pool_video(out_m.last_hidden_state, out_m.token_sizes)), dim=-1
-            )
-            text_feat_m = self._text_features(momentum.text_encoder, momentum.text_proj, input_ids, attention_mask)
-        loss_vtc = self._vtc(video_feat, text_feat, video_feat_m, text_feat_m, video_ids, alpha)
-        loss_vtm, itm_logits, neg_videos, neg_texts = self._vtm(
-            video_embeds, input_ids, attention_mask, video_feat, text_feat, video_ids
-        )
-        return loss_vtc, loss_vtm, itm_logits, neg_videos, neg_texts
+        gathered over all processes, otherwise the local batch. Returns ``(video->text, text->video)`` weights (see
+        `contrastive.hard_negative_sampling_weights`)."""
+        return hard_negative_sampling_weights(video_feat, text_feat, video_ids, self.temp, self.config.negative_all_rank)
 
     # ------------------------------------------------------------------------------------------- two-stage ranking
 
@@ -564,11 +443,8 @@ class _TestaContrastiveModel(_TestaMultimodalPreTrainedModel):
         check_input_ids(input_ids)
         if not isinstance(video_tokens, torch.Tensor) or video_tokens.ndim != 3:
             raise ValueError("`video_tokens` must be the cached (num_videos, tokens, hidden) encoder output.")
-        check_itm_score(itm_score)
-        check_batch_size(batch_size)
-        k = self.config.k_test if k is None else k
-        if k <= 0:
-            raise ValueError(f"`k` must be positive, got {k}.")
+        options = RankingOptions(k=self.config.k_test if k is None else k, itm_score=itm_score,
+                                 add_cosine=add_cosine, batch_size=batch_size)
         num_texts, num_videos = input_ids.shape[0], video_tokens.shape[0]
         for name, value, rows, unit in (("attention_mask", attention_mask, num_texts, "text"),
                                         ("text_features", text_features, num_texts, "text"),
@@ -581,11 +457,11 @@ class _TestaContrastiveModel(_TestaMultimodalPreTrainedModel):
         if num_candidates == 0:
             empty = "video_tokens` holds no video" if queries_are_texts else "input_ids` holds no text"
             raise ValueError(f"Nothing to rank against: `{empty}.")
-        device, dtype = self.itm_head.weight.device, self.itm_head.weight.dtype
+        device, dtype = self.device, self.dtype
         if num_queries == 0:
             # This process's share of the queries is empty (fewer queries than processes, e.g. with accelerate's
             # `split_between_processes`): empty outputs of the right widths, so that gathering them just works.
-            k = min(k, num_candidates)
+            k = min(options.k, num_candidates)
             empty = torch.empty(0, num_candidates, device=device, dtype=dtype)
             return TestaRankingOutput(
                 scores=empty,
@@ -611,15 +487,16 @@ class _TestaContrastiveModel(_TestaMultimodalPreTrainedModel):
                 chunks.append(self.get_video_features(video_tokens=tokens, video_token_sizes=sizes).pooler_output)
             video_features = torch.cat(chunks)
         return two_stage_scores(
-            self, queries_are_texts, input_ids, attention_mask, text_features, video_features,
-            video_tokens.__getitem__, k, itm_score, add_cosine, batch_size,
+            self, queries_are_texts=queries_are_texts, input_ids=input_ids, attention_mask=attention_mask,
+            text_features=text_features, video_features=video_features, read_tokens=video_tokens.__getitem__,
+            options=options,
         )
 
     def rank_videos(
         self, input_ids: torch.Tensor, video_tokens: torch.Tensor, attention_mask: torch.Tensor | None = None, **options
     ) -> TestaRankingOutput:
         r"""
-        Text-to-video retrieval in two stages, as in the original evaluation (see `ranking.py`): the cosine
+        Text-to-video retrieval in two stages, as the released evaluation ranks (see `ranking.py`): the cosine
         similarity of the VTC embeddings picks the top-``k`` videos of every text (``k`` defaults to
         ``config.k_test``), then the ITM head re-scores those pairs. The final score is the ITM match logit plus the
         cosine (original); ``itm_score="softmax"`` uses the match probability instead, and ``add_cosine=False`` drops
@@ -667,7 +544,8 @@ class TestaForVideoTextRetrieval(_TestaContrastiveModel):
     `convert_blip_to_testa`).
 
     The video embedding is `vision_proj` of the **unweighted mean over all output tokens** (CLS included), which is
-    what the original TESTA checkpoints were trained with (`config.video_pooling="mean"`); `"weighted_mean"` weights
+    what the released TESTA checkpoints were trained with (`config.video_pooling="mean"`, TESTA
+    `models/testa_retrieval.py` L113); `"weighted_mean"` weights
     every token by the number of patches it stands for, `"cls"` takes the CLS token like image BLIP.
 
     The momentum encoder and queues (`self.momentum`, a `MomentumContrast`) and the `temp` clamp are training state:
@@ -677,11 +555,16 @@ class TestaForVideoTextRetrieval(_TestaContrastiveModel):
 
     def __init__(self, config: TestaConfig):
         super().__init__(config)
+        vision_width, text_width = config.vision_config.hidden_size, config.text_config.hidden_size
         self.vision_model = TestaVisionModel(config.vision_config)
         self.text_encoder = BlipTextModel(config.text_config, add_pooling_layer=False)
-        self._build_contrastive_heads(config)
+        self.vision_proj = nn.Linear(vision_width, config.projection_dim)
+        self.text_proj = nn.Linear(text_width, config.projection_dim)
+        self.itm_head = nn.Linear(text_width, 2)
+        self.temp = nn.Parameter(torch.tensor(config.temperature))
+        # frozen EMA copies that produce the distillation targets and the queue features (training state)
+        self.momentum = MomentumContrast(config)
         self.post_init()
-        self._finish_contrastive_heads()
 
     @can_return_tuple
     def forward(
@@ -701,8 +584,8 @@ class TestaForVideoTextRetrieval(_TestaContrastiveModel):
 
         Args:
             input_ids (`torch.LongTensor` of shape `(batch, length)`): tokenised texts with the tokenizer's [CLS]
-                first. For the ITM head the model replaces it by [ENC] (`config.enc_token_id`), as the original
-                does; transformers' BLIP leaves that to the caller (transformers issue #22732).
+                first. For the ITM head the model replaces it by [ENC] (`config.enc_token_id`), as the released code
+                does (TESTA `models/testa_retrieval.py` L161); transformers' BLIP leaves that to the caller (transformers issue #22732).
             pixel_values (`torch.FloatTensor` of shape `(batch, frames, channels, height, width)`): the videos; images
                 `(batch, channels, height, width)` are taken as static videos of `vision_config.num_frames` frames.
             attention_mask (`torch.LongTensor`, *optional*): the texts' attention mask.
@@ -711,8 +594,8 @@ class TestaForVideoTextRetrieval(_TestaContrastiveModel):
             return_loss (`bool`, defaults to `False`): compute the fine-tuning loss VTC + VTM on the batch of pairs.
             video_ids (`torch.LongTensor` of shape `(batch,)`, *optional*): with a loss, the video id of every pair;
                 all pairs (and queue entries) with the same id are positives. Without it, only the pair itself is.
-            alpha (`float`, *optional*): distillation weight for this step (defaults to `config.alpha`; the original
-                ramps it up linearly during the first epoch).
+            alpha (`float`, *optional*): distillation weight for this step (defaults to `config.alpha`; the released
+                training ramps it up linearly during the first epoch, TESTA `train_video_retrieval.py` L129-L132).
             output_hidden_states (`bool`, *optional*): return the video encoder's hidden states.
             output_attentions (`bool`, *optional*): return the video encoder's attention per block.
         """
@@ -724,8 +607,8 @@ class TestaForVideoTextRetrieval(_TestaContrastiveModel):
         video_embeds, token_sizes = vision.last_hidden_state, vision.token_sizes
         loss = loss_vtc = loss_vtm = neg_videos = neg_texts = None
         if return_loss:
-            loss_vtc, loss_vtm, itm_score, neg_videos, neg_texts = self._contrastive_losses(
-                input_ids, attention_mask, pixel_values, video_embeds, token_sizes, video_ids, alpha
+            loss_vtc, loss_vtm, itm_score, neg_videos, neg_texts = contrastive_losses(
+                self, input_ids, attention_mask, pixel_values, video_embeds, token_sizes, video_ids, alpha
             )
             loss = loss_vtc + loss_vtm
             question_embeds = None
@@ -739,7 +622,8 @@ class TestaForVideoTextRetrieval(_TestaContrastiveModel):
         else:
             question_embeds = self.text_encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
             text_feat = F.normalize(self.text_proj(question_embeds[:, 0]), dim=-1)
-            video_feat = F.normalize(self.vision_proj(self._pool_video(video_embeds, token_sizes)), dim=-1)
+            pooled = pool_video_tokens(video_embeds, token_sizes, self.config.video_pooling)
+            video_feat = F.normalize(self.vision_proj(pooled), dim=-1)
             itm_score = video_feat @ text_feat.T
         return TestaVideoTextRetrievalOutput(
             loss=loss,
@@ -764,7 +648,7 @@ class TestaForVideoQA(_TestaMultimodalPreTrainedModel, GenerationMixin):
     [`BlipTextLMHeadModel`]) cross-attends to the question states. Parameter names equal transformers'
     [`BlipForQuestionAnswering`].
 
-    Answers are produced either by `generate()` or by ranking a candidate list with `rank_answers()` (the original's
+    Answers are produced either by `generate()` or by ranking a candidate list with `rank_answers()` (the released
     `inference: rank`: top-k candidates by first-token probability, then the full log-likelihood).
     """
 
@@ -841,9 +725,11 @@ class TestaForVideoQA(_TestaMultimodalPreTrainedModel, GenerationMixin):
             decoder_input_ids (`torch.LongTensor`, *optional*): decoder inputs without a loss (defaults to `labels`).
             decoder_attention_mask (`torch.LongTensor`, *optional*): the answers' attention mask.
             answer_weights (`torch.FloatTensor` of shape `(num_answers,)`, *optional*): weight of every answer
-                (defaults to 1). The loss is `sum(weight * answer_loss) / batch`, as in the original.
+                (defaults to 1). The loss is `sum(weight * answer_loss) / batch`.
             num_answers (`torch.LongTensor` or `list[int]` of length `batch`, *optional*): how many consecutive
                 answers belong to each question (defaults to one each).
+
+        Adapted from TESTA `models/testa_vqa.py` L68-L103 (`TESTA_VQA.forward`, training).
         """
         if labels is None and decoder_input_ids is None:
             raise ValueError(
@@ -904,7 +790,7 @@ class TestaForVideoQA(_TestaMultimodalPreTrainedModel, GenerationMixin):
         batch_size: int = 512,
     ) -> TestaAnswerRankingOutput:
         r"""
-        Picks an answer from a candidate list (the original's `rank_answer`): the decoder's first-step distribution
+        Picks an answer from a candidate list: the decoder's first-step distribution
         after [DEC] selects the ``k`` candidates whose first token is most probable (``k`` defaults to
         ``config.k_test``), then each is scored by its teacher-forced log-likelihood and the best one wins.
 
@@ -912,8 +798,10 @@ class TestaForVideoQA(_TestaMultimodalPreTrainedModel, GenerationMixin):
             answer_ids (`torch.LongTensor` of shape `(num_candidates, length)`): the tokenised candidate answers.
             answer_attention_mask (`torch.LongTensor`, *optional*): their attention mask (defaults to non-pad).
             label_smoothing (`float`, *optional*): smoothing of the likelihood score; defaults to
-                `config.label_smoothing`, which the original used here too. Use 0.0 for the exact log-likelihood.
+                `config.label_smoothing`, which the released code used here too. Use 0.0 for the exact log-likelihood.
             batch_size (`int`, defaults to 512): candidate sequences decoded at a time.
+
+        Adapted from TESTA `models/testa_vqa.py` L138-L185 (`TESTA_VQA.rank_answer`).
         """
         check_input_ids(answer_ids, "answer_ids")
         if answer_ids.shape[1] < 2:
@@ -958,21 +846,46 @@ class TestaForVideoQA(_TestaMultimodalPreTrainedModel, GenerationMixin):
         **generate_kwargs,
     ) -> torch.LongTensor:
         r"""
-        Generates answers: the decoder starts from [DEC] and stops at [SEP] (`text_config.sep_token_id`). The
-        original uses beam search with 3 beams and `max_length=10` (`num_beams=3, max_length=10`).
+        Generates answers: the decoder starts from [DEC] and stops at [SEP] (`text_config.sep_token_id`), with the
+        settings of `self.generation_config` (greedy by default) and `generate_kwargs` on top. The released code
+        generates with `num_beams=3, max_length=10` (TESTA `models/testa_vqa.py` L111-L124), the defaults of the
+        question answering pipeline.
 
         Args:
             input_ids, pixel_values, attention_mask: as in `forward`.
-            **generate_kwargs: passed to the decoder's `generate` (`max_new_tokens`, `num_beams`, ...).
+            **generate_kwargs: passed to the decoder's `generate` (`max_new_tokens`, `num_beams`, a
+                `generation_config`, ...).
         """
         states, mask, _ = self.encode_question(input_ids, pixel_values, attention_mask)
-        start = torch.full((states.shape[0], 1), self.config.dec_token_id, dtype=torch.long, device=states.device)
-        text_config = self.config.text_config
-        generate_kwargs.setdefault("eos_token_id", text_config.sep_token_id)
-        generate_kwargs.setdefault("pad_token_id", text_config.pad_token_id)
-        return self.text_decoder.generate(
-            input_ids=start, encoder_hidden_states=states, encoder_attention_mask=mask, **generate_kwargs
+        return self.generate_from_question(states, mask, **generate_kwargs)
+
+    @torch.no_grad()
+    def generate_from_question(
+        self, question_states: torch.Tensor, question_mask: torch.Tensor, **generate_kwargs
+    ) -> torch.LongTensor:
+        """`generate` from video-grounded question states (`encode_question`), so that a caller that also scores
+        the answers (`answer_log_likelihoods`) encodes the question once."""
+        start = torch.full(
+            (question_states.shape[0], 1), self.config.dec_token_id, dtype=torch.long, device=question_states.device
         )
+        return generate_after_dec(
+            self, start, {"encoder_hidden_states": question_states, "encoder_attention_mask": question_mask},
+            generate_kwargs,
+        )
+
+    @torch.no_grad()
+    def answer_log_likelihoods(
+        self, answer_ids: torch.Tensor, question_states: torch.Tensor, question_mask: torch.Tensor
+    ) -> torch.Tensor:
+        """The log-likelihood ``(num_answers,)`` of answers (e.g. `generate`'s sequences, [DEC] first) given the
+        question states of each answer's question (`encode_question`, one row per answer): the sum of the decoder's
+        log-probabilities of the answer tokens up to and including the first [SEP]; what follows it is ignored."""
+        sep = self.config.text_config.sep_token_id
+        seps_so_far = (answer_ids == sep).long().cumsum(dim=1)
+        mask = (seps_so_far == 0) | ((seps_so_far == 1) & (answer_ids == sep))
+        mask[:, 0] = True
+        logits = self.answer_logits(answer_ids, mask.long(), question_states, question_mask)
+        return sequence_log_likelihood(logits, answer_ids, mask)
 
 
 # Encoder/decoder sharing (everything but self-attention), as a pattern over parameter names after the model prefix.
@@ -1004,17 +917,25 @@ class TestaForPreTraining(_TestaContrastiveModel, GenerationMixin):
 
     def __init__(self, config: TestaConfig):
         super().__init__(config)
+        vision_width, text_width = config.vision_config.hidden_size, config.text_config.hidden_size
         self.vision_model = TestaVisionModel(config.vision_config)
         self.text_encoder = BlipTextModel(config.text_config, add_pooling_layer=False)
         self.text_decoder = BlipTextLMHeadModel(config.text_config)
         self._share_encoder_decoder()
-        self._build_contrastive_heads(config)
+        # Copied from TestaForVideoTextRetrieval.__init__: the contrastive modules, under the same names (the
+        # state-dict keys) and in the same order (the initialisation order)
+        self.vision_proj = nn.Linear(vision_width, config.projection_dim)
+        self.text_proj = nn.Linear(text_width, config.projection_dim)
+        self.itm_head = nn.Linear(text_width, 2)
+        self.temp = nn.Parameter(torch.tensor(config.temperature))
+        # frozen EMA copies that produce the distillation targets and the queue features (training state)
+        self.momentum = MomentumContrast(config)
         self.post_init()
-        self._finish_contrastive_heads()
 
     def _share_encoder_decoder(self) -> None:
-        """BLIP's ``tie_encoder_decoder_weights(text_encoder, text_decoder.bert, '', '/attention')``: the decoder
-        uses the encoder's modules for everything except self-attention."""
+        """BLIP's ``tie_encoder_decoder_weights(text_encoder, text_decoder.bert, '', '/attention')`` (TESTA
+        `models/blip_pretrain.py` L96 and L568-L620): the decoder uses the encoder's modules for everything except
+        self-attention."""
         decoder = self.text_decoder.bert
         decoder.embeddings = self.text_encoder.embeddings
         for encoder_layer, decoder_layer in zip(self.text_encoder.encoder.layer, decoder.encoder.layer):
@@ -1051,6 +972,9 @@ class TestaForPreTraining(_TestaContrastiveModel, GenerationMixin):
             alpha (`float`, *optional*): distillation weight for this step (defaults to `config.alpha`).
             return_loss (`bool`, defaults to `True`): compute VTC + VTM + CAP; otherwise only the caption logits and
                 the ITM logits of the pairs.
+
+        Adapted from TESTA `models/blip_pretrain.py` L98-L244 (`BLIP_Pretrain.forward`; the captioning loss is
+        L230-L243); VTC and VTM as in `contrastive`.
         """
         check_input_ids(input_ids)
         pixel_values = self._video_inputs(pixel_values)
@@ -1061,8 +985,8 @@ class TestaForPreTraining(_TestaContrastiveModel, GenerationMixin):
         caption_logits = self._caption_logits(input_ids, attention_mask, video_embeds)
         loss = loss_vtc = loss_vtm = loss_cap = neg_videos = neg_texts = None
         if return_loss:
-            loss_vtc, loss_vtm, itm_score, neg_videos, neg_texts = self._contrastive_losses(
-                input_ids, attention_mask, pixel_values, video_embeds, token_sizes, video_ids, alpha
+            loss_vtc, loss_vtm, itm_score, neg_videos, neg_texts = contrastive_losses(
+                self, input_ids, attention_mask, pixel_values, video_embeds, token_sizes, video_ids, alpha
             )
             pad = self.config.text_config.pad_token_id or 0
             nll = sequence_nll(caption_logits, input_ids, attention_mask, pad, self.config.label_smoothing)
@@ -1109,11 +1033,8 @@ class TestaForPreTraining(_TestaContrastiveModel, GenerationMixin):
             check_input_ids(input_ids)
             input_ids = _with_first_token(input_ids, self.config.dec_token_id)[:, :-1]
             attention_mask = attention_mask[:, :-1] if attention_mask is not None else None
-        text_config = self.config.text_config
-        generate_kwargs.setdefault("eos_token_id", text_config.sep_token_id)
-        generate_kwargs.setdefault("pad_token_id", text_config.pad_token_id)
-        return self.text_decoder.generate(
-            input_ids=input_ids, attention_mask=attention_mask, encoder_hidden_states=video_embeds, **generate_kwargs
+        return generate_after_dec(
+            self, input_ids, {"attention_mask": attention_mask, "encoder_hidden_states": video_embeds}, generate_kwargs
         )
 
 

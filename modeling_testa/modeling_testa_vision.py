@@ -313,20 +313,20 @@ class TestaPreTrainedModel(TestaHubMixin, PreTrainedModel):
             init.trunc_normal_(module.position_embedding, std=std)
             init.zeros_(module.temporal_embedding)
 
-    # The training protocol, called by the training loop for every model: heads with momentum contrast
-    # (`TestaForVideoTextRetrieval`, `TestaForPreTraining`) override these; for other models they do nothing.
 
-    def start_momentum(self) -> None:
-        """Training protocol, called once before the first step: starts momentum contrast (see
-        `MomentumContrast.start`)."""
-
-    def defer_momentum_updates(self, enabled: bool = True) -> None:
-        """Training protocol: heads with momentum contrast then update their momentum encoders and queues once per
-        optimiser step, in `momentum_step` (see `MomentumContrast.defer_updates`)."""
-
-    def momentum_step(self) -> None:
-        """Training protocol, called by the training loop after every optimiser step (see `defer_momentum_updates`);
-        a no-op for models without momentum contrast."""
+def pool_video_tokens(video_embeds: torch.Tensor, token_sizes: torch.Tensor | None, pooling: str) -> torch.Tensor:
+    """The ``(batch, hidden)`` summary of the encoder's output tokens that a contrastive head projects
+    (``config.video_pooling``): the plain mean over all tokens (``"mean"``, what the released checkpoints use), the
+    mean weighted by the patches each token stands for (``"weighted_mean"``, needs ``token_sizes``), or the CLS token
+    (``"cls"``)."""
+    if pooling == "cls":
+        return video_embeds[:, 0]
+    if pooling == "weighted_mean":
+        if token_sizes is None:
+            raise ValueError("`video_pooling='weighted_mean'` needs the token sizes (`video_token_sizes`).")
+        weights = token_sizes.to(video_embeds.dtype).unsqueeze(-1)
+        return (video_embeds * weights).sum(dim=1) / weights.sum(dim=1)
+    return video_embeds.mean(dim=1)
 
 
 class TestaVisionModel(TestaPreTrainedModel):
@@ -456,4 +456,5 @@ __all__ = [
     "TestaVisionModelOutput",
     "drop_path",
     "eager_attention_forward",
+    "pool_video_tokens",
 ]

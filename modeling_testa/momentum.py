@@ -5,20 +5,22 @@ The heads (`TestaForVideoTextRetrieval`, `TestaForPreTraining`) keep it as ``mod
 it is in the state dict (so `accelerate.save_state` resumes it) but not in `save_pretrained` checkpoints. A fresh or
 loaded model holds it in a fixed state (copies equal to the online weights, empty queues), so that `from_pretrained`
 is deterministic; `start` (called by the training loop, else by the first training forward) fills the queues with
-random unit vectors, as the original does at construction.
+random unit vectors, as the released code does at construction (TESTA `models/testa_retrieval.py` L93-L99).
 
 Everything in it stays in fp32 whatever the model is cast to: an EMA with momentum 0.995 adds 0.5% of the difference
 per step, below bf16's resolution (the weights would barely move in bf16, and drift the wrong way in fp16).
 
 When the EMA and the enqueue happen:
 
-- by default (the original's behaviour), every training forward with a loss first updates the EMA, then enqueues its
+- by default (the released behaviour, TESTA `models/testa_retrieval.py` L131 and L157), every training forward with a loss first updates the EMA, then enqueues its
   batch's momentum features;
 - after `defer_updates()` (what `train/loop.py` does), forwards only collect their momentum features, and the owner
   calls `step(online)` once per optimiser step, after ``optimizer.step()``. With gradient accumulation, the EMA then
   runs once per optimiser step (not ``m ** accumulation``), and the features of all micro-batches of a step are
   enqueued together after it, in order, as one larger batch would be.
 """
+
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -27,11 +29,16 @@ from transformers import initialization as init
 from transformers.models.blip.modeling_blip_text import BlipTextModel
 
 from .configuration_testa import TestaConfig
-from .modeling_testa_vision import TestaVisionModel
+from .modeling_testa_vision import TestaVisionModel, pool_video_tokens
 
 
 MOMENTUM_MODULES = ("vision_model", "vision_proj", "text_encoder", "text_proj")
 """The online modules of a head that have a momentum copy, by attribute name (the same name in both)."""
+
+
+def online_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """The `MOMENTUM_MODULES` of a contrastive head, by name: what `MomentumContrast` copies and follows."""
+    return {name: getattr(model, name) for name in MOMENTUM_MODULES}
 
 QUEUE_BUFFERS = ("video_queue", "text_queue", "idx_queue", "queue_ptr", "initialized")
 
@@ -93,6 +100,9 @@ class MomentumContrast(nn.Module):
         self.deferred = False
         self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.requires_grad_(False)
+        # Training state: in the state dict (for `accelerate.save_state`) but not in `save_pretrained` folders, so
+        # that checkpoints keep BLIP's size and layout (the head's `post_init` collects these keys, prefixed).
+        self._keys_to_ignore_on_save = set(self.state_dict())
 
     # -------------------------------------------------------------------------------------------------- state
 
@@ -108,10 +118,11 @@ class MomentumContrast(nn.Module):
         self.requires_grad_(False)
 
     @torch.no_grad()
-    def copy_weights_from(self, online: nn.Module) -> None:
-        """Sets the momentum copies to the online weights of ``online`` (a head); the training state is unchanged."""
+    def copy_weights_from(self, online: Mapping[str, nn.Module]) -> None:
+        """Sets the momentum copies to the weights of the ``online`` modules (`online_modules` of a head); the
+        training state is unchanged."""
         for name in MOMENTUM_MODULES:
-            for p, p_m in zip(getattr(online, name).parameters(), getattr(self, name).parameters()):
+            for p, p_m in zip(online[name].parameters(), getattr(self, name).parameters()):
                 p_m.data.copy_(p.data.to(p_m.dtype))
 
     def _fp32_slots(self) -> list[tuple[nn.Module, str, str]]:
@@ -151,10 +162,10 @@ class MomentumContrast(nn.Module):
     # ---------------------------------------------------------------------------------------------- EMA + queue
 
     @torch.no_grad()
-    def start(self, online: nn.Module) -> None:
-        """Starts training (once; a no-op when started): the momentum copies take the online weights of ``online``
-        and the queues random unit vectors, as the original does at construction (their ids stay -100: never
-        positives)."""
+    def start(self, online: Mapping[str, nn.Module]) -> None:
+        """Starts training (once; a no-op when started): the momentum copies take the weights of the ``online``
+        modules and the queues random unit vectors, as the released code does at construction (their ids stay -100:
+        never positives). Adapted from TESTA `models/testa_retrieval.py` L86-L99 (`copy_params` and the queues)."""
         if bool(self.initialized):
             return
         self.to_fp32()
@@ -166,14 +177,15 @@ class MomentumContrast(nn.Module):
         self.requires_grad_(False)
 
     @torch.no_grad()
-    def update(self, online: nn.Module) -> None:
-        """EMA of the online weights into the (fp32) momentum copies; before `start`, starts instead."""
+    def update(self, online: Mapping[str, nn.Module]) -> None:
+        """EMA of the ``online`` modules' weights into the (fp32) momentum copies; before `start`, starts instead.
+        Adapted from TESTA `models/testa_retrieval.py` L268-L272 (`_momentum_update`)."""
         if not bool(self.initialized):
             self.start(online)
             return
         m = self.config.momentum
         for name in MOMENTUM_MODULES:
-            for p, p_m in zip(getattr(online, name).parameters(), getattr(self, name).parameters()):
+            for p, p_m in zip(online[name].parameters(), getattr(self, name).parameters()):
                 p_m.data.mul_(m).add_(p.data.to(p_m.dtype), alpha=1.0 - m)
 
     def defer_updates(self, enabled: bool = True) -> None:
@@ -182,26 +194,39 @@ class MomentumContrast(nn.Module):
         self.pending = []
 
     @torch.no_grad()
-    def step(self, online: nn.Module) -> None:
+    def step(self, online: Mapping[str, nn.Module]) -> None:
         """Deferred mode: call once after every optimiser step. Enqueues the momentum features collected since the
-        previous step, then moves the momentum copies towards the updated weights of ``online``."""
+        previous step, then moves the momentum copies towards the updated weights of the ``online`` modules."""
         pending, self.pending = self.pending, []
         if pending:
             self.enqueue(*(torch.cat(parts) for parts in zip(*pending)))
         self.update(online)
 
     @torch.no_grad()
-    def before_loss(self, online: nn.Module, training: bool) -> None:
-        """Called by the head before it computes the momentum features of a batch: the EMA update of the default
-        mode in training, and `start` otherwise (when not started)."""
+    def before_loss(self, online: Mapping[str, nn.Module], training: bool) -> None:
+        """Called before the momentum features of a batch are computed (`contrastive.contrastive_losses`): the EMA
+        update of the default mode in training, and `start` otherwise (when not started)."""
         if training and not self.deferred:
             self.update(online)
         else:
             self.start(online)
 
     @torch.no_grad()
+    def features(
+        self, pixel_values: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The momentum model's normalised ``(video, text)`` contrastive features of a batch of pairs, pooled and
+        projected as the online head does (``config.video_pooling``, the first text token)."""
+        video = self.vision_model(pixel_values.to(self.vision_proj.weight.dtype))
+        pooled = pool_video_tokens(video.last_hidden_state, video.token_sizes, self.config.video_pooling)
+        video_feat = F.normalize(self.vision_proj(pooled), dim=-1)
+        text_states = self.text_encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        text_feat = F.normalize(self.text_proj(text_states[:, 0]), dim=-1)
+        return video_feat, text_feat
+
+    @torch.no_grad()
     def after_loss(self, video_feat: torch.Tensor, text_feat: torch.Tensor, ids: torch.Tensor) -> None:
-        """Called by the head in training with the global batch's momentum features: enqueued now, or collected
+        """Called in training with the global batch's momentum features: enqueued now, or collected
         until `step` in deferred mode."""
         if self.deferred:
             self.pending.append((video_feat, text_feat, ids))
@@ -211,7 +236,8 @@ class MomentumContrast(nn.Module):
     @torch.no_grad()
     def enqueue(self, video_feat: torch.Tensor, text_feat: torch.Tensor, ids: torch.Tensor) -> None:
         """Writes a global batch into the ring-buffer queues (identical on every process). Any batch size works; a
-        batch larger than the queue keeps its last ``queue_size`` entries."""
+        batch larger than the queue keeps its last ``queue_size`` entries (the released `_dequeue_and_enqueue`, TESTA
+        `models/testa_retrieval.py` L274-L291, asserts that the queue size is a multiple of the batch)."""
         size = self.config.queue_size
         if size == 0:
             return
@@ -230,4 +256,12 @@ class MomentumContrast(nn.Module):
         return video, text
 
 
-__all__ = ["LEGACY_KEYS", "MOMENTUM_MODULES", "QUEUE_BUFFERS", "MomentumContrast", "legacy_key", "rename_legacy_keys"]
+__all__ = [
+    "LEGACY_KEYS",
+    "MOMENTUM_MODULES",
+    "QUEUE_BUFFERS",
+    "MomentumContrast",
+    "legacy_key",
+    "online_modules",
+    "rename_legacy_keys",
+]

@@ -15,8 +15,9 @@ Three tasks are registered with `transformers.pipelines.PIPELINE_REGISTRY` and w
   similarities divided by the model's learned contrastive temperature, as zero-shot-image-classification does with
   CLIP's logit scale.
 - `"video-question-answering"` ([`VideoQuestionAnsweringPipeline`]): `pipe(video=..., question=...)` generates
-  answers (beam search, 3 beams and `max_length=10` as in the original) scored by their sequence probability, or, with
-  `candidate_answers=[...]`, ranks the candidates like the original's `rank_answer`.
+  answers (beam search, 3 beams and `max_length=10` as the released code, unless the model's `generation_config` says
+  otherwise) scored by their sequence probability, or, with `candidate_answers=[...]`, ranks the candidates like the
+  released `rank_answer` (`TestaForVideoQA.rank_answers`).
 
 Every pipeline needs a [`TestaProcessor`]: save it next to the model (`processor.save_pretrained(folder)`), or pass
 `processor=` (or `tokenizer=` and `video_processor=`). Bad input raises at once and names the input: a missing file
@@ -41,7 +42,7 @@ from transformers.utils import logging
 from .indexing import DecodeAhead, InMemorySink, encode_videos
 from .inference import optimize_for_inference
 from .processing_testa import TestaProcessor, load_testa_processor
-from .ranking import ranked_order, two_stage_scores
+from .ranking import RankingOptions, ranked_order, two_stage_scores
 from .saving import check_savable, push_folder_to_hub
 from .video_index import VideoIndex, video_name
 from .video_inputs import check_video, is_array, is_single_video, text_list, video_list
@@ -522,8 +523,10 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
             head = candidates[q][:window]
             if window:
                 ranking = two_stage_scores(
-                    self.model, True, input_ids[q : q + 1], attention_mask[q : q + 1], text_features[q : q + 1],
-                    index.embeddings[head], lambda rows: index.tokens[head[rows]], len(head), itm_score, add_cosine,
+                    self.model, queries_are_texts=True, input_ids=input_ids[q : q + 1],
+                    attention_mask=attention_mask[q : q + 1], text_features=text_features[q : q + 1],
+                    video_features=index.embeddings[head], read_tokens=lambda rows: index.tokens[head[rows]],
+                    options=RankingOptions(k=len(head), itm_score=itm_score, add_cosine=add_cosine),
                 )
                 scores[head] = ranking.scores[0].float().cpu()
             results.append(_result_list(index.videos, scores, similarity, top_k))
@@ -547,7 +550,7 @@ class ZeroShotVideoClassificationPipeline(_TestaPipeline):
 
     Each label becomes the text `hypothesis_template.format(label)`. The score of a label is the softmax, over the
     labels, of `cos(video embedding, text embedding) / temperature`, with the model's learned contrastive temperature
-    (`model.temp`, clamped to [0.001, 0.5] as in training): the same quantity the contrastive loss is trained on, and
+    (`model.logit_scale()`, clamped as in training): the same quantity the contrastive loss is trained on, and
     what zero-shot-image-classification computes with CLIP's logit scale. Scores sum to 1 and are sorted.
 
     Call arguments: the video(s) (a path, a 4-D array, a list of frames, or a list of those), `candidate_labels`,
@@ -633,8 +636,7 @@ class ZeroShotVideoClassificationPipeline(_TestaPipeline):
             model_inputs["pixel_values"].to(self.device, dtype=dtype)
         ).pooler_output
         text_features = self.model.get_text_features(model_inputs["input_ids"], model_inputs["attention_mask"]).pooler_output
-        temperature = self.model.temp.detach().clamp(0.001, 0.5)
-        logits = (video_features @ text_features.to(video_features.dtype).T) / temperature
+        logits = (video_features @ text_features.to(video_features.dtype).T) / self.model.logit_scale().detach()
         return {"logits": logits, "candidate_labels": model_inputs["candidate_labels"]}
 
     def postprocess(self, model_outputs: dict[str, Any], top_k: int | None = None) -> list[list[dict[str, Any]]]:
@@ -653,6 +655,12 @@ class ZeroShotVideoClassificationPipeline(_TestaPipeline):
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+ANSWER_GENERATION_DEFAULTS = {"num_beams": 3, "max_length": 10}
+"""How the question answering pipeline generates when neither the call nor the model's `generation_config` says
+otherwise: beam search as the released code answers (TESTA `models/testa_vqa.py`, `generate(num_beams=3,
+max_length=10, min_length=1)`, L111-L124). `TestaForVideoQA.generate` itself keeps transformers' defaults (greedy)."""
+
+
 class VideoQuestionAnsweringPipeline(_TestaPipeline):
     r"""
     Video question answering with `TestaForVideoQA`.
@@ -663,14 +671,16 @@ class VideoQuestionAnsweringPipeline(_TestaPipeline):
     pipe(video="clip.mp4", question="...", candidate_answers=["surfing", "cooking"], top_k=2)
     ```
 
-    - Without `candidate_answers` the answer is generated (beam search; defaults `num_beams=3, max_length=10` as in
-      the original, any `generate` argument can be given in `generate_kwargs`). `top_k` answers are returned (the
-      best beams), each scored by its **sequence probability** under the model: the product of the decoder's
-      probabilities of its tokens up to and including [SEP].
-    - With `candidate_answers` the candidates are ranked like the original's `rank_answer` (`model.rank_answers`):
+    - Without `candidate_answers` the answer is generated by the model (`generate_from_question`): with the call's
+      generation arguments (`num_beams`, `max_length`, `max_new_tokens` or any `generate` argument in
+      `generate_kwargs`), on top of the model's `generation_config`, on top of `ANSWER_GENERATION_DEFAULTS` (beam
+      search, `num_beams=3, max_length=10`, as the released code answers). `top_k` answers are returned (the
+      best beams), each scored by its **sequence probability** under the model (`answer_log_likelihoods`): the product
+      of the decoder's probabilities of its tokens up to and including [SEP].
+    - With `candidate_answers` the candidates are ranked like the released `rank_answer` (`model.rank_answers`):
       the `k` candidates with the most probable first token (`k = max(config.k_test, top_k)`) are scored by their
       full log-likelihood. The score is again the sequence probability (exact, `label_smoothing=0`; pass
-      `label_smoothing=config.label_smoothing` to reproduce the original's smoothed ranking score, whose exponential
+      `label_smoothing=config.label_smoothing` to reproduce the released smoothed ranking score, whose exponential
       is then not a probability).
 
     `question` may be a list (one result list per question, for the same video).
@@ -775,34 +785,32 @@ class VideoQuestionAnsweringPipeline(_TestaPipeline):
             return {"answers": answers, "scores": scores, "single": model_inputs["single"]}
         return self._generate(input_ids, attention_mask, pixel_values, top_k, generate_kwargs or {}, model_inputs)
 
+    def generation_settings(self, generate_kwargs: dict[str, Any], top_k: int) -> dict[str, Any]:
+        """The `generate` arguments of a call: the call's `generate_kwargs`, on top of the model's generation config,
+        on top of `ANSWER_GENERATION_DEFAULTS` for the parameters neither sets; at least ``top_k`` beams, and
+        ``top_k`` sequences per question."""
+        model_settings = self.model.generation_config.to_diff_dict()
+        settings = {k: v for k, v in ANSWER_GENERATION_DEFAULTS.items() if k not in model_settings}
+        settings.update(generate_kwargs)
+        if "max_new_tokens" in {**model_settings, **generate_kwargs} and "max_length" not in generate_kwargs:
+            settings.pop("max_length", None)
+        num_beams = settings.get("num_beams", self.model.generation_config.num_beams) or 1
+        settings["num_beams"] = max(int(num_beams), top_k)
+        settings["num_return_sequences"] = top_k
+        return settings
+
     def _generate(self, input_ids, attention_mask, pixel_values, top_k, generate_kwargs, model_inputs):
-        """Beam search from [DEC], then the teacher-forced sequence probability of every returned answer."""
+        """Beam search from [DEC] (`model.generate_from_question`), then the model's log-likelihood of every
+        returned answer (`model.answer_log_likelihoods`)."""
         model = self.model
         states, question_mask, _ = model.encode_question(input_ids, pixel_values, attention_mask)
-        text_config = model.config.text_config
-        settings = {"num_beams": 3, "max_length": 10, "eos_token_id": text_config.sep_token_id,
-                    "pad_token_id": text_config.pad_token_id}
-        settings.update(generate_kwargs)
-        if "max_new_tokens" in generate_kwargs and "max_length" not in generate_kwargs:
-            settings.pop("max_length")
-        settings["num_beams"] = max(int(settings["num_beams"]), top_k)
-        settings["num_return_sequences"] = top_k
-        start = torch.full((states.shape[0], 1), model.config.dec_token_id, dtype=torch.long, device=states.device)
-        sequences = model.text_decoder.generate(
-            input_ids=start, encoder_hidden_states=states, encoder_attention_mask=question_mask, **settings
-        )
+        sequences = model.generate_from_question(states, question_mask, **self.generation_settings(generate_kwargs,
+                                                                                                    top_k))
         if not isinstance(sequences, torch.Tensor):
             sequences = sequences.sequences
-        # Answer tokens: everything after [DEC] up to and including the first [SEP].
-        after_sep = (sequences == text_config.sep_token_id).long().cumsum(dim=1)
-        mask = (after_sep == 0) | ((after_sep == 1) & (sequences == text_config.sep_token_id))
-        mask[:, 0] = True
-        repeated_states = states.repeat_interleave(top_k, dim=0)
-        repeated_mask = question_mask.repeat_interleave(top_k, dim=0)
-        logits = model.answer_logits(sequences, mask.long(), repeated_states, repeated_mask)
-        log_probs = logits[:, :-1].float().log_softmax(dim=-1)
-        token_log_probs = log_probs.gather(2, sequences[:, 1:, None]).squeeze(2) * mask[:, 1:]
-        sequence_log_probs = token_log_probs.sum(dim=1).view(-1, top_k)
+        sequence_log_probs = model.answer_log_likelihoods(
+            sequences, states.repeat_interleave(top_k, dim=0), question_mask.repeat_interleave(top_k, dim=0)
+        ).view(-1, top_k)
         texts = self.tokenizer.decode(sequences.tolist(), skip_special_tokens=True)
         texts = [t.strip() for t in texts]
         order = sequence_log_probs.argsort(dim=1, descending=True, stable=True)

@@ -42,7 +42,7 @@ _SPACES = re.compile(r"\s{2,}")
 
 
 def pre_caption(caption: str, max_words: int = 50) -> str:
-    """The original TESTA caption cleaning (`data/utils.py::pre_caption`).
+    """The released TESTA caption cleaning: adapted from TESTA `data/utils.py` L11-L30 (`pre_caption`).
 
     Lower-cases, replaces each of ``!"()*#~`` by a space, collapses runs of whitespace, strips surrounding spaces and
     newlines, and keeps at most `max_words` space-separated words. (TESTA keeps `.`, `:` and `;`, unlike BLIP.)

@@ -5,7 +5,8 @@ video index and store search, and the training evaluation.
    query (``k`` is the model's ``k_test`` unless given).
 2. **Re-ranking**: the matching (ITM) head scores those ``(text, video)`` pairs, ``batch_size`` pairs at a time,
    reading only their videos' tokens (`match_scores`); a candidate's score is the ITM match logit (or its softmax
-   probability) plus, by default, its cosine, as in the original evaluation. Every other item scores ``-inf``.
+   probability) plus, by default, its cosine, as in the released evaluation (TESTA `train_video_retrieval.py`
+   L178-L345, `evaluation`). Every other item scores ``-inf``.
 3. **Order** (`ranked_order`): the re-ranked candidates by decreasing score, then the other items by decreasing
    cosine. Items whose cosine is ``-inf`` (videos that could not be encoded) are never ranked.
 
@@ -56,6 +57,29 @@ def check_batch_size(batch_size: Any) -> None:
         raise ValueError(f"`batch_size` must be positive, got {batch_size}.")
 
 
+@dataclass(frozen=True)
+class RankingOptions:
+    """How the second stage runs and scores, checked at construction.
+
+    Args:
+        k: candidates re-ranked per query (`two_stage_scores` takes at most the number of candidates).
+        itm_score: ``"logit"`` (the ITM match logit, original) or ``"softmax"`` (its probability).
+        add_cosine: add the first-stage cosine to a re-ranked pair's ITM score (original).
+        batch_size: pairs per matching-head forward (and queries per chunk when queries are given).
+    """
+
+    k: int
+    itm_score: str = "logit"
+    add_cosine: bool = True
+    batch_size: int = 128
+
+    def __post_init__(self) -> None:
+        check_itm_score(self.itm_score)
+        check_batch_size(self.batch_size)
+        if isinstance(self.k, bool) or not hasattr(self.k, "__index__") or self.k <= 0:
+            raise ValueError(f"`k` must be positive, got {self.k}.")
+
+
 @torch.no_grad()
 def match_scores(
     model: Any,
@@ -76,7 +100,7 @@ def match_scores(
     """
     check_itm_score(itm_score)
     check_batch_size(batch_size)
-    device, dtype = model.itm_head.weight.device, model.itm_head.weight.dtype
+    device, dtype = model.device, model.dtype
     scores = []
     for start in range(0, text_rows.shape[0], batch_size):
         texts, videos = text_rows[start : start + batch_size], video_rows[start : start + batch_size].cpu()
@@ -91,36 +115,58 @@ def match_scores(
 
 
 @torch.no_grad()
+def pair_scores(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    read_tokens: Callable[[torch.Tensor], torch.Tensor],
+    video_features: torch.Tensor,
+    *,
+    itm_score: str = "logit",
+    add_cosine: bool = True,
+    batch_size: int = 128,
+) -> torch.Tensor:
+    """The second-stage score of aligned pairs ``(text i, video i)`` (a cross-encoder's input): the ITM score of
+    `match_scores`, plus, with ``add_cosine``, the cosine of the pair's embeddings (``video_features``, normalised,
+    one row per pair; the texts' are computed here), as `two_stage_scores` scores its re-ranked candidates."""
+    rows = torch.arange(input_ids.shape[0], device=model.device)
+    scores = match_scores(model, input_ids, attention_mask, rows, rows, read_tokens, batch_size, itm_score)
+    if add_cosine:
+        text_features = model.get_text_features(input_ids, attention_mask).pooler_output
+        scores = scores + (text_features * video_features.to(text_features.dtype)).sum(dim=-1)
+    return scores
+
+
+@torch.no_grad()
 def two_stage_scores(
     model: Any,
+    *,
     queries_are_texts: bool,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     text_features: torch.Tensor,
     video_features: torch.Tensor,
     read_tokens: Callable[[torch.Tensor], torch.Tensor],
-    k: int,
-    itm_score: str = "logit",
-    add_cosine: bool = True,
-    batch_size: int = 128,
+    options: RankingOptions,
     queries: torch.Tensor | None = None,
     excluded: torch.Tensor | None = None,
 ) -> TestaRankingOutput:
     """Both stages for ``queries`` (text rows when ``queries_are_texts``, else video indices; all by default).
 
     Args:
-        model: a TESTA retrieval head (its `itm_logits` and `itm_head`).
+        model: a TESTA retrieval head (its `itm_logits`, `device` and `dtype`).
+        queries_are_texts: rank videos for text queries (else texts for video queries).
         input_ids, attention_mask: ``(num_texts, length)`` all texts (queries or candidates).
         text_features, video_features: ``(num_texts, dim)``, ``(num_videos, dim)`` normalised embeddings.
         read_tokens: the videos' aggregated tokens by index (see `match_scores`).
-        k: candidates re-ranked per query (at most the number of candidates).
-        itm_score, add_cosine: how a re-ranked pair is scored (see the module docstring).
-        batch_size: pairs per matching-head forward.
-        queries: the query rows to rank, in order; ranked in chunks of ``batch_size`` queries when given (memory
-            bounded by the chunk's similarity rows), all at once otherwise.
+        options: ``k`` (at most the number of candidates is taken), how a re-ranked pair is scored, and the batch
+            size (pairs per matching-head forward, queries per chunk).
+        queries: the query rows to rank, in order; ranked in chunks of ``options.batch_size`` queries when given
+            (memory bounded by the chunk's similarity rows), all at once otherwise.
         excluded: ``(num_candidates,)`` bool: candidates never picked (their cosine becomes ``-inf``).
     """
-    device, dtype = model.itm_head.weight.device, model.itm_head.weight.dtype
+    k, itm_score, add_cosine, batch_size = options.k, options.itm_score, options.add_cosine, options.batch_size
+    device, dtype = model.device, model.dtype
     query_features = (text_features if queries_are_texts else video_features).to(device, dtype)
     candidate_features = (video_features if queries_are_texts else text_features).to(device, dtype)
     chunks = [None] if queries is None else [queries[i : i + batch_size] for i in range(0, len(queries), batch_size)]
@@ -183,10 +229,12 @@ def ranked_order(
 
 __all__ = [
     "ITM_SCORES",
+    "RankingOptions",
     "TestaRankingOutput",
     "check_batch_size",
     "check_itm_score",
     "match_scores",
+    "pair_scores",
     "ranked_order",
     "two_stage_scores",
 ]

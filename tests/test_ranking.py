@@ -5,7 +5,7 @@ import torch
 from helpers.models import randomize, text_ids, tiny_config, videos
 
 from modeling_testa import TestaForVideoTextRetrieval
-from modeling_testa.ranking import ranked_order, two_stage_scores
+from modeling_testa.ranking import RankingOptions, ranked_order, two_stage_scores
 
 
 INF = float("-inf")
@@ -37,8 +37,10 @@ def test_chunked_queries_equal_rank_videos_and_a_brute_force_score():
         text_features = model.get_text_features(ids, mask).pooler_output
         video_features = model.get_video_features(video_tokens=out.last_hidden_state).pooler_output
         whole = model.rank_videos(ids, out.last_hidden_state, mask, k=2)
-        chunked = two_stage_scores(model, True, ids, mask, text_features, video_features,
-                                   out.last_hidden_state.__getitem__, 2, batch_size=2, queries=torch.arange(5))
+        chunked = two_stage_scores(model, queries_are_texts=True, input_ids=ids, attention_mask=mask,
+                                   text_features=text_features, video_features=video_features,
+                                   read_tokens=out.last_hidden_state.__getitem__,
+                                   options=RankingOptions(k=2, batch_size=2), queries=torch.arange(5))
         # brute force: every pair through the matching head, plus the cosine, for the top-2 by cosine
         cosine = text_features @ video_features.T
         for t in range(5):

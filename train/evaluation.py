@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader
 
 from modeling_testa.distributed import raise_on_every_rank
 from modeling_testa.indexing import encode_videos
-from modeling_testa.ranking import ranked_order, two_stage_scores
+from modeling_testa.ranking import RankingOptions, ranked_order, two_stage_scores
 from modeling_testa.video_store import (
     VideoStoreWriter,
     VideoTokenStore,
@@ -155,9 +155,10 @@ def _rank_direction(model, store: VideoTokenStore, input_ids, attention_mask, te
     if not queries:
         return results
     ranking = two_stage_scores(
-        model, queries_are_texts, input_ids, attention_mask, text_features, store.embeddings, store.read_tokens, k,
-        itm_score, add_cosine, batch_size, queries=torch.tensor(queries, dtype=torch.long),
-        excluded=~store.valid if queries_are_texts else None,
+        model, queries_are_texts=queries_are_texts, input_ids=input_ids, attention_mask=attention_mask,
+        text_features=text_features, video_features=store.embeddings, read_tokens=store.read_tokens,
+        options=RankingOptions(k=k, itm_score=itm_score, add_cosine=add_cosine, batch_size=batch_size),
+        queries=torch.tensor(queries, dtype=torch.long), excluded=~store.valid if queries_are_texts else None,
     )
     length = max(k, max(RETRIEVAL_KS))
     for row, cosine, query in zip(ranking.scores.cpu(), ranking.similarity.cpu(), queries):

@@ -260,15 +260,18 @@ def main(task: Task, argv: list[str] | None = None) -> dict:
     # Model, data, optimiser.
     processor = build_processor(recipe)
     model = build_model(task.model_class, recipe)
-    # Momentum contrast starts now (random queues, copies of the online weights; a no-op for heads without it),
-    # before anything else draws from the seeded generator.
-    model.start_momentum()
+    # Momentum contrast (the contrastive heads' `model.momentum`; the QA head has none) starts now (random queues,
+    # copies of the online weights), before anything else draws from the seeded generator.
+    has_momentum = hasattr(model, "momentum")
+    if has_momentum:
+        model.start_momentum()
     if task.prepare_model is not None:
         task.prepare_model(model, processor, recipe, accelerator)
     if train_cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     # Momentum EMA + queue once per optimiser step (after it), not per micro-batch: see `MomentumContrast`.
-    model.defer_momentum_updates(True)
+    if has_momentum:
+        model.defer_momentum_updates(True)
     rows = load_rows(recipe, data_cfg.train_split, task.name, streaming)
     micro_per_epoch = None if streaming else len(rows) // accelerator.num_processes // per_device_batch
     max_steps = train_cfg.max_steps
@@ -345,7 +348,7 @@ def main(task: Task, argv: list[str] | None = None) -> dict:
                 optimizer.step()
                 scheduler.step()  # Accelerate's scheduler only advances on real optimiser steps
                 optimizer.zero_grad()
-                if accelerator.sync_gradients:
+                if accelerator.sync_gradients and has_momentum:
                     head.momentum_step()  # EMA of the updated weights, then enqueue this step's momentum features
             throughput["step_seconds"] += time.perf_counter() - step_start
             state.micro_batches_in_epoch += 1
