@@ -93,6 +93,7 @@ class Scale:
     recipe_overrides: tuple[str, ...] = ()  # `--set` values on top of the recipes (tiny models for the dry run)
     compile_backend: str = "inductor"
     cpu_compare_frames: int = 32
+    scaling_batches: tuple[int, ...] = (8, 16, 32, 64)  # batch_scaling: where kernel launches stop dominating
 
     @property
     def headline_frames(self) -> int:
@@ -134,6 +135,7 @@ DRY_SCALE = Scale(
     ),
     compile_backend="eager",
     cpu_compare_frames=8,
+    scaling_batches=(1, 2),
 )
 
 RECIPES = {"headline": "configuration/retrieval_queryd_f32.yaml", "long": "configuration/retrieval_queryd_f96.yaml"}
@@ -643,6 +645,87 @@ def run_speed_grid(ctx: Context, results: dict) -> None:
             ctx.save()
 
 
+def graph_replay_seconds(ctx: Context, model: torch.nn.Module, video: torch.Tensor) -> float:
+    """Median seconds of one forward replayed as a captured CUDA graph: the GPU's work without Python and kernel
+    launch overhead (the shapes are static for given R_T, R_S). Raises where the forward cannot be captured."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.inference_mode():
+        with torch.cuda.stream(stream):  # warm-up on a side stream, as capture requires
+            for _ in range(2):
+                model(pixel_values=video)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            model(pixel_values=video)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(ctx.scale.iterations):
+        start = time.perf_counter()
+        graph.replay()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    del graph
+    return statistics.median(times)
+
+
+def run_batch_scaling(ctx: Context, results: dict) -> None:
+    """TESTA against no aggregation (32 frames, bf16, SDPA) as the batch grows, run eagerly and replayed as a CUDA
+    graph: where the merging's many small kernels, not the matrix products, set the time."""
+    frames = ctx.scale.headline_frames
+    results.update(frames=frames, dtype="bf16", attention="sdpa", entries=[])
+    for variant in ("testa", "testa-none"):
+        model = build_encoder(ctx, variant, frames, "bf16", "sdpa")
+        for batch in ctx.scale.scaling_batches:
+            entry = dict(variant=variant, label=ENCODER_LABELS[variant], batch=batch)
+            try:
+                eager = measure_encoder(ctx, model, variant, frames, batch, "bf16", "sdpa")
+                entry["eager_seconds"] = eager.get("seconds")
+                if ctx.device.startswith("cuda") and "seconds" in eager:
+                    size = ctx.scale.encoder["image_size"]
+                    video = torch.randn(batch, frames, 3, size, size, device=ctx.device, dtype=torch.bfloat16)
+                    try:
+                        entry["graph_seconds"] = graph_replay_seconds(ctx, model, video)
+                    except Exception as error:  # a forward that cannot be captured: say why, keep the eager time
+                        entry["graph_error"] = f"{type(error).__name__}: {str(error)[:160]}"
+                    del video
+                else:
+                    entry["graph_error"] = "CUDA graphs need a CUDA device"
+            except torch.cuda.OutOfMemoryError as error:
+                entry["error"] = f"out of memory: {str(error)[:160]}"
+            results["entries"].append(entry)
+            log(ctx.budget, f"batch_scaling {entry['label']}, batch {batch}: eager {entry.get('eager_seconds')} s, "
+                            f"graph {entry.get('graph_seconds', entry.get('graph_error'))}")
+            ctx.save()
+        del model
+        ctx.free()
+
+
+def render_batch_scaling(results: dict) -> list[str]:
+    by = {(e["variant"], e["batch"]): e for e in results.get("entries", [])}
+    batches = sorted({e["batch"] for e in results.get("entries", [])})
+    lines = [f"{results.get('frames')} frames, bf16, SDPA; TESTA with R_T=1, R_S=12. Videos/s run eagerly and replayed "
+             "as one captured CUDA graph (no Python or kernel-launch overhead), and TESTA's ratio over the encoder "
+             "without aggregation in each.", "",
+             "| batch | TESTA eager | no aggregation eager | ratio eager | TESTA graph | no aggregation graph | "
+             "ratio graph |", "|---|---|---|---|---|---|---|"]
+
+    def rate(entry, key):
+        return entry["batch"] / entry[key] if entry and entry.get(key) else None
+
+    for batch in batches:
+        testa, none = by.get(("testa", batch)), by.get(("testa-none", batch))
+        cells = [str(batch)]
+        for key in ("eager_seconds", "graph_seconds"):
+            a, b = rate(testa, key), rate(none, key)
+            cells += [number(a), number(b), f"{a / b:.2f}x" if a and b else "–"]
+        lines.append("| " + " | ".join(cells) + " |")
+    errors = sorted({e.get("graph_error") or e.get("error") for e in results.get("entries", [])} - {None})
+    lines += [""] + [f"Not measured: {error}" for error in errors]
+    return lines
+
+
 SECTIONS = (
     Section("headline", "Encoder speed: TESTA, no aggregation, TimesformerModel", run_headline, min_seconds=20),
     Section("memory_96", "Peak memory of long clips: inference and one training step", run_memory_96, min_seconds=30),
@@ -650,6 +733,7 @@ SECTIONS = (
     Section("cuda_vs_cpu", 'frame_matching="original" on CUDA against the CPU', run_cuda_vs_cpu, min_seconds=30),
     Section("compile", "torch.compile with static shapes", run_compile, min_seconds=120),
     Section("speed_grid", "Encoder speed grid", run_speed_grid, min_seconds=10),
+    Section("batch_scaling", "Batch size and kernel-launch overhead", run_batch_scaling, min_seconds=20),
 )
 
 
@@ -867,7 +951,8 @@ def render_grid(results: dict) -> list[str]:
 
 
 RENDERERS = {"headline": render_headline, "memory_96": render_memory, "train_step": render_train_step,
-             "cuda_vs_cpu": render_cuda_vs_cpu, "compile": render_compile, "speed_grid": render_grid}
+             "cuda_vs_cpu": render_cuda_vs_cpu, "compile": render_compile, "speed_grid": render_grid,
+             "batch_scaling": render_batch_scaling}
 
 
 def render_markdown(report: dict) -> str:
@@ -965,7 +1050,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--resume", action="store_true",
                         help="keep the sections that the gpu.json already in --output-dir finished (same device, "
                              "versions and sizes), reuse its encoder timings, and run the rest")
+    parser.add_argument("--redo", default="",
+                        help="with --resume: comma-separated sections measured again although the earlier run "
+                             "finished them (e.g. after a fix)")
     args = parser.parse_args(argv)
+    redo = [name for name in args.redo.split(",") if name]
+    unknown = sorted(set(redo) - {s.name for s in SECTIONS})
+    if unknown:
+        parser.error(f"--redo: unknown {unknown}; allowed values are {', '.join(s.name for s in SECTIONS)}")
+    args.redo = redo
     names = [name for name in args.sections.split(",") if name]
     unknown = sorted(set(names) - {s.name for s in SECTIONS})
     if unknown:
@@ -988,7 +1081,8 @@ def earlier_run(output_dir: Path, report: dict) -> tuple[dict | None, str]:
         if earlier["environment"].get(key) != report["environment"].get(key):
             return None, (f"the earlier run's {key} was {earlier['environment'].get(key)!r}, this one's is "
                           f"{report['environment'].get(key)!r}; nothing kept")
-    if earlier["scale"] != json.loads(json.dumps(report["scale"])):  # as the json holds it
+    current = json.loads(json.dumps(report["scale"]))  # as the json holds it
+    if any(earlier["scale"].get(key) != current.get(key) for key in earlier["scale"]):  # sizes added later aside
         return None, "the earlier run used other sizes or iterations; nothing kept"
     return earlier, "the sections the earlier run finished are kept, and its encoder timings reused"
 
@@ -1033,7 +1127,7 @@ def main(argv: list[str] | None = None) -> dict:
         log(budget, f"--resume: {report['resumed']}")
     for section in SECTIONS:
         state = report["sections"][section.name] = dict(status="running", reason=None, results={})
-        if section.name in kept:
+        if section.name in kept and section.name not in args.redo:
             state.update(kept[section.name])
         elif section.name not in args.sections:
             state.update(status="skipped", reason="not selected (--sections)")

@@ -81,6 +81,16 @@ def mode(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return values.gather(-1, first_most_frequent).squeeze(-1)
 
 
+def first_max(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, indices)`` of the maximum along ``dim``, with ties going to the lowest index on every device.
+
+    `torch.max(dim)` does not promise which index of a tie it returns, and on CUDA it returns another one than on the
+    CPU (measured on an H200 with duplicated frames: docs/gpu.md); `argmax` promises the first.
+    """
+    indices = x.argmax(dim=dim, keepdim=True)
+    return x.gather(dim, indices).squeeze(dim), indices.squeeze(dim)
+
+
 def _best_partner(
     scores: torch.Tensor, vote_dim: int | None, vote: str = "vote"
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,11 +102,11 @@ def _best_partner(
     and the same on every device.
     """
     if vote_dim is None:
-        return scores.max(dim=-1)
+        return first_max(scores, dim=-1)
     if vote not in FRAME_VOTES:
         raise ValueError(f"Unknown frame vote {vote!r}; use one of {FRAME_VOTES}.")
     if vote == "original":
-        best_scores, best_partners = scores.max(dim=-1)  # per position; the position axis is now vote_dim + 1
+        best_scores, best_partners = first_max(scores, dim=-1)  # per position; the position axis is now vote_dim + 1
         position_dim = vote_dim + 1 if vote_dim < 0 else vote_dim
         return mode(best_scores, position_dim), mode(best_partners, position_dim)
     votes = F.one_hot(scores.argmax(dim=-1), scores.shape[-1]).sum(dim=vote_dim)
@@ -307,6 +317,7 @@ def attention_received(
 
 
 __all__ = [
+    "first_max",
     "FRAME_VOTES",
     "Matching",
     "attention_received",
