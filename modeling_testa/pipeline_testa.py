@@ -22,7 +22,9 @@ Every pipeline needs a [`TestaProcessor`]: save it next to the model (`processor
 `processor=` (or `tokenizer=` and `video_processor=`). Bad input raises at once and names the input: a missing file
 raises `FileNotFoundError` with its path, an undecodable one the video processor's `VideoDecodingError` (a
 `ValueError` with the file and the decoder's reason) unchanged, and empty lists or arrays of the wrong rank or
-channel count raise `ValueError`.
+channel count raise `ValueError`. The exception is `VideoTextRetrievalPipeline.encode_videos`, which indexes a
+collection: there a file that cannot be read is data (`index.failures`, video -> reason) and the others are indexed
+(`on_error="raise"` raises instead).
 
 This file is Hub remote code: flat relative imports only, absolute imports of installed packages only (FAISS is
 optional and imported inside `try`).
@@ -38,7 +40,7 @@ from transformers.pipelines import PIPELINE_REGISTRY
 from transformers.pipelines.base import Pipeline
 from transformers.utils import logging
 
-from .indexing import DecodeAhead, InMemorySink, encode_videos
+from .indexing import SUMMARY_FAILURES, DecodeAhead, InMemorySink, check_on_error, encode_videos
 from .inference import optimize_for_inference
 from .processing_testa import TestaProcessor, load_testa_processor
 from .ranking import ranked_order, two_stage_scores
@@ -71,6 +73,11 @@ def _common_parameters(
     if num_frames is not None:
         merged["num_frames"] = num_frames
     return ({"text_kwargs": text_kwargs} if text_kwargs is not None else {}), merged
+
+
+def _as_list(value: Any) -> Any:
+    """Tuples as lists (settings read back from JSON are lists)."""
+    return list(value) if isinstance(value, tuple) else value
 
 
 def _check_top_k(top_k: Any) -> None:
@@ -348,7 +355,7 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         videos = model_inputs["videos"]
         index = self.encode_videos(
             videos, batch_size=video_batch_size or self._batch_size or 8, store_tokens=True,
-            progress_bar=progress_bar, **(video_kwargs or {}),
+            progress_bar=progress_bar, on_error="raise", **(video_kwargs or {}),
         )
         window = self._window(len(videos), top_k, rerank_k)
         ranking = self.model.rank_videos(
@@ -394,6 +401,8 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         progress_bar: bool | None = None,
         store_dir: str | os.PathLike | None = None,
         num_workers: int = 0,
+        on_error: str = "skip",
+        index: VideoIndex | None = None,
         **video_kwargs: Any,
     ) -> VideoIndex:
         """Decodes and encodes every video once and returns a [`VideoIndex`].
@@ -407,7 +416,8 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
                 memory the default is the model's dtype; in a store it is `torch.float16` (pass `torch.float32` for
                 results identical to `pipe(text, videos)`).
             progress_bar (`bool`, *optional*): show a tqdm bar (default: from 16 videos on). Its rate is videos/s;
-                its postfix says which share of the time the encoder waited for decoded videos.
+                its postfix says which share of the time the encoder waited for decoded videos, and how many videos
+                failed.
             store_dir (`str` or `os.PathLike`, *optional*): write the tokens to an on-disk video store in this
                 directory as they are encoded (memory stays bounded by `batch_size`, whatever the collection) and
                 return an index backed by it; `VideoIndex.load(store_dir)` reopens it later.
@@ -415,19 +425,43 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
                 (`isolate_decoder=True`), while the encoder runs: the next batches (up to two batches, and at least
                 `num_workers` videos, ahead) are decoded during the current forward. 0 decodes each batch before
                 encoding it, in this thread. The results are the same, in the same order, and a video that cannot be
-                decoded raises the same error (naming it) at the same point.
+                decoded fails the same way at the same point.
+            on_error (`str`, defaults to `"skip"`): what a video file that cannot be read does (missing, empty, not a
+                video, truncated, no frames, decoder crash or timeout). `"skip"`: it is left out of the index and
+                recorded in `index.failures` (video -> reason, the reason starting with a code of
+                `indexing.FAILURE_CODES`); the progress bar counts the failures and a warning at the end lists them.
+                Search never returns a failed video. `"raise"`: the decoder's error (naming the file) is raised and
+                no index is returned. Bad arguments (e.g. an array of the wrong shape) always raise.
+            index (`VideoIndex`, *optional*): an index to grow. Videos already in it (by path; failed ones too) are
+                skipped, the others are encoded and appended to it in place (`VideoIndex.add`), and it is returned.
+                It must have been built with the same model settings (frames, R_T/R_S, projection size): another
+                setting is refused, naming the difference, before anything is encoded.
             **video_kwargs: video-processor arguments (`num_frames=...`).
 
-        The returned index's `stats` say how fast it went: videos/s, the time the encoder waited for decoding and
-        the encoder's own time (decoding is the bottleneck when the wait dominates).
+        Raises:
+            `ValueError`: no video of `videos` could be read (the message lists why), or a bad argument.
+
+        The returned index's `stats` say how fast it went: videos/s, the time the encoder waited for decoding, the
+        encoder's own time (decoding is the bottleneck when the wait dominates) and the failures.
         """
         videos = video_list(videos, "videos")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"`batch_size` must be a positive int, got {batch_size!r}.")
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             raise ValueError(f"`num_workers` must be a non-negative int, got {num_workers!r}.")
+        check_on_error(on_error)
         if store_dir is not None and not store_tokens:
             raise ValueError("`store_dir` writes the tokens: it cannot be combined with store_tokens=False.")
+        info = self._index_info(video_kwargs)
+        names = [video_name(item, i) for i, item in enumerate(videos)]
+        if index is not None:
+            self._check_growable(index, videos, info, store_dir, store_tokens)
+            known = set(index.names) | set(getattr(index, "failures", None) or {})
+            todo = [i for i, name in enumerate(names) if name not in known and name not in names[:i]]
+            if not todo:
+                logger.info("All %d videos are already in the index; nothing to encode.", len(videos))
+                return index
+            videos, names = [videos[i] for i in todo], [names[i] for i in todo]
         if store_dir is not None:
             sink = VideoStoreWriter(store_dir, 0, 0, len(videos), token_dtype=token_dtype or torch.float16)
         else:
@@ -437,34 +471,73 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
                               num_workers, max(2 * batch_size, num_workers), self._decoder_for_thread)
         try:
             with decoded:
-                stats = encode_videos(self.model, decoded.batches(batch_size), sink, total=len(videos),
-                                      progress_bar=show, num_workers=num_workers)
+                stats = encode_videos(self.model, decoded.batches(batch_size, on_error, names.__getitem__), sink,
+                                      total=len(videos), progress_bar=show, num_workers=num_workers)
+            failures = dict(sink.failures) if store_dir is None else {f["video"]: f["reason"] for f in sink.failures}
+            if len(failures) == len(videos) and index is None:
+                raise ValueError(f"None of the {len(videos)} videos could be read:\n" + "\n".join(
+                    f"  {video}: {reason[:300]}" for video, reason in list(failures.items())[:SUMMARY_FAILURES]))
         except BaseException:
             if store_dir is not None:
                 sink.abort()  # files closed; the store has no index, so it cannot be opened half-written
             raise
-        logger.info("Encoded %d videos in %.1f s (%.2f videos/s; waited %.1f s for decoding, encoder %.1f s).",
-                    len(videos), stats.seconds, stats.videos_per_second, stats.decode_wait_seconds,
-                    stats.encode_seconds)
+        logger.info("Encoded %d videos in %.1f s (%.2f videos/s; waited %.1f s for decoding, encoder %.1f s; %d "
+                    "failed).", len(videos), stats.seconds, stats.videos_per_second, stats.decode_wait_seconds,
+                    stats.encode_seconds, stats.failed)
+        if store_dir is not None:
+            sink.close()
+            finalize_store(store_dir, names, 1, info)
+            stored = VideoIndex.from_store(store_dir)
+            stored.videos = list(videos)
+            stored.stats = stats.as_dict()
+            return stored
+        if not sink.indices:  # growing an index with videos that all failed
+            index.failures.update(failures)
+            index.stats = stats.as_dict()
+            return index
+        embeddings, tokens, sizes = sink.result()
+        encoded = VideoIndex(videos=[videos[i] for i in sink.indices], embeddings=embeddings, tokens=tokens,
+                             token_sizes=sizes, info=info, stats=stats.as_dict(), failures=failures)
+        if index is None:
+            return encoded
+        index.add(encoded)
+        index.stats = encoded.stats
+        return index
+
+    def _index_info(self, video_kwargs: dict[str, Any]) -> dict[str, Any]:
+        """How an index encoded with this model and these video arguments is built (saved as its `info`)."""
         vision = self.model.config.vision_config
-        info = {
+        return {
             "model_class": type(self.model).__name__,
             "name_or_path": getattr(self.model.config, "_name_or_path", None) or "",
             "projection_dim": int(self.model.config.projection_dim),
             "num_frames": int(video_kwargs.get("num_frames", self.video_processor.num_frames)),
-            "temporal_reduction": vision.temporal_reduction_per_layer,
-            "spatial_reduction": vision.spatial_reduction_per_layer,
+            "temporal_reduction": list(vision.temporal_reduction_per_layer),
+            "spatial_reduction": list(vision.spatial_reduction_per_layer),
         }
+
+    @staticmethod
+    def _check_growable(index: Any, videos: list[Any], info: dict[str, Any], store_dir: Any,
+                        store_tokens: bool) -> None:
+        """Refuses, naming the difference, to grow ``index`` with videos it could not hold alongside its own."""
+        if not all(hasattr(index, name) for name in ("names", "embeddings", "add", "info")):
+            raise TypeError(f"`index` must be a VideoIndex to grow, got {type(index)}.")
         if store_dir is not None:
-            sink.close()
-            finalize_store(store_dir, [video_name(item, i) for i, item in enumerate(videos)], 1, info)
-            index = VideoIndex.from_store(store_dir)
-            index.videos = list(videos)
-            index.stats = stats.as_dict()
-            return index
-        embeddings, tokens, sizes = sink.result()
-        return VideoIndex(videos=list(videos), embeddings=embeddings, tokens=tokens, token_sizes=sizes, info=info,
-                          stats=stats.as_dict())
+            raise ValueError("`index=` grows an index in memory; grow a video store with `python -m train.index "
+                             "--store DIR --videos MORE` instead of passing `store_dir`.")
+        arrays = [i for i, item in enumerate(videos) if not isinstance(item, (str, os.PathLike))]
+        if arrays:
+            raise ValueError(f"`index=` tells the videos already in the index by their paths; videos{arrays[:3]} "
+                             "are in-memory videos, which have none.")
+        if store_tokens != index.has_tokens:
+            raise ValueError(f"The index {'holds' if index.has_tokens else 'does not hold'} tokens; encode with "
+                             f"store_tokens={index.has_tokens} to grow it.")
+        keys = ("model_class", "projection_dim", "num_frames", "temporal_reduction", "spatial_reduction")
+        differences = [f"{key}: the index has {index.info.get(key)!r}, this call {info[key]!r}"
+                       for key in keys if key in index.info and _as_list(index.info[key]) != _as_list(info[key])]
+        if differences:
+            raise ValueError("The index was built with other settings; grow it with the same ones or build "
+                             "another index:\n  " + "\n  ".join(differences))
 
     @torch.no_grad()
     def search(

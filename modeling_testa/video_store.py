@@ -9,6 +9,8 @@ read at a time, not by the collection (a memory map would keep every page it tou
 Layout of a store directory::
 
     video_store.json               format, shapes, dtypes, the shards, the video names, failed videos, `info`
+                                   (`store_metadata` reads it; `journaled_count` / `journaled_failures` read the
+                                   journals of a store still being written: nothing else parses these files)
     shard-00000.json               one shard's range, failures and token shape (written by the process that encoded it)
     journal-00000.jsonl            what the shard holds, batch by batch (what a resumed writer continues from)
     embeddings-00000.bin           (rows, projection_dim) fp32, in row order (the journal's copy of the embeddings)
@@ -289,12 +291,59 @@ def finalize_store(directory: str | os.PathLike, videos: list[str], num_shards: 
         "failures": sorted((f for m in shards for f in m["failures"]), key=lambda f: f["index"]),
         "videos": [str(v) for v in videos], "info": dict(info or {}),
     }
-    (directory / STORE_INFO_FILE).write_text(json.dumps(meta, indent=1), encoding="utf-8")
+    # written whole and then renamed: a reader sees the old index (e.g. of a store being grown) or the new one
+    temporary = directory / (STORE_INFO_FILE + ".tmp")
+    temporary.write_text(json.dumps(meta, indent=1), encoding="utf-8")
+    temporary.replace(directory / STORE_INFO_FILE)
     return directory
 
 
 def is_video_store(directory: str | os.PathLike) -> bool:
     return (Path(directory) / STORE_INFO_FILE).is_file()
+
+
+def store_metadata(directory: str | os.PathLike) -> dict[str, Any]:
+    """What ``video_store.json`` of a finalised store says, without reading any tensor: ``videos`` (names, in store
+    order), ``failures`` (``{"index", "video", "reason"}``), ``info`` (how it was built), ``shards`` (``{"shard",
+    "start", "stop", "num_rows"}``), ``num_videos``, ``num_tokens``, ``hidden_size``, ``token_dtype``, ...
+
+    Raises `FileNotFoundError` / `ValueError` naming ``directory`` when it is not a (finalised) store."""
+    path = Path(directory) / STORE_INFO_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"No video store in {str(directory)!r}: {STORE_INFO_FILE} is missing.")
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{str(path)!r} is not valid JSON ({error}): not a video store.") from None
+    if not isinstance(meta, dict) or meta.get("format") != STORE_FORMAT or meta.get("version") != STORE_VERSION:
+        got = (meta.get("format"), meta.get("version")) if isinstance(meta, dict) else (type(meta).__name__, None)
+        raise ValueError(f"{str(path)!r} is not a version-{STORE_VERSION} {STORE_FORMAT} (got {got[0]!r} version "
+                         f"{got[1]!r}).")
+    return meta
+
+
+def _journal_entries(directory: Path) -> Iterable[dict[str, Any]]:
+    """The entries (after the header) of every shard journal in ``directory``; a torn last line is left out."""
+    for journal in sorted(directory.glob("journal-*.jsonl")):
+        for line in journal.read_text(encoding="utf-8").splitlines()[1:]:
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                continue
+
+
+def journaled_count(directory: str | os.PathLike) -> int:
+    """Videos written or marked failed in all the shard journals of ``directory`` (a store being written, or a
+    finished one): what a resumed run will not encode again. 0 for a directory without journals."""
+    return sum(len(entry["encoded"]) if "encoded" in entry else 1 for entry in _journal_entries(Path(directory)))
+
+
+def journaled_failures(directory: str | os.PathLike) -> list[dict[str, Any]]:
+    """``{"index", "video", "reason"}`` of every video marked failed in the shard journals of ``directory``, by
+    index (for a store still being written; a finalised one has them in `store_metadata`)."""
+    failures = [{"index": entry["failed"], "video": entry["video"], "reason": entry["reason"]}
+                for entry in _journal_entries(Path(directory)) if "failed" in entry]
+    return sorted(failures, key=lambda failure: failure["index"])
 
 
 class VideoTokenStore:

@@ -20,7 +20,7 @@ from helpers.videos import write_noise_video
 
 from modeling_testa import TestaForVideoTextRetrieval, TestaProcessor, VideoTextRetrievalPipeline
 from modeling_testa.video_index import VideoIndex
-from train.index import journaled_count
+from modeling_testa.video_store import journaled_count
 
 NUM_VIDEOS = 200
 QUERIES = ["a red square on a blue screen", "green and yellow blocks", "first dark then bright", "a cat"]
