@@ -6,15 +6,13 @@ References: real mp4s (tests/helpers/videos.py) and one broken file of each kind
 construction; an index built from the good videos only (search results and tensors compared exactly); the encoder's
 own call count."""
 
-import os
-from pathlib import Path
-
 import pytest
 import torch
 from helpers.pipelines import build_retrieval, tiny_processor
 from helpers.videos import write_bad_videos, write_noise_video, write_video
 
 import modeling_testa.indexing as indexing
+import modeling_testa.video_processing_testa as video_processing
 from modeling_testa import VideoTextRetrievalPipeline
 from modeling_testa.indexing import (
     FAILURE_CODES,
@@ -146,3 +144,109 @@ def test_decode_ahead_skips_in_order_with_and_without_threads(files, workers):
     assert all(b[1] is None or b[1].shape[0] == len(b[0]) for b in batches)
     with DecodeAhead(decode, len(mixed), workers, window=4) as ahead, pytest.raises(ValueError, match="notes.mp4"):
         list(ahead.batches(3, "raise"))
+
+
+# ------------------------------------------------------------------------------------------------ the pipeline
+
+
+def same_results(got: list, expected: list) -> None:
+    for row, reference in zip(got, expected, strict=True):
+        assert [item["video"] for item in row] == [item["video"] for item in reference]
+        assert [item["reranked"] for item in row] == [item["reranked"] for item in reference]
+        assert [item["score"] for item in row] == pytest.approx([item["score"] for item in reference], abs=1e-5)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_encode_videos_indexes_the_good_videos_and_records_the_bad_ones(pipe, files, workers, monkeypatch, capsys):
+    good, bad, mixed = files
+    reference = pipe.encode_videos(good, batch_size=3)
+    warnings = []
+    monkeypatch.setattr(indexing.logger, "warning", lambda message, *args: warnings.append(message % args))
+    calls = count_encoded(pipe.model, monkeypatch)
+    index = pipe.encode_videos(mixed, batch_size=3, num_workers=workers, progress_bar=True)
+    assert sum(calls) == len(good)  # every good video encoded once, no bad one
+    assert index.videos == good
+    for name in ("embeddings", "tokens", "token_sizes"):
+        assert torch.equal(getattr(index, name), getattr(reference, name)), name
+    assert set(index.failures) == set(bad.values())
+    for code, path in bad.items():
+        assert index.failures[path].startswith(f"{code}: "), (code, index.failures[path][:200])
+    assert index.stats["failed"] == len(bad) and index.stats["videos"] == len(mixed)
+    assert "failed 5" in capsys.readouterr().err  # the progress bar's postfix
+    assert len(warnings) == 1 and warnings[0].startswith(f"{len(bad)} of {len(mixed)} videos could not be read")
+    assert all(path in warnings[0] for path in bad.values())
+
+    for top_k in (None, 3):  # search returns no failed video, and what the good-only index returns
+        got = pipe.search(QUERIES, index, top_k=top_k, use_faiss=False)
+        same_results(got, pipe.search(QUERIES, reference, top_k=top_k, use_faiss=False))
+        assert not {item["video"] for row in got for item in row} & set(bad.values())
+
+
+def test_a_store_records_the_bad_videos_and_search_skips_them(pipe, files, tmp_path):
+    from modeling_testa import VideoIndex
+
+    good, bad, mixed = files
+    reference = pipe.encode_videos(good, batch_size=3)
+    stored = pipe.encode_videos(mixed, batch_size=3, store_dir=tmp_path / "store", token_dtype=torch.float32)
+    reopened = VideoIndex.load(tmp_path / "store")
+    for index in (stored, reopened):
+        assert {video: reason.split(":")[0] for video, reason in index.failures.items()} == {
+            path: code for code, path in bad.items()}
+        for top_k in (None, 3):
+            got = pipe.search(QUERIES, index, top_k=top_k, use_faiss=False)
+            same_results(got, pipe.search(QUERIES, reference, top_k=top_k, use_faiss=False))
+
+
+def test_on_error_raise_raises_the_decoders_error_naming_the_file(pipe, files):
+    good, bad, mixed = files
+    for workers in (0, 2):
+        with pytest.raises(VideoDecodingError, match="notes.mp4"):
+            pipe.encode_videos(mixed, batch_size=3, num_workers=workers, on_error="raise")
+    with pytest.raises(FileNotFoundError, match="gone.mp4"):
+        pipe.encode_videos([good[0], bad["missing"]], on_error="raise")
+
+
+def test_no_readable_video_is_one_clear_error_and_writes_no_store(pipe, files, tmp_path):
+    _, bad, _ = files
+    with pytest.raises(ValueError, match=r"None of the 5 videos could be read:\n  .*notes.mp4: not_a_video"):
+        pipe.encode_videos(list(bad.values()))
+    with pytest.raises(ValueError, match="None of the 5 videos could be read"):
+        pipe.encode_videos(list(bad.values()), store_dir=tmp_path / "store")
+    assert not (tmp_path / "store" / "video_store.json").exists()
+
+
+def test_an_index_grown_in_two_calls_equals_one_built_at_once(pipe, files, monkeypatch):
+    good, bad, mixed = files
+    at_once = pipe.encode_videos(mixed, batch_size=3)
+    first = pipe.encode_videos(mixed[:6], batch_size=3)  # 3 good, 3 bad
+    decoded = []
+    decode = video_processing.decode_video
+    monkeypatch.setattr(video_processing, "decode_video", lambda source, *a, **k: decoded.append(source) or decode(
+        source, *a, **k))
+    calls = count_encoded(pipe.model, monkeypatch)
+    grown = pipe.encode_videos(mixed, batch_size=3, index=first)
+    assert grown is first
+    assert decoded == mixed[6:] and sum(calls) == len([v for v in mixed[6:] if v in good])  # only the new ones
+    assert grown.videos == at_once.videos == good
+    assert grown.failures == at_once.failures
+    for name in ("embeddings", "tokens", "token_sizes"):
+        assert torch.equal(getattr(grown, name), getattr(at_once, name)), name
+    same_results(pipe.search(QUERIES, grown, top_k=None, use_faiss=False),
+                 pipe.search(QUERIES, at_once, top_k=None, use_faiss=False))
+    calls.clear()
+    assert pipe.encode_videos(mixed, index=grown) is grown and calls == []  # nothing new: nothing encoded
+
+
+def test_growing_with_other_settings_or_in_memory_videos_is_refused_before_encoding(pipe, files, monkeypatch):
+    good, _, _ = files
+    index = pipe.encode_videos(good[:2])
+    calls = count_encoded(pipe.model, monkeypatch)
+    with pytest.raises(ValueError, match=r"other settings.*\n  num_frames: the index has 4, this call 3"):
+        pipe.encode_videos(good[2:4], index=index, num_frames=3)
+    with pytest.raises(ValueError, match="store_tokens=True"):
+        pipe.encode_videos(good[2:4], index=index, store_tokens=False)
+    with pytest.raises(ValueError, match=r"videos\[1\] are in-memory videos"):
+        pipe.encode_videos([good[2], torch.zeros(4, 32, 32, 3, dtype=torch.uint8).numpy()], index=index)
+    with pytest.raises(TypeError, match="must be a VideoIndex"):
+        pipe.encode_videos(good[2:4], index={"videos": []})
+    assert calls == [] and index.videos == good[:2]
