@@ -30,6 +30,7 @@ This file is Hub remote code: flat relative imports only, absolute imports of in
 optional and imported inside `try`).
 """
 
+import json
 import os
 import re
 import sys
@@ -102,6 +103,41 @@ def _result_list(items: list[Any], scores: torch.Tensor, similarity: torch.Tenso
         results.append({"video": items[i], "score": float(scores[i] if reranked else similarity[i]),
                         "reranked": reranked})
     return results
+
+
+def _candidate_results(items: list[Any], candidates: torch.Tensor, cosines: torch.Tensor,
+                       head_scores: torch.Tensor | None, top_k: int | None) -> list[dict]:
+    """`_result_list` computed from one query's candidates only (O(candidates), not O(collection)): the first
+    ``len(head_scores)`` candidates re-ranked (by decreasing two-stage score), then the other candidates by
+    decreasing cosine; ties by index, as `ranking.ranked_order` orders them."""
+    rows, cosines = candidates.tolist(), cosines.tolist()
+    reranked = 0 if head_scores is None else len(head_scores)
+    head = sorted(zip(rows[:reranked], head_scores.tolist() if reranked else []), key=lambda pair: (-pair[1], pair[0]))
+    rest = sorted(zip(rows[reranked:], cosines[reranked:]), key=lambda pair: (-pair[1], pair[0]))
+    results = [{"video": items[i], "score": score, "reranked": True} for i, score in head]
+    results += [{"video": items[i], "score": score, "reranked": False} for i, score in rest]
+    return results if top_k is None else results[:top_k]
+
+
+# What `VideoIndex.info` records of the model that encoded it, and where the searching model's config holds it.
+INDEX_MODEL_SETTINGS = {
+    "projection_dim": lambda config: config.projection_dim,
+    "temporal_reduction": lambda config: config.vision_config.temporal_reduction_per_layer,
+    "spatial_reduction": lambda config: config.vision_config.spatial_reduction_per_layer,
+}
+
+
+def _check_index_settings(index: Any, config: Any) -> None:
+    """Refuses to search an index encoded by a model of another projection size or aggregation settings (an
+    index that does not record a setting is not checked for it), naming the setting and both values."""
+    info = getattr(index, "info", None) or {}
+    for key, read in INDEX_MODEL_SETTINGS.items():
+        if key not in info:
+            continue
+        mine = read(config)
+        if json.loads(json.dumps(info[key])) != json.loads(json.dumps(mine)):
+            raise ValueError(f"The index was encoded with {key} = {info[key]!r}, but this model has {key} = "
+                             f"{mine!r}: search it with the model that encoded it, or encode the videos again.")
 
 
 def _is_remote_code(obj: Any) -> bool:
@@ -574,6 +610,7 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
             _check_rerank_k(rerank_k)
         if use_faiss not in (None, True, False):
             raise ValueError(f"`use_faiss` must be None, True or False, got {use_faiss!r}.")
+        _check_index_settings(index, self.model.config)
         texts, single = text_list(text, "text")
         if rerank and not index.has_tokens:
             raise ValueError("rerank=True needs an index built with store_tokens=True.")
@@ -588,18 +625,15 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         cosines, candidates = index.nearest(text_features, depth, use_faiss=use_faiss)
         results = []
         for q in range(len(texts)):
-            # the query's scores over the whole collection: -inf for what the first stage did not reach
-            scores = torch.full((num_videos,), float("-inf"))
-            similarity = torch.full((num_videos,), float("-inf"))
-            similarity[candidates[q]] = cosines[q].float()
+            # only the candidates are scored: the work per query does not grow with the collection
             head = candidates[q][:window]
+            head_scores = None
             if window:
-                ranking = two_stage_scores(
+                head_scores = two_stage_scores(
                     self.model, True, input_ids[q : q + 1], attention_mask[q : q + 1], text_features[q : q + 1],
                     index.embeddings[head], lambda rows: index.tokens[head[rows]], len(head), itm_score, add_cosine,
-                )
-                scores[head] = ranking.scores[0].float().cpu()
-            results.append(_result_list(index.videos, scores, similarity, top_k))
+                ).scores[0].float().cpu()
+            results.append(_candidate_results(index.videos, candidates[q], cosines[q].float(), head_scores, top_k))
         return results[0] if single else results
 
 

@@ -32,6 +32,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -298,6 +299,31 @@ def finalize_store(directory: str | os.PathLike, videos: list[str], num_shards: 
     return directory
 
 
+SAFETENSORS_NUMPY_DTYPES = {"F32": np.float32, "F64": np.float64, "F16": np.float16, "I64": np.int64,
+                            "I32": np.int32, "U8": np.uint8, "BOOL": np.bool_}
+
+
+def open_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file, memory-mapped (copy-on-write: nothing is read until used, and nothing
+    written back); files with a dtype numpy lacks (bfloat16) are read with `load_file` instead."""
+    with open(path, "rb") as handle:
+        header_size = int.from_bytes(handle.read(8), "little")
+        header = json.loads(handle.read(header_size))
+    header.pop("__metadata__", None)
+    if any(meta["dtype"] not in SAFETENSORS_NUMPY_DTYPES for meta in header.values()):
+        return load_file(str(path))
+    tensors = {}
+    for name, meta in header.items():
+        dtype, shape = SAFETENSORS_NUMPY_DTYPES[meta["dtype"]], tuple(meta["shape"])
+        start, stop = meta["data_offsets"]
+        if start == stop:
+            tensors[name] = torch.from_numpy(np.zeros(shape, dtype=dtype))
+            continue
+        array = np.memmap(path, dtype=dtype, mode="c", offset=8 + header_size + start, shape=shape)
+        tensors[name] = torch.from_numpy(array)
+    return tensors
+
+
 def is_video_store(directory: str | os.PathLike) -> bool:
     return (Path(directory) / STORE_INFO_FILE).is_file()
 
@@ -347,11 +373,13 @@ def journaled_failures(directory: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 class VideoTokenStore:
-    """Read access to a finalised store: embeddings in memory, tokens read from disk on demand.
+    """Read access to a finalised store: embeddings memory-mapped, tokens read from disk on demand. Opening reads
+    the json index and the shards' row maps only (a store of one shard maps its embeddings without copying; several
+    shards are joined into one copy).
 
     Attributes:
         embeddings (`torch.FloatTensor` of shape `(num_videos, projection_dim)`): rows of failed videos are zeros.
-        valid (`torch.BoolTensor` of shape `(num_videos,)`): whether each video was encoded.
+        valid (`torch.BoolTensor` of shape `(num_videos,)`): whether each video was encoded; `num_valid` counts them.
         failures (`list[dict]`): ``{"index", "video", "reason"}`` of every video that could not be encoded.
         videos (`list[str]`), info (`dict`), num_tokens, hidden_size, token_dtype, has_token_sizes.
     """
@@ -377,15 +405,17 @@ class VideoTokenStore:
         self._row_of = torch.empty(n, dtype=torch.long)
         embeddings = []
         for shard in meta["shards"]:
-            tensors = load_file(str(directory / _shard_name("shard", shard["shard"], "safetensors")))
+            tensors = open_safetensors(directory / _shard_name("shard", shard["shard"], "safetensors"))
             self._shard_of[shard["start"] : shard["stop"]] = shard["shard"]
             self._row_of[shard["start"] : shard["stop"]] = tensors["rows"]
             embeddings.append(tensors["embeddings"])
         dims = {e.shape[1] for e in embeddings if e.shape[0] and e.shape[1]}
         dim = dims.pop() if dims else 0
-        self.embeddings = torch.cat([e if e.shape[1] == dim else torch.zeros(e.shape[0], dim) for e in embeddings]) \
-            if embeddings else torch.zeros(0, dim)
+        embeddings = [e if e.shape[1] == dim else torch.zeros(e.shape[0], dim) for e in embeddings]
+        self.embeddings = embeddings[0] if len(embeddings) == 1 else \
+            torch.cat(embeddings) if embeddings else torch.zeros(0, dim)
         self.valid = self._row_of >= 0
+        self.num_valid = int(self.valid.sum())
         self._files: dict[tuple[str, int], int] = {}
 
     def __len__(self) -> int:
