@@ -207,17 +207,14 @@ class InMemorySink:
         self.failures: dict[str, str] = {}
         self.next_index = 0
 
-    def _advance(self, indices: list[int]) -> None:
-        if indices != sorted(indices) or (indices and indices[0] < self.next_index):
+    def add_batch(self, indices: Iterable[int], tokens: torch.Tensor, token_sizes: torch.Tensor | None,
+                  embeddings: torch.Tensor) -> None:
+        indices = [int(i) for i in indices]
+        if indices != sorted(set(indices)) or (indices and indices[0] < self.next_index):
             raise ValueError(f"InMemorySink takes videos in order: expected {self.next_index} or later, got "
                              f"{indices[:3]}.")
         if indices:
             self.next_index = indices[-1] + 1
-
-    def add_batch(self, indices: Iterable[int], tokens: torch.Tensor, token_sizes: torch.Tensor | None,
-                  embeddings: torch.Tensor) -> None:
-        indices = [int(i) for i in indices]
-        self._advance(indices)
         self.indices += indices
         self.embeddings.append(embeddings.float().cpu())
         if self.store_tokens:
@@ -225,7 +222,6 @@ class InMemorySink:
             self.token_sizes.append(token_sizes.detach().float().cpu())
 
     def add_failure(self, index: int, video: str, reason: str) -> None:
-        self._advance([int(index)])
         self.failures[str(video)] = str(reason)
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:

@@ -46,7 +46,7 @@ from .inference import optimize_for_inference
 from .processing_testa import TestaProcessor, load_testa_processor
 from .ranking import ranked_order, two_stage_scores
 from .saving import check_savable, push_folder_to_hub
-from .video_index import VideoIndex, video_name
+from .video_index import SHARED_INFO_SETTINGS, VideoIndex, differing_settings, video_name
 from .video_inputs import check_video, is_array, is_single_video, text_list, video_list
 from .video_store import VideoStoreWriter, finalize_store
 
@@ -74,11 +74,6 @@ def _common_parameters(
     if num_frames is not None:
         merged["num_frames"] = num_frames
     return ({"text_kwargs": text_kwargs} if text_kwargs is not None else {}), merged
-
-
-def _as_list(value: Any) -> Any:
-    """Tuples as lists (settings read back from JSON are lists)."""
-    return list(value) if isinstance(value, tuple) else value
 
 
 def _check_top_k(top_k: Any) -> None:
@@ -568,9 +563,8 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         if store_tokens != index.has_tokens:
             raise ValueError(f"The index {'holds' if index.has_tokens else 'does not hold'} tokens; encode with "
                              f"store_tokens={index.has_tokens} to grow it.")
-        keys = ("model_class", "projection_dim", "num_frames", "temporal_reduction", "spatial_reduction")
-        differences = [f"{key}: the index has {index.info.get(key)!r}, this call {info[key]!r}"
-                       for key in keys if key in index.info and _as_list(index.info[key]) != _as_list(info[key])]
+        differing = differing_settings(index.info, info, SHARED_INFO_SETTINGS)
+        differences = [f"{key}: the index has {mine!r}, this call {theirs!r}" for key, (mine, theirs) in differing.items()]
         if differences:
             raise ValueError("The index was built with other settings; grow it with the same ones or build "
                              "another index:\n  " + "\n  ".join(differences))

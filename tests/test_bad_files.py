@@ -166,8 +166,8 @@ def test_encode_videos_indexes_the_good_videos_and_records_the_bad_ones(pipe, fi
     index = pipe.encode_videos(mixed, batch_size=3, num_workers=workers, progress_bar=True)
     assert sum(calls) == len(good)  # every good video encoded once, no bad one
     assert index.videos == good
-    for name in ("embeddings", "tokens", "token_sizes"):
-        assert torch.equal(getattr(index, name), getattr(reference, name)), name
+    for name in ("embeddings", "tokens", "token_sizes"):  # other batches: equal to float rounding
+        torch.testing.assert_close(getattr(index, name), getattr(reference, name), rtol=0, atol=1e-5)
     assert set(index.failures) == set(bad.values())
     for code, path in bad.items():
         assert index.failures[path].startswith(f"{code}: "), (code, index.failures[path][:200])
@@ -229,8 +229,8 @@ def test_an_index_grown_in_two_calls_equals_one_built_at_once(pipe, files, monke
     assert decoded == mixed[6:] and sum(calls) == len([v for v in mixed[6:] if v in good])  # only the new ones
     assert grown.videos == at_once.videos == good
     assert grown.failures == at_once.failures
-    for name in ("embeddings", "tokens", "token_sizes"):
-        assert torch.equal(getattr(grown, name), getattr(at_once, name)), name
+    for name in ("embeddings", "tokens", "token_sizes"):  # other batches: equal to float rounding
+        torch.testing.assert_close(getattr(grown, name), getattr(at_once, name), rtol=0, atol=1e-5)
     same_results(pipe.search(QUERIES, grown, top_k=None, use_faiss=False),
                  pipe.search(QUERIES, at_once, top_k=None, use_faiss=False))
     calls.clear()

@@ -344,9 +344,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                              "the same folder (on several machines, a shared filesystem).")
         finalize_store(store, stored, num_shards, info={**settings, "model_class": type(model).__name__,
                                                          "projection_dim": int(model.config.projection_dim)})
-        index = VideoIndex.load(store)
-        index.build_first_stage()  # rebuilt over every video of the grown store
-        index.save_first_stage(store)
+        # the first stage over every video of the (grown) store: saved when approximate, else rebuilt on load
+        VideoIndex.load(store).save_first_stage(store)
         failures = store_metadata(store)["failures"]
         wall = max(t["seconds"] for t in all_totals)
         encoded_now = sum(t["encoded"] for t in all_totals)
