@@ -308,9 +308,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     mine = [s for s in range(accelerator.process_index, num_shards, accelerator.num_processes) if s not in closed]
     if accelerator.is_main_process:
         notes = []
-        if existed and closed:
-            notes.append(f"resuming: {len(closed)} shards closed")
         if existed:
+            notes.append(f"resuming: {len(closed)} of {num_shards} shards closed")
             notes.append(f"{len(videos) - len(added)} of the {len(videos)} given videos already in the store, "
                          f"{len(added)} added")
         if skipped:
