@@ -383,11 +383,11 @@ class DecodeAhead:
             self.submitted += 1
         return self.futures.pop(i).result()
 
-    def batches(self, batch_size: int, on_error: str = "raise",
+    def batches(self, batch_size: int, on_error: str = "skip",
                 names: Callable[[int], str] | None = None) -> Iterable[DecodedBatch]:
-        """The items in batches of ``batch_size``, as `encode_videos` takes them. A media error (`is_media_error`)
-        raises with ``on_error="raise"``; with ``"skip"`` the item becomes a failure named ``names(i)`` (default:
-        ``str(i)``). Any other error raises."""
+        """The items in batches of ``batch_size``, as `encode_videos` takes them. With ``on_error="skip"`` an item
+        whose decoding raises a media error (`is_media_error`) becomes a failure named ``names(i)`` (default:
+        ``str(i)``); with ``"raise"`` the error propagates. Any other error raises."""
         check_on_error(on_error)
         for start in range(0, self.count, batch_size):
             indices, pixels, failures = [], [], []
