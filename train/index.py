@@ -44,7 +44,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from modeling_testa.distributed import raise_on_every_rank
-from modeling_testa.indexing import DecodeVideos, EncodingStats, encode_videos
+from modeling_testa.indexing import SUMMARY_FAILURES, DecodeVideos, EncodingStats, encode_videos
 from modeling_testa.inference import PRECISIONS, optimize_for_inference
 from modeling_testa.video_index import VideoIndex
 from modeling_testa.video_inputs import VIDEO_SUFFIXES, find_video_files
@@ -54,6 +54,7 @@ from modeling_testa.video_store import (
     finalize_store,
     is_video_store,
     journaled_count,
+    journaled_failures,
     missing_shards,
     store_metadata,
 )
@@ -209,7 +210,7 @@ def prepare_store(store: Path, settings: dict[str, Any], videos: list[str], shar
 
 class JournalProgress:
     """A progress bar on the main process over all processes' journals: polls them every ``interval`` s, so its
-    rate is the videos/s of the whole job."""
+    rate is the videos/s of the whole job; its postfix counts the videos that could not be read."""
 
     def __init__(self, store: Path, total: int, interval: float = 1.0, enabled: bool = True):
         self.store, self.interval, self.enabled = store, interval, enabled
@@ -218,9 +219,15 @@ class JournalProgress:
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._poll, daemon=True)
 
+    def _refresh(self) -> None:
+        failed = len(journaled_failures(self.store))
+        if failed:
+            self.bar.set_postfix_str(f"failed {failed}", refresh=False)
+        self.bar.update(journaled_count(self.store) - self.bar.n)
+
     def _poll(self) -> None:
         while not self.stopped.wait(self.interval):
-            self.bar.update(journaled_count(self.store) - self.bar.n)
+            self._refresh()
 
     def __enter__(self) -> "JournalProgress":
         if self.enabled:
@@ -231,7 +238,7 @@ class JournalProgress:
         self.stopped.set()
         if self.enabled:
             self.thread.join()
-            self.bar.update(journaled_count(self.store) - self.bar.n)
+            self._refresh()
         self.bar.close()
 
 
@@ -362,8 +369,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         write_json_atomically(store / REPORT_FILE, report)
         print(f"Indexed {len(stored)} videos into {store} ({encoded_now} handled this run, "
               f"{len(stored) - encoded_now} already there; {len(failures)} could not be decoded).")
-        for failure in failures:
+        for failure in failures[:SUMMARY_FAILURES]:
             print(f"  failed: {failure['video']}: {failure['reason']}")
+        if len(failures) > SUMMARY_FAILURES:
+            print(f"  ... and {len(failures) - SUMMARY_FAILURES} more failed videos (all are in {REPORT_FILE})")
         for file in skipped:
             print(f"  skipped (not a video file): {file}")
         decoding_bound = report["decode_wait_seconds"] > report["encode_seconds"]
