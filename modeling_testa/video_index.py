@@ -65,7 +65,7 @@ DEFAULT_PARAMETERS = {
 }
 # An approximate stage fetches this many times `k` candidates (at least `MIN_CANDIDATES`) and re-scores them exactly.
 CANDIDATE_MULTIPLE = 16
-MIN_CANDIDATES = 256
+MIN_CANDIDATES = 1024
 
 
 def first_stage_kind(count: int, exact_max_videos: int = EXACT_MAX_VIDEOS) -> str:
@@ -114,14 +114,22 @@ def exact_nearest(queries: torch.Tensor, embeddings: torch.Tensor, rows: torch.T
     return scores, (indices if rows is None else rows[indices])
 
 
+def gather_rows(embeddings: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``embeddings[rows]`` as float32. A float32 CPU tensor is gathered by numpy: a few hundred rows are a small
+    copy, which torch's index kernel would split over its threads (costly when the cores are busy)."""
+    if embeddings.dtype == torch.float32 and embeddings.device.type == "cpu":
+        return torch.from_numpy(embeddings.detach().numpy()[rows.numpy()])
+    return embeddings[rows].float()
+
+
 def rescore(queries: torch.Tensor, embeddings: torch.Tensor, candidates: torch.Tensor,
             k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact cosines of each query's candidate rows (``-1``: none), and the `k` best: ``(scores, rows)``, the
     scores ``-inf`` and rows ``-1`` where a query had fewer than `k` candidates."""
     found = candidates >= 0
     safe = candidates.clamp(min=0)
-    vectors = embeddings[safe.flatten()].float().view(*safe.shape, -1)
-    exact = torch.einsum("qd,qcd->qc", queries, vectors).masked_fill(~found, float("-inf"))
+    vectors = gather_rows(embeddings, safe.flatten()).view(*safe.shape, -1)
+    exact = (vectors @ queries.unsqueeze(-1)).squeeze(-1).masked_fill(~found, float("-inf"))
     scores, order = exact.topk(min(k, exact.shape[1]), dim=1)
     rows = safe.gather(1, order).masked_fill(~torch.isfinite(scores), -1)
     return scores, rows
@@ -139,7 +147,12 @@ def build_faiss_index(faiss: Any, vectors: np.ndarray, kind: str, parameters: di
                                       faiss.METRIC_INNER_PRODUCT)
         sample = np.random.default_rng(0).choice(count, size=min(count, int(parameters["train_size"])),
                                                  replace=False)
-        index.train(vectors[np.sort(sample)])
+        threads = faiss.omp_get_max_threads()
+        faiss.omp_set_num_threads(1)  # 128 tiny k-means: thousands of parallel regions, each too short to share
+        try:
+            index.train(vectors[np.sort(sample)])
+        finally:
+            faiss.omp_set_num_threads(threads)
     elif kind == "hnsw":
         index = faiss.IndexHNSWFlat(dim, int(parameters["M"]), faiss.METRIC_INNER_PRODUCT)
         index.hnsw.efConstruction = int(parameters["ef_construction"])
@@ -177,7 +190,7 @@ class FirstStage:
       0.99 for less than an exact scan, because random points have no clusters or neighbourhoods to exploit. IVF
       (nlist = 4 sqrt(N)) must probe half of its lists to reach recall 0.8 at 100k, and HNSW (M=32) reaches 0.75 at
       efSearch=512 after a build of minutes. The PQ scan reads 16x fewer bytes than the exact one, its ranking
-      errors are small enough that the true top 10 lie among its first 256 candidates, builds in seconds, and is
+      errors are small enough that the true top 10 lie among its first 1024 candidates, builds in seconds, and is
       small (saved and reopened with the index). It is still a scan: its time grows linearly with the collection.
     - ``"hnsw"`` (`IndexHNSWFlat`) and ``"ivf"`` (`IndexIVFFlat`) are kept for comparison
       (`VideoIndex.build_first_stage(kind=...)`); on real, clustered embeddings they may be the better choice.
@@ -693,8 +706,8 @@ class VideoIndex:
         if faiss is None:
             return exact_nearest(queries, self.embeddings, self.encoded_rows(), k)
         stage = self.current_first_stage() or self.build_first_stage()
-        if stage.kind != "flat" and candidate_count(k, count) * 2 > count:
-            return exact_nearest(queries, self.embeddings, self.encoded_rows(), k)  # most of it anyway
+        if stage.kind != "flat" and candidate_count(k, count) >= count:
+            return exact_nearest(queries, self.embeddings, self.encoded_rows(), k)  # nothing to prune
         scores, indices = stage.search(faiss, queries, k, self.embeddings)
         short = (indices < 0).any(dim=1)
         if bool(short.any()):  # an approximate stage reached fewer than k: answer those queries exactly

@@ -83,7 +83,7 @@ def test_approximate_first_stage_equals_exact_search_on_a_small_collection(kind)
 
 
 def test_the_default_first_stage_is_exact_below_the_threshold_and_approximate_above():
-    small, large = random_index(200), random_index(200, exact_max_videos=100)
+    small, large = random_index(2000), random_index(2000, exact_max_videos=100)
     queries = unit_vectors(5, 32, seed=1)
     for index, kind in ((small, "flat"), (large, "pq")):
         _, indices = index.nearest(queries, k=7)
@@ -92,13 +92,13 @@ def test_the_default_first_stage_is_exact_below_the_threshold_and_approximate_ab
 
 
 def test_failed_rows_of_a_store_are_never_returned(tmp_path):
-    embeddings = unit_vectors(1500, 16, seed=2)
-    failed = set(range(0, 1500, 7))
+    embeddings = unit_vectors(3000, 16, seed=2)
+    failed = set(range(0, 3000, 7))
     write_store(tmp_path / "store", embeddings, failed)
     index = VideoIndex.load(tmp_path / "store")
     assert list(index.failures) == [f"clip{i}.mp4" for i in sorted(failed)]
     assert set(index.failures.values()) == {"cannot decode"}
-    kept = torch.tensor([i for i in range(1500) if i not in failed])
+    kept = torch.tensor([i for i in range(3000) if i not in failed])
     queries = embeddings[sorted(failed)[:10]]  # the failed videos' own embeddings: they would come first
     for threshold, kind in ((10_000, "flat"), (10, "pq")):
         index.exact_max_videos = threshold
@@ -111,12 +111,16 @@ def test_failed_rows_of_a_store_are_never_returned(tmp_path):
         torch.testing.assert_close(scores, expected_scores, atol=1e-5, rtol=0)
 
 
-def test_the_first_stage_is_built_once_across_many_searches(builds):
-    index = random_index(1000, exact_max_videos=100)
+def test_the_first_stage_is_built_once_across_many_searches(builds, monkeypatch):
+    index = random_index(2000, exact_max_videos=100)
     queries = unit_vectors(30, 32, seed=3)
+    rescored = []
+    original = video_index_module.gather_rows
+    monkeypatch.setattr(video_index_module, "gather_rows", lambda e, rows: rescored.append(len(rows)) or original(e, rows))
     for q in range(30):
-        index.nearest(queries[q : q + 1], k=5)
+        assert torch.equal(index.nearest(queries[q : q + 1], k=5)[1], exact(queries[q : q + 1], index.embeddings, 5)[1])
     assert builds == ["pq"]
+    assert rescored == [video_index_module.MIN_CANDIDATES] * 30  # per query: the candidates, not the collection
     index.nearest(queries, k=5, use_faiss=False)  # torch search: no FAISS stage needed
     assert builds == ["pq"]
 
