@@ -584,8 +584,11 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
     ) -> Any:
         """Searches an encoded collection without decoding any video.
 
-        The first stage takes the nearest videos by cosine, with FAISS when installed (`use_faiss=None`; `True`
-        requires it, `False` uses exact torch top-k) and torch top-k otherwise. When the index holds the tokens (and
+        The first stage takes the nearest videos by cosine (`VideoIndex.nearest`): with FAISS when installed
+        (`use_faiss=None`; `True` requires it, `False` uses exact torch top-k), through the index's first stage,
+        built once and kept (exact up to `EXACT_MAX_VIDEOS` encoded videos, approximate with exact re-scoring
+        above); torch top-k otherwise. Only the candidates are scored and sorted, so with FAISS the work per query
+        does not grow with the collection beyond the first stage's own. When the index holds the tokens (and
         `rerank` is not `False`), the matching head re-scores the `rerank_k` nearest ones (default `config.k_test`,
         at least `top_k`) exactly as the pipeline call does, so the results equal `pipe(text, videos, ...)` with the
         same arguments: with `top_k=None`, all videos, the re-ranked ones first (`"reranked": True`), then the others
@@ -593,6 +596,10 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
 
         Returns:
             Like the pipeline call: `[{"video", "score", "reranked"}]` per query.
+
+        Raises:
+            ValueError: when the index was encoded by a model of another `projection_dim` or aggregation settings
+                (`temporal_reduction`, `spatial_reduction`, as recorded in `index.info`), naming both values.
         """
         if not all(hasattr(index, name) for name in ("videos", "embeddings", "tokens", "nearest")):
             # duck-typed: the index may come from another copy of this module (installed package vs Hub code)

@@ -50,25 +50,37 @@ def faiss_module() -> Any:
 
 # ---------------------------------------------------------------------------------------------------- first stage
 
-# Up to this many encoded videos the first stage is exact (`IndexFlatIP`: one pass over the embeddings per query,
-# about 1.5 ms per 10k 256-d videos on one core); above it, approximate (see `FirstStage`).
+# Up to this many encoded videos the first stage is exact (`IndexFlatIP`: one pass over the fp32 embeddings per
+# query, about 1 KB per 256-d video); above it, approximate (see `FirstStage`).
 EXACT_MAX_VIDEOS = 50_000
-APPROXIMATE_KIND = "hnsw"
-FIRST_STAGE_KINDS = ("flat", "hnsw", "ivf")
-# HNSW graph degree, build and search beam; IVF lists (times sqrt(count)) and lists probed. See `FirstStage`.
+APPROXIMATE_KIND = "pq"
+FIRST_STAGE_KINDS = ("flat", "pq", "hnsw", "ivf")
+# PQ: dimensions per 4-bit sub-quantizer (2: 1 byte for 4 dims that take 16 bytes in fp32), training
+# sample; HNSW: graph degree, build and search beam; IVF: lists (times sqrt(count)) and lists probed.
 DEFAULT_PARAMETERS = {
     "flat": {},
+    "pq": {"dims_per_subquantizer": 2, "train_size": 65_536},
     "hnsw": {"M": 32, "ef_construction": 80, "ef_search": 256},
     "ivf": {"nlist_per_sqrt": 4, "nprobe": 256},
 }
 # An approximate stage fetches this many times `k` candidates (at least `MIN_CANDIDATES`) and re-scores them exactly.
-CANDIDATE_MULTIPLE = 4
-MIN_CANDIDATES = 64
+CANDIDATE_MULTIPLE = 16
+MIN_CANDIDATES = 1024
 
 
 def first_stage_kind(count: int, exact_max_videos: int = EXACT_MAX_VIDEOS) -> str:
     """The first stage for `count` encoded videos: ``"flat"`` (exact) up to `exact_max_videos`, else approximate."""
     return "flat" if count <= exact_max_videos else APPROXIMATE_KIND
+
+
+def pq_subquantizers(dim: int, dims_per_subquantizer: int) -> int:
+    """Sub-quantizers of a 4-bit fast-scan PQ over `dim`-d vectors: about ``dim / dims_per_subquantizer``, even (what
+    the fast-scan kernels need) and dividing `dim`; raises ValueError when `dim` has no even divisor."""
+    target = max(2, dim // max(1, int(dims_per_subquantizer)))
+    divisors = [m for m in range(2, dim + 1, 2) if dim % m == 0]
+    if not divisors:
+        raise ValueError(f"A PQ first stage needs an even embedding size, got {dim}; use kind='hnsw' or 'flat'.")
+    return min(divisors, key=lambda m: (abs(m - target), -m))
 
 
 def candidate_count(k: int, count: int) -> int:
@@ -102,14 +114,22 @@ def exact_nearest(queries: torch.Tensor, embeddings: torch.Tensor, rows: torch.T
     return scores, (indices if rows is None else rows[indices])
 
 
+def gather_rows(embeddings: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``embeddings[rows]`` as float32. A float32 CPU tensor is gathered by numpy: a few hundred rows are a small
+    copy, which torch's index kernel would split over its threads (costly when the cores are busy)."""
+    if embeddings.dtype == torch.float32 and embeddings.device.type == "cpu":
+        return torch.from_numpy(embeddings.detach().numpy()[rows.numpy()])
+    return embeddings[rows].float()
+
+
 def rescore(queries: torch.Tensor, embeddings: torch.Tensor, candidates: torch.Tensor,
             k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact cosines of each query's candidate rows (``-1``: none), and the `k` best: ``(scores, rows)``, the
     scores ``-inf`` and rows ``-1`` where a query had fewer than `k` candidates."""
     found = candidates >= 0
     safe = candidates.clamp(min=0)
-    vectors = embeddings[safe.flatten()].float().view(*safe.shape, -1)
-    exact = torch.einsum("qd,qcd->qc", queries, vectors).masked_fill(~found, float("-inf"))
+    vectors = gather_rows(embeddings, safe.flatten()).view(*safe.shape, -1)
+    exact = (vectors @ queries.unsqueeze(-1)).squeeze(-1).masked_fill(~found, float("-inf"))
     scores, order = exact.topk(min(k, exact.shape[1]), dim=1)
     rows = safe.gather(1, order).masked_fill(~torch.isfinite(scores), -1)
     return scores, rows
@@ -122,6 +142,17 @@ def build_faiss_index(faiss: Any, vectors: np.ndarray, kind: str, parameters: di
     count, dim = vectors.shape
     if kind == "flat":
         index = faiss.IndexFlatIP(dim)
+    elif kind == "pq":
+        index = faiss.IndexPQFastScan(dim, pq_subquantizers(dim, parameters["dims_per_subquantizer"]), 4,
+                                      faiss.METRIC_INNER_PRODUCT)
+        sample = np.random.default_rng(0).choice(count, size=min(count, int(parameters["train_size"])),
+                                                 replace=False)
+        threads = faiss.omp_get_max_threads()
+        faiss.omp_set_num_threads(1)  # 128 tiny k-means: thousands of parallel regions, each too short to share
+        try:
+            index.train(vectors[np.sort(sample)])
+        finally:
+            faiss.omp_set_num_threads(threads)
     elif kind == "hnsw":
         index = faiss.IndexHNSWFlat(dim, int(parameters["M"]), faiss.METRIC_INNER_PRODUCT)
         index.hnsw.efConstruction = int(parameters["ef_construction"])
@@ -152,12 +183,17 @@ class FirstStage:
     (`first_stage.faiss` and `first_stage.json`) and reloaded with them.
 
     - ``"flat"`` (`IndexFlatIP`, exact) up to `EXACT_MAX_VIDEOS` encoded videos.
-    - ``"hnsw"`` (`IndexHNSWFlat`, M=32) above: chosen by measurement (`benchmarks/search_scale.py`, numbers in
-      docs/inference.md). On random unit vectors, the worst case for any approximate index, IVF (nlist = 4 sqrt(N))
-      must probe about half of its lists to reach recall@10 0.8 at 100k (its clusters do not separate random
-      points), which costs as much as exact search; HNSW reaches the recall target at a small fraction of the exact
-      cost. Its build is slower (minutes at 1M on 2 cores), which is paid once: the graph is saved.
-    - ``"ivf"`` (`IndexIVFFlat`) is kept for comparison (`VideoIndex.build_first_stage(kind="ivf")`).
+    - ``"pq"`` above: a 4-bit product quantizer scanned with FAISS's fast-scan kernels (`IndexPQFastScan`, one
+      sub-quantizer per 2 dimensions: 64 bytes per 256-d video instead of 1 KB), whose candidates are re-scored
+      exactly. Chosen by measurement (`benchmarks/search_scale.py`, numbers in docs/inference.md) on random unit
+      vectors, the worst case for approximate search: there, the two usual sub-linear indexes cannot reach recall@10
+      0.99 for less than an exact scan, because random points have no clusters or neighbourhoods to exploit. IVF
+      (nlist = 4 sqrt(N)) must probe half of its lists to reach recall 0.8 at 100k, and HNSW (M=32) reaches 0.75 at
+      efSearch=512 after a build of minutes. The PQ scan reads 16x fewer bytes than the exact one, its ranking
+      errors are small enough that the true top 10 lie among its first 1024 candidates, builds in seconds, and is
+      small (saved and reopened with the index). It is still a scan: its time grows linearly with the collection.
+    - ``"hnsw"`` (`IndexHNSWFlat`) and ``"ivf"`` (`IndexIVFFlat`) are kept for comparison
+      (`VideoIndex.build_first_stage(kind=...)`); on real, clustered embeddings they may be the better choice.
 
     An approximate stage fetches `candidate_count(k)` candidates and re-scores them exactly by dot product with the
     stored embeddings, so the returned scores are cosines and the order is the exact order of the candidates.
@@ -204,8 +240,10 @@ class FirstStage:
         fetch = candidate_count(k, self.count)
         if self.kind == "hnsw":
             params = faiss.SearchParametersHNSW(efSearch=max(int(self.parameters["ef_search"]), fetch))
-        else:
+        elif self.kind == "ivf":
             params = faiss.SearchParametersIVF(nprobe=self.index.nprobe)
+        else:
+            params = None
         _, ids = self.index.search(array, fetch, params=params)
         return rescore(queries, embeddings, self.to_rows(torch.from_numpy(ids).long()), k)
 
@@ -668,8 +706,8 @@ class VideoIndex:
         if faiss is None:
             return exact_nearest(queries, self.embeddings, self.encoded_rows(), k)
         stage = self.current_first_stage() or self.build_first_stage()
-        if stage.kind != "flat" and candidate_count(k, count) * 2 > count:
-            return exact_nearest(queries, self.embeddings, self.encoded_rows(), k)  # most of it anyway
+        if stage.kind != "flat" and candidate_count(k, count) >= count:
+            return exact_nearest(queries, self.embeddings, self.encoded_rows(), k)  # nothing to prune
         scores, indices = stage.search(faiss, queries, k, self.embeddings)
         short = (indices < 0).any(dim=1)
         if bool(short.any()):  # an approximate stage reached fewer than k: answer those queries exactly
