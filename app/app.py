@@ -48,6 +48,7 @@ class AppState:
     rerank: bool = True  # the page's default for re-ranking
     index: Any = None
     indexed: list[str] = field(default_factory=list)
+    indexed_folder: str | None = None  # the folder the index was built from (indexing it again grows the index)
     lock: threading.Lock = field(default_factory=threading.Lock)  # one index change at a time
     output_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="testa-app-"))
 
@@ -79,12 +80,15 @@ def load_state(model: str, videos_dir: str | None, qa_model: str | None) -> AppS
 
 
 def index_videos(state: AppState, folder: str, uploads: list[str] | None, progress: Any = None) -> str:
-    """Indexes the folder's videos and the uploads; videos that cannot be decoded are left out and listed."""
+    """Indexes the folder's videos and the uploads in one pass, each video encoded once; files that cannot be read
+    are left out and listed with their reasons. Indexing the folder of the current index again adds only the videos
+    it lacks (and the uploads); another folder, or uploads alone, start a new index."""
     retrieval = state.require_model()
+    folder = (folder or "").strip()
     paths, others = [], []
-    if folder and folder.strip():
+    if folder:
         try:
-            paths, others = find_video_files(folder.strip())
+            paths, others = find_video_files(folder)
         except NotADirectoryError as error:
             raise gr.Error(str(error)) from None
     for upload in uploads or []:
@@ -92,30 +96,40 @@ def index_videos(state: AppState, folder: str, uploads: list[str] | None, progre
     if not paths:
         raise gr.Error(f"No video to index in {folder!r}" + (" or the uploads" if uploads else "") +
                        f" (looked for {', '.join(VIDEO_SUFFIXES)}; {len(others)} other files).")
-    failed: list[str] = []
+    folder_key = str(Path(folder).expanduser().resolve()) if folder else None
     with state.lock:
-        while paths:
-            try:
-                if progress is not None:
-                    progress(0, desc=f"Encoding {len(paths)} videos")
-                index = retrieval.encode_videos(paths, batch_size=8, progress_bar=False)
-                break
-            except (ValueError, OSError) as error:  # the decoder names the file: leave it out, try the rest
-                culprit = next((p for p in paths if p in str(error)), None)
-                if culprit is None:
-                    raise gr.Error(f"Indexing failed: {error}") from None
-                failed.append(f"{Path(culprit).name}: {str(error).splitlines()[0][:200]}")
-                paths.remove(culprit)
-        else:
-            raise gr.Error("No video could be decoded:\n" + "\n".join(failed))
-        state.index, state.indexed = index, list(paths)
+        grow = state.index is not None and folder_key is not None and folder_key == state.indexed_folder
+        before = len(state.index) if grow else 0
+        known = before + len(state.index.failures) if grow else 0
+        if progress is not None:
+            progress(0, desc=f"Encoding {len(paths) - before if grow else len(paths)} videos")
+        try:
+            index = retrieval.encode_videos(paths, batch_size=8, progress_bar=False,
+                                            index=state.index if grow else None)
+        except ValueError as error:  # no video could be read, or the index was built with other settings
+            if not grow:
+                raise gr.Error(f"No video could be indexed: {error}") from None
+            index = retrieval.encode_videos(paths, batch_size=8, progress_bar=False)
+            grow = False
+        encoded_now = not grow or len(index) + len(index.failures) > known
+        state.index, state.indexed, state.indexed_folder = index, [str(v) for v in index.videos], folder_key
+    requested = set(paths)
+    failed = [(video, reason) for video, reason in index.failures.items() if video in requested]
     stats = index.stats or {}
     seconds = stats.get("seconds") or 0.0
     waiting = 100 * stats.get("decode_wait_seconds", 0.0) / seconds if seconds else 0.0
-    lines = [f"Indexed {len(paths)} videos: {stats.get('videos_per_second', 0.0):.1f} videos/s, "
-             f"{waiting:.0f}% of the time waiting for decoding."]
+    head = f"Indexed {len(index)} videos"
+    if grow:
+        head += f" ({len(index) - before} new, {before} already indexed)"
+    if encoded_now:
+        head += (f": {stats.get('videos_per_second', 0.0):.1f} videos/s, {waiting:.0f}% of the time waiting for "
+                 "decoding.")
+    else:
+        head += ": nothing new to encode."
+    lines = [head]
     lines += [f"Not a video, skipped: {Path(o).name}" for o in others]
-    lines += [f"Could not be decoded, skipped: {f}" for f in failed]
+    lines += [f"Could not be decoded, skipped: {Path(video).name}: {reason.splitlines()[0][:300]}"
+              for video, reason in failed]
     return "\n".join(lines)
 
 
@@ -221,7 +235,9 @@ def change_aggregation(state: AppState, temporal: float, spatial: float) -> str:
     panel = model_panel(state)
     if state.indexed:
         with state.lock:
+            failures = dict(state.index.failures)  # known bad files are not decoded again
             state.index = retrieval.encode_videos(state.indexed, batch_size=8, progress_bar=False)
+            state.index.failures.update(failures)
         panel += (f"\n\nRe-indexed {len(state.indexed)} videos with these settings: "
                   f"{state.index.stats['videos_per_second']:.1f} videos/s.")
     return panel

@@ -2,22 +2,145 @@
 or into a store) and the training evaluation (one store shard per process).
 
 `encode_videos` takes batches of decoded videos ``(indices, pixel_values or None, failures)`` from any source (the
-pipeline's decode-ahead threads, a `DataLoader`), runs the video encoder once per batch, and hands the tokens, token
-sizes and embeddings to a sink: an `InMemorySink` (what an in-memory `VideoIndex` holds) or a
-`video_store.VideoStoreWriter` (an on-disk shard). It measures how long it waited for decoded videos and how long the
-encoder took, so a user knows which of the two to scale.
+pipeline's decode-ahead threads `DecodeAhead`, a `DataLoader` collating with `DecodeVideos`), runs the video encoder
+once per batch, and hands the tokens, token sizes and embeddings to a sink: an `InMemorySink` (what an in-memory
+`VideoIndex` holds) or a `video_store.VideoStoreWriter` (an on-disk shard). It measures how long it waited for decoded
+videos and how long the encoder took, so a user knows which of the two to scale.
+
+**Bad files are data.** A video that cannot be read (`is_media_error`: a missing file, or the decoder's
+`VideoDecodingError`) is a failure, not an exception: both decoders here (`DecodeAhead.batches`, `DecodeVideos`) turn
+it into ``(index, video, reason)`` and go on, the sink records it, the progress bar counts it, and a warning at the
+end lists the first `SUMMARY_FAILURES`. ``on_error="raise"`` (`ON_ERROR`) raises the decoder's own error instead. A
+reason is ``"<code>: <ErrorType>: <message>"`` with a stable code of `FAILURE_CODES` (`failure_reason`).
 
 This file is Hub remote code: flat relative imports only, absolute imports of installed packages only.
 """
 
+import os
+import struct
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 from transformers.utils import logging
+
+
+logger = logging.get_logger(__name__)
+
+ON_ERROR = ("skip", "raise")
+"""What the encode loop does with a video it cannot read: record it as a failure and go on, or raise."""
+
+FAILURE_CODES = {
+    "missing": "the file does not exist",
+    "empty": "the file is empty (0 bytes)",
+    "not_a_video": "the file does not start like any video container (e.g. a text file named .mp4)",
+    "truncated": "a video container that ends before its last box (an interrupted download or copy)",
+    "no_frames": "the video stream holds no decodable frame",
+    "decoder_crash": "the decoder process crashed or stopped",
+    "timeout": "decoding took longer than decode_timeout; the decoder process was killed",
+    "unreadable": "any other reason the decoders give (corrupt data, no video stream, no permission)",
+}
+"""The stable first word of every failure reason, and what it means."""
+
+SUMMARY_FAILURES = 10
+"""Failures listed by name in the warning at the end of an encode run (all are counted)."""
+
+
+def check_on_error(on_error: str) -> str:
+    """Returns ``on_error`` when it is one of `ON_ERROR`; raises `ValueError` naming the allowed values otherwise."""
+    if on_error not in ON_ERROR:
+        raise ValueError(f"`on_error` must be one of {', '.join(repr(v) for v in ON_ERROR)}, got {on_error!r}.")
+    return on_error
+
+
+def is_media_error(error: BaseException) -> bool:
+    """Whether ``error`` says that one video file cannot be read (and the next one may be fine): an `OSError`
+    (missing file, no permission, a directory) or a `VideoDecodingError` (from any copy of `video_decoding`, e.g.
+    the Hub's remote code, hence the check by name)."""
+    return isinstance(error, OSError) or any(c.__name__ == "VideoDecodingError" for c in type(error).__mro__)
+
+
+# the first bytes of the containers FFmpeg reads video from: anything else is not a video file
+_MP4_BOXES = (b"ftyp", b"moov", b"mdat", b"free", b"skip", b"wide", b"pnot", b"uuid")
+_SIGNATURES = (
+    (0, b"\x1a\x45\xdf\xa3"),  # Matroska / WebM (EBML)
+    (0, b"RIFF"),  # AVI
+    (0, b"FLV"),
+    (0, b"OggS"),
+    (0, b"\x30\x26\xb2\x75\x8e\x66\xcf\x11"),  # ASF / WMV
+    (0, b"\x00\x00\x01\xba"),  # MPEG program stream
+    (0, b"\x00\x00\x01\xb3"),  # MPEG-1/2 elementary stream
+)
+
+
+def looks_like_video(head: bytes) -> bool:
+    """Whether the first bytes of a file (at least 12, more for MPEG-TS) start a container that holds video."""
+    if head[4:8] in _MP4_BOXES:  # MP4 / MOV / 3GP
+        return True
+    if len(head) > 188 and head[0] == head[188] == 0x47:  # MPEG transport stream: sync byte every 188 bytes
+        return True
+    return any(head[offset : offset + len(magic)] == magic for offset, magic in _SIGNATURES)
+
+
+def mp4_is_truncated(path: str | os.PathLike) -> bool:
+    """Whether an MP4/MOV file ends inside one of its top-level boxes, or ends with no ``moov`` box (the box a
+    player needs, which most writers put last): what an interrupted download or copy leaves."""
+    size = os.path.getsize(path)
+    offset, seen = 0, set()
+    with open(path, "rb") as handle:
+        while offset + 8 <= size:
+            handle.seek(offset)
+            header = handle.read(16)
+            box_size, kind = struct.unpack(">I4s", header[:8])
+            if box_size == 1 and len(header) == 16:
+                box_size = struct.unpack(">Q", header[8:16])[0]
+            elif box_size == 0:  # the box runs to the end of the file
+                box_size = size - offset
+            if box_size < 8:
+                return False  # not a box structure we can follow; leave it to the decoder's reason
+            seen.add(kind)
+            if offset + box_size > size:
+                return True
+            offset += box_size
+    return b"moov" not in seen
+
+
+def failure_code(error: BaseException, source: str | os.PathLike | None = None) -> str:
+    """The `FAILURE_CODES` code of why ``source`` could not be read, from the error and the file's first bytes."""
+    names = {c.__name__ for c in type(error).__mro__}
+    if isinstance(error, FileNotFoundError):
+        return "missing"
+    if "VideoDecodingTimeoutError" in names:
+        return "timeout"
+    message = str(getattr(error, "reason", error))
+    path = Path(source) if isinstance(source, (str, os.PathLike)) else None
+    if path is not None and path.is_file():
+        try:
+            with open(path, "rb") as handle:
+                head = handle.read(200)
+            if not head:
+                return "empty"
+            if not looks_like_video(head):
+                return "not_a_video"
+            if head[4:8] in _MP4_BOXES and mp4_is_truncated(path):
+                return "truncated"
+        except OSError:
+            return "unreadable"
+    if "no decodable frames" in message or "contains no frames" in message:
+        return "no_frames"
+    if any(text in message for text in ("decoder crashed", "decoder process exited", "stopped responding",
+                                        "could not start the decoder process")):
+        return "decoder_crash"
+    return "unreadable"
+
+
+def failure_reason(error: BaseException, source: str | os.PathLike | None = None) -> str:
+    """``"<code>: <ErrorType>: <message>"``: the `failure_code` and the error that says why ``source`` failed."""
+    return f"{failure_code(error, source)}: {type(error).__name__}: {error}"
 
 
 DecodedBatch = tuple[list[int], "torch.Tensor | None", list[tuple[int, str, str]]]
@@ -41,6 +164,7 @@ class EncodingStats:
     Attributes:
         videos: videos handled (encoded or failed).
         seconds: wall time of the whole loop.
+        failed: videos that could not be read (recorded by the sink; see `ON_ERROR`).
         decode_wait_seconds: time the encoder waited for decoded videos (all the decoding time without workers).
         encode_seconds: time in the encoder's forwards.
         num_workers: decoding workers.
@@ -51,6 +175,7 @@ class EncodingStats:
     decode_wait_seconds: float
     encode_seconds: float
     num_workers: int = 0
+    failed: int = 0
 
     @property
     def videos_per_second(self) -> float:
@@ -64,36 +189,45 @@ class EncodingStats:
             "decode_wait_seconds": self.decode_wait_seconds,
             "encode_seconds": self.encode_seconds,
             "num_workers": self.num_workers,
+            "failed": self.failed,
         }
 
 
 class InMemorySink:
     """Keeps encoded videos in memory, in collection order: embeddings (fp32, on the CPU) and, with
-    ``store_tokens``, the tokens (in ``token_dtype``, default: the model's) and token sizes (fp32)."""
+    ``store_tokens``, the tokens (in ``token_dtype``, default: the model's) and token sizes (fp32). Videos that
+    failed are left out: `indices` lists the encoded ones, `failures` maps a failed video to its reason."""
 
     def __init__(self, store_tokens: bool = True, token_dtype: torch.dtype | None = None):
         self.store_tokens, self.token_dtype = store_tokens, token_dtype
         self.embeddings: list[torch.Tensor] = []
         self.tokens: list[torch.Tensor] = []
         self.token_sizes: list[torch.Tensor] = []
+        self.indices: list[int] = []
+        self.failures: dict[str, str] = {}
         self.next_index = 0
 
     def add_batch(self, indices: Iterable[int], tokens: torch.Tensor, token_sizes: torch.Tensor | None,
                   embeddings: torch.Tensor) -> None:
-        indices = list(indices)
-        if indices != list(range(self.next_index, self.next_index + len(indices))):
-            raise ValueError(f"InMemorySink takes videos in order: expected {self.next_index}, got {indices[:3]}.")
-        self.next_index += len(indices)
+        indices = [int(i) for i in indices]
+        if indices != sorted(set(indices)) or (indices and indices[0] < self.next_index):
+            raise ValueError(f"InMemorySink takes videos in order: expected {self.next_index} or later, got "
+                             f"{indices[:3]}.")
+        if indices:
+            self.next_index = indices[-1] + 1
+        self.indices += indices
         self.embeddings.append(embeddings.float().cpu())
         if self.store_tokens:
             self.tokens.append(tokens.detach().to("cpu", dtype=self.token_dtype or tokens.dtype))
             self.token_sizes.append(token_sizes.detach().float().cpu())
 
     def add_failure(self, index: int, video: str, reason: str) -> None:
-        raise ValueError(f"Video {video!r} could not be encoded: {reason}")
+        self.failures[str(video)] = str(reason)
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """``(embeddings, tokens or None, token_sizes or None)`` of every video added."""
+        """``(embeddings, tokens or None, token_sizes or None)`` of every video encoded (`indices`), at least one."""
+        if not self.embeddings:
+            raise ValueError("No video was encoded.")
         tokens = torch.cat(self.tokens) if self.store_tokens else None
         sizes = torch.cat(self.token_sizes) if self.store_tokens else None
         return torch.cat(self.embeddings), tokens, sizes
@@ -108,6 +242,7 @@ def encode_videos(
     progress_bar: bool = False,
     description: str = "Encoding videos",
     num_workers: int = 0,
+    summary: bool = True,
 ) -> EncodingStats:
     """Encodes every batch once and hands the result to ``sink``.
 
@@ -117,13 +252,15 @@ def encode_videos(
         sink: `InMemorySink` or `VideoStoreWriter`.
         total: the number of videos, for the progress bar.
         progress_bar: show a tqdm bar: its rate is videos/s, its postfix the share of the time spent waiting for
-            decoded videos.
+            decoded videos and the failures so far.
         num_workers: reported in the stats (the decoding workers of ``batches``).
+        summary: at the end, log a warning with the number of failures and the first `SUMMARY_FAILURES` of them.
     """
     device, dtype = next(model.parameters()).device, getattr(model, "dtype", torch.float32)
     begin = time.perf_counter()
     waited = encoding = 0.0
     count = 0
+    failed: list[tuple[str, str]] = []
     iterator = iter(batches)
     with logging.tqdm(total=total, desc=description, unit="video", disable=not progress_bar) as bar:
         while True:
@@ -136,6 +273,7 @@ def encode_videos(
             waited += ready - started
             for index, video, reason in failures:
                 sink.add_failure(index, video, reason)
+                failed.append((str(video), str(reason)))
             if pixel_values is not None:
                 out = model.get_video_tokens(pixel_values.to(device, dtype=dtype))
                 features = model.get_video_features(
@@ -147,8 +285,57 @@ def encode_videos(
             count += len(indices) + len(failures)
             bar.update(len(indices) + len(failures))
             elapsed = time.perf_counter() - begin
-            bar.set_postfix_str(f"waiting for decoding {100 * waited / max(elapsed, 1e-9):.0f}%", refresh=False)
-    return EncodingStats(count, time.perf_counter() - begin, waited, encoding, num_workers)
+            bar.set_postfix_str(f"waiting for decoding {100 * waited / max(elapsed, 1e-9):.0f}%"
+                                + (f", failed {len(failed)}" if failed else ""), refresh=False)
+    if summary and failed:
+        logger.warning(failure_summary(failed, count))
+    return EncodingStats(count, time.perf_counter() - begin, waited, encoding, num_workers, len(failed))
+
+
+def failure_summary(failures: list[tuple[str, str]], total: int, limit: int = SUMMARY_FAILURES) -> str:
+    """``"F of N videos could not be read and were skipped:"`` and the first ``limit`` ``video: reason`` lines."""
+    lines = [f"  {video}: {reason[:300]}" for video, reason in failures[:limit]]
+    if len(failures) > limit:
+        lines.append(f"  ... and {len(failures) - limit} more")
+    return f"{len(failures)} of {total} videos could not be read and were skipped:\n" + "\n".join(lines)
+
+
+def decode_or_failure(decode: Callable[[], torch.Tensor], index: int, video: str, on_error: str
+                      ) -> tuple[torch.Tensor | None, tuple[int, str, str] | None]:
+    """``(decode(), None)``, or ``(None, (index, video, reason))`` when it raises a media error (`is_media_error`)
+    and ``on_error`` is ``"skip"``; other errors, and every error with ``"raise"``, propagate unchanged."""
+    try:
+        return decode(), None
+    except Exception as error:
+        if on_error == "raise" or not is_media_error(error):
+            raise
+        return None, (index, str(video), failure_reason(error, video))
+
+
+class DecodeVideos:
+    """DataLoader collation for indexing a collection (`train.index`, the training evaluation): decodes and samples
+    each video on its own (``uniform`` sampling), so that a file that cannot be read fails alone. Takes
+    ``[(index, path), ...]`` and returns a `DecodedBatch`: ``(indices, pixel_values or None, failures)``, failures as
+    ``(index, path, reason)`` (`failure_reason`); with ``on_error="raise"`` the decoder's error propagates."""
+
+    def __init__(self, video_processor: Any, num_frames: int, on_error: str = "skip"):
+        self.video_processor, self.num_frames = video_processor, num_frames
+        self.on_error = check_on_error(on_error)
+
+    def decode(self, path: str) -> torch.Tensor:
+        """``(1, frames, 3, H, W)`` pixel values of one video file."""
+        return self.video_processor(videos=[path], num_frames=self.num_frames, frame_sampling="uniform")["pixel_values"]
+
+    def __call__(self, batch: list[tuple[int, str]]) -> DecodedBatch:
+        indices, pixels, failures = [], [], []
+        for index, path in batch:
+            decoded, failure = decode_or_failure(lambda: self.decode(path), index, str(path), self.on_error)
+            if failure is not None:
+                failures.append(failure)
+                continue
+            indices.append(index)
+            pixels.append(decoded)
+        return indices, (torch.cat(pixels) if pixels else None), failures
 
 
 class DecodeAhead:
@@ -196,11 +383,23 @@ class DecodeAhead:
             self.submitted += 1
         return self.futures.pop(i).result()
 
-    def batches(self, batch_size: int) -> Iterable[DecodedBatch]:
-        """The items in batches of ``batch_size``, as `encode_videos` takes them (a decoding error raises)."""
+    def batches(self, batch_size: int, on_error: str = "skip",
+                names: Callable[[int], str] | None = None) -> Iterable[DecodedBatch]:
+        """The items in batches of ``batch_size``, as `encode_videos` takes them. With ``on_error="skip"`` an item
+        whose decoding raises a media error (`is_media_error`) becomes a failure named ``names(i)`` (default:
+        ``str(i)``); with ``"raise"`` the error propagates. Any other error raises."""
+        check_on_error(on_error)
         for start in range(0, self.count, batch_size):
-            indices = list(range(start, min(start + batch_size, self.count)))
-            yield indices, torch.cat([self.get(i) for i in indices]), []
+            indices, pixels, failures = [], [], []
+            for i in range(start, min(start + batch_size, self.count)):
+                name = names(i) if names is not None else str(i)
+                decoded, failure = decode_or_failure(lambda: self.get(i), i, name, on_error)  # noqa: B023
+                if failure is not None:
+                    failures.append(failure)
+                else:
+                    indices.append(i)
+                    pixels.append(decoded)
+            yield indices, (torch.cat(pixels) if pixels else None), failures
 
     def __exit__(self, *exc_info: Any) -> None:
         if self.executor is not None:
@@ -209,4 +408,8 @@ class DecodeAhead:
             started.stop()
 
 
-__all__ = ["DecodeAhead", "DecodedBatch", "EncodingStats", "InMemorySink", "Sink", "encode_videos"]
+__all__ = [
+    "FAILURE_CODES", "ON_ERROR", "SUMMARY_FAILURES", "DecodeAhead", "DecodeVideos", "DecodedBatch", "EncodingStats",
+    "InMemorySink", "Sink", "check_on_error", "decode_or_failure", "encode_videos", "failure_code", "failure_reason",
+    "failure_summary", "is_media_error", "looks_like_video", "mp4_is_truncated",
+]

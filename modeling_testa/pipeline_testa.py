@@ -23,12 +23,15 @@ Every pipeline needs a [`TestaProcessor`]: save it next to the model (`processor
 `processor=` (or `tokenizer=` and `video_processor=`). Bad input raises at once and names the input: a missing file
 raises `FileNotFoundError` with its path, an undecodable one the video processor's `VideoDecodingError` (a
 `ValueError` with the file and the decoder's reason) unchanged, and empty lists or arrays of the wrong rank or
-channel count raise `ValueError`.
+channel count raise `ValueError`. The exception is `VideoTextRetrievalPipeline.encode_videos`, which indexes a
+collection: there a file that cannot be read is data (`index.failures`, video -> reason) and the others are indexed
+(`on_error="raise"` raises instead).
 
 This file is Hub remote code: flat relative imports only, absolute imports of installed packages only (FAISS is
 optional and imported inside `try`).
 """
 
+import json
 import os
 import re
 import sys
@@ -39,12 +42,12 @@ from transformers.pipelines import PIPELINE_REGISTRY
 from transformers.pipelines.base import Pipeline
 from transformers.utils import logging
 
-from .indexing import DecodeAhead, InMemorySink, encode_videos
+from .indexing import SUMMARY_FAILURES, DecodeAhead, InMemorySink, check_on_error, encode_videos
 from .inference import optimize_for_inference
 from .processing_testa import TestaProcessor, load_testa_processor
 from .ranking import RankingOptions, ranked_order, two_stage_scores
 from .saving import check_savable, push_folder_to_hub
-from .video_index import VideoIndex, video_name
+from .video_index import SHARED_INFO_SETTINGS, VideoIndex, differing_settings, video_name
 from .video_inputs import check_video, is_array, is_single_video, text_list, video_list
 from .video_store import VideoStoreWriter, finalize_store
 
@@ -96,6 +99,41 @@ def _result_list(items: list[Any], scores: torch.Tensor, similarity: torch.Tenso
         results.append({"video": items[i], "score": float(scores[i] if reranked else similarity[i]),
                         "reranked": reranked})
     return results
+
+
+def _candidate_results(items: list[Any], candidates: torch.Tensor, cosines: torch.Tensor,
+                       head_scores: torch.Tensor | None, top_k: int | None) -> list[dict]:
+    """`_result_list` computed from one query's candidates only (O(candidates), not O(collection)): the first
+    ``len(head_scores)`` candidates re-ranked (by decreasing two-stage score), then the other candidates by
+    decreasing cosine; ties by index, as `ranking.ranked_order` orders them."""
+    rows, cosines = candidates.tolist(), cosines.tolist()
+    reranked = 0 if head_scores is None else len(head_scores)
+    head = sorted(zip(rows[:reranked], head_scores.tolist() if reranked else []), key=lambda pair: (-pair[1], pair[0]))
+    rest = sorted(zip(rows[reranked:], cosines[reranked:]), key=lambda pair: (-pair[1], pair[0]))
+    results = [{"video": items[i], "score": score, "reranked": True} for i, score in head]
+    results += [{"video": items[i], "score": score, "reranked": False} for i, score in rest]
+    return results if top_k is None else results[:top_k]
+
+
+# What `VideoIndex.info` records of the model that encoded it, and where the searching model's config holds it.
+INDEX_MODEL_SETTINGS = {
+    "projection_dim": lambda config: config.projection_dim,
+    "temporal_reduction": lambda config: config.vision_config.temporal_reduction_per_layer,
+    "spatial_reduction": lambda config: config.vision_config.spatial_reduction_per_layer,
+}
+
+
+def _check_index_settings(index: Any, config: Any) -> None:
+    """Refuses to search an index encoded by a model of another projection size or aggregation settings (an
+    index that does not record a setting is not checked for it), naming the setting and both values."""
+    info = getattr(index, "info", None) or {}
+    for key, read in INDEX_MODEL_SETTINGS.items():
+        if key not in info:
+            continue
+        mine = read(config)
+        if json.loads(json.dumps(info[key])) != json.loads(json.dumps(mine)):
+            raise ValueError(f"The index was encoded with {key} = {info[key]!r}, but this model has {key} = "
+                             f"{mine!r}: search it with the model that encoded it, or encode the videos again.")
 
 
 def _is_remote_code(obj: Any) -> bool:
@@ -349,7 +387,7 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         videos = model_inputs["videos"]
         index = self.encode_videos(
             videos, batch_size=video_batch_size or self._batch_size or 8, store_tokens=True,
-            progress_bar=progress_bar, **(video_kwargs or {}),
+            progress_bar=progress_bar, on_error="raise", **(video_kwargs or {}),
         )
         window = self._window(len(videos), top_k, rerank_k)
         ranking = self.model.rank_videos(
@@ -395,6 +433,8 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         progress_bar: bool | None = None,
         store_dir: str | os.PathLike | None = None,
         num_workers: int = 0,
+        on_error: str = "skip",
+        index: VideoIndex | None = None,
         **video_kwargs: Any,
     ) -> VideoIndex:
         """Decodes and encodes every video once and returns a [`VideoIndex`].
@@ -408,7 +448,8 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
                 memory the default is the model's dtype; in a store it is `torch.float16` (pass `torch.float32` for
                 results identical to `pipe(text, videos)`).
             progress_bar (`bool`, *optional*): show a tqdm bar (default: from 16 videos on). Its rate is videos/s;
-                its postfix says which share of the time the encoder waited for decoded videos.
+                its postfix says which share of the time the encoder waited for decoded videos, and how many videos
+                failed.
             store_dir (`str` or `os.PathLike`, *optional*): write the tokens to an on-disk video store in this
                 directory as they are encoded (memory stays bounded by `batch_size`, whatever the collection) and
                 return an index backed by it; `VideoIndex.load(store_dir)` reopens it later.
@@ -416,19 +457,43 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
                 (`isolate_decoder=True`), while the encoder runs: the next batches (up to two batches, and at least
                 `num_workers` videos, ahead) are decoded during the current forward. 0 decodes each batch before
                 encoding it, in this thread. The results are the same, in the same order, and a video that cannot be
-                decoded raises the same error (naming it) at the same point.
+                decoded fails the same way at the same point.
+            on_error (`str`, defaults to `"skip"`): what a video file that cannot be read does (missing, empty, not a
+                video, truncated, no frames, decoder crash or timeout). `"skip"`: it is left out of the index and
+                recorded in `index.failures` (video -> reason, the reason starting with a code of
+                `indexing.FAILURE_CODES`); the progress bar counts the failures and a warning at the end lists them.
+                Search never returns a failed video. `"raise"`: the decoder's error (naming the file) is raised and
+                no index is returned. Bad arguments (e.g. an array of the wrong shape) always raise.
+            index (`VideoIndex`, *optional*): an index to grow. Videos already in it (by path; failed ones too) are
+                skipped, the others are encoded and appended to it in place (`VideoIndex.add`), and it is returned.
+                It must have been built with the same model settings (frames, R_T/R_S, projection size): another
+                setting is refused, naming the difference, before anything is encoded.
             **video_kwargs: video-processor arguments (`num_frames=...`).
 
-        The returned index's `stats` say how fast it went: videos/s, the time the encoder waited for decoding and
-        the encoder's own time (decoding is the bottleneck when the wait dominates).
+        Raises:
+            `ValueError`: no video of `videos` could be read (the message lists why), or a bad argument.
+
+        The returned index's `stats` say how fast it went: videos/s, the time the encoder waited for decoding, the
+        encoder's own time (decoding is the bottleneck when the wait dominates) and the failures.
         """
         videos = video_list(videos, "videos")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"`batch_size` must be a positive int, got {batch_size!r}.")
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             raise ValueError(f"`num_workers` must be a non-negative int, got {num_workers!r}.")
+        check_on_error(on_error)
         if store_dir is not None and not store_tokens:
             raise ValueError("`store_dir` writes the tokens: it cannot be combined with store_tokens=False.")
+        info = self._index_info(video_kwargs)
+        names = [video_name(item, i) for i, item in enumerate(videos)]
+        if index is not None:
+            self._check_growable(index, videos, info, store_dir, store_tokens)
+            known = set(index.names) | set(getattr(index, "failures", None) or {})
+            todo = [i for i, name in enumerate(names) if name not in known and name not in names[:i]]
+            if not todo:
+                logger.info("All %d videos are already in the index; nothing to encode.", len(videos))
+                return index
+            videos, names = [videos[i] for i in todo], [names[i] for i in todo]
         if store_dir is not None:
             sink = VideoStoreWriter(store_dir, 0, 0, len(videos), token_dtype=token_dtype or torch.float16)
         else:
@@ -438,34 +503,72 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
                               num_workers, max(2 * batch_size, num_workers), self._decoder_for_thread)
         try:
             with decoded:
-                stats = encode_videos(self.model, decoded.batches(batch_size), sink, total=len(videos),
-                                      progress_bar=show, num_workers=num_workers)
+                stats = encode_videos(self.model, decoded.batches(batch_size, on_error, names.__getitem__), sink,
+                                      total=len(videos), progress_bar=show, num_workers=num_workers)
+            failures = dict(sink.failures) if store_dir is None else {f["video"]: f["reason"] for f in sink.failures}
+            if len(failures) == len(videos) and index is None:
+                raise ValueError(f"None of the {len(videos)} videos could be read:\n" + "\n".join(
+                    f"  {video}: {reason[:300]}" for video, reason in list(failures.items())[:SUMMARY_FAILURES]))
         except BaseException:
             if store_dir is not None:
                 sink.abort()  # files closed; the store has no index, so it cannot be opened half-written
             raise
-        logger.info("Encoded %d videos in %.1f s (%.2f videos/s; waited %.1f s for decoding, encoder %.1f s).",
-                    len(videos), stats.seconds, stats.videos_per_second, stats.decode_wait_seconds,
-                    stats.encode_seconds)
+        logger.info("Encoded %d videos in %.1f s (%.2f videos/s; waited %.1f s for decoding, encoder %.1f s; %d "
+                    "failed).", len(videos), stats.seconds, stats.videos_per_second, stats.decode_wait_seconds,
+                    stats.encode_seconds, stats.failed)
+        if store_dir is not None:
+            sink.close()
+            finalize_store(store_dir, names, 1, info)
+            stored = VideoIndex.from_store(store_dir)
+            stored.videos = list(videos)
+            stored.stats = stats.as_dict()
+            return stored
+        if not sink.indices:  # growing an index with videos that all failed
+            index.failures.update(failures)
+            index.stats = stats.as_dict()
+            return index
+        embeddings, tokens, sizes = sink.result()
+        encoded = VideoIndex(videos=[videos[i] for i in sink.indices], embeddings=embeddings, tokens=tokens,
+                             token_sizes=sizes, info=info, stats=stats.as_dict(), failures=failures)
+        if index is None:
+            return encoded
+        index.add(encoded)
+        index.stats = encoded.stats
+        return index
+
+    def _index_info(self, video_kwargs: dict[str, Any]) -> dict[str, Any]:
+        """How an index encoded with this model and these video arguments is built (saved as its `info`)."""
         vision = self.model.config.vision_config
-        info = {
+        return {
             "model_class": type(self.model).__name__,
             "name_or_path": getattr(self.model.config, "_name_or_path", None) or "",
             "projection_dim": int(self.model.config.projection_dim),
             "num_frames": int(video_kwargs.get("num_frames", self.video_processor.num_frames)),
-            "temporal_reduction": vision.temporal_reduction_per_layer,
-            "spatial_reduction": vision.spatial_reduction_per_layer,
+            "temporal_reduction": list(vision.temporal_reduction_per_layer),
+            "spatial_reduction": list(vision.spatial_reduction_per_layer),
         }
+
+    @staticmethod
+    def _check_growable(index: Any, videos: list[Any], info: dict[str, Any], store_dir: Any,
+                        store_tokens: bool) -> None:
+        """Refuses, naming the difference, to grow ``index`` with videos it could not hold alongside its own."""
+        if not all(hasattr(index, name) for name in ("names", "embeddings", "add", "info")):
+            raise TypeError(f"`index` must be a VideoIndex to grow, got {type(index)}.")
         if store_dir is not None:
-            sink.close()
-            finalize_store(store_dir, [video_name(item, i) for i, item in enumerate(videos)], 1, info)
-            index = VideoIndex.from_store(store_dir)
-            index.videos = list(videos)
-            index.stats = stats.as_dict()
-            return index
-        embeddings, tokens, sizes = sink.result()
-        return VideoIndex(videos=list(videos), embeddings=embeddings, tokens=tokens, token_sizes=sizes, info=info,
-                          stats=stats.as_dict())
+            raise ValueError("`index=` grows an index in memory; grow a video store with `python -m train.index "
+                             "--store DIR --videos MORE` instead of passing `store_dir`.")
+        arrays = [i for i, item in enumerate(videos) if not isinstance(item, (str, os.PathLike))]
+        if arrays:
+            raise ValueError(f"`index=` tells the videos already in the index by their paths; videos{arrays[:3]} "
+                             "are in-memory videos, which have none.")
+        if store_tokens != index.has_tokens:
+            raise ValueError(f"The index {'holds' if index.has_tokens else 'does not hold'} tokens; encode with "
+                             f"store_tokens={index.has_tokens} to grow it.")
+        differing = differing_settings(index.info, info, SHARED_INFO_SETTINGS)
+        differences = [f"{key}: the index has {mine!r}, this call {theirs!r}" for key, (mine, theirs) in differing.items()]
+        if differences:
+            raise ValueError("The index was built with other settings; grow it with the same ones or build "
+                             "another index:\n  " + "\n  ".join(differences))
 
     @torch.no_grad()
     def search(
@@ -482,8 +585,11 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
     ) -> Any:
         """Searches an encoded collection without decoding any video.
 
-        The first stage takes the nearest videos by cosine, with FAISS when installed (`use_faiss=None`; `True`
-        requires it, `False` uses exact torch top-k) and torch top-k otherwise. When the index holds the tokens (and
+        The first stage takes the nearest videos by cosine (`VideoIndex.nearest`): with FAISS when installed
+        (`use_faiss=None`; `True` requires it, `False` uses exact torch top-k), through the index's first stage,
+        built once and kept (exact up to `EXACT_MAX_VIDEOS` encoded videos, approximate with exact re-scoring
+        above); torch top-k otherwise. Only the candidates are scored and sorted, so with FAISS the work per query
+        does not grow with the collection beyond the first stage's own. When the index holds the tokens (and
         `rerank` is not `False`), the matching head re-scores the `rerank_k` nearest ones (default `config.k_test`,
         at least `top_k`) exactly as the pipeline call does, so the results equal `pipe(text, videos, ...)` with the
         same arguments: with `top_k=None`, all videos, the re-ranked ones first (`"reranked": True`), then the others
@@ -491,6 +597,10 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
 
         Returns:
             Like the pipeline call: `[{"video", "score", "reranked"}]` per query.
+
+        Raises:
+            ValueError: when the index was encoded by a model of another `projection_dim` or aggregation settings
+                (`temporal_reduction`, `spatial_reduction`, as recorded in `index.info`), naming both values.
         """
         if not all(hasattr(index, name) for name in ("videos", "embeddings", "tokens", "nearest")):
             # duck-typed: the index may come from another copy of this module (installed package vs Hub code)
@@ -502,6 +612,7 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
             _check_rerank_k(rerank_k)
         if use_faiss not in (None, True, False):
             raise ValueError(f"`use_faiss` must be None, True or False, got {use_faiss!r}.")
+        _check_index_settings(index, self.model.config)
         texts, single = text_list(text, "text")
         if rerank and not index.has_tokens:
             raise ValueError("rerank=True needs an index built with store_tokens=True.")
@@ -516,20 +627,17 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         cosines, candidates = index.nearest(text_features, depth, use_faiss=use_faiss)
         results = []
         for q in range(len(texts)):
-            # the query's scores over the whole collection: -inf for what the first stage did not reach
-            scores = torch.full((num_videos,), float("-inf"))
-            similarity = torch.full((num_videos,), float("-inf"))
-            similarity[candidates[q]] = cosines[q].float()
+            # only the candidates are scored: the work per query does not grow with the collection
             head = candidates[q][:window]
+            head_scores = None
             if window:
-                ranking = two_stage_scores(
+                head_scores = two_stage_scores(
                     self.model, queries_are_texts=True, input_ids=input_ids[q : q + 1],
                     attention_mask=attention_mask[q : q + 1], text_features=text_features[q : q + 1],
                     video_features=index.embeddings[head], read_tokens=lambda rows: index.tokens[head[rows]],
                     options=RankingOptions(k=len(head), itm_score=itm_score, add_cosine=add_cosine),
-                )
-                scores[head] = ranking.scores[0].float().cpu()
-            results.append(_result_list(index.videos, scores, similarity, top_k))
+                ).scores[0].float().cpu()
+            results.append(_candidate_results(index.videos, candidates[q], cosines[q].float(), head_scores, top_k))
         return results[0] if single else results
 
 

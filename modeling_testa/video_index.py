@@ -1,5 +1,5 @@
-"""An encoded video collection, searched without decoding again: `VideoIndex`, and its exact first-stage search
-(`nearest`, with FAISS's `IndexFlatIP` when installed).
+"""An encoded video collection, searched without decoding again: `VideoIndex`, and its first-stage search
+(`nearest`: a FAISS index built once, kept and saved beside the embeddings; exact torch search without FAISS).
 
 An index holds the L2-normalised contrastive embedding of every video (the first stage) and, optionally, the
 aggregated tokens the matching head cross-attends to (the second stage). It lives in memory, or is backed by an
@@ -11,7 +11,9 @@ This file is Hub remote code: flat relative imports only, absolute imports of in
 optional and imported inside `try`).
 """
 
+import hashlib
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +28,10 @@ from .video_store import STORE_INFO_FILE, VideoStoreWriter, VideoTokenStore, fin
 
 INDEX_TENSORS_FILE = "video_index.safetensors"
 INDEX_INFO_FILE = "video_index.json"
+FIRST_STAGE_FILE = "first_stage.faiss"
+FIRST_STAGE_INFO_FILE = "first_stage.json"
+
+logger = logging.getLogger(__name__)
 
 
 def video_name(item: Any, index: int) -> str:
@@ -42,6 +48,276 @@ def faiss_module() -> Any:
     return faiss
 
 
+# ---------------------------------------------------------------------------------------------------- first stage
+
+# Up to this many encoded videos the first stage is exact (`IndexFlatIP`: one pass over the fp32 embeddings per
+# query, about 1 KB per 256-d video); above it, approximate (see `FirstStage`).
+EXACT_MAX_VIDEOS = 50_000
+APPROXIMATE_KIND = "pq"
+FIRST_STAGE_KINDS = ("flat", "pq", "hnsw", "ivf")
+# PQ: dimensions per 4-bit sub-quantizer (2: 1 byte for 4 dims that take 16 bytes in fp32), training
+# sample; HNSW: graph degree, build and search beam; IVF: lists (times sqrt(count)) and lists probed.
+DEFAULT_PARAMETERS = {
+    "flat": {},
+    "pq": {"dims_per_subquantizer": 2, "train_size": 65_536},
+    "hnsw": {"M": 32, "ef_construction": 80, "ef_search": 256},
+    "ivf": {"nlist_per_sqrt": 4, "nprobe": 256},
+}
+# An approximate stage fetches this many times `k` candidates (at least `MIN_CANDIDATES`) and re-scores them exactly.
+CANDIDATE_MULTIPLE = 16
+MIN_CANDIDATES = 1024
+
+
+def first_stage_kind(count: int, exact_max_videos: int = EXACT_MAX_VIDEOS) -> str:
+    """The first stage for `count` encoded videos: ``"flat"`` (exact) up to `exact_max_videos`, else approximate."""
+    return "flat" if count <= exact_max_videos else APPROXIMATE_KIND
+
+
+def pq_subquantizers(dim: int, dims_per_subquantizer: int) -> int:
+    """Sub-quantizers of a 4-bit fast-scan PQ over `dim`-d vectors: about ``dim / dims_per_subquantizer``, even (what
+    the fast-scan kernels need) and dividing `dim`; raises ValueError when `dim` has no even divisor."""
+    target = max(2, dim // max(1, int(dims_per_subquantizer)))
+    divisors = [m for m in range(2, dim + 1, 2) if dim % m == 0]
+    if not divisors:
+        raise ValueError(f"A PQ first stage needs an even embedding size, got {dim}; use kind='hnsw' or 'flat'.")
+    return min(divisors, key=lambda m: (abs(m - target), -m))
+
+
+def candidate_count(k: int, count: int) -> int:
+    """Candidates an approximate first stage fetches for `k` results: ``max(k * CANDIDATE_MULTIPLE,
+    MIN_CANDIDATES)``, capped at `count`."""
+    return min(count, max(k * CANDIDATE_MULTIPLE, MIN_CANDIDATES))
+
+
+def embeddings_fingerprint(embeddings: torch.Tensor, rows: torch.Tensor | None) -> str:
+    """SHA-256 of up to 16 evenly spaced encoded rows (and their positions): tells a saved first stage built from
+    other embeddings of the same shape, without reading the collection."""
+    count = embeddings.shape[0] if rows is None else rows.numel()
+    digest = hashlib.sha256(f"{count}:{embeddings.shape[1]};".encode())
+    for position in sorted({count * j // 16 for j in range(16)} & set(range(count))):
+        row = position if rows is None else int(rows[position])
+        digest.update(f"{row};".encode())
+        digest.update(embeddings[row].detach().float().cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def as_float32_array(tensor: torch.Tensor) -> np.ndarray:
+    """A C-contiguous float32 numpy view of a CPU tensor (a copy only when its dtype or layout differ)."""
+    return np.ascontiguousarray(tensor.detach().cpu().float().numpy(), dtype=np.float32)
+
+
+def exact_nearest(queries: torch.Tensor, embeddings: torch.Tensor, rows: torch.Tensor | None,
+                  k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact top-`k` by inner product in torch over the given `rows` of `embeddings` (all for None)."""
+    database = embeddings.float() if rows is None else embeddings[rows].float()
+    scores, indices = (queries @ database.T).topk(k, dim=1)
+    return scores, (indices if rows is None else rows[indices])
+
+
+def gather_rows(embeddings: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``embeddings[rows]`` as float32. A float32 CPU tensor is gathered by numpy: a few hundred rows are a small
+    copy, which torch's index kernel would split over its threads (costly when the cores are busy)."""
+    if embeddings.dtype == torch.float32 and embeddings.device.type == "cpu":
+        return torch.from_numpy(embeddings.detach().numpy()[rows.numpy()])
+    return embeddings[rows].float()
+
+
+def rescore(queries: torch.Tensor, embeddings: torch.Tensor, candidates: torch.Tensor,
+            k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact cosines of each query's candidate rows (``-1``: none), and the `k` best: ``(scores, rows)``, the
+    scores ``-inf`` and rows ``-1`` where a query had fewer than `k` candidates."""
+    found = candidates >= 0
+    safe = candidates.clamp(min=0)
+    vectors = gather_rows(embeddings, safe.flatten()).view(*safe.shape, -1)
+    exact = (vectors @ queries.unsqueeze(-1)).squeeze(-1).masked_fill(~found, float("-inf"))
+    scores, order = exact.topk(min(k, exact.shape[1]), dim=1)
+    rows = safe.gather(1, order).masked_fill(~torch.isfinite(scores), -1)
+    return scores, rows
+
+
+def build_faiss_index(faiss: Any, vectors: np.ndarray, kind: str, parameters: dict[str, Any],
+                      progress_bar: bool = False) -> Any:
+    """A FAISS inner-product index of `kind` over `vectors` ``(count, dim)`` float32 (added in chunks, with a
+    progress bar when asked)."""
+    count, dim = vectors.shape
+    if kind == "flat":
+        index = faiss.IndexFlatIP(dim)
+    elif kind == "pq":
+        index = faiss.IndexPQFastScan(dim, pq_subquantizers(dim, parameters["dims_per_subquantizer"]), 4,
+                                      faiss.METRIC_INNER_PRODUCT)
+        sample = np.random.default_rng(0).choice(count, size=min(count, int(parameters["train_size"])),
+                                                 replace=False)
+        threads = faiss.omp_get_max_threads()
+        faiss.omp_set_num_threads(1)  # 128 tiny k-means: thousands of parallel regions, each too short to share
+        try:
+            index.train(vectors[np.sort(sample)])
+        finally:
+            faiss.omp_set_num_threads(threads)
+    elif kind == "hnsw":
+        index = faiss.IndexHNSWFlat(dim, int(parameters["M"]), faiss.METRIC_INNER_PRODUCT)
+        index.hnsw.efConstruction = int(parameters["ef_construction"])
+        index.hnsw.efSearch = int(parameters["ef_search"])
+    elif kind == "ivf":
+        nlist = max(1, min(count, int(parameters["nlist_per_sqrt"] * count**0.5)))
+        index = faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, nlist, faiss.METRIC_INNER_PRODUCT)
+        sample = np.random.default_rng(0).choice(count, size=min(count, 64 * nlist), replace=False)
+        index.train(vectors[np.sort(sample)])
+        index.nprobe = min(nlist, int(parameters["nprobe"]))
+    else:
+        raise ValueError(f"Unknown first-stage kind {kind!r}; use one of {FIRST_STAGE_KINDS}.")
+    chunk = 50_000
+    starts = range(0, count, chunk)
+    if progress_bar and count > chunk:
+        from tqdm.auto import tqdm
+
+        starts = tqdm(starts, desc=f"first stage ({kind})", unit="chunk")
+    for start in starts:
+        index.add(vectors[start : start + chunk])
+    return index
+
+
+class FirstStage:
+    r"""
+    The first stage of a [`VideoIndex`]: a FAISS inner-product index over its encoded videos (a failed row of a
+    store is left out, and FAISS ids are mapped back to index rows), built once, kept, saved beside the embeddings
+    (`first_stage.faiss` and `first_stage.json`) and reloaded with them.
+
+    - ``"flat"`` (`IndexFlatIP`, exact) up to `EXACT_MAX_VIDEOS` encoded videos.
+    - ``"pq"`` above: a 4-bit product quantizer scanned with FAISS's fast-scan kernels (`IndexPQFastScan`, one
+      sub-quantizer per 2 dimensions: 64 bytes per 256-d video instead of 1 KB), whose candidates are re-scored
+      exactly. Chosen by measurement (`benchmarks/search_scale.py`, numbers in docs/inference.md) on random unit
+      vectors, the worst case for approximate search: there, the two usual sub-linear indexes cannot reach recall@10
+      0.99 for less than an exact scan, because random points have no clusters or neighbourhoods to exploit. IVF
+      (nlist = 4 sqrt(N)) must probe half of its lists to reach recall 0.8 at 100k, and HNSW (M=32) reaches 0.75 at
+      efSearch=512 after a build of minutes. The PQ scan reads 16x fewer bytes than the exact one, its ranking
+      errors are small enough that the true top 10 lie among its first 1024 candidates, builds in seconds, and is
+      small (saved and reopened with the index). It is still a scan: its time grows linearly with the collection.
+    - ``"hnsw"`` (`IndexHNSWFlat`) and ``"ivf"`` (`IndexIVFFlat`) are kept for comparison
+      (`VideoIndex.build_first_stage(kind=...)`); on real, clustered embeddings they may be the better choice.
+
+    An approximate stage fetches `candidate_count(k)` candidates and re-scores them exactly by dot product with the
+    stored embeddings, so the returned scores are cosines and the order is the exact order of the candidates.
+    Per query the work is O(k + candidates), not O(collection).
+
+    Attributes:
+        index: the FAISS index; kind (`str`); parameters (`dict`); rows (`torch.LongTensor` or None): the index row
+        of each FAISS id (None: the id is the row); num_videos (`int`): rows of the `VideoIndex` it was built for.
+    """
+
+    def __init__(self, index: Any, kind: str, parameters: dict[str, Any], rows: torch.Tensor | None,
+                 num_videos: int, fingerprint: str):
+        self.index, self.kind, self.parameters = index, kind, dict(parameters)
+        self.rows, self.num_videos, self.fingerprint = rows, int(num_videos), fingerprint
+
+    @property
+    def count(self) -> int:
+        return int(self.index.ntotal)
+
+    @property
+    def dim(self) -> int:
+        return int(self.index.d)
+
+    @classmethod
+    def build(cls, faiss: Any, embeddings: torch.Tensor, rows: torch.Tensor | None, kind: str,
+              parameters: dict[str, Any] | None = None, progress_bar: bool = False) -> "FirstStage":
+        """Builds the stage of `kind` over `rows` of `embeddings` (all for None)."""
+        if kind not in FIRST_STAGE_KINDS:
+            raise ValueError(f"Unknown first-stage kind {kind!r}; use one of {FIRST_STAGE_KINDS}.")
+        parameters = {**DEFAULT_PARAMETERS[kind], **(parameters or {})}
+        vectors = as_float32_array(embeddings if rows is None else embeddings[rows])
+        index = build_faiss_index(faiss, vectors, kind, parameters, progress_bar)
+        return cls(index, kind, parameters, rows, embeddings.shape[0], embeddings_fingerprint(embeddings, rows))
+
+    def search(self, faiss: Any, queries: torch.Tensor, k: int,
+               embeddings: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The `k` (at most `count`) best rows per query and their cosines; approximate kinds re-score their
+        candidates exactly. Rows are ``-1`` (scores ``-inf``) where an approximate stage found fewer than `k`."""
+        array = as_float32_array(queries)
+        if self.kind == "flat":
+            scores, ids = self.index.search(array, k)
+            scores, rows = torch.from_numpy(scores), self.to_rows(torch.from_numpy(ids).long())
+            return scores, rows
+        fetch = candidate_count(k, self.count)
+        if self.kind == "hnsw":
+            params = faiss.SearchParametersHNSW(efSearch=max(int(self.parameters["ef_search"]), fetch))
+        elif self.kind == "ivf":
+            params = faiss.SearchParametersIVF(nprobe=self.index.nprobe)
+        else:
+            params = None
+        _, ids = self.index.search(array, fetch, params=params)
+        return rescore(queries, embeddings, self.to_rows(torch.from_numpy(ids).long()), k)
+
+    def to_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """FAISS ids to index rows (``-1`` stays ``-1``)."""
+        if self.rows is None:
+            return ids
+        return torch.where(ids >= 0, self.rows[ids.clamp(min=0)], ids)
+
+    def add(self, embeddings: torch.Tensor, first_row: int, all_embeddings: torch.Tensor) -> None:
+        """Appends vectors for the index rows ``first_row, first_row + 1, ...`` (an in-memory index's `add`)."""
+        self.index.add(as_float32_array(embeddings))
+        if self.rows is not None:
+            self.rows = torch.cat([self.rows, torch.arange(first_row, first_row + embeddings.shape[0])])
+        self.num_videos = all_embeddings.shape[0]
+        self.fingerprint = embeddings_fingerprint(all_embeddings, self.rows)
+
+    def save(self, faiss: Any, directory: str | os.PathLike) -> None:
+        """Writes `first_stage.faiss` and `first_stage.json` (kind, count, dim, parameters, what it was built
+        from) into `directory`."""
+        directory = Path(directory)
+        faiss.write_index(self.index, str(directory / FIRST_STAGE_FILE))
+        meta = {"kind": self.kind, "count": self.count, "dim": self.dim, "num_videos": self.num_videos,
+                "parameters": self.parameters, "fingerprint": self.fingerprint}
+        (directory / FIRST_STAGE_INFO_FILE).write_text(json.dumps(meta, indent=1), encoding="utf-8")
+
+    @classmethod
+    def load(cls, faiss: Any, directory: str | os.PathLike, embeddings: torch.Tensor,
+             rows: torch.Tensor | None) -> "FirstStage | None":
+        """The stage saved in `directory`, or None when there is none or it is stale (built from other embeddings:
+        another count, dim or fingerprint; it is then rebuilt, never used). The FAISS file is memory-mapped where
+        FAISS can (`IO_FLAG_MMAP`), else read once."""
+        directory = Path(directory)
+        meta_path, path = directory / FIRST_STAGE_INFO_FILE, directory / FIRST_STAGE_FILE
+        if not (meta_path.is_file() and path.is_file()):
+            return None
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        count = embeddings.shape[0] if rows is None else rows.numel()
+        expected = {"count": count, "dim": int(embeddings.shape[1]), "num_videos": int(embeddings.shape[0])}
+        stale = {key: (meta.get(key), value) for key, value in expected.items() if meta.get(key) != value}
+        if not stale and meta.get("fingerprint") != embeddings_fingerprint(embeddings, rows):
+            stale["fingerprint"] = ("saved", "current")
+        if stale or meta.get("kind") not in FIRST_STAGE_KINDS:
+            logger.warning("Ignoring the stale first stage in %s (saved vs current: %s); it will be rebuilt.",
+                           directory, stale or {"kind": meta.get("kind")})
+            return None
+        try:
+            index = faiss.read_index(str(path), faiss.IO_FLAG_MMAP)
+        except RuntimeError:
+            index = faiss.read_index(str(path))
+        if int(index.ntotal) != count or int(index.d) != expected["dim"]:
+            logger.warning("Ignoring the stale first stage in %s (it holds %d vectors of dim %d).", directory,
+                           index.ntotal, index.d)
+            return None
+        return cls(index, meta["kind"], meta.get("parameters", {}), rows, embeddings.shape[0], meta["fingerprint"])
+
+
+# Settings that must agree between indexes joined by `VideoIndex.add` (and, the ones the model defines, between an
+# index and the model that searches it).
+SHARED_INFO_SETTINGS = ("model_class", "name_or_path", "model", "model_weights_sha256", "projection_dim",
+                        "num_frames", "temporal_reduction", "spatial_reduction", "precision", "token_dtype")
+
+
+def json_value(value: Any) -> Any:
+    """`value` as it reads back from json (tuples become lists), so saved and fresh settings compare equal."""
+    return json.loads(json.dumps(value))
+
+
+def differing_settings(first: dict[str, Any], second: dict[str, Any], keys: tuple[str, ...]) -> dict[str, tuple]:
+    """The `keys` whose values differ between two settings dicts: ``{key: (first value, second value)}``."""
+    return {key: (first.get(key), second.get(key)) for key in keys
+            if json_value(first.get(key)) != json_value(second.get(key))}
+
+
 @dataclass
 class VideoIndex:
     r"""
@@ -49,11 +325,16 @@ class VideoIndex:
 
     Two forms, searched the same way by [`VideoTextRetrievalPipeline.search`]:
 
-    - in memory (default): `tokens` and `token_sizes` are tensors.
+    - in memory (default): `tokens` and `token_sizes` are tensors; every video in it was encoded (the ones that
+      could not be are listed in `failures`). `add` appends another in-memory index.
     - backed by an on-disk video store (`encode_videos(..., store_dir=DIR)` or `VideoIndex.load(DIR)` of a store, see
-      `video_store.py`, the format the training evaluation writes too): `embeddings` are in memory, while `tokens`
-      and `token_sizes` are lazy tensor-likes whose indexing (`index.tokens[candidates]`) reads only those videos from
-      disk. A collection is indexed once and searched many times with memory bounded by the candidates.
+      `video_store.py`, the format the training evaluation writes too): `embeddings` are memory-mapped, while
+      `tokens` and `token_sizes` are lazy tensor-likes whose indexing (`index.tokens[candidates]`) reads only those
+      videos from disk; a video that could not be encoded keeps its row but is never returned (`valid`). A
+      collection is indexed once and searched many times with memory bounded by the candidates.
+
+    The first stage (`nearest`) is a FAISS index built once (`build_first_stage`, or on the first search), kept,
+    saved beside the embeddings by `save` and reloaded by `load` (see `FirstStage`).
 
     Args:
         videos (`list`): the videos as given (paths, or arrays for in-memory videos); after `load`, their names.
@@ -64,9 +345,16 @@ class VideoIndex:
         token_sizes (`torch.FloatTensor` of shape `(num_videos, tokens)`, *optional*): input patches per token.
         info (`dict`): how the index was built (model class, frames, ...); saved with it.
         store (`VideoTokenStore`, *optional*): the on-disk store backing `tokens`, when there is one.
+        failures (`dict[str, str]`): video name -> why it could not be encoded, in the order met; saved with the
+            index.
         stats (`dict`): how fast `encode_videos` built it (not saved): `videos`, `seconds` (wall time),
             `videos_per_second`, `decode_wait_seconds` (time the encoder waited for decoded videos; all the decoding
             time without workers), `encode_seconds` (encoder forwards) and `num_workers`.
+        exact_max_videos (`int`, defaults to `EXACT_MAX_VIDEOS`): up to this many encoded videos the first stage is
+            exact, above it approximate (not saved).
+
+    Attributes:
+        skipped (`list[str]`): the videos the last `add` left out because the index already held them.
     """
 
     videos: list[Any]
@@ -75,7 +363,11 @@ class VideoIndex:
     token_sizes: Any = None
     info: dict[str, Any] = field(default_factory=dict)
     store: VideoTokenStore | None = None
+    failures: dict[str, str] = field(default_factory=dict)
     stats: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    exact_max_videos: int = field(default=EXACT_MAX_VIDEOS, compare=False, repr=False)
+    skipped: list[str] = field(default_factory=list, init=False, compare=False, repr=False)
+    first_stage: FirstStage | None = field(default=None, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         n = len(self.videos)
@@ -85,6 +377,7 @@ class VideoIndex:
             value = getattr(self, name)
             if value is not None and value.shape[0] != n:
                 raise ValueError(f"`{name}` has {value.shape[0]} rows for {n} videos.")
+        self.failures = dict(self.failures)
 
     def __len__(self) -> int:
         return len(self.videos)
@@ -95,33 +388,197 @@ class VideoIndex:
         return [video_name(item, i) for i, item in enumerate(self.videos)]
 
     @property
+    def dim(self) -> int:
+        """The embedding size (the model's `projection_dim`)."""
+        return int(self.embeddings.shape[1])
+
+    @property
     def has_tokens(self) -> bool:
         """Whether the aggregated tokens are stored, i.e. whether search can re-rank with the matching head."""
         return self.tokens is not None
 
     @property
     def valid(self) -> torch.Tensor:
-        """`(num_videos,)` bool: the videos that were encoded (a store written by the training evaluation may hold
-        videos that could not be decoded; they are never returned by `nearest`)."""
+        """`(num_videos,)` bool: the videos that were encoded (a store may hold videos that could not be decoded;
+        they are never returned by `nearest`)."""
         return self.store.valid if self.store is not None else torch.ones(len(self), dtype=torch.bool)
 
+    @property
+    def num_encoded(self) -> int:
+        """How many videos can be returned (`valid` ones)."""
+        return len(self) if self.store is None else self.store.num_valid
+
+    def encoded_rows(self) -> torch.Tensor | None:
+        """The rows of the encoded videos, or None when all are (the common case, no tensor allocated)."""
+        return None if self.num_encoded == len(self) else self.valid.nonzero().flatten()
+
     @classmethod
-    def from_store(cls, store: "VideoTokenStore | str | os.PathLike") -> "VideoIndex":
-        """An index over an on-disk video store (a `VideoTokenStore` or its directory)."""
+    def from_store(cls, store: "VideoTokenStore | str | os.PathLike", first_stage: bool = True) -> "VideoIndex":
+        """An index over an on-disk video store (a `VideoTokenStore` or its directory); its saved first stage is
+        opened when FAISS is installed, it is current and `first_stage` is True."""
         if not isinstance(store, VideoTokenStore):
             store = VideoTokenStore(store)
-        return cls(videos=list(store.videos), embeddings=store.embeddings, tokens=store.tokens,
-                   token_sizes=store.token_sizes, info=dict(store.info), store=store)
+        index = cls(videos=list(store.videos), embeddings=store.embeddings, tokens=store.tokens,
+                    token_sizes=store.token_sizes, info=dict(store.info), store=store,
+                    failures={f["video"]: f["reason"] for f in store.failures})
+        if first_stage:
+            index.load_first_stage(store.directory)
+        return index
+
+    # -- the first stage ---------------------------------------------------------------------------------------------
+
+    def build_first_stage(self, kind: str | None = None, parameters: dict[str, Any] | None = None,
+                          progress_bar: bool | None = None) -> FirstStage:
+        """Builds the FAISS first stage (exact ``"flat"`` up to `exact_max_videos` encoded videos, else
+        `APPROXIMATE_KIND`; or the given `kind` and `parameters`, see `FirstStage`) and keeps it. Requires faiss."""
+        faiss = faiss_module()
+        if faiss is None:
+            raise ImportError("The first stage needs `faiss` (pip install faiss-cpu).")
+        kind = first_stage_kind(self.num_encoded, self.exact_max_videos) if kind is None else kind
+        show = self.num_encoded > EXACT_MAX_VIDEOS if progress_bar is None else bool(progress_bar)
+        self.first_stage = FirstStage.build(faiss, self.embeddings, self.encoded_rows(), kind, parameters, show)
+        return self.first_stage
+
+    def load_first_stage(self, directory: str | os.PathLike) -> FirstStage | None:
+        """Opens the first stage saved in `directory` when FAISS is installed and the file is current (a stale one
+        is ignored: `nearest` rebuilds it); keeps it and returns it (None when none was opened)."""
+        faiss = faiss_module()
+        if faiss is not None:
+            stage = FirstStage.load(faiss, directory, self.embeddings, self.encoded_rows())
+            if stage is not None:
+                self.first_stage = stage
+                return stage
+        return None
+
+    def save_first_stage(self, directory: str | os.PathLike | None = None) -> Path | None:
+        """Writes an approximate first stage (built now if it is not yet) as `first_stage.faiss` and
+        `first_stage.json` into `directory` (default: the store's directory). Returns the FAISS file, or None when
+        there is nothing to write: without FAISS, or when the first stage is exact (`IndexFlatIP` holds a copy of
+        the embeddings and is rebuilt from them in one pass on the first search; saving it would store them twice),
+        in which case saved first-stage files left in `directory` by a larger collection are removed."""
+        faiss = faiss_module()
+        if faiss is None:
+            return None
+        if directory is None:
+            if self.store is None:
+                raise ValueError("save_first_stage needs a directory for an index that is not backed by a store.")
+            directory = self.store.directory
+        directory = Path(directory)
+        stage = self.current_first_stage()
+        if stage is None and first_stage_kind(self.num_encoded, self.exact_max_videos) == "flat":
+            stage = None
+        elif stage is None:
+            stage = self.build_first_stage()
+        if stage is None or stage.kind == "flat":
+            for name in (FIRST_STAGE_FILE, FIRST_STAGE_INFO_FILE):
+                (directory / name).unlink(missing_ok=True)
+            return None
+        stage.save(faiss, directory)
+        return directory / FIRST_STAGE_FILE
+
+    def current_first_stage(self) -> FirstStage | None:
+        """The kept first stage if it still describes the embeddings (count and dim), else None."""
+        stage = self.first_stage
+        if stage is None or stage.count != self.num_encoded or stage.dim != self.dim or stage.num_videos != len(self):
+            return None
+        return stage
+
+    # -- growing an in-memory index ----------------------------------------------------------------------------------
+
+    def add(self, other: "VideoIndex") -> "VideoIndex":
+        """Appends the videos of `other` (in place; returns `self`). A video whose name (path) the index already
+        holds is skipped and listed in `skipped`; in-memory videos (arrays) are always appended. `other`'s
+        failures are merged, and a video that failed before and is now encoded leaves `failures`. The first stage,
+        when built, grows with the new vectors (or is rebuilt on the next search when the collection crosses
+        `exact_max_videos`).
+
+        Raises:
+            ValueError: when the two indexes disagree on the embedding size, on having tokens or token sizes, on
+                the token shape or dtypes, or on a setting of `info` (`SHARED_INFO_SETTINGS`); the message names the
+                field and both values. Also for a store-backed index: grow a store with
+                ``python -m train.index --store DIR --videos MORE`` instead.
+        """
+        if self.store is not None:
+            raise ValueError(
+                f"This index is backed by the video store {str(self.store.directory)!r}; add videos to a store with "
+                f"`python -m train.index --store {self.store.directory} --videos MORE` and load it again."
+            )
+        self.check_compatible(other)
+        known = {name for item, name in zip(self.videos, self.names) if isinstance(item, (str, os.PathLike))}
+        take, skipped = [], []
+        for i, (item, name) in enumerate(zip(other.videos, other.names)):
+            if not bool(other.valid[i]):
+                continue
+            if isinstance(item, (str, os.PathLike)) and name in known:
+                skipped.append(name)
+                continue
+            take.append(i)
+            known.add(name)
+        rows = torch.tensor(take, dtype=torch.long)
+        first_new = len(self)
+        self.videos = self.videos + [other.videos[i] for i in take]
+        new_embeddings = other.embeddings[rows].to(self.embeddings.dtype)
+        self.embeddings = torch.cat([self.embeddings, new_embeddings])
+        if self.tokens is not None:
+            self.tokens = torch.cat([self.tokens, other.tokens[rows].to(self.tokens.dtype)])
+        if self.token_sizes is not None:
+            self.token_sizes = torch.cat([self.token_sizes, other.token_sizes[rows].to(self.token_sizes.dtype)])
+        encoded = {video_name(item, 0) for item in self.videos if isinstance(item, (str, os.PathLike))}
+        merged = {**self.failures, **other.failures}
+        self.failures = {name: reason for name, reason in merged.items() if name not in encoded}
+        self.skipped = skipped
+        self.grow_first_stage(new_embeddings, first_new)
+        return self
+
+    def check_compatible(self, other: "VideoIndex") -> None:
+        """Raises ValueError naming the first field in which `other` cannot join this index (see `add`)."""
+        fields = {
+            "embedding dim": (self.dim, other.dim),
+            "embeddings dtype": (self.embeddings.dtype, other.embeddings.dtype),
+            "has tokens": (self.has_tokens, other.has_tokens),
+            "has token_sizes": (self.token_sizes is not None, other.token_sizes is not None),
+        }
+        if self.has_tokens and other.has_tokens:
+            fields["token shape"] = (tuple(self.tokens.shape[1:]), tuple(other.tokens.shape[1:]))
+            fields["tokens dtype"] = (self.tokens.dtype, other.tokens.dtype)
+        for name, (mine, theirs) in fields.items():
+            if mine != theirs:
+                raise ValueError(f"Cannot add an index with {name} {theirs} to one with {name} {mine}.")
+        differing = differing_settings(self.info, other.info, SHARED_INFO_SETTINGS)
+        if differing:
+            key, (mine, theirs) = next(iter(differing.items()))
+            raise ValueError(f"Cannot add an index built with info[{key!r}] = {theirs!r} to one built with "
+                             f"info[{key!r}] = {mine!r} (differing settings: {sorted(differing)}).")
+
+    def grow_first_stage(self, new_embeddings: torch.Tensor, first_row: int) -> None:
+        """After `add`: adds the new vectors to the kept first stage, or drops it (rebuilt on the next search) when
+        its kind no longer fits the collection's size or FAISS cannot add to it (e.g. a memory-mapped file)."""
+        stage = self.first_stage
+        if stage is None or new_embeddings.shape[0] == 0:
+            return
+        default_kind = first_stage_kind(stage.count, self.exact_max_videos)
+        if stage.kind == default_kind and first_stage_kind(self.num_encoded, self.exact_max_videos) != stage.kind:
+            self.first_stage = None
+            return
+        try:
+            stage.add(new_embeddings, first_row, self.embeddings)
+        except RuntimeError:
+            self.first_stage = None
+
+    # -- saving and loading ------------------------------------------------------------------------------------------
 
     def save(self, directory: str | os.PathLike, as_store: bool | None = None) -> Path:
-        """Saves the index into `directory` (created if needed). Returns the directory.
+        """Saves the index into `directory` (created if needed), with its first stage when FAISS is installed and
+        the stage is approximate (`first_stage.faiss` and `first_stage.json`, built now if needed; see
+        `save_first_stage`). Returns the directory.
 
         Args:
             as_store (`bool`, *optional*): write the on-disk video store format (`video_store.json` and shards; the
-                tokens keep their dtype, which must be float16, bfloat16 or float32). Defaults to `True` for a
-                store-backed index and to `False` otherwise, which writes the single-file format of earlier versions
-                (`video_index.safetensors` with embeddings, tokens and token sizes, and `video_index.json`). `load`
-                reads both.
+                tokens keep their dtype, which must be float16, bfloat16 or float32; `failures` of an in-memory
+                index become failed rows after its videos). Defaults to `True` for a store-backed index and to
+                `False` otherwise, which writes the single-file format of earlier versions
+                (`video_index.safetensors` with embeddings, tokens and token sizes, and `video_index.json`; a
+                store-backed index written so keeps its encoded videos only). `load` reads both.
         """
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
@@ -130,26 +587,39 @@ class VideoIndex:
             if not self.has_tokens:
                 raise ValueError("The video store format holds tokens; this index has none (save it with "
                                  "as_store=False, or encode with store_tokens=True).")
-            if self.store is not None and Path(self.store.directory).resolve() == directory.resolve():
-                return directory  # already there
-            self._write_store(directory)
+            if self.store is None or Path(self.store.directory).resolve() != directory.resolve():
+                self._write_store(directory)
+            # the rows are the same unless failures of an in-memory index became rows
+            same_rows = self.store is not None or not self.failures
+            (self if same_rows else VideoIndex.from_store(directory, first_stage=False)).save_first_stage(directory)
             return directory
-        tensors = {"embeddings": self.embeddings.detach().cpu().contiguous()}
-        if self.tokens is not None:
-            tokens = self.tokens if isinstance(self.tokens, torch.Tensor) else self.tokens.materialize()
-            tensors["tokens"] = tokens.detach().cpu().contiguous()
-        if self.token_sizes is not None:
-            sizes = self.token_sizes if isinstance(self.token_sizes, torch.Tensor) else self.token_sizes.materialize()
-            tensors["token_sizes"] = sizes.detach().cpu().contiguous()
+        rows = self.encoded_rows()
+        kept = (lambda tensor: tensor) if rows is None else (lambda tensor: tensor[rows])
+        tensors = {"embeddings": kept(self.embeddings).detach().cpu().contiguous()}
+        for name in ("tokens", "token_sizes"):
+            value = getattr(self, name)
+            if value is not None:
+                if not isinstance(value, torch.Tensor):
+                    value = value[rows] if rows is not None else value.materialize()
+                else:
+                    value = kept(value)
+                tensors[name] = value.detach().cpu().contiguous()
         save_file(tensors, str(directory / INDEX_TENSORS_FILE), metadata={"format": "pt"})
-        info = {"format_version": 1, "videos": self.names, "info": self.info}
+        names = self.names if rows is None else [self.names[int(i)] for i in rows]
+        info = {"format_version": 1, "videos": names, "info": self.info, "failures": self.failures}
         (directory / INDEX_INFO_FILE).write_text(json.dumps(info, indent=2), encoding="utf-8")
+        if rows is None:
+            self.save_first_stage(directory)
+        else:
+            VideoIndex.load(directory, first_stage=False).save_first_stage(directory)
         return directory
 
     def _write_store(self, directory: Path, chunk: int = 64) -> None:
         valid = self.valid
         dtype = self.tokens.dtype if self.tokens.dtype in (torch.float16, torch.bfloat16) else torch.float32
-        writer = VideoStoreWriter(directory, 0, 0, len(self), token_dtype=dtype)
+        extra = [name for name in self.failures if self.store is None]  # failed rows after the videos
+        total = len(self) + len(extra)
+        writer = VideoStoreWriter(directory, 0, 0, total, token_dtype=dtype)
         failures = {f["index"]: f for f in (self.store.failures if self.store is not None else [])}
         for start in range(0, len(self), chunk):
             rows = [i for i in range(start, min(start + chunk, len(self))) if valid[i]]
@@ -160,17 +630,20 @@ class VideoIndex:
                 index = torch.tensor(rows)
                 sizes = self.token_sizes[index] if self.token_sizes is not None else None
                 writer.add_batch(rows, self.tokens[index], sizes, self.embeddings[index])
+        for j, name in enumerate(extra):
+            writer.add_failure(len(self) + j, name, self.failures[name])
         writer.close()
-        finalize_store(directory, self.names, 1, self.info)
+        finalize_store(directory, self.names + extra, 1, self.info)
 
     @classmethod
-    def load(cls, directory: str | os.PathLike) -> "VideoIndex":
+    def load(cls, directory: str | os.PathLike, first_stage: bool = True) -> "VideoIndex":
         """Reads an index written by `save` (either format) or any video store (e.g. the one the training
-        evaluation writes with `eval.store_dir`); `videos` then holds the saved names. A video store stays on disk:
-        its tokens are read when indexed."""
+        evaluation writes with `eval.store_dir`); `videos` then holds the saved names. Nothing is read twice: the
+        embeddings are memory-mapped (a store's tokens stay on disk and are read when indexed) and the saved first
+        stage is opened (`first_stage=False` skips it; a stale one is ignored and rebuilt on the first search)."""
         directory = Path(directory)
         if is_video_store(directory):
-            return cls.from_store(directory)
+            return cls.from_store(directory, first_stage=first_stage)
         for name in (INDEX_TENSORS_FILE, INDEX_INFO_FILE):
             if not (directory / name).is_file():
                 raise FileNotFoundError(
@@ -182,22 +655,29 @@ class VideoIndex:
         if info.get("format_version") != 1:
             raise ValueError(f"Unknown video index format_version {info.get('format_version')!r} in "
                              f"{str(directory / INDEX_INFO_FILE)!r}; this version reads 1 and video stores.")
-        return cls(
+        index = cls(
             videos=list(info["videos"]),
             embeddings=tensors["embeddings"],
             tokens=tensors.get("tokens"),
             token_sizes=tensors.get("token_sizes"),
             info=dict(info.get("info", {})),
+            failures=dict(info.get("failures", {})),
         )
+        if first_stage:
+            index.load_first_stage(directory)
+        return index
+
+    # -- search ------------------------------------------------------------------------------------------------------
 
     def nearest(
         self, query_embeddings: torch.Tensor, k: int, use_faiss: bool | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """First-stage search: the `k` videos of highest cosine similarity for each query.
 
-        Uses an exact inner-product FAISS index (`IndexFlatIP`) when `faiss` is installed (`use_faiss=None`), torch
-        top-k otherwise. The embeddings are L2-normalised, so inner product = cosine. Videos that could not be
-        encoded (possible in a store written by the training evaluation) are left out.
+        With `faiss` installed (`use_faiss=None`), the kept FAISS first stage (exact up to `exact_max_videos`
+        encoded videos, approximate with exact re-scoring above; built on the first call if it was neither built
+        nor loaded, see `FirstStage`); exact torch top-k otherwise. The embeddings are L2-normalised, so inner
+        product = cosine. Videos that could not be encoded (possible in a store) are left out.
 
         Args:
             query_embeddings (`torch.FloatTensor` of shape `(num_queries, projection_dim)`): normalised text features.
@@ -206,25 +686,45 @@ class VideoIndex:
 
         Returns:
             `(scores, indices)`, both `(num_queries, k)`, by decreasing similarity.
+
+        Raises:
+            ValueError: when the queries' size is not the index's embedding size (another model's `projection_dim`).
         """
-        valid = self.valid
-        rows = None if bool(valid.all()) else valid.nonzero().flatten()
-        k = min(int(k), len(self) if rows is None else rows.numel())
         queries = query_embeddings.detach().float().cpu()
-        database = self.embeddings.float().cpu()
-        if rows is not None:
-            database = database[rows]
+        if queries.ndim != 2 or queries.shape[1] != self.dim:
+            raise ValueError(
+                f"The queries have shape {tuple(queries.shape)}, but this index holds {self.dim}-d embeddings: "
+                f"search it with the model that encoded it (projection_dim {self.dim}, got {queries.shape[-1]})."
+            )
+        count = self.num_encoded
+        k = min(int(k), count)
         faiss = faiss_module() if use_faiss in (None, True) else None
         if use_faiss and faiss is None:
             raise ImportError("use_faiss=True but `faiss` is not installed (pip install faiss-cpu).")
-        if faiss is not None:
-            index = faiss.IndexFlatIP(database.shape[1])
-            index.add(np.ascontiguousarray(database.numpy(), dtype=np.float32))
-            scores, indices = index.search(np.ascontiguousarray(queries.numpy(), dtype=np.float32), k)
-            scores, indices = torch.from_numpy(scores), torch.from_numpy(indices).long()
-        else:
-            scores, indices = (queries @ database.T).topk(k, dim=1)
-        return scores, (indices if rows is None else rows[indices])
+        if k == 0:
+            return torch.zeros(queries.shape[0], 0), torch.zeros(queries.shape[0], 0, dtype=torch.long)
+        if faiss is None:
+            return exact_nearest(queries, self.embeddings, self.encoded_rows(), k)
+        stage = self.current_first_stage() or self.build_first_stage()
+        if stage.kind != "flat" and candidate_count(k, count) >= count:
+            return exact_nearest(queries, self.embeddings, self.encoded_rows(), k)  # nothing to prune
+        scores, indices = stage.search(faiss, queries, k, self.embeddings)
+        short = (indices < 0).any(dim=1)
+        if bool(short.any()):  # an approximate stage reached fewer than k: answer those queries exactly
+            scores[short], indices[short] = exact_nearest(queries[short], self.embeddings, self.encoded_rows(), k)
+        return scores, indices
 
 
-__all__ = ["INDEX_INFO_FILE", "INDEX_TENSORS_FILE", "VideoIndex", "faiss_module", "video_name"]
+__all__ = [
+    "EXACT_MAX_VIDEOS",
+    "FIRST_STAGE_FILE",
+    "FIRST_STAGE_INFO_FILE",
+    "INDEX_INFO_FILE",
+    "INDEX_TENSORS_FILE",
+    "SHARED_INFO_SETTINGS",
+    "FirstStage",
+    "VideoIndex",
+    "faiss_module",
+    "first_stage_kind",
+    "video_name",
+]

@@ -9,6 +9,8 @@ read at a time, not by the collection (a memory map would keep every page it tou
 Layout of a store directory::
 
     video_store.json               format, shapes, dtypes, the shards, the video names, failed videos, `info`
+                                   (`store_metadata` reads it; `journaled_count` / `journaled_failures` read the
+                                   journals of a store still being written: nothing else parses these files)
     shard-00000.json               one shard's range, failures and token shape (written by the process that encoded it)
     journal-00000.jsonl            what the shard holds, batch by batch (what a resumed writer continues from)
     embeddings-00000.bin           (rows, projection_dim) fp32, in row order (the journal's copy of the embeddings)
@@ -30,6 +32,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -289,20 +292,94 @@ def finalize_store(directory: str | os.PathLike, videos: list[str], num_shards: 
         "failures": sorted((f for m in shards for f in m["failures"]), key=lambda f: f["index"]),
         "videos": [str(v) for v in videos], "info": dict(info or {}),
     }
-    (directory / STORE_INFO_FILE).write_text(json.dumps(meta, indent=1), encoding="utf-8")
+    # written whole and then renamed: a reader sees the old index (e.g. of a store being grown) or the new one
+    temporary = directory / (STORE_INFO_FILE + ".tmp")
+    temporary.write_text(json.dumps(meta, indent=1), encoding="utf-8")
+    temporary.replace(directory / STORE_INFO_FILE)
     return directory
+
+
+SAFETENSORS_NUMPY_DTYPES = {"F32": np.float32, "F64": np.float64, "F16": np.float16, "I64": np.int64,
+                            "I32": np.int32, "U8": np.uint8, "BOOL": np.bool_}
+
+
+def open_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file, memory-mapped (copy-on-write: nothing is read until used, and nothing
+    written back); files with a dtype numpy lacks (bfloat16) are read with `load_file` instead."""
+    with open(path, "rb") as handle:
+        header_size = int.from_bytes(handle.read(8), "little")
+        header = json.loads(handle.read(header_size))
+    header.pop("__metadata__", None)
+    if any(meta["dtype"] not in SAFETENSORS_NUMPY_DTYPES for meta in header.values()):
+        return load_file(str(path))
+    tensors = {}
+    for name, meta in header.items():
+        dtype, shape = SAFETENSORS_NUMPY_DTYPES[meta["dtype"]], tuple(meta["shape"])
+        start, stop = meta["data_offsets"]
+        if start == stop:
+            tensors[name] = torch.from_numpy(np.zeros(shape, dtype=dtype))
+            continue
+        array = np.memmap(path, dtype=dtype, mode="c", offset=8 + header_size + start, shape=shape)
+        tensors[name] = torch.from_numpy(array)
+    return tensors
 
 
 def is_video_store(directory: str | os.PathLike) -> bool:
     return (Path(directory) / STORE_INFO_FILE).is_file()
 
 
+def store_metadata(directory: str | os.PathLike) -> dict[str, Any]:
+    """What ``video_store.json`` of a finalised store says, without reading any tensor: ``videos`` (names, in store
+    order), ``failures`` (``{"index", "video", "reason"}``), ``info`` (how it was built), ``shards`` (``{"shard",
+    "start", "stop", "num_rows"}``), ``num_videos``, ``num_tokens``, ``hidden_size``, ``token_dtype``, ...
+
+    Raises `FileNotFoundError` / `ValueError` naming ``directory`` when it is not a (finalised) store."""
+    path = Path(directory) / STORE_INFO_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"No video store in {str(directory)!r}: {STORE_INFO_FILE} is missing.")
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{str(path)!r} is not valid JSON ({error}): not a video store.") from None
+    if not isinstance(meta, dict) or meta.get("format") != STORE_FORMAT or meta.get("version") != STORE_VERSION:
+        got = (meta.get("format"), meta.get("version")) if isinstance(meta, dict) else (type(meta).__name__, None)
+        raise ValueError(f"{str(path)!r} is not a version-{STORE_VERSION} {STORE_FORMAT} (got {got[0]!r} version "
+                         f"{got[1]!r}).")
+    return meta
+
+
+def _journal_entries(directory: Path) -> Iterable[dict[str, Any]]:
+    """The entries (after the header) of every shard journal in ``directory``; a torn last line is left out."""
+    for journal in sorted(directory.glob("journal-*.jsonl")):
+        for line in journal.read_text(encoding="utf-8").splitlines()[1:]:
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                continue
+
+
+def journaled_count(directory: str | os.PathLike) -> int:
+    """Videos written or marked failed in all the shard journals of ``directory`` (a store being written, or a
+    finished one): what a resumed run will not encode again. 0 for a directory without journals."""
+    return sum(len(entry["encoded"]) if "encoded" in entry else 1 for entry in _journal_entries(Path(directory)))
+
+
+def journaled_failures(directory: str | os.PathLike) -> list[dict[str, Any]]:
+    """``{"index", "video", "reason"}`` of every video marked failed in the shard journals of ``directory``, by
+    index (for a store still being written; a finalised one has them in `store_metadata`)."""
+    failures = [{"index": entry["failed"], "video": entry["video"], "reason": entry["reason"]}
+                for entry in _journal_entries(Path(directory)) if "failed" in entry]
+    return sorted(failures, key=lambda failure: failure["index"])
+
+
 class VideoTokenStore:
-    """Read access to a finalised store: embeddings in memory, tokens read from disk on demand.
+    """Read access to a finalised store: embeddings memory-mapped, tokens read from disk on demand. Opening reads
+    the json index and the shards' row maps only (a store of one shard maps its embeddings without copying; several
+    shards are joined into one copy).
 
     Attributes:
         embeddings (`torch.FloatTensor` of shape `(num_videos, projection_dim)`): rows of failed videos are zeros.
-        valid (`torch.BoolTensor` of shape `(num_videos,)`): whether each video was encoded.
+        valid (`torch.BoolTensor` of shape `(num_videos,)`): whether each video was encoded; `num_valid` counts them.
         failures (`list[dict]`): ``{"index", "video", "reason"}`` of every video that could not be encoded.
         videos (`list[str]`), info (`dict`), num_tokens, hidden_size, token_dtype, has_token_sizes.
     """
@@ -328,15 +405,17 @@ class VideoTokenStore:
         self._row_of = torch.empty(n, dtype=torch.long)
         embeddings = []
         for shard in meta["shards"]:
-            tensors = load_file(str(directory / _shard_name("shard", shard["shard"], "safetensors")))
+            tensors = open_safetensors(directory / _shard_name("shard", shard["shard"], "safetensors"))
             self._shard_of[shard["start"] : shard["stop"]] = shard["shard"]
             self._row_of[shard["start"] : shard["stop"]] = tensors["rows"]
             embeddings.append(tensors["embeddings"])
         dims = {e.shape[1] for e in embeddings if e.shape[0] and e.shape[1]}
         dim = dims.pop() if dims else 0
-        self.embeddings = torch.cat([e if e.shape[1] == dim else torch.zeros(e.shape[0], dim) for e in embeddings]) \
-            if embeddings else torch.zeros(0, dim)
+        embeddings = [e if e.shape[1] == dim else torch.zeros(e.shape[0], dim) for e in embeddings]
+        self.embeddings = embeddings[0] if len(embeddings) == 1 else \
+            torch.cat(embeddings) if embeddings else torch.zeros(0, dim)
         self.valid = self._row_of >= 0
+        self.num_valid = int(self.valid.sum())
         self._files: dict[tuple[str, int], int] = {}
 
     def __len__(self) -> int:

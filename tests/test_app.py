@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 from helpers.pipelines import build_qa, build_retrieval, save_folder, tiny_processor, write_bad_files
-from helpers.videos import write_noise_video
 from helpers.requirements import require, skip_or_fail
+from helpers.videos import write_bad_videos, write_noise_video, write_video
 
-gr = pytest.importorskip("gradio")  # the `app` extra, installed by `make test`
+gr = require("gradio")  # the `app` extra, installed by `make test`
 gradio_client = require("gradio_client")
 
 APP = Path(__file__).resolve().parents[1] / "app" / "app.py"
@@ -132,6 +132,36 @@ def test_bad_inputs_get_a_message_and_the_app_keeps_serving(served, tmp_path):
             other.predict(str(root / "videos" / "clip0.mp4"), "why?", api_name="/answer")
     finally:
         demo.close()
+
+
+def test_index_encodes_each_video_once_lists_the_bad_files_and_grows(served, tmp_path, monkeypatch):
+    module, state, client, root, _ = served
+    folder = tmp_path / "mixed"
+    good = [write_noise_video(folder / f"good{i}.mp4", seed=40 + i) for i in range(5)]
+    bad = write_bad_videos(folder, write_video(tmp_path / "source.mp4", 30, width=176, height=144), prefix="bad_")
+    (folder / "readme.txt").write_text("not a video")
+    encoded = []
+    encode = state.retrieval.model.get_video_tokens
+    monkeypatch.setattr(state.retrieval.model, "get_video_tokens",
+                        lambda pixel_values, *a, **k: encoded.append(pixel_values.shape[0]) or encode(pixel_values, *a, **k))
+    status = client.predict(str(folder), None, api_name="/index")
+    assert sum(encoded) == len(good)  # one pass: every good video encoded once, the bad ones never
+    lines = status.splitlines()
+    assert lines[0].startswith("Indexed 5 videos: ") and "Not a video, skipped: readme.txt" in lines
+    for code, path in bad.items():
+        assert any(line.startswith(f"Could not be decoded, skipped: {path.name}: {code}: ") for line in lines), code
+    assert sorted(state.index.videos) == sorted(str(p.resolve()) for p in good)
+
+    encoded.clear()  # the same folder again, with one video more: only that one is encoded
+    write_noise_video(folder / "good_new.mp4", seed=60)
+    status = client.predict(str(folder), None, api_name="/index")
+    assert sum(encoded) == 1 and status.startswith("Indexed 6 videos (1 new, 5 already indexed): ")
+    assert sum(line.startswith("Could not be decoded, skipped: ") for line in status.splitlines()) == len(bad)
+    encoded.clear()
+    status = client.predict(str(folder), None, api_name="/index")
+    assert encoded == [] and status.startswith("Indexed 6 videos (0 new, 6 already indexed): nothing new")
+    _, table, _ = client.predict(QUERY, 20, True, api_name="/search")
+    assert sorted(row[1] for row in table["data"]) == sorted([p.name for p in good] + ["good_new.mp4"])
 
 
 def test_eight_simultaneous_searches_get_the_ranking_of_one(served):

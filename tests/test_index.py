@@ -20,7 +20,7 @@ from helpers.videos import write_noise_video
 
 from modeling_testa import TestaForVideoTextRetrieval, TestaProcessor, VideoTextRetrievalPipeline
 from modeling_testa.video_index import VideoIndex
-from train.index import journaled_count
+from modeling_testa.video_store import journaled_count
 
 NUM_VIDEOS = 200
 QUERIES = ["a red square on a blue screen", "green and yellow blocks", "first dark then bright", "a cat"]
@@ -216,3 +216,115 @@ def test_a_resumed_writer_cuts_what_a_torn_batch_left_and_continues(tmp_path):
     other.abort()
     with pytest.raises(ValueError, match="another shard or token dtype"):
         VideoStoreWriter(tmp_path / "x", 1, 0, 2, token_dtype=torch.float16, resume=True)
+
+
+def test_a_store_grown_in_two_appends_on_two_processes_equals_one_built_at_once(collection, one_process_store,
+                                                                                tmp_path):
+    """Every other video first (from a list file), then the whole folder: the second run encodes only the 100 new
+    videos, each once; the store's order differs from the one-process store's, its embeddings by name and its
+    rankings do not. An append with other settings is refused first and changes nothing."""
+    root, model = collection
+    store = root / "grown"
+    videos = sorted(str(p.resolve()) for p in (root / "videos").glob("*.mp4"))
+    listing = tmp_path / "half.txt"
+    listing.write_text("\n".join(videos[::2]) + "\n")
+    run(LAUNCH_2, "--model", model, "--videos", listing, "--store", store, "--token-dtype", "float32",
+        "--num-workers", "0", "--shard-size", "16")
+    first = json.loads((store / "index_report.json").read_text())
+    assert first["videos"] == first["added_this_run"] == first["encoded_this_run"] == NUM_VIDEOS // 2
+
+    before = {p.name: p.stat().st_mtime_ns for p in store.iterdir()}
+    refused = run(PLAIN, *common(root, model, store, "--shard-size", "16", "--precision", "int8"), check=False)
+    assert refused.returncode != 0 and "precision: the store has 'fp32', this run 'int8'" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert {p.name: p.stat().st_mtime_ns for p in store.iterdir()} == before
+
+    result = run(LAUNCH_2, *common(root, model, store, "--shard-size", "16"))
+    assert f"{NUM_VIDEOS // 2} of the {NUM_VIDEOS} given videos already in the store, {NUM_VIDEOS // 2} added" in (
+        result.stdout)
+    report = json.loads((store / "index_report.json").read_text())
+    assert report["videos"] == NUM_VIDEOS and report["added_this_run"] == report["encoded_this_run"] == NUM_VIDEOS // 2
+    assert report["already_in_store"] == NUM_VIDEOS // 2 and report["processes"] == 2
+    assert encoded_indices(store) == list(range(NUM_VIDEOS))  # each video journaled exactly once, over both runs
+    grown, single = VideoIndex.load(store), VideoIndex.load(one_process_store)
+    assert grown.videos[: NUM_VIDEOS // 2] == videos[::2] and sorted(grown.videos) == single.videos
+    row = {name: i for i, name in enumerate(grown.videos)}
+    torch.testing.assert_close(grown.embeddings[[row[name] for name in single.videos]], single.embeddings,
+                               rtol=0, atol=1e-6)
+    assert rankings(model, store)[0] == rankings(model, one_process_store)[0]
+
+    again = run(PLAIN, *common(root, model, store, "--shard-size", "16"))  # nothing new: nothing encoded
+    assert "0 added" in again.stdout
+    assert json.loads((store / "index_report.json").read_text())["encoded_this_run"] == 0
+
+
+def test_a_folder_with_five_percent_bad_files_in_process(collection, tmp_path, monkeypatch, capsys):
+    """76 good videos and one of each kind of bad file (5%), indexed by `train.index.main` in this process: every
+    good video encoded once (the encoder's calls are counted), every bad file listed with its reason code, and the
+    embeddings those of the pipeline's own encode of the good videos."""
+    from helpers.videos import write_bad_videos, write_video
+
+    from modeling_testa.video_store import store_metadata
+    from train.index import main
+
+    root, model = collection
+    folder = tmp_path / "mixed"
+    good = [str(write_noise_video(folder / f"good{i:02d}.mp4", seed=300 + i).resolve()) for i in range(76)]
+    source = write_video(tmp_path / "source.mp4", 30, width=176, height=144)
+    bad = {code: str(path.resolve()) for code, path in write_bad_videos(folder, source, prefix="bad_").items()}
+    encoded = []
+    encode = TestaForVideoTextRetrieval.get_video_tokens
+
+    def counting(self, pixel_values, *args, **kwargs):
+        encoded.append(int(pixel_values.shape[0]))
+        return encode(self, pixel_values, *args, **kwargs)
+
+    monkeypatch.setattr(TestaForVideoTextRetrieval, "get_video_tokens", counting)
+    store = tmp_path / "store"
+    report = main(["--model", str(model), "--videos", str(folder), "--store", str(store), "--num-workers", "0",
+                   "--token-dtype", "float32", "--shard-size", "32"])
+    assert sum(encoded) == len(good)
+    assert report["videos"] == 80 and report["failed"] == len(bad) == 4
+    assert {f["video"]: f["reason"].split(":")[0] for f in report["failures"]} == {p: c for c, p in bad.items()}
+    printed = capsys.readouterr().out
+    assert all(f"  failed: {path}: {code}: " in printed for code, path in bad.items())
+    metadata = store_metadata(store)
+    assert metadata["failures"] == report["failures"] and metadata["videos"] == sorted(good + list(bad.values()))
+    index = VideoIndex.load(store)
+    assert sorted(index.failures) == sorted(bad.values())
+    monkeypatch.undo()
+    pipe = VideoTextRetrievalPipeline(model=TestaForVideoTextRetrieval.from_pretrained(model),
+                                      processor=TestaProcessor.from_pretrained(model), device="cpu")
+    reference = pipe.encode_videos(good, batch_size=8)
+    rows = [index.videos.index(path) for path in good]
+    torch.testing.assert_close(index.embeddings[rows], reference.embeddings, rtol=0, atol=1e-6)
+    hits = pipe.search(QUERIES, index, top_k=None)
+    assert not {hit["video"] for ranked in hits for hit in ranked} & set(bad.values())
+
+
+def test_bad_stores_and_empty_folders_get_one_message_and_nothing_is_written(collection, tmp_path):
+    from train.index import main
+
+    root, model = collection
+    empty = tmp_path / "no_videos"
+    empty.mkdir()
+    (empty / "notes.txt").write_text("x")
+    with pytest.raises(SystemExit, match=r"holds no video .*skipped 1 other files"):
+        main(["--model", str(model), "--videos", str(empty), "--store", str(tmp_path / "s1")])
+    assert not (tmp_path / "s1").exists()
+
+    not_a_store = tmp_path / "photos"
+    not_a_store.mkdir()
+    (not_a_store / "a.jpg").write_bytes(b"\xff\xd8")
+    with pytest.raises(SystemExit, match="is a non-empty folder that is not a video store"):
+        main(["--model", str(model), "--videos", str(root / "videos"), "--store", str(not_a_store)])
+    assert [p.name for p in not_a_store.iterdir()] == ["a.jpg"]
+
+    pipe = VideoTextRetrievalPipeline(model=TestaForVideoTextRetrieval.from_pretrained(model),
+                                      processor=TestaProcessor.from_pretrained(model), device="cpu")
+    foreign = tmp_path / "foreign"
+    pipe.encode_videos(sorted(str(p) for p in (root / "videos").glob("*.mp4"))[:3], store_dir=foreign)
+    before = {p.name: p.stat().st_mtime_ns for p in foreign.iterdir()}
+    with pytest.raises(SystemExit, match="is a video store that train.index did not build"):
+        main(["--model", str(model), "--videos", str(root / "videos"), "--store", str(foreign)])
+    assert {p.name: p.stat().st_mtime_ns for p in foreign.iterdir()} == before

@@ -321,7 +321,7 @@ def test_encode_videos_with_workers_names_a_bad_file(retrieval_pipe, videos, tmp
     batch = videos[:3] + [bad] + videos[3:]
     for workers in (0, 2):
         with pytest.raises(ValueError, match=rf"{os.path.basename(bad)}") as error:
-            retrieval_pipe.encode_videos(batch, batch_size=2, num_workers=workers)
+            retrieval_pipe.encode_videos(batch, batch_size=2, num_workers=workers, on_error="raise")
         assert isinstance(error.value, video_decoding.VideoDecodingError)
     with pytest.raises(ValueError, match="num_workers"):
         retrieval_pipe.encode_videos(videos, num_workers=-1)

@@ -31,7 +31,7 @@ from accelerate.utils import broadcast_object_list, gather_object
 from torch.utils.data import DataLoader
 
 from modeling_testa.distributed import raise_on_every_rank
-from modeling_testa.indexing import encode_videos
+from modeling_testa.indexing import DecodeVideos, encode_videos
 from modeling_testa.ranking import RankingOptions, ranked_order, two_stage_scores
 from modeling_testa.video_store import (
     VideoStoreWriter,
@@ -41,7 +41,7 @@ from modeling_testa.video_store import (
     shard_range,
 )
 
-from .loop import MEDIA_ERRORS, load_rows
+from .loop import load_rows
 
 RERANK_BATCH_SIZE = 128
 """(query, candidate) pairs per matching-head forward, and queries per ranking chunk (as `model.rank_videos`)."""
@@ -70,27 +70,6 @@ class _Items(torch.utils.data.Dataset):
         return self.items[index]
 
 
-class DecodeVideos:
-    """DataLoader collation for evaluation: decodes and samples each video on its own (``uniform`` sampling), so that
-    a file that cannot be read fails alone. Returns ``(indices, pixel_values or None, failures)`` with failures as
-    ``(index, path, reason)``."""
-
-    def __init__(self, video_processor, num_frames: int):
-        self.video_processor, self.num_frames = video_processor, num_frames
-
-    def __call__(self, batch: list[tuple[int, str]]) -> tuple[list[int], torch.Tensor | None, list[tuple]]:
-        indices, pixels, failures = [], [], []
-        for index, path in batch:
-            try:
-                pixels.append(self.video_processor(videos=[path], num_frames=self.num_frames,
-                                                   frame_sampling="uniform")["pixel_values"])
-            except MEDIA_ERRORS as error:  # VideoDecodingError is a ValueError; missing files are OSErrors
-                failures.append((index, str(path), f"{type(error).__name__}: {error}"))
-                continue
-            indices.append(index)
-        return indices, (torch.cat(pixels) if pixels else None), failures
-
-
 def per_process_batch_size(global_batch_size: int, num_processes: int) -> int:
     """A global batch size split over processes (at least 1 per process; never more than the global size)."""
     if int(global_batch_size) < 1:
@@ -104,8 +83,8 @@ def encode_to_store(model, items: list, collate: Callable, accelerator: Accelera
                     names: list[str] | None = None, info: dict | None = None) -> tuple[VideoTokenStore, float]:
     """Encodes every item once into a token store in ``directory``: process ``r`` encodes its contiguous share and
     writes shard ``r``. ``collate([(index, item), ...])`` returns ``(indices, pixel_values or None, failures)`` (see
-    `DecodeVideos`); ``batch_size`` is global. Returns the opened store (on every process) and the encoder's wall
-    time on this process. Failures are reported on the main process."""
+    `modeling_testa.indexing.DecodeVideos`); ``batch_size`` is global. Returns the opened store (on every process)
+    and the encoder's wall time on this process. Failures are reported on the main process."""
     rank, world = accelerator.process_index, accelerator.num_processes
     start, stop = shard_range(len(items), rank, world)
     accelerator.wait_for_everyone()

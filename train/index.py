@@ -1,4 +1,4 @@
-"""Index a video collection into an on-disk video store, on 1 to N processes, resumably.
+"""Index a video collection into an on-disk video store, on 1 to N processes, resumably; grow it later.
 
     accelerate launch -m train.index --model FOLDER_OR_HUB_ID --videos DIR_OR_LIST_OR_DATASET --store OUT \
         [--precision fp32|bf16|int8] [--num-frames N] [--shard-size 256] [--batch-size 8] [--num-workers 2]
@@ -7,12 +7,20 @@
 ``--shard-size`` videos; process ``r`` of ``W`` encodes shards ``r, r + W, r + 2W, ...`` with the library's one encode
 loop (`modeling_testa.indexing.encode_videos`) into `video_store.VideoStoreWriter` shards, which journal every batch.
 Run the same command again after a crash, a kill or a lost machine and it continues: closed shards are skipped, open
-ones continue after their last journaled batch, so no video is encoded twice or skipped. A store built with other
-settings (model, frames, R_T/R_S, precision, token dtype, shard size, videos) is refused, naming what differs.
+ones continue after their last journaled batch, so no video is encoded twice or skipped.
 
-When every shard is closed, the main process checks them, writes the store's index (`VideoIndex.load(OUT)` and
-`python -m train.search` read it) and reports the videos, the ones that could not be decoded (with reasons, never
-fatal), the settings, and the time spent decoding and encoding (`index_report.json`).
+**Growing a store.** Run it again with ``--videos MORE`` (a folder, list or dataset that may overlap the store):
+videos already in the store (by path, failed ones included) are skipped, the new ones are appended as new shards
+(sorted, after the store's own videos; ``index_plan.json`` records the order and the shards) and encoded the same
+way, resumably, on any number of processes. Until the grown store is complete, its previous index stays readable.
+A store built with other settings (model weights, frames, R_T/R_S, precision, token dtype, shard size) is refused,
+naming what differs, and nothing in it changes.
+
+A video that cannot be read (missing, empty, not a video, truncated, no frames, decoder crash or timeout) is data, not
+an error: it is recorded with its reason (`modeling_testa.indexing.FAILURE_CODES`), never encoded again, never
+returned by search, and listed at the end. When every shard is closed, the main process checks them, writes the
+store's index (`VideoIndex.load(OUT)` and `python -m train.search` read it) and its first stage, and reports the
+videos, the failures, the settings, and the time spent decoding and encoding (`index_report.json`).
 
 Inputs (``--videos``): a folder (searched recursively for video files; other files are listed as skipped), a text
 file with one path per line (relative paths are relative to the file), or a dataset written by the builders
@@ -22,7 +30,6 @@ file with one path per line (relative paths are relative to the file), or a data
 import argparse
 import hashlib
 import json
-import math
 import os
 import sys
 import threading
@@ -37,14 +44,23 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from modeling_testa.distributed import raise_on_every_rank
-from modeling_testa.indexing import EncodingStats, encode_videos
+from modeling_testa.indexing import SUMMARY_FAILURES, DecodeVideos, EncodingStats, encode_videos
 from modeling_testa.inference import PRECISIONS, optimize_for_inference
+from modeling_testa.video_index import VideoIndex
 from modeling_testa.video_inputs import VIDEO_SUFFIXES, find_video_files
-from modeling_testa.video_store import TOKEN_DTYPES, VideoStoreWriter, finalize_store, missing_shards
-
-from .evaluation import DecodeVideos
+from modeling_testa.video_store import (
+    TOKEN_DTYPES,
+    VideoStoreWriter,
+    finalize_store,
+    is_video_store,
+    journaled_count,
+    journaled_failures,
+    missing_shards,
+    store_metadata,
+)
 
 SETTINGS_FILE = "index_settings.json"
+PLAN_FILE = "index_plan.json"
 REPORT_FILE = "index_report.json"
 RETRIEVAL_HEADS = ("TestaForVideoTextRetrieval", "TestaForPreTraining")
 
@@ -111,9 +127,9 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
-def index_settings(model: Any, model_source: str, videos: list[str], num_frames: int, precision: str,
-                   token_dtype: str, shard_size: int) -> dict[str, Any]:
-    """What a store is built with; a resume must match it exactly."""
+def index_settings(model: Any, model_source: str, num_frames: int, precision: str, token_dtype: str,
+                   shard_size: int) -> dict[str, Any]:
+    """What a store is built with; a resume or an append must match it exactly."""
     vision = model.config.vision_config
     return {
         "model": str(model_source),
@@ -124,49 +140,77 @@ def index_settings(model: Any, model_source: str, videos: list[str], num_frames:
         "precision": precision,
         "token_dtype": token_dtype,
         "shard_size": int(shard_size),
-        "num_videos": len(videos),
-        "videos_sha256": hashlib.sha256("\n".join(videos).encode()).hexdigest(),
     }
+
+
+def write_json_atomically(path: Path, value: Any) -> None:
+    """Writes ``value`` to a temporary file and renames it: a reader sees the old file or the new one."""
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(value, indent=1), encoding="utf-8")
+    temporary.replace(path)
 
 
 def check_or_write_settings(store: Path, settings: dict[str, Any]) -> bool:
     """Writes ``index_settings.json`` into a new store; for an existing one, raises naming every setting that
-    differs. Returns whether the store already existed (a resume)."""
+    differs. Returns whether the store already existed (a resume or an append)."""
     path = store / SETTINGS_FILE
     if path.is_file():
         saved = json.loads(path.read_text(encoding="utf-8"))
         differences = [f"{key}: the store has {saved.get(key)!r}, this run {value!r}"
                        for key, value in settings.items() if saved.get(key) != value]
         if differences:
-            raise ValueError(f"--store {str(store)!r} was built with other settings; resume with the same ones or use "
-                             "another store:\n  " + "\n  ".join(differences))
+            raise ValueError(f"--store {str(store)!r} was built with other settings; resume or grow it with the same "
+                             "ones or use another store:\n  " + "\n  ".join(differences))
         return True
+    if is_video_store(store):
+        raise ValueError(f"--store {str(store)!r} is a video store that train.index did not build (no "
+                         f"{SETTINGS_FILE}; e.g. written by `encode_videos(store_dir=...)` or the evaluation): its "
+                         "settings are unknown, so it cannot be grown. Give a new folder.")
     if store.exists() and any(store.iterdir()):
         raise ValueError(f"--store {str(store)!r} is a non-empty folder that is not a video store being indexed "
                          f"(no {SETTINGS_FILE}); give a new or empty folder.")
     store.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(".tmp")
-    temporary.write_text(json.dumps(settings, indent=1), encoding="utf-8")
-    temporary.replace(path)
+    write_json_atomically(path, settings)
     return False
 
 
-def journaled_count(store: Path) -> int:
-    """Videos written or marked failed in all the store's shard journals (for the progress bar)."""
-    count = 0
-    for journal in store.glob("journal-*.jsonl"):
-        for line in journal.read_text(encoding="utf-8").splitlines()[1:]:
-            try:
-                entry = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            count += len(entry["encoded"]) if "encoded" in entry else 1
-    return count
+def read_plan(store: Path) -> dict[str, Any]:
+    """``{"videos": [...], "shards": [[start, stop], ...]}``: the store's videos in order and its shards' ranges.
+    A store finalised without a plan file (by an earlier version) gives them from its index."""
+    path = store / PLAN_FILE
+    if path.is_file():
+        return json.loads(path.read_text(encoding="utf-8"))
+    if is_video_store(store):
+        meta = store_metadata(store)
+        shards = sorted(meta["shards"], key=lambda shard: shard["shard"])
+        return {"videos": list(meta["videos"]), "shards": [[shard["start"], shard["stop"]] for shard in shards]}
+    return {"videos": [], "shards": []}
+
+
+def grow_plan(plan: dict[str, Any], videos: list[str], shard_size: int) -> tuple[dict[str, Any], list[str]]:
+    """The plan with the videos it lacks appended (in the given order) as new shards of ``shard_size``, and those
+    videos. The shards already planned are left as they are."""
+    known = set(plan["videos"])
+    new = [video for video in videos if video not in known]
+    start = len(plan["videos"])
+    shards = [[start + i, start + min(i + shard_size, len(new))] for i in range(0, len(new), shard_size)]
+    return {"videos": plan["videos"] + new, "shards": plan["shards"] + shards}, new
+
+
+def prepare_store(store: Path, settings: dict[str, Any], videos: list[str], shard_size: int
+                  ) -> tuple[dict[str, Any], list[str], bool]:
+    """Checks (or writes) the settings and appends the videos the store lacks to its plan. Returns the plan, the
+    videos added to it, and whether the store existed. A refused store is left untouched."""
+    existed = check_or_write_settings(store, settings)
+    plan, added = grow_plan(read_plan(store), videos, shard_size)
+    if added or not (store / PLAN_FILE).is_file():
+        write_json_atomically(store / PLAN_FILE, plan)
+    return plan, added, existed
 
 
 class JournalProgress:
     """A progress bar on the main process over all processes' journals: polls them every ``interval`` s, so its
-    rate is the videos/s of the whole job."""
+    rate is the videos/s of the whole job; its postfix counts the videos that could not be read."""
 
     def __init__(self, store: Path, total: int, interval: float = 1.0, enabled: bool = True):
         self.store, self.interval, self.enabled = store, interval, enabled
@@ -175,9 +219,15 @@ class JournalProgress:
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._poll, daemon=True)
 
+    def _refresh(self) -> None:
+        failed = len(journaled_failures(self.store))
+        if failed:
+            self.bar.set_postfix_str(f"failed {failed}", refresh=False)
+        self.bar.update(journaled_count(self.store) - self.bar.n)
+
     def _poll(self) -> None:
         while not self.stopped.wait(self.interval):
-            self.bar.update(journaled_count(self.store) - self.bar.n)
+            self._refresh()
 
     def __enter__(self) -> "JournalProgress":
         if self.enabled:
@@ -188,20 +238,22 @@ class JournalProgress:
         self.stopped.set()
         if self.enabled:
             self.thread.join()
-            self.bar.update(journaled_count(self.store) - self.bar.n)
+            self._refresh()
         self.bar.close()
 
 
-def encode_shard(model: Any, videos: list[str], shard: int, shard_size: int, store: Path, collate: DecodeVideos,
-                 batch_size: int, num_workers: int, token_dtype: torch.dtype) -> tuple[EncodingStats, int]:
-    """Encodes what shard ``shard`` still lacks; returns the loop's stats and how many videos it already held."""
-    start, stop = shard * shard_size, min((shard + 1) * shard_size, len(videos))
+def encode_shard(model: Any, videos: list[str], shard: int, shard_range: tuple[int, int], store: Path,
+                 collate: DecodeVideos, batch_size: int, num_workers: int, token_dtype: torch.dtype
+                 ) -> tuple[EncodingStats, int]:
+    """Encodes what shard ``shard`` (videos ``[start, stop)``) still lacks; returns the loop's stats and how many
+    videos it already held. Videos that cannot be read are recorded in the shard (`DecodeVideos` skips them)."""
+    start, stop = shard_range
     with VideoStoreWriter(store, shard, start, stop, token_dtype=token_dtype, resume=True) as writer:
         already = writer.done
         remaining = [(i, videos[i]) for i in range(start, stop) if i not in already]
         loader = DataLoader(remaining, batch_size=batch_size, collate_fn=collate, num_workers=num_workers,
                             prefetch_factor=1 if num_workers else None)
-        stats = encode_videos(model, loader, writer, num_workers=num_workers)
+        stats = encode_videos(model, loader, writer, num_workers=num_workers, summary=False)
     return stats, len(already)
 
 
@@ -210,7 +262,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="a retrieval model: saved folder or Hub id")
     parser.add_argument("--videos", required=True, help="a folder, a list file, or a builders dataset")
-    parser.add_argument("--store", required=True, help="the store folder (created; an existing one is resumed)")
+    parser.add_argument("--store", required=True,
+                        help="the store folder (created; an existing one is resumed, and grown by new --videos)")
     parser.add_argument("--split", default="test", help="with a dataset: the split to index (default: test)")
     parser.add_argument("--precision", default="fp32", choices=PRECISIONS, help="encoder precision (default: fp32)")
     parser.add_argument("--num-frames", type=int, default=None, help="frames per video (default: the model's)")
@@ -239,43 +292,52 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     except (OSError, ValueError) as error:
         raise SystemExit(f"error: {error}") from None
     num_frames = args.num_frames or video_processor.num_frames
-    settings = index_settings(model, args.model, videos, num_frames, args.precision, args.token_dtype,
-                              args.shard_size)
+    settings = index_settings(model, args.model, num_frames, args.precision, args.token_dtype, args.shard_size)
     # without cpu=True, CPU processes under `--multi_gpu` would not join one group
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     model = optimize_for_inference(model.to(accelerator.device), args.precision)
-    resumed, error = False, None
+    existed, added, error = False, [], None
     if accelerator.is_main_process:
         try:
-            resumed = check_or_write_settings(store, settings)
-        except ValueError as caught:
+            _, added, existed = prepare_store(store, settings, videos, args.shard_size)
+        except (OSError, ValueError) as caught:
             error = caught
     try:  # collective: a refused store stops every process, with the main process' message
         raise_on_every_rank(error, accelerator.device)
-    except (ValueError, RuntimeError) as failure:
+    except (ValueError, RuntimeError, OSError) as failure:
         raise SystemExit(f"error: {failure}") from None
     accelerator.wait_for_everyone()
+    plan = read_plan(store)  # what the main process wrote (every process sees the store's folder)
 
-    num_shards = math.ceil(len(videos) / args.shard_size)
+    stored = plan["videos"]
+    num_shards = len(plan["shards"])
     closed = set(range(num_shards)) - set(missing_shards(store, num_shards))
     mine = [s for s in range(accelerator.process_index, num_shards, accelerator.num_processes) if s not in closed]
     if accelerator.is_main_process:
-        print(f"Indexing {len(videos)} videos into {num_shards} shards of {args.shard_size} on "
-              f"{accelerator.num_processes} process(es){'; resuming: ' + str(len(closed)) + ' shards closed' if resumed else ''}"
-              f"{'; skipped ' + str(len(skipped)) + ' files that are not videos' if skipped else ''}.", flush=True)
+        notes = []
+        if existed:
+            notes.append(f"resuming: {len(closed)} of {num_shards} shards closed")
+            notes.append(f"{len(videos) - len(added)} of the {len(videos)} given videos already in the store, "
+                         f"{len(added)} added")
+        if skipped:
+            notes.append(f"skipped {len(skipped)} files that are not videos")
+        print(f"Indexing {len(stored)} videos into {num_shards} shards of up to {args.shard_size} on "
+              f"{accelerator.num_processes} process(es){'; ' if notes else ''}{'; '.join(notes)}.", flush=True)
     collate = DecodeVideos(video_processor, num_frames)
-    totals = {"encoded": 0, "already": 0, "decode_wait_seconds": 0.0, "encode_seconds": 0.0, "seconds": 0.0}
+    totals = {"encoded": 0, "already": 0, "failed": 0, "decode_wait_seconds": 0.0, "encode_seconds": 0.0,
+              "seconds": 0.0}
     begin = time.perf_counter()
-    with JournalProgress(store, len(videos), enabled=accelerator.is_main_process):
+    with JournalProgress(store, len(stored), enabled=accelerator.is_main_process):
         for shard in mine:
-            stats, already = encode_shard(model, videos, shard, args.shard_size, store, collate, args.batch_size,
-                                          args.num_workers, TOKEN_DTYPES[args.token_dtype])
+            stats, already_there = encode_shard(model, stored, shard, tuple(plan["shards"][shard]), store, collate,
+                                                args.batch_size, args.num_workers, TOKEN_DTYPES[args.token_dtype])
             totals["encoded"] += stats.videos
-            totals["already"] += already
+            totals["already"] += already_there
+            totals["failed"] += stats.failed
             totals["decode_wait_seconds"] += stats.decode_wait_seconds
             totals["encode_seconds"] += stats.encode_seconds
-            print(f"[process {accelerator.process_index}] shard {shard}: {stats.videos} videos encoded this run, "
-                  f"{already} already in the store", flush=True)
+            print(f"[process {accelerator.process_index}] shard {shard}: {stats.videos} videos handled this run "
+                  f"({stats.failed} could not be read), {already_there} already in the store", flush=True)
         totals["seconds"] = time.perf_counter() - begin
         all_totals = gather_object([totals]) if accelerator.num_processes > 1 else [totals]
         accelerator.wait_for_everyone()
@@ -286,33 +348,37 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if missing:  # only when processes on several machines do not share the store's filesystem
             raise SystemExit(f"error: shards {missing} of {str(store)!r} are not closed: every process must write to "
                              "the same folder (on several machines, a shared filesystem).")
-        finalize_store(store, videos, num_shards, info={**settings, "model_class": type(model).__name__,
-                                                          "projection_dim": int(model.config.projection_dim)})
-        failures = []
-        for shard in range(num_shards):
-            failures += json.loads((store / f"shard-{shard:05d}.json").read_text(encoding="utf-8"))["failures"]
+        finalize_store(store, stored, num_shards, info={**settings, "model_class": type(model).__name__,
+                                                         "projection_dim": int(model.config.projection_dim)})
+        # the first stage over every video of the (grown) store: saved when approximate, else rebuilt on load
+        VideoIndex.load(store).save_first_stage(store)
+        failures = store_metadata(store)["failures"]
         wall = max(t["seconds"] for t in all_totals)
         encoded_now = sum(t["encoded"] for t in all_totals)
         report = {
-            "store": str(store), "videos": len(videos), "failed": len(failures),
-            "failures": sorted(failures, key=lambda f: f["index"]), "skipped_files": skipped,
-            "encoded_this_run": encoded_now, "already_in_store": len(videos) - encoded_now,
+            "store": str(store), "videos": len(stored), "failed": len(failures), "failures": failures,
+            "skipped_files": skipped, "given": len(videos), "added_this_run": len(added),
+            "encoded_this_run": encoded_now, "already_in_store": len(stored) - encoded_now,
+            "failed_this_run": sum(t["failed"] for t in all_totals),
             "processes": accelerator.num_processes, "seconds": wall,
             "videos_per_second": encoded_now / wall if wall > 0 else None,
             "decode_wait_seconds": sum(t["decode_wait_seconds"] for t in all_totals),
             "encode_seconds": sum(t["encode_seconds"] for t in all_totals),
             "settings": settings,
         }
-        (store / REPORT_FILE).write_text(json.dumps(report, indent=1), encoding="utf-8")
-        print(f"Indexed {len(videos)} videos into {store} ({encoded_now} encoded this run, "
-              f"{len(videos) - encoded_now} already there; {len(failures)} could not be decoded).")
-        for failure in report["failures"]:
+        write_json_atomically(store / REPORT_FILE, report)
+        print(f"Indexed {len(stored)} videos into {store} ({encoded_now} handled this run, "
+              f"{len(stored) - encoded_now} already there; {len(failures)} could not be decoded).")
+        for failure in failures[:SUMMARY_FAILURES]:
             print(f"  failed: {failure['video']}: {failure['reason']}")
+        if len(failures) > SUMMARY_FAILURES:
+            print(f"  ... and {len(failures) - SUMMARY_FAILURES} more failed videos (all are in {REPORT_FILE})")
         for file in skipped:
             print(f"  skipped (not a video file): {file}")
+        decoding_bound = report["decode_wait_seconds"] > report["encode_seconds"]
         print(f"Time over all processes: waiting for decoding {report['decode_wait_seconds']:.1f} s, encoding "
-              f"{report['encode_seconds']:.1f} s ({'decoding' if report['decode_wait_seconds'] > report['encode_seconds'] else 'encoding'} "
-              f"is the bottleneck: scale {'--num-workers' if report['decode_wait_seconds'] > report['encode_seconds'] else 'processes or precision'}). "
+              f"{report['encode_seconds']:.1f} s ({'decoding' if decoding_bound else 'encoding'} is the bottleneck: "
+              f"scale {'--num-workers' if decoding_bound else 'processes or precision'}). "
               f"Settings: frames {settings['num_frames']}, R_T {settings['temporal_reduction']}, "
               f"R_S {settings['spatial_reduction']}, {settings['precision']}, tokens {settings['token_dtype']}.",
               flush=True)

@@ -20,6 +20,7 @@ INSTALL = {
     "faiss": 'pip install -e ".[faiss]"',
     "sentence_transformers": 'pip install -e ".[st]"',
     "mteb": 'pip install -e ".[mteb]"',
+    "gradio": 'pip install -e ".[app]"',
     "gradio_client": 'pip install -e ".[app]"',
     "playwright.sync_api": 'pip install -e ".[app]"',
 }

@@ -148,3 +148,44 @@ def write_noise_video(path: Path, seed: int, frames: int = 4, size: int = 32, fp
         for packet in stream.encode():
             container.mux(packet)
     return path
+
+
+# ---------------------------------------------------------------------------------------------- files that are not
+# videos, each named by the failure code (`modeling_testa.indexing.FAILURE_CODES`) the encode loop must give it
+
+
+def write_text_named_mp4(path: Path) -> Path:
+    """A text file named like a video (what a mis-named download or a notes file looks like)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text("these are meeting notes, not a video\n" * 50)
+    return Path(path)
+
+
+def write_truncated_mp4(good: Path, path: Path, fraction: float = 0.5) -> Path:
+    """The first ``fraction`` of a good mp4's bytes (an interrupted download: the `moov` box, written last, is lost
+    and the `mdat` box runs past the end of the file)."""
+    data = Path(good).read_bytes()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_bytes(data[: int(len(data) * fraction)])
+    return Path(path)
+
+
+def write_empty_mp4(path: Path) -> Path:
+    """A 0-byte file named .mp4."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_bytes(b"")
+    return Path(path)
+
+
+def write_bad_videos(folder: Path, good: Path, prefix: str = "") -> dict[str, Path]:
+    """One file of each kind that cannot be read, in ``folder``, keyed by the failure code it must get: a text file
+    named .mp4 (``not_a_video``), a truncated mp4 (``truncated``), an empty file (``empty``) and an mp4 whose media
+    data is zeroed, so that no frame decodes (``no_frames``). ``good`` is the mp4 the broken ones are made from."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    return {
+        "not_a_video": write_text_named_mp4(folder / f"{prefix}notes.mp4"),
+        "truncated": write_truncated_mp4(good, folder / f"{prefix}truncated.mp4"),
+        "empty": write_empty_mp4(folder / f"{prefix}empty.mp4"),
+        "no_frames": zero_media_data(good, folder / f"{prefix}no_frames.mp4"),
+    }

@@ -1,0 +1,252 @@
+"""Bad files are data: the one encode loop (`modeling_testa.indexing`) records a video it cannot read with a reason
+code and goes on, for `DecodeVideos` (train.index, the evaluation), `DecodeAhead` (the pipeline) and the pipeline's
+`encode_videos`; and an in-memory index grows (`encode_videos(..., index=existing)`).
+
+References: real mp4s (tests/helpers/videos.py) and one broken file of each kind, whose expected code is known by
+construction; an index built from the good videos only (search results and tensors compared exactly); the encoder's
+own call count."""
+
+import pytest
+import torch
+from helpers.pipelines import build_retrieval, tiny_processor
+from helpers.videos import write_bad_videos, write_noise_video, write_video
+
+import modeling_testa.indexing as indexing
+import modeling_testa.video_processing_testa as video_processing
+from modeling_testa import VideoTextRetrievalPipeline
+from modeling_testa.indexing import (
+    FAILURE_CODES,
+    DecodeAhead,
+    DecodeVideos,
+    check_on_error,
+    failure_code,
+    failure_reason,
+    failure_summary,
+    looks_like_video,
+)
+from modeling_testa.video_decoding import VideoDecodingError, VideoDecodingTimeoutError
+
+QUERIES = ["a red square on a blue screen", "green and yellow blocks", "first dark then bright"]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """8 good noise videos and one broken file of each kind plus a missing path, interleaved."""
+    root = tmp_path_factory.mktemp("bad_files")
+    good = [str(write_noise_video(root / f"good{i}.mp4", seed=i)) for i in range(8)]
+    source = write_video(root / "source.mp4", 30, fps=25, width=176, height=144)
+    bad = {code: str(path) for code, path in write_bad_videos(root / "bad", source).items()}
+    bad["missing"] = str(root / "gone.mp4")
+    mixed = [good[0], bad["not_a_video"], good[1], good[2], bad["truncated"], bad["empty"], good[3], good[4],
+             bad["no_frames"], good[5], bad["missing"], good[6], good[7]]
+    return good, bad, mixed
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return VideoTextRetrievalPipeline(model=build_retrieval(), processor=tiny_processor(), device="cpu")
+
+
+def count_encoded(model, monkeypatch) -> list[int]:
+    """Records the batch size of every call of the model's video encoder."""
+    calls: list[int] = []
+    encode = model.get_video_tokens
+
+    def counting(pixel_values, *args, **kwargs):
+        calls.append(int(pixel_values.shape[0]))
+        return encode(pixel_values, *args, **kwargs)
+
+    monkeypatch.setattr(model, "get_video_tokens", counting)
+    return calls
+
+
+# ------------------------------------------------------------------------------------------------ reasons
+
+
+def test_each_kind_of_bad_file_gets_its_code(files):
+    _, bad, _ = files
+    processor = tiny_processor().video_processor
+    for code, path in bad.items():
+        with pytest.raises((OSError, ValueError)) as error:
+            processor(videos=[path])
+        assert indexing.is_media_error(error.value), code
+        assert failure_code(error.value, path) == code, (code, str(error.value)[:300])
+        reason = failure_reason(error.value, path)
+        assert reason.startswith(f"{code}: {type(error.value).__name__}: ") and path in reason
+    assert set(bad) <= set(FAILURE_CODES)
+
+
+def test_decoder_crash_and_timeout_codes_come_from_the_decoder_client_errors(files):
+    good, _, _ = files
+    # the messages `video_decoding.DecoderProcess` gives when its helper dies or exceeds decode_timeout
+    crashed = VideoDecodingError(good[0], "the pyav decoder crashed (SIGSEGV)", "pyav")
+    gone = VideoDecodingError(good[0], "the decoder process exited unexpectedly (exit code 1)", "pyav")
+    slow = VideoDecodingTimeoutError(good[0], "decoding took longer than decode_timeout=1 s", "pyav")
+    assert [failure_code(e, good[0]) for e in (crashed, gone, slow)] == ["decoder_crash", "decoder_crash", "timeout"]
+    assert failure_code(VideoDecodingError(good[0], "no video stream"), good[0]) == "unreadable"
+    assert failure_code(PermissionError(13, "Permission denied", good[0]), good[0]) == "unreadable"
+
+
+def test_container_signatures():
+    assert looks_like_video(b"\x00\x00\x00\x20ftypisom\x00\x00\x02\x00")
+    assert looks_like_video(b"\x1a\x45\xdf\xa3\x9f\x42\x86\x81\x01\x42\xf7\x81")  # WebM
+    assert looks_like_video(b"RIFF\x24\x00\x00\x00AVI LIST")
+    assert not looks_like_video(b"these are meeting notes")
+    assert not looks_like_video(b"\x89PNG\r\n\x1a\n\x00\x00\x00\x0d")
+
+
+def test_on_error_is_checked_and_names_the_allowed_values(pipe, files):
+    assert check_on_error("skip") == "skip"
+    with pytest.raises(ValueError, match=r"`on_error` must be one of 'skip', 'raise', got 'ignore'"):
+        check_on_error("ignore")
+    with pytest.raises(ValueError, match="'skip', 'raise'"):
+        pipe.encode_videos(files[0][:2], on_error="ignore")
+    with pytest.raises(ValueError, match="'skip', 'raise'"):
+        DecodeVideos(tiny_processor().video_processor, 4, on_error=None)
+
+
+def test_summary_counts_and_lists_up_to_the_limit():
+    failures = [(f"v{i}.mp4", f"truncated: VideoDecodingError: cut {i}") for i in range(13)]
+    text = failure_summary(failures, 40, limit=10)
+    lines = text.splitlines()
+    assert lines[0] == "13 of 40 videos could not be read and were skipped:"
+    assert lines[1:11] == [f"  v{i}.mp4: truncated: VideoDecodingError: cut {i}" for i in range(10)]
+    assert lines[11] == "  ... and 3 more" and len(lines) == 12
+
+
+# ------------------------------------------------------------------------------------------------ decoders
+
+
+def test_decode_videos_skips_each_bad_file_alone(files):
+    good, bad, mixed = files
+    collate = DecodeVideos(tiny_processor().video_processor, 4)
+    indices, pixels, failures = collate(list(enumerate(mixed)))
+    assert indices == [i for i, path in enumerate(mixed) if path in good]
+    reference = torch.cat([collate.decode(path) for path in good])
+    assert torch.equal(pixels, reference)
+    codes = {path: code for code, path in bad.items()}
+    assert [(i, path) for i, path, _ in failures] == [(i, p) for i, p in enumerate(mixed) if p in codes]
+    assert all(reason.startswith(codes[path] + ": ") for _, path, reason in failures)
+    raising = DecodeVideos(tiny_processor().video_processor, 4, on_error="raise")
+    with pytest.raises(ValueError, match="notes.mp4"):
+        raising(list(enumerate(mixed)))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_decode_ahead_skips_in_order_with_and_without_threads(files, workers):
+    good, bad, mixed = files
+    processor = tiny_processor().video_processor
+    decode = lambda i: processor(videos=[mixed[i]])["pixel_values"]  # noqa: E731
+    with DecodeAhead(decode, len(mixed), workers, window=4) as ahead:
+        batches = list(ahead.batches(3, "skip", mixed.__getitem__))
+    assert [i for b in batches for i in b[0]] == [i for i, p in enumerate(mixed) if p in good]
+    assert [f[1] for b in batches for f in b[2]] == [p for p in mixed if p not in good]
+    assert all(b[1] is None or b[1].shape[0] == len(b[0]) for b in batches)
+    with DecodeAhead(decode, len(mixed), workers, window=4) as ahead, pytest.raises(ValueError, match="notes.mp4"):
+        list(ahead.batches(3, "raise"))
+
+
+# ------------------------------------------------------------------------------------------------ the pipeline
+
+
+def same_results(got: list, expected: list) -> None:
+    for row, reference in zip(got, expected, strict=True):
+        assert [item["video"] for item in row] == [item["video"] for item in reference]
+        assert [item["reranked"] for item in row] == [item["reranked"] for item in reference]
+        assert [item["score"] for item in row] == pytest.approx([item["score"] for item in reference], abs=1e-5)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_encode_videos_indexes_the_good_videos_and_records_the_bad_ones(pipe, files, workers, monkeypatch, capsys):
+    good, bad, mixed = files
+    reference = pipe.encode_videos(good, batch_size=3)
+    warnings = []
+    monkeypatch.setattr(indexing.logger, "warning", lambda message, *args: warnings.append(message % args))
+    calls = count_encoded(pipe.model, monkeypatch)
+    index = pipe.encode_videos(mixed, batch_size=3, num_workers=workers, progress_bar=True)
+    assert sum(calls) == len(good)  # every good video encoded once, no bad one
+    assert index.videos == good
+    for name in ("embeddings", "tokens", "token_sizes"):  # other batches: equal to float rounding
+        torch.testing.assert_close(getattr(index, name), getattr(reference, name), rtol=0, atol=1e-5)
+    assert set(index.failures) == set(bad.values())
+    for code, path in bad.items():
+        assert index.failures[path].startswith(f"{code}: "), (code, index.failures[path][:200])
+    assert index.stats["failed"] == len(bad) and index.stats["videos"] == len(mixed)
+    assert "failed 5" in capsys.readouterr().err  # the progress bar's postfix
+    assert len(warnings) == 1 and warnings[0].startswith(f"{len(bad)} of {len(mixed)} videos could not be read")
+    assert all(path in warnings[0] for path in bad.values())
+
+    for top_k in (None, 3):  # search returns no failed video, and what the good-only index returns
+        got = pipe.search(QUERIES, index, top_k=top_k, use_faiss=False)
+        same_results(got, pipe.search(QUERIES, reference, top_k=top_k, use_faiss=False))
+        assert not {item["video"] for row in got for item in row} & set(bad.values())
+
+
+def test_a_store_records_the_bad_videos_and_search_skips_them(pipe, files, tmp_path):
+    from modeling_testa import VideoIndex
+
+    good, bad, mixed = files
+    reference = pipe.encode_videos(good, batch_size=3)
+    stored = pipe.encode_videos(mixed, batch_size=3, store_dir=tmp_path / "store", token_dtype=torch.float32)
+    reopened = VideoIndex.load(tmp_path / "store")
+    for index in (stored, reopened):
+        assert {video: reason.split(":")[0] for video, reason in index.failures.items()} == {
+            path: code for code, path in bad.items()}
+        for top_k in (None, 3):
+            got = pipe.search(QUERIES, index, top_k=top_k, use_faiss=False)
+            same_results(got, pipe.search(QUERIES, reference, top_k=top_k, use_faiss=False))
+
+
+def test_on_error_raise_raises_the_decoders_error_naming_the_file(pipe, files):
+    good, bad, mixed = files
+    for workers in (0, 2):
+        with pytest.raises(VideoDecodingError, match="notes.mp4"):
+            pipe.encode_videos(mixed, batch_size=3, num_workers=workers, on_error="raise")
+    with pytest.raises(FileNotFoundError, match="gone.mp4"):
+        pipe.encode_videos([good[0], bad["missing"]], on_error="raise")
+
+
+def test_no_readable_video_is_one_clear_error_and_writes_no_store(pipe, files, tmp_path):
+    _, bad, _ = files
+    with pytest.raises(ValueError, match=r"None of the 5 videos could be read:\n  .*notes.mp4: not_a_video"):
+        pipe.encode_videos(list(bad.values()))
+    with pytest.raises(ValueError, match="None of the 5 videos could be read"):
+        pipe.encode_videos(list(bad.values()), store_dir=tmp_path / "store")
+    assert not (tmp_path / "store" / "video_store.json").exists()
+
+
+def test_an_index_grown_in_two_calls_equals_one_built_at_once(pipe, files, monkeypatch):
+    good, bad, mixed = files
+    at_once = pipe.encode_videos(mixed, batch_size=3)
+    first = pipe.encode_videos(mixed[:6], batch_size=3)  # 3 good, 3 bad
+    decoded = []
+    decode = video_processing.decode_video
+    monkeypatch.setattr(video_processing, "decode_video", lambda source, *a, **k: decoded.append(source) or decode(
+        source, *a, **k))
+    calls = count_encoded(pipe.model, monkeypatch)
+    grown = pipe.encode_videos(mixed, batch_size=3, index=first)
+    assert grown is first
+    assert decoded == mixed[6:] and sum(calls) == len([v for v in mixed[6:] if v in good])  # only the new ones
+    assert grown.videos == at_once.videos == good
+    assert grown.failures == at_once.failures
+    for name in ("embeddings", "tokens", "token_sizes"):  # other batches: equal to float rounding
+        torch.testing.assert_close(getattr(grown, name), getattr(at_once, name), rtol=0, atol=1e-5)
+    same_results(pipe.search(QUERIES, grown, top_k=None, use_faiss=False),
+                 pipe.search(QUERIES, at_once, top_k=None, use_faiss=False))
+    calls.clear()
+    assert pipe.encode_videos(mixed, index=grown) is grown and calls == []  # nothing new: nothing encoded
+
+
+def test_growing_with_other_settings_or_in_memory_videos_is_refused_before_encoding(pipe, files, monkeypatch):
+    good, _, _ = files
+    index = pipe.encode_videos(good[:2])
+    calls = count_encoded(pipe.model, monkeypatch)
+    with pytest.raises(ValueError, match=r"other settings.*\n  num_frames: the index has 4, this call 3"):
+        pipe.encode_videos(good[2:4], index=index, num_frames=3)
+    with pytest.raises(ValueError, match="store_tokens=True"):
+        pipe.encode_videos(good[2:4], index=index, store_tokens=False)
+    with pytest.raises(ValueError, match=r"videos\[1\] are in-memory videos"):
+        pipe.encode_videos([good[2], torch.zeros(4, 32, 32, 3, dtype=torch.uint8).numpy()], index=index)
+    with pytest.raises(TypeError, match="must be a VideoIndex"):
+        pipe.encode_videos(good[2:4], index={"videos": []})
+    assert calls == [] and index.videos == good[:2]

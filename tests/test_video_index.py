@@ -1,0 +1,300 @@
+"""`VideoIndex`'s first stage (built once, kept, saved and reopened; approximate above a size threshold with exact
+re-scoring), growing an in-memory index with `add`, cheap opening of a store, and the checks that refuse to search
+an index with another model. References: exact torch top-k (float32 matrix products), an index built at once, the
+files on disk."""
+
+import json
+import re
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers.pipelines import build_retrieval, tiny_processor, write_videos
+from helpers.requirements import require
+
+import modeling_testa.video_index as video_index_module
+import modeling_testa.video_store as video_store_module
+from modeling_testa import VideoTextRetrievalPipeline
+from modeling_testa.video_index import FIRST_STAGE_FILE, FIRST_STAGE_INFO_FILE, FirstStage, VideoIndex
+from modeling_testa.video_store import VideoStoreWriter, finalize_store
+
+
+faiss = require("faiss")
+QUERIES = ["a red square moves to the right", "a blue bar goes down", "a dark gradient"]
+
+
+def unit_vectors(count: int, dim: int, seed: int) -> torch.Tensor:
+    return F.normalize(torch.randn(count, dim, generator=torch.Generator().manual_seed(seed)), dim=-1)
+
+
+def random_index(count: int, dim: int = 32, seed: int = 0, **kwargs) -> VideoIndex:
+    return VideoIndex(videos=[f"v{i}.mp4" for i in range(count)], embeddings=unit_vectors(count, dim, seed), **kwargs)
+
+
+def exact(queries: torch.Tensor, embeddings: torch.Tensor, k: int, rows: torch.Tensor | None = None):
+    """The reference: float64 matrix product over the given rows, top k."""
+    database = embeddings.double() if rows is None else embeddings[rows].double()
+    scores, indices = (queries.double() @ database.T).topk(k, dim=1)
+    return scores.float(), (indices if rows is None else rows[indices])
+
+
+@pytest.fixture
+def builds(monkeypatch):
+    """Counts first-stage builds."""
+    calls = []
+    original = FirstStage.build.__func__
+
+    def counting(cls, *args, **kwargs):
+        stage = original(cls, *args, **kwargs)
+        calls.append(stage.kind)
+        return stage
+
+    monkeypatch.setattr(FirstStage, "build", classmethod(counting))
+    return calls
+
+
+def write_store(directory, embeddings: torch.Tensor, failed: set[int], num_tokens: int = 3, hidden: int = 4):
+    """A one-shard store of the given embeddings (random tokens); the rows in `failed` are failures."""
+    names = [f"clip{i}.mp4" for i in range(len(embeddings))]
+    with VideoStoreWriter(directory, 0, 0, len(embeddings), token_dtype=torch.float32) as writer:
+        for i in range(len(embeddings)):
+            if i in failed:
+                writer.add_failure(i, names[i], "cannot decode")
+            else:
+                writer.add_batch([i], torch.randn(1, num_tokens, hidden), None, embeddings[i : i + 1])
+    finalize_store(directory, names, 1, {"projection_dim": embeddings.shape[1]})
+    return names
+
+
+# ---------------------------------------------------------------------------------------------- the first stage
+
+
+@pytest.mark.parametrize("kind", ["pq", "hnsw", "ivf"])
+def test_approximate_first_stage_equals_exact_search_on_a_small_collection(kind):
+    index = random_index(3000, exact_max_videos=10)
+    queries = unit_vectors(20, 32, seed=1)
+    index.build_first_stage(kind=kind)
+    scores, indices = index.nearest(queries, k=10)
+    expected_scores, expected_indices = exact(queries, index.embeddings, 10)
+    assert index.first_stage.kind == kind
+    assert torch.equal(indices, expected_indices)
+    torch.testing.assert_close(scores, expected_scores, atol=1e-5, rtol=0)  # re-scored: exact cosines
+
+
+def test_the_default_first_stage_is_exact_below_the_threshold_and_approximate_above():
+    small, large = random_index(2000), random_index(2000, exact_max_videos=100)
+    queries = unit_vectors(5, 32, seed=1)
+    for index, kind in ((small, "flat"), (large, "pq")):
+        _, indices = index.nearest(queries, k=7)
+        assert index.first_stage.kind == kind
+        assert torch.equal(indices, exact(queries, index.embeddings, 7)[1])
+
+
+def test_failed_rows_of_a_store_are_never_returned(tmp_path):
+    embeddings = unit_vectors(3000, 16, seed=2)
+    failed = set(range(0, 3000, 7))
+    write_store(tmp_path / "store", embeddings, failed)
+    index = VideoIndex.load(tmp_path / "store")
+    assert list(index.failures) == [f"clip{i}.mp4" for i in sorted(failed)]
+    assert set(index.failures.values()) == {"cannot decode"}
+    kept = torch.tensor([i for i in range(3000) if i not in failed])
+    queries = embeddings[sorted(failed)[:10]]  # the failed videos' own embeddings: they would come first
+    for threshold, kind in ((10_000, "flat"), (10, "pq")):
+        index.exact_max_videos = threshold
+        index.first_stage = None
+        scores, indices = index.nearest(queries, k=10)
+        assert index.first_stage.kind == kind
+        assert not set(indices.flatten().tolist()) & failed
+        expected_scores, expected_indices = exact(queries, index.embeddings, 10, kept)
+        assert torch.equal(indices, expected_indices)
+        torch.testing.assert_close(scores, expected_scores, atol=1e-5, rtol=0)
+
+
+def test_the_first_stage_is_built_once_across_many_searches(builds, monkeypatch):
+    index = random_index(2000, exact_max_videos=100)
+    queries = unit_vectors(30, 32, seed=3)
+    rescored = []
+    original = video_index_module.gather_rows
+    monkeypatch.setattr(video_index_module, "gather_rows", lambda e, rows: rescored.append(len(rows)) or original(e, rows))
+    for q in range(30):
+        assert torch.equal(index.nearest(queries[q : q + 1], k=5)[1], exact(queries[q : q + 1], index.embeddings, 5)[1])
+    assert builds == ["pq"]
+    assert rescored == [video_index_module.MIN_CANDIDATES] * 30  # per query: the candidates, not the collection
+    index.nearest(queries, k=5, use_faiss=False)  # torch search: no FAISS stage needed
+    assert builds == ["pq"]
+
+
+@pytest.mark.slow
+def test_first_stage_recall_at_200k_meets_the_target():
+    """Random unit vectors (the worst case for approximate search), the default stage: recall@10 >= 0.99."""
+    index = random_index(200_000, dim=256, seed=4)
+    queries = unit_vectors(200, 256, seed=5)
+    _, indices = index.nearest(queries, k=10)
+    assert index.first_stage.kind == "pq"
+    _, expected = exact(queries, index.embeddings, 10)
+    recall = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(indices.tolist(), expected.tolist())])
+    assert recall >= 0.99, recall
+
+
+def test_save_and_load_reopen_the_first_stage_and_rebuild_a_stale_one(tmp_path, builds):
+    index = random_index(1200, exact_max_videos=100)
+    queries = unit_vectors(8, 32, seed=6)
+    before = index.nearest(queries, k=10)
+    index.save(tmp_path / "a")
+    meta = json.loads((tmp_path / "a" / FIRST_STAGE_INFO_FILE).read_text())
+    assert (meta["kind"], meta["count"], meta["dim"]) == ("pq", 1200, 32)
+    assert builds == ["pq"]  # saved, not built again
+    loaded = VideoIndex.load(tmp_path / "a")
+    assert loaded.first_stage is not None and loaded.first_stage.kind == "pq"
+    after = loaded.nearest(queries, k=10)
+    assert builds == ["pq"]  # reopened, not rebuilt
+    assert torch.equal(after[1], before[1]) and torch.allclose(after[0], before[0])
+
+    # stale: the first stage of other embeddings (another count, another dim, the same shape with other values)
+    for name, other in (("count", random_index(1300, exact_max_videos=100)),
+                        ("dim", random_index(1200, dim=16, exact_max_videos=100)),
+                        ("values", random_index(1200, seed=9, exact_max_videos=100))):
+        other.save(tmp_path / name, )
+        for file in (FIRST_STAGE_FILE, FIRST_STAGE_INFO_FILE):
+            shutil.copy(tmp_path / "a" / file, tmp_path / name / file)
+        reopened = VideoIndex.load(tmp_path / name)
+        assert reopened.first_stage is None, name
+        reopened.exact_max_videos = 100
+        probe = unit_vectors(3, other.dim, seed=7)
+        assert torch.equal(reopened.nearest(probe, k=10)[1], exact(probe, other.embeddings, 10)[1]), name
+        assert builds[-1] == "pq" and reopened.first_stage.count == len(other), name
+
+
+def test_a_flat_first_stage_is_not_saved(tmp_path):
+    """An exact stage is a copy of the embeddings: rebuilt in one pass rather than stored twice; a saved approximate
+    stage left in the directory is removed."""
+    index = random_index(300)
+    index.nearest(unit_vectors(1, 32, seed=1), k=3)
+    large = random_index(300, exact_max_videos=100)
+    large.save(tmp_path / "x")
+    assert (tmp_path / "x" / FIRST_STAGE_FILE).is_file()
+    index.save(tmp_path / "x")
+    assert not (tmp_path / "x" / FIRST_STAGE_FILE).exists()
+    assert sorted(p.name for p in (tmp_path / "x").iterdir()) == ["video_index.json", "video_index.safetensors"]
+
+
+def test_a_store_opens_without_reading_tokens_or_copying_embeddings(tmp_path, monkeypatch):
+    embeddings = unit_vectors(400, 16, seed=8)
+    write_store(tmp_path / "store", embeddings, failed={3})
+    stored = VideoIndex.load(tmp_path / "store")
+    stored.exact_max_videos = 100
+    stored.save_first_stage()
+    assert (tmp_path / "store" / FIRST_STAGE_FILE).is_file()
+
+    reads = []
+    monkeypatch.setattr(video_store_module.os, "preadv", lambda *a: reads.append(a) or 0)
+    monkeypatch.setattr(video_store_module, "load_file", lambda *a, **k: pytest.fail("embeddings read, not mapped"))
+    index = VideoIndex.load(tmp_path / "store")
+    assert reads == []  # no token read
+    assert index.first_stage is not None and index.first_stage.count == 399
+    assert torch.equal(index.embeddings[[0, 399]], embeddings[[0, 399]])
+    kept = torch.tensor([i for i in range(400) if i != 3])
+    queries = unit_vectors(4, 16, seed=9)
+    assert torch.equal(index.nearest(queries, k=6)[1], exact(queries, embeddings, 6, kept)[1])
+
+
+# ------------------------------------------------------------------------------------------------------ the pipeline
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return VideoTextRetrievalPipeline(model=build_retrieval(), processor=tiny_processor(), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def videos(tmp_path_factory):
+    return write_videos(tmp_path_factory.mktemp("videos"))
+
+
+def test_add_of_two_halves_equals_one_index_built_at_once(pipe, videos, builds):
+    whole = pipe.encode_videos(videos, batch_size=1)
+    first = pipe.encode_videos(videos[:3], batch_size=1)
+    second = pipe.encode_videos(videos[3:], batch_size=1)
+    first.nearest(whole.embeddings[:1], k=2)  # a kept (flat) first stage grows with `add`
+    assert builds == ["flat"]
+    grown = first.add(second)
+    assert grown is first and first.videos == whole.videos and first.skipped == []
+    for name in ("embeddings", "tokens", "token_sizes"):
+        torch.testing.assert_close(getattr(first, name), getattr(whole, name), atol=1e-6, rtol=0)
+    assert first.first_stage.count == len(videos) and builds == ["flat"]
+    for top_k in (2, None):
+        for got, expected in zip(pipe.search(QUERIES, first, top_k=top_k), pipe.search(QUERIES, whole, top_k=top_k)):
+            assert [item["video"] for item in got] == [item["video"] for item in expected]
+            assert [item["reranked"] for item in got] == [item["reranked"] for item in expected]
+            np.testing.assert_allclose([i["score"] for i in got], [i["score"] for i in expected], atol=1e-5)
+    assert builds == ["flat", "flat"]  # one per index (`whole`'s on its first search), searched many times
+
+    # again: the videos are already there, so nothing is added
+    first.add(second)
+    assert first.videos == whole.videos and first.skipped == videos[3:]
+
+
+def test_add_merges_failures_and_a_video_encoded_later_leaves_them(pipe, videos):
+    good = pipe.encode_videos(videos[:2], batch_size=2)
+    good.failures = {"broken.mp4": "no frames", videos[2]: "timeout"}
+    later = pipe.encode_videos(videos[2:3])
+    later.failures = {"other.mp4": "empty file"}
+    good.add(later)
+    assert good.failures == {"broken.mp4": "no frames", "other.mp4": "empty file"}
+    assert good.videos == videos[:3]
+
+
+def test_failures_are_saved_by_both_formats(pipe, videos, tmp_path):
+    index = pipe.encode_videos(videos[:2], token_dtype=torch.float32)
+    index.failures = {"broken.mp4": "no frames", "empty.mp4": "empty file"}
+    for as_store in (False, True):
+        loaded = VideoIndex.load(index.save(tmp_path / str(as_store), as_store=as_store))
+        assert loaded.failures == index.failures, as_store
+        assert [loaded.videos[i] for i in loaded.valid.nonzero().flatten()] == videos[:2]
+        queries = index.embeddings[:2]
+        assert torch.equal(loaded.nearest(queries, k=5)[1], exact(queries, index.embeddings, 2)[1])
+
+
+def test_add_refuses_other_settings_and_store_backed_indexes(pipe, videos, tmp_path):
+    index = pipe.encode_videos(videos[:2])
+    other = pipe.encode_videos(videos[2:3])
+    other.info = {**other.info, "num_frames": 99}
+    with pytest.raises(ValueError, match=r"info\['num_frames'\] = 99 .*info\['num_frames'\] = 4"):
+        index.add(other)
+    half = pipe.encode_videos(videos[2:3], token_dtype=torch.float16)
+    with pytest.raises(ValueError, match="tokens dtype torch.float16 to one with tokens dtype torch.float32"):
+        index.add(half)
+    light = pipe.encode_videos(videos[2:3], store_tokens=False)
+    with pytest.raises(ValueError, match="has tokens False to one with has tokens True"):
+        index.add(light)
+    narrow = VideoIndex(videos=["x.mp4"], embeddings=unit_vectors(1, 8, seed=0))
+    with pytest.raises(ValueError, match="embedding dim 8 to one with embedding dim 16"):
+        VideoIndex(videos=["y.mp4"], embeddings=unit_vectors(1, 16, seed=0)).add(narrow)
+    stored = pipe.encode_videos(videos[:2], store_dir=tmp_path / "store")
+    with pytest.raises(ValueError, match=r"train\.index --store .*store --videos MORE"):
+        stored.add(other)
+    assert len(index) == 2 and len(stored) == 2  # nothing changed
+
+
+def test_search_refuses_an_index_of_another_model_and_caps_top_k(pipe, videos):
+    index = pipe.encode_videos(videos)
+    results = pipe.search(QUERIES[0], index, top_k=100)
+    assert len(results) == len(videos)
+    scores, indices = index.nearest(index.embeddings[:2], k=100)
+    assert indices.shape == (2, len(videos))
+
+    reduction = pipe.model.config.vision_config.temporal_reduction_per_layer
+    other = VideoIndex(videos=index.videos, embeddings=index.embeddings, tokens=index.tokens,
+                       token_sizes=index.token_sizes, info={**index.info, "temporal_reduction": [0] * len(reduction)})
+    with pytest.raises(ValueError, match=rf"temporal_reduction = \[0.*this model has temporal_reduction = "
+                                         rf"{re.escape(str(reduction))}"):
+        pipe.search(QUERIES[0], other)
+    wider = VideoIndex(videos=["a.mp4", "b.mp4"], embeddings=unit_vectors(2, 24, seed=0))
+    with pytest.raises(ValueError, match="24-d embeddings.*projection_dim 24, got 16"):
+        pipe.search(QUERIES[0], wider)
+    recorded = VideoIndex(videos=["a.mp4", "b.mp4"], embeddings=unit_vectors(2, 24, seed=0),
+                          info={"projection_dim": 24})
+    with pytest.raises(ValueError, match="projection_dim = 24, but this model has projection_dim = 16"):
+        pipe.search(QUERIES[0], recorded)
