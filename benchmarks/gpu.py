@@ -835,17 +835,18 @@ def render_headline(results: dict) -> list[str]:
     lines = [f"{results['frames']} frames, batch {results['batch']}, bf16; TESTA with R_T={results['reductions'][0]}, "
              f"R_S={results['reductions'][1]}. GMAC per video: closed form (`estimate_encoder_gmac`).", "",
              "| encoder | attention | SDPA kernel (calls) | video tokens | GMAC per video | median s per batch | "
-             "videos/s |", "|---|---|---|---|---|---|---|"]
+             "s per video | videos/s |", "|---|---|---|---|---|---|---|---|"]
     notes = []
     for e in results.get("entries", []):
         if "unsupported" in e:
             notes.append(f"Not run: {e['label']} with {e['attention']} attention ({e['unsupported']})")
             continue
         if "seconds" not in e:
-            lines.append(f"| {e['label']} | {e['attention']} | – | – | – | skipped: {e['skipped']} | – |")
+            lines.append(f"| {e['label']} | {e['attention']} | – | – | – | skipped: {e['skipped']} | – | – |")
             continue
         lines.append(f"| {e['label']} | {e['attention']} | {kernels_text(e)} | {e['output_tokens']} | "
-                     f"{gmac_text(e['gmac_per_video'])} | {e['seconds']:.4f} | {e['videos_per_second']:.2f} |")
+                     f"{gmac_text(e['gmac_per_video'])} | {e['seconds']:.4f} | {e['seconds'] / e['batch']:.4f} | "
+                     f"{e['videos_per_second']:.2f} |")
     ratios = results.get("ratios", {})
     lines += ["", *notes, *([""] if notes else [])]
     names = {"vs_no_aggregation": "TESTA / ours without aggregation (SDPA)",
@@ -1053,6 +1054,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--redo", default="",
                         help="with --resume: comma-separated sections measured again although the earlier run "
                              "finished them (e.g. after a fix)")
+    parser.add_argument("--render", action="store_true",
+                        help="measure nothing: re-write gpu.md (and print the README rows) from the gpu.json already "
+                             "in --output-dir, e.g. after a change of the tables' layout")
     args = parser.parse_args(argv)
     redo = [name for name in args.redo.split(",") if name]
     unknown = sorted(set(redo) - {s.name for s in SECTIONS})
@@ -1102,6 +1106,11 @@ def resume(ctx: Context, earlier: dict) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if args.render:
+        report = json.loads((Path(args.output_dir) / "gpu.json").read_text(encoding="utf-8"))
+        (Path(args.output_dir) / "gpu.md").write_text(render_markdown(report) + "\n", encoding="utf-8")
+        print("README rows (for the headline table):\n\n" + readme_rows(report), flush=True)
+        return report
     gc.freeze()  # what the imports made stays: collections between measurements then only scan what the run made
     budget = Budget(args.time_budget)
     device = args.device or ("cpu" if args.dry_run else "cuda")

@@ -231,3 +231,30 @@ def test_resume_keeps_nothing_from_another_device(tmp_path):
     report = gpu.main(["--dry-run", "--output-dir", str(tmp_path), "--resume", "--time-budget", "0"])
     assert "device" in report["resumed"] and "nothing kept" in report["resumed"]
     assert report["sections"]["cuda_vs_cpu"]["status"] == "skipped"
+
+
+def test_redo_measures_a_kept_section_again_and_render_rewrites_the_page(tmp_path):
+    earlier = gpu.main(["--dry-run", "--output-dir", str(tmp_path), "--sections", "cuda_vs_cpu"])
+    again = gpu.main(["--dry-run", "--output-dir", str(tmp_path), "--resume", "--sections", "cuda_vs_cpu",
+                      "--redo", "cuda_vs_cpu"])
+    assert earlier["sections"]["cuda_vs_cpu"]["status"] == again["sections"]["cuda_vs_cpu"]["status"] == "done"
+    assert not again["sections"]["cuda_vs_cpu"].get("kept_from_earlier_run")
+    page = (tmp_path / "gpu.md").read_text()
+    (tmp_path / "gpu.md").write_text("stale")
+    rendered = gpu.main(["--output-dir", str(tmp_path), "--render"])
+    assert (tmp_path / "gpu.md").read_text() == page
+    assert rendered["command"] == again["command"]
+    with pytest.raises(SystemExit):
+        gpu.main(["--dry-run", "--output-dir", str(tmp_path), "--redo", "no_such_section"])
+
+
+def test_batch_scaling_dry_run_reports_both_encoders_at_every_batch(dry_run):
+    report, _ = dry_run
+    results = report["sections"]["batch_scaling"]["results"]
+    entries = {(e["variant"], e["batch"]): e for e in results["entries"]}
+    assert set(entries) == {(v, b) for v in ("testa", "testa-none") for b in gpu.DRY_SCALE.scaling_batches}
+    assert all(e["eager_seconds"] > 0 and e["graph_error"] == "CUDA graphs need a CUDA device" for e in entries.values())
+    table = gpu.render_batch_scaling(results)
+    first = next(line for line in table if line.startswith(f"| {gpu.DRY_SCALE.scaling_batches[0]} |"))
+    testa, none = entries[("testa", 1)], entries[("testa-none", 1)]
+    assert f"{(1 / testa['eager_seconds']) / (1 / none['eager_seconds']):.2f}x" in first
