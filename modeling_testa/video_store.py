@@ -25,6 +25,7 @@ This file is Hub remote code: flat relative imports only, absolute imports of in
 """
 
 import json
+import mmap
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -299,14 +300,24 @@ SAFETENSORS_NUMPY_DTYPES = {"F32": np.float32, "F64": np.float64, "F16": np.floa
 
 
 def open_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file, memory-mapped (copy-on-write: nothing is read until used, and nothing
-    written back); files with a dtype numpy lacks (bfloat16) are read with `load_file` instead."""
+    """The tensors of a safetensors file, memory-mapped, not copied: a private (copy-on-write) mapping, populated
+    at once where the OS can (``MAP_POPULATE``: the pages of the file are mapped when it is opened, so that the
+    random rows a search re-scores do not each fault on first use). Files with a dtype numpy lacks (bfloat16) are
+    read with `load_file` instead."""
     with open(path, "rb") as handle:
         header_size = int.from_bytes(handle.read(8), "little")
         header = json.loads(handle.read(header_size))
-    header.pop("__metadata__", None)
-    if any(meta["dtype"] not in SAFETENSORS_NUMPY_DTYPES for meta in header.values()):
-        return load_file(str(path))
+        header.pop("__metadata__", None)
+        if any(meta["dtype"] not in SAFETENSORS_NUMPY_DTYPES for meta in header.values()):
+            return load_file(str(path))
+        size = os.fstat(handle.fileno()).st_size
+        if size <= 8 + header_size:
+            mapped = b""
+        elif not hasattr(mmap, "MAP_PRIVATE"):  # Windows
+            mapped = np.memmap(path, dtype=np.uint8, mode="c")
+        else:
+            mapped = mmap.mmap(handle.fileno(), size, flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0),
+                               prot=mmap.PROT_READ | mmap.PROT_WRITE)
     tensors = {}
     for name, meta in header.items():
         dtype, shape = SAFETENSORS_NUMPY_DTYPES[meta["dtype"]], tuple(meta["shape"])
@@ -314,8 +325,8 @@ def open_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         if start == stop:
             tensors[name] = torch.from_numpy(np.zeros(shape, dtype=dtype))
             continue
-        array = np.memmap(path, dtype=dtype, mode="c", offset=8 + header_size + start, shape=shape)
-        tensors[name] = torch.from_numpy(array)
+        array = np.frombuffer(mapped, dtype=dtype, count=int(np.prod(shape)), offset=8 + header_size + start)
+        tensors[name] = torch.from_numpy(array.reshape(shape))
     return tensors
 
 
