@@ -27,6 +27,7 @@ This file is Hub remote code: flat relative imports only, absolute imports of in
 import json
 import mmap
 import os
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -299,11 +300,25 @@ SAFETENSORS_NUMPY_DTYPES = {"F32": np.float32, "F64": np.float64, "F16": np.floa
                             "I32": np.int32, "U8": np.uint8, "BOOL": np.bool_}
 
 
+# Linux's MADV_POPULATE_READ (5.14+; Python 3.11's mmap module does not name it): map every page of a mapping for
+# reading now, without copying a private mapping's pages (MAP_POPULATE would copy them, as for a write).
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+
+
+def populate_for_reading(mapped: mmap.mmap) -> None:
+    """Maps the pages of `mapped` now where the OS can, so that the random rows a search re-scores do not each
+    fault on first use; elsewhere they are mapped on use."""
+    if sys.platform.startswith("linux"):
+        try:
+            mapped.madvise(MADV_POPULATE_READ)
+        except (OSError, ValueError):
+            pass  # an older kernel
+
+
 def open_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file, memory-mapped, not copied: a private (copy-on-write) mapping, populated
-    at once where the OS can (``MAP_POPULATE``: the pages of the file are mapped when it is opened, so that the
-    random rows a search re-scores do not each fault on first use). Files with a dtype numpy lacks (bfloat16) are
-    read with `load_file` instead."""
+    """The tensors of a safetensors file, memory-mapped, not copied: a private (copy-on-write) mapping, its pages
+    mapped at once where the OS can (`populate_for_reading`). Files with a dtype numpy lacks (bfloat16) are read
+    with `load_file` instead."""
     with open(path, "rb") as handle:
         header_size = int.from_bytes(handle.read(8), "little")
         header = json.loads(handle.read(header_size))
@@ -316,8 +331,8 @@ def open_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         elif not hasattr(mmap, "MAP_PRIVATE"):  # Windows
             mapped = np.memmap(path, dtype=np.uint8, mode="c")
         else:
-            mapped = mmap.mmap(handle.fileno(), size, flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0),
-                               prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            mapped = mmap.mmap(handle.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            populate_for_reading(mapped)
     tensors = {}
     for name, meta in header.items():
         dtype, shape = SAFETENSORS_NUMPY_DTYPES[meta["dtype"]], tuple(meta["shape"])
