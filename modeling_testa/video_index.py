@@ -466,9 +466,7 @@ class VideoIndex:
             directory = self.store.directory
         directory = Path(directory)
         stage = self.current_first_stage()
-        if stage is None and first_stage_kind(self.num_encoded, self.exact_max_videos) == "flat":
-            stage = None
-        elif stage is None:
+        if stage is None and first_stage_kind(self.num_encoded, self.exact_max_videos) != "flat":
             stage = self.build_first_stage()
         if stage is None or stage.kind == "flat":
             for name in (FIRST_STAGE_FILE, FIRST_STAGE_INFO_FILE):
