@@ -1,8 +1,8 @@
 """An on-disk store of encoded videos: the aggregated tokens the matching head cross-attends to, and the embeddings.
 
 A collection is encoded once (possibly by several processes, each writing the shard of a contiguous range of
-videos) and then searched many times. Ranking needs only the embeddings, which are small and live in memory
-(``num_videos x projection_dim`` fp32); re-ranking reads the tokens of the candidates only, with positioned reads
+videos) and then searched many times. Ranking needs only the embeddings, which are small and memory-mapped, not
+copied (``num_videos x projection_dim`` fp32); re-ranking reads the tokens of the candidates only, with positioned reads
 (``os.preadv``) into a fresh buffer, so that the resident memory of a process is bounded by the number of candidates
 read at a time, not by the collection (a memory map would keep every page it touched resident).
 
