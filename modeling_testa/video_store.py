@@ -1,8 +1,8 @@
 """An on-disk store of encoded videos: the aggregated tokens the matching head cross-attends to, and the embeddings.
 
 A collection is encoded once (possibly by several processes, each writing the shard of a contiguous range of
-videos) and then searched many times. Ranking needs only the embeddings, which are small and live in memory
-(``num_videos x projection_dim`` fp32); re-ranking reads the tokens of the candidates only, with positioned reads
+videos) and then searched many times. Ranking needs only the embeddings, which are small and memory-mapped, not
+copied (``num_videos x projection_dim`` fp32); re-ranking reads the tokens of the candidates only, with positioned reads
 (``os.preadv``) into a fresh buffer, so that the resident memory of a process is bounded by the number of candidates
 read at a time, not by the collection (a memory map would keep every page it touched resident).
 
@@ -27,7 +27,9 @@ This file is Hub remote code: flat relative imports only, absolute imports of in
 """
 
 import json
+import mmap
 import os
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -303,15 +305,39 @@ SAFETENSORS_NUMPY_DTYPES = {"F32": np.float32, "F64": np.float64, "F16": np.floa
                             "I32": np.int32, "U8": np.uint8, "BOOL": np.bool_}
 
 
+# Linux's MADV_POPULATE_READ (5.14+; Python 3.11's mmap module does not name it): map every page of a mapping for
+# reading now, without copying a private mapping's pages (MAP_POPULATE would copy them, as for a write).
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+
+
+def populate_for_reading(mapped: mmap.mmap) -> None:
+    """Maps the pages of `mapped` now where the OS can, so that the random rows a search re-scores do not each
+    fault on first use; elsewhere they are mapped on use."""
+    if sys.platform.startswith("linux"):
+        try:
+            mapped.madvise(MADV_POPULATE_READ)
+        except (OSError, ValueError):
+            pass  # an older kernel
+
+
 def open_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file, memory-mapped (copy-on-write: nothing is read until used, and nothing
-    written back); files with a dtype numpy lacks (bfloat16) are read with `load_file` instead."""
+    """The tensors of a safetensors file, memory-mapped, not copied: a private (copy-on-write) mapping, its pages
+    mapped at once where the OS can (`populate_for_reading`). Files with a dtype numpy lacks (bfloat16) are read
+    with `load_file` instead."""
     with open(path, "rb") as handle:
         header_size = int.from_bytes(handle.read(8), "little")
         header = json.loads(handle.read(header_size))
-    header.pop("__metadata__", None)
-    if any(meta["dtype"] not in SAFETENSORS_NUMPY_DTYPES for meta in header.values()):
-        return load_file(str(path))
+        header.pop("__metadata__", None)
+        if any(meta["dtype"] not in SAFETENSORS_NUMPY_DTYPES for meta in header.values()):
+            return load_file(str(path))
+        size = os.fstat(handle.fileno()).st_size
+        if size <= 8 + header_size:
+            mapped = b""
+        elif not hasattr(mmap, "MAP_PRIVATE"):  # Windows
+            mapped = np.memmap(path, dtype=np.uint8, mode="c")
+        else:
+            mapped = mmap.mmap(handle.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            populate_for_reading(mapped)
     tensors = {}
     for name, meta in header.items():
         dtype, shape = SAFETENSORS_NUMPY_DTYPES[meta["dtype"]], tuple(meta["shape"])
@@ -319,8 +345,8 @@ def open_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         if start == stop:
             tensors[name] = torch.from_numpy(np.zeros(shape, dtype=dtype))
             continue
-        array = np.memmap(path, dtype=dtype, mode="c", offset=8 + header_size + start, shape=shape)
-        tensors[name] = torch.from_numpy(array)
+        array = np.frombuffer(mapped, dtype=dtype, count=int(np.prod(shape)), offset=8 + header_size + start)
+        tensors[name] = torch.from_numpy(array.reshape(shape))
     return tensors
 
 

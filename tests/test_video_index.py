@@ -151,12 +151,15 @@ def test_save_and_load_reopen_the_first_stage_and_rebuild_a_stale_one(tmp_path, 
     after = loaded.nearest(queries, k=10)
     assert builds == ["pq"]  # reopened, not rebuilt
     assert torch.equal(after[1], before[1]) and torch.allclose(after[0], before[0])
+    loaded.add(VideoIndex(videos=[f"w{i}.mp4" for i in range(400)], embeddings=unit_vectors(400, 32, seed=3)))
+    assert builds == ["pq"] and loaded.first_stage.count == 1600  # the reopened stage grows
+    assert torch.equal(loaded.nearest(queries, k=10)[1], exact(queries, loaded.embeddings, 10)[1])
 
     # stale: the first stage of other embeddings (another count, another dim, the same shape with other values)
     for name, other in (("count", random_index(1300, exact_max_videos=100)),
                         ("dim", random_index(1200, dim=16, exact_max_videos=100)),
                         ("values", random_index(1200, seed=9, exact_max_videos=100))):
-        other.save(tmp_path / name, )
+        other.save(tmp_path / name)
         for file in (FIRST_STAGE_FILE, FIRST_STAGE_INFO_FILE):
             shutil.copy(tmp_path / "a" / file, tmp_path / name / file)
         reopened = VideoIndex.load(tmp_path / name)
