@@ -42,6 +42,7 @@ from modeling_testa.video_store import (
 )
 
 from .loop import load_rows
+from .recipe import Recipe, as_recipe
 
 RERANK_BATCH_SIZE = 128
 """(query, candidate) pairs per matching-head forward, and queries per ranking chunk (as `model.rank_videos`)."""
@@ -200,7 +201,7 @@ def retrieval_metrics(model, store: VideoTokenStore, input_ids: torch.Tensor, at
 
 
 @torch.no_grad()
-def evaluate_retrieval(model, processor, recipe: dict, accelerator: Accelerator, split: str | None = None,
+def evaluate_retrieval(model, processor, recipe: "Recipe | dict", accelerator: Accelerator, split: str | None = None,
                        store_dir: str | os.PathLike | None = None, token_dtype: torch.dtype = torch.float16,
                        rerank_batch_size: int = RERANK_BATCH_SIZE) -> dict:
     """Paragraph-to-video (t2v) and video-to-paragraph (v2t) R@1/5/10 with two-stage ranking, plus mean recall.
@@ -211,8 +212,10 @@ def evaluate_retrieval(model, processor, recipe: dict, accelerator: Accelerator,
     afterwards); ``token_dtype`` is its token precision (fp16 as the original's ``--low_resource_eval``).
     """
     model.eval()
-    data, evaluation = recipe["data"], recipe.get("eval", {})
-    rows = load_rows(recipe, split or data.get("eval_split", "test"), "retrieval", streaming=False)
+    recipe = as_recipe(recipe)  # the defaults are the recipe's (train/recipe.py), declared once
+    data, evaluation = recipe.data, recipe.eval
+    split = split or data.eval_split
+    rows = load_rows(recipe, split, "retrieval", streaming=False)
     video_index: dict[str, int] = {}
     paths, texts, text_video = [], [], []
     for row in rows:
@@ -223,24 +226,22 @@ def evaluate_retrieval(model, processor, recipe: dict, accelerator: Accelerator,
         texts.append(row["text"])
         text_video.append(video_index[key])
     if not paths:
-        raise ValueError(f"The evaluation split {split or data.get('eval_split', 'test')!r} of "
-                         f"{data.get('dataset')!r} has no rows.")
+        raise ValueError(f"The evaluation split {split!r} of {data.dataset!r} has no rows.")
 
-    store_dir = store_dir or evaluation.get("store_dir")
+    store_dir = store_dir or evaluation.store_dir
     temporary = store_dir is None
     if temporary:
         made = [tempfile.mkdtemp(prefix="testa-eval-store-") if accelerator.is_main_process else None]
         store_dir = broadcast_object_list(made)[0] if accelerator.num_processes > 1 else made[0]
     try:
         store, encoder_seconds = encode_to_store(
-            model, paths, DecodeVideos(processor.video_processor, int(data.get("num_frames", 32))), accelerator,
-            store_dir, int(evaluation.get("batch_size", 8)), int(data.get("num_workers", 0)), token_dtype,
-            info={"num_frames": int(data.get("num_frames", 32))},
+            model, paths, DecodeVideos(processor.video_processor, data.num_frames), accelerator,
+            store_dir, evaluation.batch_size, data.num_workers, token_dtype, info={"num_frames": data.num_frames},
         )
         encoded = processor.tokenizer(texts, padding="max_length", truncation=True,
-                                      max_length=int(data.get("max_text_length", 64)), return_tensors="pt")
+                                      max_length=data.max_text_length, return_tensors="pt")
         metrics = retrieval_metrics(model, store, encoded["input_ids"], encoded["attention_mask"], text_video,
-                                    accelerator, int(evaluation.get("k_test", 128)), rerank_batch_size)
+                                    accelerator, evaluation.k_test, rerank_batch_size)
         del metrics["t2v_ranks"], metrics["v2t_ranks"]
         metrics["num_videos"], metrics["num_texts"] = len(paths), len(texts)
         metrics["chance_R@1"] = 100.0 / len(paths)
@@ -257,28 +258,29 @@ def evaluate_retrieval(model, processor, recipe: dict, accelerator: Accelerator,
 
 
 @torch.no_grad()
-def evaluate_qa(model, processor, recipe: dict, accelerator: Accelerator, answer_list: list[str]) -> dict:
+def evaluate_qa(model, processor, recipe: "Recipe | dict", accelerator: Accelerator, answer_list: list[str]) -> dict:
     """Exact-match accuracy by ranking ``answer_list`` (built from the TRAINING answers: the original used the
     evaluated split's own answers, a leak), sharded over processes."""
     model.eval()
-    data, evaluation = recipe["data"], recipe.get("eval", {})
-    rows = load_rows(recipe, data.get("eval_split", "test"), "qa", streaming=False)
+    recipe = as_recipe(recipe)
+    data, evaluation = recipe.data, recipe.eval
+    rows = load_rows(recipe, data.eval_split, "qa", streaming=False)
     device = accelerator.device
     answers = processor.tokenizer(answer_list, padding="longest", return_tensors="pt")
     predicted: list[tuple[int, str]] = []
     with accelerator.split_between_processes(list(range(len(rows)))) as mine:
-        batch_size = per_process_batch_size(int(evaluation.get("batch_size", 8)), accelerator.num_processes)
+        batch_size = per_process_batch_size(evaluation.batch_size, accelerator.num_processes)
         for start in range(0, len(mine), batch_size):
             batch = [rows[i] for i in mine[start : start + batch_size]]
             pixel_values = processor.video_processor(videos=[r["video"] for r in batch],
-                                                     num_frames=int(data.get("num_frames", 32)))["pixel_values"]
+                                                     num_frames=data.num_frames)["pixel_values"]
             questions = processor.tokenizer([r["question"] for r in batch], padding="longest", truncation=True,
-                                            max_length=int(data.get("max_question_length", 35)), return_tensors="pt")
+                                            max_length=data.max_question_length, return_tensors="pt")
             ranked = model.rank_answers(
                 questions["input_ids"].to(device), pixel_values.to(device), answers["input_ids"].to(device),
                 attention_mask=questions["attention_mask"].to(device),
                 answer_attention_mask=answers["attention_mask"].to(device),
-                k=min(int(evaluation.get("k_test", 128)), len(answer_list)),
+                k=min(evaluation.k_test, len(answer_list)),
             )
             for position, index in zip(mine[start : start + batch_size], ranked.answer_indices.tolist()):
                 predicted.append((position, answer_list[index]))
