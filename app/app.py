@@ -250,6 +250,11 @@ def chosen_video(event: gr.SelectData) -> str | None:
     return media.get("path") if isinstance(media, dict) else None
 
 
+# Every listener that uses the model or the index shares one queue: a search never sees a half-grown index or a
+# model whose R_T/R_S is being changed (gradio's concurrency limit is per listener unless they share an id).
+ONE_MODEL = {"concurrency_id": "model", "concurrency_limit": 1}
+
+
 def build_app(state: AppState) -> gr.Blocks:
     vision = state.retrieval.model.config.vision_config if state.retrieval is not None else None
     with gr.Blocks(title="TESTA video search", delete_cache=(3600, 3600)) as demo:
@@ -299,17 +304,17 @@ def build_app(state: AppState) -> gr.Blocks:
             apply_button = gr.Button("Apply and re-index")
 
         index_button.click(lambda f, u, progress=gr.Progress(): index_videos(state, f, u, progress),
-                           [folder, uploads], status, api_name="index")
+                           [folder, uploads], status, api_name="index", **ONE_MODEL)
         search_button.click(lambda q, k, r: search_videos(state, q, k, r), [query, top_k, rerank],
-                            [gallery, table, result], api_name="search")
+                            [gallery, table, result], api_name="search", **ONE_MODEL)
         show_button.click(lambda v, q: visualize_result(state, v, q), [result, query], [merges, grounding, caption],
-                          api_name="visualize")
+                          api_name="visualize", **ONE_MODEL)
         classify_button.click(lambda v, labs: classify_video(state, v, labs), [classify_video_input, labels],
-                              label_scores, api_name="classify")
+                              label_scores, api_name="classify", **ONE_MODEL)
         answer_button.click(lambda v, q: answer_question(state, v, q), [qa_video, question], answer,
-                            api_name="answer")
+                            api_name="answer", **ONE_MODEL)
         apply_button.click(lambda t, s: change_aggregation(state, t, s), [temporal, spatial], panel,
-                           api_name="aggregation")
+                           api_name="aggregation", **ONE_MODEL)
         gallery.select(chosen_video, None, result, api_name=False)
         result.change(lambda v: (v, v), result, [classify_video_input, qa_video], api_name=False)
     demo.queue(default_concurrency_limit=1)  # one model: requests wait their turn, none is dropped

@@ -489,7 +489,11 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         if index is not None:
             self._check_growable(index, videos, info, store_dir, store_tokens)
             known = set(index.names) | set(getattr(index, "failures", None) or {})
-            todo = [i for i, name in enumerate(names) if name not in known and name not in names[:i]]
+            todo = []
+            for i, name in enumerate(names):  # new videos, each once (a set: linear in the collection)
+                if name not in known:
+                    known.add(name)
+                    todo.append(i)
             if not todo:
                 logger.info("All %d videos are already in the index; nothing to encode.", len(videos))
                 return index
@@ -554,6 +558,9 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         """Refuses, naming the difference, to grow ``index`` with videos it could not hold alongside its own."""
         if not all(hasattr(index, name) for name in ("names", "embeddings", "add", "info")):
             raise TypeError(f"`index` must be a VideoIndex to grow, got {type(index)}.")
+        if getattr(index, "store", None) is not None:  # refused before anything is decoded, not after
+            raise ValueError(f"The index is backed by the video store {str(index.store.directory)!r}, which grows "
+                             "on disk: `python -m train.index --store DIR --videos MORE` appends to it.")
         if store_dir is not None:
             raise ValueError("`index=` grows an index in memory; grow a video store with `python -m train.index "
                              "--store DIR --videos MORE` instead of passing `store_dir`.")

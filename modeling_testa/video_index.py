@@ -198,7 +198,9 @@ class FirstStage:
 
     An approximate stage fetches `candidate_count(k)` candidates and re-scores them exactly by dot product with the
     stored embeddings, so the returned scores are cosines and the order is the exact order of the candidates.
-    Per query the work is O(k + candidates), not O(collection).
+    Per query, what follows the FAISS search (re-scoring, results) is O(k + candidates); the FAISS search itself
+    scans every video for ``"flat"`` and ``"pq"`` (16x fewer bytes for the latter) and only HNSW/IVF are
+    sub-linear.
 
     Attributes:
         index: the FAISS index; kind (`str`); parameters (`dict`); rows (`torch.LongTensor` or None): the index row
@@ -266,10 +268,17 @@ class FirstStage:
         """Writes `first_stage.faiss` and `first_stage.json` (kind, count, dim, parameters, what it was built
         from) into `directory`."""
         directory = Path(directory)
-        faiss.write_index(self.index, str(directory / FIRST_STAGE_FILE))
+        # Written beside and renamed into place: a reader that memory-mapped the old file (`load`) keeps its own
+        # copy instead of crashing (SIGBUS) on a file truncated under it; the json goes last, and a reader that
+        # meets a new json with the old index sees the count differ and rebuilds.
+        partial = directory / f".{FIRST_STAGE_FILE}.partial"
+        faiss.write_index(self.index, str(partial))
+        os.replace(partial, directory / FIRST_STAGE_FILE)
         meta = {"kind": self.kind, "count": self.count, "dim": self.dim, "num_videos": self.num_videos,
                 "parameters": self.parameters, "fingerprint": self.fingerprint}
-        (directory / FIRST_STAGE_INFO_FILE).write_text(json.dumps(meta, indent=1), encoding="utf-8")
+        partial = directory / f".{FIRST_STAGE_INFO_FILE}.partial"
+        partial.write_text(json.dumps(meta, indent=1), encoding="utf-8")
+        os.replace(partial, directory / FIRST_STAGE_INFO_FILE)
 
     @classmethod
     def load(cls, faiss: Any, directory: str | os.PathLike, embeddings: torch.Tensor,
@@ -294,7 +303,11 @@ class FirstStage:
         try:
             index = faiss.read_index(str(path), faiss.IO_FLAG_MMAP)
         except RuntimeError:
-            index = faiss.read_index(str(path))
+            try:
+                index = faiss.read_index(str(path))
+            except RuntimeError as error:  # unreadable (torn by a crash): rebuilt, as a stale one
+                logger.warning("Ignoring the unreadable first stage %s (%s); it will be rebuilt.", path, error)
+                return None
         if int(index.ntotal) != count or int(index.d) != expected["dim"]:
             logger.warning("Ignoring the stale first stage in %s (it holds %d vectors of dim %d).", directory,
                            index.ntotal, index.d)

@@ -412,13 +412,7 @@ class VideoTokenStore:
 
     def __init__(self, directory: str | os.PathLike):
         directory = Path(directory)
-        path = directory / STORE_INFO_FILE
-        if not path.is_file():
-            raise FileNotFoundError(f"No video store in {str(directory)!r}: {STORE_INFO_FILE} is missing.")
-        meta = json.loads(path.read_text(encoding="utf-8"))
-        if meta.get("format") != STORE_FORMAT or meta.get("version") != STORE_VERSION:
-            raise ValueError(f"{str(path)!r} is not a version-{STORE_VERSION} {STORE_FORMAT} (got "
-                             f"{meta.get('format')!r} version {meta.get('version')!r}).")
+        meta = store_metadata(directory)  # raises naming the folder when it is not a store
         self.directory, self.meta = directory, meta
         self.videos: list[str] = list(meta["videos"])
         self.info: dict[str, Any] = dict(meta.get("info", {}))

@@ -7,6 +7,8 @@ import importlib.util
 import os
 import shutil
 import struct
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -215,3 +217,33 @@ def test_a_browser_searches_and_sees_results_and_the_merge_picture(served, tmp_p
             assert hosts <= {url.split("/")[2]}, hosts  # nothing but the app's own address
         finally:
             browser.close()
+
+
+def test_searches_wait_while_the_index_changes(served, monkeypatch):
+    """/index, /search and /aggregation share one queue: a search never runs while the index grows or R_T/R_S
+    change (each listener would otherwise have its own limit of one)."""
+    module, state, client, root, _ = served
+    client.predict(str(root / "videos"), None, api_name="/index")
+    spans, guard = [], threading.Lock()
+
+    def timed(function):
+        def wrapper(*args, **kwargs):
+            start = time.monotonic()
+            time.sleep(0.4)  # long enough for the other request to arrive while this one runs
+            try:
+                return function(*args, **kwargs)
+            finally:
+                with guard:
+                    spans.append((start, time.monotonic()))
+        return wrapper
+
+    monkeypatch.setattr(module, "index_videos", timed(module.index_videos))
+    monkeypatch.setattr(module, "search_videos", timed(module.search_videos))
+    jobs = [client.submit(str(root / "videos"), None, api_name="/index"),
+            client.submit(QUERY, 3, False, api_name="/search"),
+            client.submit(QUERY, 3, False, api_name="/search")]
+    for job in jobs:
+        job.result(timeout=120)
+    spans.sort()
+    assert len(spans) == 3
+    assert all(earlier[1] <= later[0] for earlier, later in zip(spans, spans[1:])), spans

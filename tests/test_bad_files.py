@@ -13,7 +13,7 @@ from helpers.videos import write_bad_videos, write_noise_video, write_video
 
 import modeling_testa.indexing as indexing
 import modeling_testa.video_processing_testa as video_processing
-from modeling_testa import VideoTextRetrievalPipeline
+from modeling_testa import VideoIndex, VideoTextRetrievalPipeline
 from modeling_testa.indexing import (
     FAILURE_CODES,
     DecodeAhead,
@@ -250,3 +250,13 @@ def test_growing_with_other_settings_or_in_memory_videos_is_refused_before_encod
     with pytest.raises(TypeError, match="must be a VideoIndex"):
         pipe.encode_videos(good[2:4], index={"videos": []})
     assert calls == [] and index.videos == good[:2]
+
+
+def test_growing_a_store_backed_index_is_refused_before_encoding(pipe, files, monkeypatch, tmp_path):
+    good, _, _ = files
+    pipe.encode_videos(good[:2], store_dir=tmp_path / "store")
+    stored = VideoIndex.load(tmp_path / "store")
+    calls = count_encoded(pipe.model, monkeypatch)
+    with pytest.raises(ValueError, match=r"backed by the video store .*train\.index --store DIR --videos MORE"):
+        pipe.encode_videos(good[2:4], index=stored)
+    assert calls == []

@@ -328,3 +328,20 @@ def test_bad_stores_and_empty_folders_get_one_message_and_nothing_is_written(col
     with pytest.raises(SystemExit, match="is a video store that train.index did not build"):
         main(["--model", str(model), "--videos", str(root / "videos"), "--store", str(foreign)])
     assert {p.name: p.stat().st_mtime_ns for p in foreign.iterdir()} == before
+
+
+def test_a_folder_where_no_video_can_be_read_publishes_no_store(collection, tmp_path):
+    """Every file bad: one message with the reasons, and no finalised store (it would hold 0-d embeddings)."""
+    from helpers.videos import write_bad_videos, write_video
+
+    from modeling_testa.video_store import is_video_store
+    from train.index import main
+
+    _, model = collection
+    folder = tmp_path / "all_bad"
+    source = write_video(tmp_path / "source.mp4", 30, width=176, height=144)
+    bad = write_bad_videos(folder, source, prefix="bad_")
+    store = tmp_path / "store"
+    with pytest.raises(SystemExit, match=rf"none of the {len(bad)} videos could be read.*\n  .*bad_"):
+        main(["--model", str(model), "--videos", str(folder), "--store", str(store), "--num-workers", "0"])
+    assert not is_video_store(store)

@@ -83,6 +83,34 @@ def test_approximate_first_stage_equals_exact_search_on_a_small_collection(kind)
     torch.testing.assert_close(scores, expected_scores, atol=1e-5, rtol=0)  # re-scored: exact cosines
 
 
+@pytest.mark.parametrize("kind", ["ivf", "pq"])
+def test_saving_over_a_mapped_first_stage_leaves_its_reader_working(tmp_path, kind):
+    """`save` renames a new file into place: an index that memory-mapped the old one (IVF maps its lists) keeps
+    searching instead of crashing on a file truncated under it (a bus error, before)."""
+    index = random_index(3000, exact_max_videos=10)
+    index.build_first_stage(kind=kind)
+    index.save(tmp_path)
+    reopened = VideoIndex.load(tmp_path)
+    queries = unit_vectors(5, 32, seed=3)
+    before = reopened.nearest(queries, k=10)
+    reopened.save(tmp_path)  # rewrites first_stage.faiss while `reopened` holds the old one
+    random_index(3000, seed=7, exact_max_videos=10).save(tmp_path)  # and again, other vectors
+    after = reopened.nearest(queries, k=10)
+    assert torch.equal(before[1], after[1]) and torch.equal(before[0], after[0])
+    assert not list(tmp_path.glob(".*.partial"))
+
+
+def test_an_unreadable_first_stage_file_is_rebuilt(tmp_path, builds):
+    index = random_index(3000, exact_max_videos=10)
+    index.build_first_stage(kind="pq")
+    index.save(tmp_path)
+    (tmp_path / FIRST_STAGE_FILE).write_bytes(b"torn")
+    reopened = VideoIndex.load(tmp_path)
+    scores, indices = reopened.nearest(unit_vectors(4, 32, seed=2), k=5)
+    assert torch.equal(indices, exact(unit_vectors(4, 32, seed=2), reopened.embeddings, 5)[1])
+    assert builds == ["pq", "flat"]  # built; rebuilt after the torn file was ignored (3000 < the default threshold)
+
+
 def test_the_default_first_stage_is_exact_below_the_threshold_and_approximate_above():
     small, large = random_index(2000), random_index(2000, exact_max_videos=100)
     queries = unit_vectors(5, 32, seed=1)

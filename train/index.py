@@ -348,6 +348,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if missing:  # only when processes on several machines do not share the store's filesystem
             raise SystemExit(f"error: shards {missing} of {str(store)!r} are not closed: every process must write to "
                              "the same folder (on several machines, a shared filesystem).")
+        failed = journaled_failures(store)
+        if stored and len(failed) == len(stored):  # nothing to search: no store is published
+            reasons = "\n  ".join(f"{f['video']}: {f['reason']}" for f in failed[:10])
+            raise SystemExit(f"error: none of the {len(stored)} videos could be read, so {str(store)!r} was not "
+                             f"finalised (its journals say why):\n  {reasons}")
         finalize_store(store, stored, num_shards, info={**settings, "model_class": type(model).__name__,
                                                          "projection_dim": int(model.config.projection_dim)})
         # the first stage over every video of the (grown) store: saved when approximate, else rebuilt on load
