@@ -1,4 +1,5 @@
-"""Fast inference for TESTA models: `optimize_for_inference(model, precision="fp32" | "bf16" | "int8")`.
+"""Fast inference for TESTA models: `optimize_for_inference(model, precision="fp32" | "bf16" | "int8" | "auto",
+backend="torch" | "openvino" | "onnxruntime")`.
 
 One call prepares a `TestaVisionModel` or any TESTA head for inference (in place; the same object is returned, in
 `eval()` mode, with the same outputs API):
@@ -17,6 +18,13 @@ One call prepares a `TestaVisionModel` or any TESTA head for inference (in place
   quantized CPU kernels (`quantized::linear_dynamic`, the ``x86`` engine: FBGEMM or oneDNN picked by shape). CPU
   only. In the video encoder activations are quantized per video, so a video's embedding does not depend on the
   other videos of its batch. Matching and merging run in fp32 on the (int8-computed) keys.
+
+``backend="openvino"`` / ``"onnxruntime"`` (`engines.py`) instead export the whole video encoder, its merging
+included, as one graph run by that engine (fp32; bf16 on OpenVINO where the CPU has bf16 instructions; int8 by the
+engine's own post-training quantization, the matching's matrix multiplies kept fp32), cached on disk. The legacy
+``precision="int8"`` of ``backend="torch"`` (`Int8DynamicLinear`) warns that PyTorch deprecated its kernels
+(`INT8_DEPRECATION`); it stays for installs without an engine extra, and as the reference the engines
+are measured against.
 
 By default only the video encoder is converted (``include_text=False``): it is where the time goes when indexing
 videos, and the text modules (query encoder, matching head, QA decoder) stay exact. ``include_text=True`` converts

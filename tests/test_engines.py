@@ -242,3 +242,46 @@ def test_int8_stays_within_the_contract_with_matching_in_fp32(backend, cache_dir
     assert deciding and sum(kind == quantizer for kind, _ in nodes.values()) > 0
     for name in deciding:
         assert all(nodes[i][0] != quantizer for i in nodes[name][1]), name
+
+
+# ---------------------------------------------------------------------------------------- pipelines and train.index
+
+
+@pytest.mark.slow
+@needs["openvino"]
+def test_pipeline_and_train_index_take_the_backend(tmp_path, monkeypatch):
+    import json
+    import os
+    import subprocess
+
+    from helpers.pipelines import build_retrieval, save_folder, tiny_processor, write_videos
+
+    from modeling_testa import VideoTextRetrievalPipeline
+    from modeling_testa.video_index import VideoIndex
+
+    videos = write_videos(tmp_path / "videos")
+    plain = VideoTextRetrievalPipeline(model=build_retrieval(), processor=tiny_processor(), device="cpu")
+    fast = VideoTextRetrievalPipeline(model=build_retrieval(), processor=tiny_processor(), device="cpu",
+                                      precision="fp32", backend="openvino")
+    assert fast.model.inference_settings["backend"] == "openvino"
+    expected, got = plain.encode_videos(videos), fast.encode_videos(videos)
+    cosine = (F.normalize(expected.embeddings, dim=-1) * F.normalize(got.embeddings, dim=-1)).sum(-1)
+    assert float(cosine.min()) >= 0.99999
+
+    folder = save_folder(build_retrieval(), tiny_processor(), tmp_path / "model")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "HF_HOME": str(tmp_path / "hf")}
+    stores = {}
+    for backend in ("torch", "openvino"):
+        stores[backend] = tmp_path / f"store-{backend}"
+        result = subprocess.run([sys.executable, "-m", "train.index", "--model", folder, "--videos", tmp_path / "videos",
+                                 "--store", stores[backend], "--num-workers", "0", "--token-dtype", "float32",
+                                 "--backend", backend], env=env, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+    settings = json.loads((stores["openvino"] / "index_settings.json").read_text())
+    assert settings["precision"] == "fp32 (openvino)"
+    assert any((tmp_path / "hf" / "testa" / "engines").iterdir())  # the export went to the HF cache home
+    a, b = (VideoIndex.load(stores[k]).embeddings.float() for k in ("torch", "openvino"))
+    assert float((F.normalize(a, dim=-1) * F.normalize(b, dim=-1)).sum(-1).min()) >= 0.99999
+    bad = subprocess.run([sys.executable, "-m", "train.index", "--model", folder, "--videos", tmp_path / "videos",
+                          "--store", tmp_path / "s", "--backend", "tensorrt"], env=env, capture_output=True, text=True)
+    assert bad.returncode != 0 and "tensorrt" in bad.stderr and "openvino" in bad.stderr
