@@ -341,7 +341,7 @@ def optimize_for_inference(
         else:
             warnings.warn("optimize_for_inference(compile=True): no C++ compiler found (TorchInductor needs one on "
                           "the CPU); the model is left uncompiled.", stacklevel=2)
-    settings = {"backend": "torch", "precision": precision, "compile": compiled, "include_text": include_text,
+    settings = {"precision": precision, "backend": "torch", "compile": compiled, "include_text": include_text,
                 "converted_linears": converted}
     _mark_optimized(model, settings)
     return model
@@ -370,7 +370,7 @@ def _use_engine(model: nn.Module, vision: nn.Module, backend: str, precision: st
     check_exportable(vision, backend)
     model.eval()
     vision.forward = ExportedEncoder(vision, backend, precision, cache_dir=cache_dir, calibration=calibration)
-    _mark_optimized(model, {"backend": backend, "precision": precision, "compile": False, "include_text": False,
+    _mark_optimized(model, {"precision": precision, "backend": backend, "compile": False, "include_text": False,
                             "converted_linears": 0})
     return model
 
