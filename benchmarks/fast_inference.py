@@ -176,6 +176,11 @@ def forward(model, video) -> tuple[dict, tuple | None]:
     return seconds, None
 
 
+def unmerged_ratio(ratio_of: dict, variant: str) -> str:
+    """The speed-up over our unmerged encoder, or "-" when that row was skipped."""
+    return f"{ratio_of['testa-none'] / ratio_of[variant]:.2f}x" if "testa-none" in ratio_of else "-"
+
+
 def speed_variants(args) -> list[str]:
     variants = ["timesformer", "timesformer-sdpa", "testa-none", "testa"] + \
         (["testa-compile"] if args.compile else []) + ["testa-bf16", "testa-int8"]
@@ -227,7 +232,7 @@ def speed(args) -> dict:
             cos = "- | - | - | -"
         print(f"| {LABELS[v]} | {median['wall'][v]:.3f} | {median['cpu'][v]:.3f} | {args.batch / median['wall'][v]:.3f} | "
               f"{ratio_of['timesformer'] / ratio_of[v]:.2f}x | {ratio_of['timesformer-sdpa'] / ratio_of[v]:.2f}x | "
-              f"{ratio_of['testa-none'] / ratio_of[v] if 'testa-none' in ratio_of else float('nan'):.2f}x | {cos} |")
+              f"{unmerged_ratio(ratio_of, v)} | {cos} |")
     exported = [v for v in variants if v in ENGINE_VARIANTS]
     if exported:
         print("\nFirst forward of the exported variants (export, quantization and compilation, or loading the cache): " +
