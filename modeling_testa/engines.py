@@ -132,17 +132,17 @@ def check_precision(backend: str, precision: str, flags: set[str] | None = None)
                          "Use precision='int8' or 'fp32'.")
 
 
-def auto_precision(backend: str, flags: set[str] | None = None) -> str:
-    """The rule behind ``precision="auto"``: the fastest precision, measured by `benchmarks/fast_inference.py`, whose
-    quality contract holds.
+def auto_precision(backend: str, device: str = "cpu") -> str:
+    """The rule behind ``precision="auto"``: the fastest precision within the quality contract, as measured by
+    `benchmarks/fast_inference.py` (docs/inference.md):
 
-    - ``openvino`` / ``onnxruntime``: int8 (the engines' int8 was the fastest variant within the contract on every
-      CPU measured, with and without VNNI);
-    - ``torch``: int8 on the CPU (`Int8DynamicLinear`), else bf16 where the hardware has it, else fp32.
+    - on the CPU, int8 for every backend: OpenVINO int8 was the fastest variant within the contract on AVX-512 VNNI
+      (then bf16, then fp32), and PyTorch's int8 beat its bf16 and fp32 with and without VNNI;
+    - on a GPU (``backend="torch"`` only; the int8 kernels are CPU kernels), bf16.
     """
-    if backend in ("openvino", "onnxruntime"):
-        return "int8"
-    return "int8"
+    if backend not in BACKEND_PRECISIONS:
+        raise ValueError(f"backend={backend!r} is not supported; allowed values are {', '.join(map(repr, BACKENDS))}.")
+    return "int8" if device == "cpu" else "bf16"
 
 
 # ----------------------------------------------------------------------------------------------------------------------

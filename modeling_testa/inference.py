@@ -286,7 +286,7 @@ def optimize_for_inference(
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not supported; allowed values are {', '.join(map(repr, BACKENDS))}.")
     if precision == "auto":
-        precision = auto_precision(backend)
+        precision = auto_precision(backend, next(_vision_model(model).parameters()).device.type)
         logger.info("optimize_for_inference(precision='auto', backend=%r): %s on this CPU.", backend, precision)
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r} is not supported; allowed values are "

@@ -106,9 +106,10 @@ def test_bf16_on_a_cpu_without_bf16_is_refused_with_the_reason(monkeypatch):
 
 
 def test_auto_precision_rule():
-    assert engines.auto_precision("openvino", flags={"avx512_vnni", "avx512_bf16"}) == "int8"
-    assert engines.auto_precision("onnxruntime", flags={"avx2"}) == "int8"
-    assert engines.auto_precision("torch", flags={"avx2"}) == "int8"
+    assert [engines.auto_precision(b) for b in ("torch", "openvino", "onnxruntime")] == ["int8"] * 3
+    assert engines.auto_precision("torch", device="cuda") == "bf16"
+    model = optimize_for_inference(_vision_model(), "auto")
+    assert model.inference_settings["precision"] == "int8"
 
 
 @needs["openvino"]
