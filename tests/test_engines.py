@@ -209,12 +209,6 @@ def test_exported_fp32_equals_pytorch_for_every_strategy(backend, overrides, cac
     _assert_equal_to_fp32(reference, out)
 
 
-@needs["onnxruntime"]
-def test_onnxruntime_fp32_equals_pytorch(cache_dir):
-    reference, out, _ = _compare(_vision_model(), "onnxruntime", "fp32", cache_dir)
-    _assert_equal_to_fp32(reference, out)
-
-
 # ----------------------------------------------------------------------------------------------------------- int8
 
 
