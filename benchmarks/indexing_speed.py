@@ -5,6 +5,7 @@ decoding alone and encoding alone, so that the bottleneck on this machine shows.
     python -m processing.synthetic --output-dir /tmp/x --num-videos 32       # some mp4 files, if you have none
     python -m benchmarks.indexing_speed --videos /tmp/x/videos --model /tmp/demo_run/train/final
     python -m benchmarks.indexing_speed --videos /tmp/x/videos --vit-b        # random ViT-B/16, 32 frames of 224 px
+    python -m benchmarks.indexing_speed --videos /tmp/x/videos --vit-b --fast openvino:int8   # the exported encoder
 
 Rows, in one process, each over the same videos (the first ``--limit``):
 
@@ -85,7 +86,12 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, help="torch threads (default: PyTorch's, one per core)")
+    parser.add_argument("--fast", default="torch:int8",
+                        help="the fast encoder, BACKEND:PRECISION (default torch:int8; e.g. openvino:int8, the "
+                             "exported encoder, cached in --cache-dir)")
+    parser.add_argument("--cache-dir", type=Path, help="exported encoders' cache (default: $HF_HOME/testa/engines)")
     args = parser.parse_args()
+    backend, precision = args.fast.split(":")
     if args.threads:
         torch.set_num_threads(args.threads)
     if (args.model is None) == (not args.vit_b):
@@ -96,7 +102,9 @@ def main() -> None:
 
     model, processor = load(args)
     fp32 = make_pipe(model, processor)
-    int8 = make_pipe(optimize_for_inference(load(args)[0], "int8"), processor)
+    engine = {} if backend == "torch" else {"cache_dir": args.cache_dir}
+    int8 = make_pipe(optimize_for_inference(load(args)[0], precision, backend=backend, **engine), processor)
+    fast = precision if backend == "torch" else f"{precision} ({backend})"
     vision = model.config.vision_config
     print(f"{len(videos)} videos from {args.videos}; encoder: {vision.num_hidden_layers} layers, hidden "
           f"{vision.hidden_size}, {processor.video_processor.num_frames} frames of "
@@ -122,11 +130,11 @@ def main() -> None:
         "decode only, in this thread": lambda: decode_only(0),
         f"decode only, {args.workers} workers": lambda: decode_only(args.workers),
         "encode only, fp32": lambda: encode_only(fp32),
-        "encode only, int8": lambda: encode_only(int8),
+        f"encode only, {fast}": lambda: encode_only(int8),
         "end to end, fp32, num_workers=0 (no fast path)": lambda: end_to_end(fp32, 0),
         f"end to end, fp32, num_workers={args.workers}": lambda: end_to_end(fp32, args.workers),
-        "end to end, int8, num_workers=0": lambda: end_to_end(int8, 0),
-        f"end to end, int8, num_workers={args.workers}": lambda: end_to_end(int8, args.workers),
+        f"end to end, {fast}, num_workers=0": lambda: end_to_end(int8, 0),
+        f"end to end, {fast}, num_workers={args.workers}": lambda: end_to_end(int8, args.workers),
     }
     rates, waits = {name: [] for name in contenders}, {name: [] for name in contenders}
     for repeat in range(args.repeats):  # the contenders alternate

@@ -27,7 +27,7 @@ from .hub import (
     save_for_hub,
     write_model_card,
 )
-from .inference import PRECISIONS, Bf16Linear, Int8DynamicLinear, optimize_for_inference
+from .inference import BACKENDS, PRECISIONS, Bf16Linear, Int8DynamicLinear, optimize_for_inference
 from .modeling_testa import (
     TestaAnswerRankingOutput,
     TestaForPreTraining,
@@ -83,6 +83,7 @@ register_testa_pipelines()
 __all__ = [
     "MODEL_CARD_MARKER",
     "PIPELINE_TASKS",
+    "BACKENDS",
     "PRECISIONS",
     "AggregationGroups",
     "Bf16Linear",

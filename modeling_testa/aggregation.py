@@ -313,7 +313,9 @@ def attention_received(
     if bias is not None:
         logits = logits + bias
     probs = logits.softmax(dim=-1).mean(dim=1)
-    return probs.sum(dim=-2) - probs.diagonal(dim1=-2, dim2=-1)
+    tokens = probs.shape[-1]
+    diagonal = probs.flatten(-2)[..., :: tokens + 1]  # = probs.diagonal(dim1=-2, dim2=-1); exports to OpenVINO
+    return probs.sum(dim=-2) - diagonal
 
 
 __all__ = [

@@ -1,4 +1,5 @@
-"""Fast inference for TESTA models: `optimize_for_inference(model, precision="fp32" | "bf16" | "int8")`.
+"""Fast inference for TESTA models: `optimize_for_inference(model, precision="fp32" | "bf16" | "int8" | "auto",
+backend="torch" | "openvino" | "onnxruntime")`.
 
 One call prepares a `TestaVisionModel` or any TESTA head for inference (in place; the same object is returned, in
 `eval()` mode, with the same outputs API):
@@ -18,6 +19,13 @@ One call prepares a `TestaVisionModel` or any TESTA head for inference (in place
   only. In the video encoder activations are quantized per video, so a video's embedding does not depend on the
   other videos of its batch. Matching and merging run in fp32 on the (int8-computed) keys.
 
+``backend="openvino"`` / ``"onnxruntime"`` (`engines.py`) instead export the whole video encoder, its merging
+included, as one graph run by that engine (fp32; bf16 on OpenVINO where the CPU has bf16 instructions; int8 by the
+engine's own post-training quantization, the matching's matrix multiplies kept fp32), cached on disk. The legacy
+``precision="int8"`` of ``backend="torch"`` (`Int8DynamicLinear`) warns that PyTorch deprecated its kernels
+(`INT8_DEPRECATION`); it stays for installs without an engine extra, and as the reference the engines
+are measured against.
+
 By default only the video encoder is converted (``include_text=False``): it is where the time goes when indexing
 videos, and the text modules (query encoder, matching head, QA decoder) stay exact. ``include_text=True`` converts
 the linear layers of the text encoder (and decoder) too. Projections and heads always stay fp32.
@@ -34,6 +42,7 @@ pipe = pipeline("video-text-retrieval", model=folder, precision="int8")  # the s
 This file is Hub remote code (the pipelines import it): flat relative imports only.
 """
 
+import logging
 import os
 import shutil
 import warnings
@@ -43,7 +52,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .engines import (
+    BACKENDS,
+    ExportedEncoder,
+    auto_precision,
+    check_exportable,
+    check_precision,
+    require_backend,
+)
 from .saving import INFERENCE_ATTRIBUTE
+
+
+logger = logging.getLogger(__name__)
 
 
 PRECISIONS = ("fp32", "bf16", "int8")
@@ -55,6 +75,14 @@ MODEL_CLASSES = ("TestaVisionModel", "TestaForVideoTextRetrieval", "TestaForVide
 TEXT_MODULES = ("text_encoder", "text_decoder")
 """The text modules of the heads converted with ``include_text=True`` (their transformer layers; never the momentum
 copies, nor the decoder's LM head)."""
+
+INT8_DEPRECATION = (
+    "optimize_for_inference(precision='int8', backend='torch') uses PyTorch's legacy quantized kernels "
+    "(torch.ops.quantized.linear_prepack / linear_dynamic), whose eager quantization workflow PyTorch has deprecated; "
+    "it will be removed when PyTorch removes them. backend='openvino' gives int8 on a maintained engine (and is "
+    "faster: docs/inference.md)."
+)
+"""The warning of the legacy torch int8 path."""
 
 INT8_ENGINE = "x86"
 """The quantized engine of the int8 kernels: PyTorch's recommended x86 engine, which dispatches to FBGEMM or oneDNN
@@ -209,20 +237,38 @@ def _set_samples(context: _SampleContext):
 
 
 def optimize_for_inference(
-    model: nn.Module, precision: str = "fp32", *, compile: bool = False, include_text: bool = False
+    model: nn.Module,
+    precision: str = "fp32",
+    *,
+    backend: str = "torch",
+    compile: bool = False,
+    include_text: bool = False,
+    cache_dir: str | os.PathLike | None = None,
+    calibration: torch.Tensor | None = None,
 ) -> nn.Module:
     r"""Prepares a TESTA model for fast inference, in place, and returns it (the same object, in `eval()` mode).
 
     Args:
         model: a `TestaVisionModel` or a TESTA head (`TestaForVideoTextRetrieval`, `TestaForVideoQA`,
             `TestaForPreTraining`).
-        precision (`str`, defaults to `"fp32"`): one of `PRECISIONS`:
+        precision (`str`, defaults to `"fp32"`): one of `PRECISIONS`, or `"auto"`: the fastest precision within the
+            quality contract on this CPU for the backend (`engines.auto_precision`, logged):
 
             - `"fp32"`: numerically the model as it is (with `compile=True`: compiled encoder blocks);
             - `"bf16"`: the encoder blocks' linear layers in bfloat16, everything else (matching and merging
               included) in fp32. Fast only with bf16 hardware (AVX-512 BF16 / AMX CPUs, GPUs);
             - `"int8"`: the encoder blocks' linear layers as `Int8DynamicLinear` (int8 weights per channel,
               activations quantized per call and per video); CPU only.
+        backend (`str`, defaults to `"torch"`): one of `BACKENDS`. `"openvino"` / `"onnxruntime"` run the video
+            encoder, merging included, as one exported graph (`engines.ExportedEncoder`; fp32, bf16 (OpenVINO, CPUs
+            with bf16 instructions) or int8 by the engine's own post-training quantization); the text modules stay
+            PyTorch fp32. Needs the `openvino` / `onnxruntime` extra. The graph of each input shape is exported on
+            first use (minutes for ViT-B) and cached in `cache_dir`.
+        cache_dir (`str`, *optional*): where exported graphs are kept (default `$HF_HOME/testa/engines`); engine
+            backends only.
+        calibration (`torch.Tensor`, *optional*): `(videos, frames, channels, height, width)` normalised pixel values
+            that calibrate int8 for the engine backends (a few videos of the target domain; default: synthetic
+            videos, `engines.default_calibration_videos`).
         compile (`bool`, defaults to `False`): also `torch.compile` every encoder block (weights frozen). The first
             forward of each input shape compiles (minutes for ViT-B on a small CPU). Skipped with a warning when
             no C++ compiler is found. Tested with `"fp32"`.
@@ -237,8 +283,14 @@ def optimize_for_inference(
             for a model that is not on the CPU.
         `TypeError`: `model` is not a TESTA model.
     """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not supported; allowed values are {', '.join(map(repr, BACKENDS))}.")
+    if precision == "auto":
+        precision = auto_precision(backend, next(_vision_model(model).parameters()).device.type)
+        logger.info("optimize_for_inference(precision='auto', backend=%r): %s on this CPU.", backend, precision)
     if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r} is not supported; allowed values are {', '.join(map(repr, PRECISIONS))}.")
+        raise ValueError(f"precision={precision!r} is not supported; allowed values are "
+                         f"{', '.join(map(repr, PRECISIONS))} and 'auto'.")
     names = _class_names(model)
     if not isinstance(model, nn.Module) or not names & set(MODEL_CLASSES):
         raise TypeError(
@@ -255,6 +307,13 @@ def optimize_for_inference(
     if precision == "int8" and device.type != "cpu":
         raise ValueError(f"precision='int8' runs on the CPU (PyTorch's quantized kernels); the model is on {device}. "
                          "Use precision='bf16' on GPUs.")
+    if backend != "torch":
+        return _use_engine(model, vision, backend, precision, compile, include_text, cache_dir, calibration)
+    if cache_dir is not None or calibration is not None:
+        raise ValueError("`cache_dir` and `calibration` are for the exported encoders (backend='openvino' or "
+                         "'onnxruntime'); backend='torch' takes neither.")
+    if precision == "int8":
+        warnings.warn(INT8_DEPRECATION, FutureWarning, stacklevel=2)
     model.eval()
     targets = [vision.layers]
     if include_text:  # the text transformers; the decoder's LM head (tied to the word embeddings) stays as it is
@@ -282,12 +341,39 @@ def optimize_for_inference(
         else:
             warnings.warn("optimize_for_inference(compile=True): no C++ compiler found (TorchInductor needs one on "
                           "the CPU); the model is left uncompiled.", stacklevel=2)
-    settings = {"precision": precision, "compile": compiled, "include_text": include_text,
+    settings = {"precision": precision, "backend": "torch", "compile": compiled, "include_text": include_text,
                 "converted_linears": converted}
-    for module in model.modules():  # the model and its sub-models (e.g. `vision_model`) all refuse to be saved
-        if hasattr(module, "save_pretrained"):
-            setattr(module, INFERENCE_ATTRIBUTE, dict(settings))
+    _mark_optimized(model, settings)
     return model
 
 
-__all__ = ["Bf16Linear", "Int8DynamicLinear", "MODEL_CLASSES", "PRECISIONS", "optimize_for_inference"]
+def _mark_optimized(model: nn.Module, settings: dict) -> None:
+    for module in model.modules():  # the model and its sub-models (e.g. `vision_model`) all refuse to be saved
+        if hasattr(module, "save_pretrained"):
+            setattr(module, INFERENCE_ATTRIBUTE, dict(settings))
+
+
+def _use_engine(model: nn.Module, vision: nn.Module, backend: str, precision: str, compile: bool, include_text: bool,
+                cache_dir, calibration) -> nn.Module:
+    """`optimize_for_inference` for the exported backends: the vision model's forward becomes an `ExportedEncoder`."""
+    if compile or include_text:
+        raise ValueError(f"`compile` and `include_text` are options of backend='torch'; backend={backend!r} exports "
+                         "the video encoder only (the text modules stay PyTorch fp32).")
+    require_backend(backend)
+    check_precision(backend, precision)
+    device = next(vision.parameters()).device
+    if device.type != "cpu":
+        raise ValueError(f"backend={backend!r} runs on the CPU; the model is on {device}.")
+    if calibration is not None and (not isinstance(calibration, torch.Tensor) or calibration.ndim != 5):
+        raise ValueError("`calibration` must be a tensor of normalised videos (videos, frames, channels, height, "
+                         f"width); got {getattr(calibration, 'shape', type(calibration).__name__)}.")
+    check_exportable(vision, backend)
+    model.eval()
+    vision.forward = ExportedEncoder(vision, backend, precision, cache_dir=cache_dir, calibration=calibration)
+    _mark_optimized(model, {"precision": precision, "backend": backend, "compile": False, "include_text": False,
+                            "converted_linears": 0})
+    return model
+
+
+__all__ = ["BACKENDS", "Bf16Linear", "INT8_DEPRECATION", "Int8DynamicLinear", "MODEL_CLASSES", "PRECISIONS",
+           "optimize_for_inference"]

@@ -1,7 +1,7 @@
 """Index a video collection into an on-disk video store, on 1 to N processes, resumably; grow it later.
 
     accelerate launch -m train.index --model FOLDER_OR_HUB_ID --videos DIR_OR_LIST_OR_DATASET --store OUT \
-        [--precision fp32|bf16|int8] [--num-frames N] [--shard-size 256] [--batch-size 8] [--num-workers 2]
+        [--precision fp32|bf16|int8|auto] [--backend torch|openvino|onnxruntime] [--num-frames N] [--shard-size 256] [--batch-size 8] [--num-workers 2]
 
 (`python -m train.index ...` runs the same on one process.) The videos are sorted and cut into shards of
 ``--shard-size`` videos; process ``r`` of ``W`` encodes shards ``r, r + W, r + 2W, ...`` with the library's one encode
@@ -44,8 +44,9 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from modeling_testa.distributed import raise_on_every_rank
+from modeling_testa.engines import auto_precision
 from modeling_testa.indexing import SUMMARY_FAILURES, DecodeVideos, EncodingStats, encode_videos
-from modeling_testa.inference import PRECISIONS, optimize_for_inference
+from modeling_testa.inference import BACKENDS, PRECISIONS, optimize_for_inference
 from modeling_testa.video_index import VideoIndex
 from modeling_testa.video_inputs import VIDEO_SUFFIXES, find_video_files
 from modeling_testa.video_store import (
@@ -265,7 +266,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--store", required=True,
                         help="the store folder (created; an existing one is resumed, and grown by new --videos)")
     parser.add_argument("--split", default="test", help="with a dataset: the split to index (default: test)")
-    parser.add_argument("--precision", default="fp32", choices=PRECISIONS, help="encoder precision (default: fp32)")
+    parser.add_argument("--precision", default="fp32", choices=PRECISIONS + ("auto",),
+                        help="encoder precision (default: fp32; auto: the fastest within the quality contract)")
+    parser.add_argument("--backend", default="torch", choices=BACKENDS,
+                        help="what runs the video encoder (default: torch; openvino/onnxruntime: the exported encoder, "
+                             "merging included, cached in $HF_HOME/testa/engines)")
     parser.add_argument("--num-frames", type=int, default=None, help="frames per video (default: the model's)")
     parser.add_argument("--token-dtype", default="float16", choices=sorted(TOKEN_DTYPES),
                         help="dtype of the stored tokens (default: float16)")
@@ -292,10 +297,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     except (OSError, ValueError) as error:
         raise SystemExit(f"error: {error}") from None
     num_frames = args.num_frames or video_processor.num_frames
-    settings = index_settings(model, args.model, num_frames, args.precision, args.token_dtype, args.shard_size)
+    precision = auto_precision(args.backend) if args.precision == "auto" else args.precision
+    # the backend changes the embeddings as the precision does: a store records both (as "int8 (openvino)")
+    recorded = precision if args.backend == "torch" else f"{precision} ({args.backend})"
+    settings = index_settings(model, args.model, num_frames, recorded, args.token_dtype, args.shard_size)
     # without cpu=True, CPU processes under `--multi_gpu` would not join one group
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
-    model = optimize_for_inference(model.to(accelerator.device), args.precision)
+    model = optimize_for_inference(model.to(accelerator.device), precision, backend=args.backend)
     existed, added, error = False, [], None
     if accelerator.is_main_process:
         try:

@@ -1,0 +1,543 @@
+"""The TESTA video encoder exported with its merging, run by OpenVINO or ONNX Runtime.
+
+`optimize_for_inference(model, backend="openvino" | "onnxruntime", precision=...)` (in `inference.py`) swaps the
+forward of a model's `TestaVisionModel` for an `ExportedEncoder`: the whole encoder (embeddings, every block with its
+frame and patch matching and merging, the final LayerNorm) is one graph, exported once per input shape (frames,
+height, width; the batch is dynamic) and kept on disk.
+
+**Export.** `torch.export` traces the encoder for the settings it has (one R per block, the strategy, ...): the token
+counts after every merge are fixed by the settings and the input shape, so the graph is static but for the batch.
+OpenVINO converts the `ExportedProgram` (`openvino.convert_model`); ONNX goes through `torch.onnx.export(dynamo=True)`
+with one translation added: the stable `argsort`/`sort` of the matching becomes ONNX `TopK` over the whole axis, whose
+ties go to the lower index (as a stable sort's do). The size-weighted merge is already a sum scatter plus a count
+scatter (`aggregation.merge_tokens`), which ONNX `ScatterElements(reduction="add")` expresses; no mean scatter is used.
+Exported fp32 equals PyTorch fp32: same merge decisions (the source map), same outputs to float rounding.
+
+**Precisions.**
+
+- ``"fp32"``: OpenVINO with ``INFERENCE_PRECISION_HINT=f32`` (set explicitly: on CPUs with bf16 instructions its
+  default is bf16), ONNX Runtime as exported.
+- ``"bf16"`` (OpenVINO, CPUs with AVX-512 BF16 or AMX): ``INFERENCE_PRECISION_HINT=bf16``. OpenVINO then runs every
+  matrix multiply in bf16, the similarity scores of the matching included (its CPU plugin offers no per-node fp32
+  exception that the Python API can set); the sort, the merge weights and the sizes stay fp32.
+- ``"int8"``: post-training static quantization by the engine's own tools, calibrated on a few videos
+  (`calibration`, default `default_calibration_videos`): NNCF (`nncf.quantize`, transformer preset) for OpenVINO,
+  `onnxruntime.quantization.quantize_static` (QDQ, weights per channel) for ONNX Runtime. The matrix multiplies
+  whose results decide the matching (`matching_matmuls`: the key similarities, and Eq. 1's attention for the
+  importance strategy) are excluded from quantization and stay fp32; activation scales are static, so a video's
+  embedding does not depend on the other videos of its batch.
+
+**Cache.** An export is saved under ``cache_dir`` (default ``$HF_HOME/testa/engines``) in a folder named by
+`cache_key`: the weights' SHA-256, the full vision config (aggregation settings included), the input shape, backend,
+precision, the calibration videos' SHA-256 (int8) and the library versions. A change of any of them exports again;
+`set_aggregation` after `optimize_for_inference` is picked up at the next call.
+
+What an export cannot express is refused by name (`check_exportable`): ``output_hidden_states``,
+``output_attentions``, and the settings listed in `UNSUPPORTED_SETTINGS`.
+
+This file is Hub remote code (the pipelines import `inference`, which imports it): flat relative imports only.
+"""
+
+import hashlib
+import json
+import logging
+import os
+import platform
+from collections import deque
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .aggregation_block import sequence, token_sizes_with_cls
+from .modeling_testa_vision import TestaVisionModelOutput
+
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("torch", "openvino", "onnxruntime")
+"""The values `optimize_for_inference` accepts for `backend`."""
+
+BACKEND_PRECISIONS = {"torch": ("fp32", "bf16", "int8"), "openvino": ("fp32", "bf16", "int8"),
+                      "onnxruntime": ("fp32", "int8")}
+"""The precisions each backend offers."""
+
+EXTRAS = {"openvino": ("openvino", ("openvino", "nncf")), "onnxruntime": ("onnxruntime", ("onnxruntime", "onnx",
+                                                                                          "onnxscript"))}
+"""backend -> (the package extra that installs it, the modules it needs)."""
+
+UNSUPPORTED_SETTINGS: dict[str, tuple[str, ...]] = {}
+"""backend -> config settings ``"name=value"`` that its exporter cannot express (refused by `check_exportable`)."""
+
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+INT8_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The CPU, the backends
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def cpu_flags() -> set[str]:
+    """The x86 feature flags of this CPU (``/proc/cpuinfo``); empty where they cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_has_bf16(flags: set[str] | None = None) -> bool:
+    """Whether the CPU computes bf16 natively (AVX-512 BF16 or AMX)."""
+    flags = cpu_flags() if flags is None else flags
+    return any(flag in flags for flag in BF16_FLAGS)
+
+
+def cpu_has_vnni(flags: set[str] | None = None) -> bool:
+    """Whether the CPU has int8 dot-product instructions (AVX-512 VNNI, AVX-VNNI or AMX)."""
+    flags = cpu_flags() if flags is None else flags
+    return any(flag in flags for flag in INT8_FLAGS)
+
+
+def require_backend(backend: str) -> None:
+    """Raises `ImportError` naming the extra to install when a module the backend needs is missing."""
+    extra, modules = EXTRAS[backend]
+    for module in modules:
+        try:
+            __import__(module)
+        except ImportError as error:
+            raise ImportError(
+                f"backend={backend!r} needs the `{module}` package, which is not installed: "
+                f'pip install "testa-hf[{extra}]" (or, from a clone, pip install ".[{extra}]").'
+            ) from error
+
+
+def check_precision(backend: str, precision: str, flags: set[str] | None = None) -> None:
+    """Raises `ValueError` for a precision the backend does not offer, or bf16 on a CPU without bf16 instructions
+    (emulated bf16 is slower than fp32 there)."""
+    if backend not in BACKEND_PRECISIONS:
+        raise ValueError(f"backend={backend!r} is not supported; allowed values are {', '.join(map(repr, BACKENDS))}.")
+    allowed = BACKEND_PRECISIONS[backend]
+    if precision not in allowed:
+        raise ValueError(f"precision={precision!r} is not offered by backend={backend!r}; allowed values are "
+                         f"{', '.join(map(repr, allowed))} (and 'auto').")
+    if precision == "bf16" and backend != "torch" and not cpu_has_bf16(flags):
+        raise ValueError(f"precision='bf16' with backend={backend!r} needs a CPU with bf16 instructions "
+                         f"({' or '.join(BF16_FLAGS)}); this CPU has neither, and emulated bf16 is slower than fp32. "
+                         "Use precision='int8' or 'fp32'.")
+
+
+def auto_precision(backend: str, device: str = "cpu") -> str:
+    """The rule behind ``precision="auto"``: the fastest precision within the quality contract, as measured by
+    `benchmarks/fast_inference.py` (docs/inference.md):
+
+    - on the CPU, int8 for every backend: OpenVINO int8 was the fastest variant within the contract on AVX-512 VNNI
+      (then bf16, then fp32), and PyTorch's int8 beat its bf16 and fp32 with and without VNNI;
+    - on a GPU (``backend="torch"`` only; the int8 kernels are CPU kernels), bf16.
+    """
+    if backend not in BACKEND_PRECISIONS:
+        raise ValueError(f"backend={backend!r} is not supported; allowed values are {', '.join(map(repr, BACKENDS))}.")
+    return "int8" if device == "cpu" else "bf16"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The graph
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class EncoderGraph(nn.Module):
+    """What is exported: ``pixel_values -> (last_hidden_state, token_sizes[, source_map])`` of a `TestaVisionModel`
+    with its settings at export time (``source_map`` when ``trace_source``)."""
+
+    def __init__(self, vision_model: nn.Module, trace_source: bool) -> None:
+        super().__init__()
+        self.vision_model = vision_model
+        self.trace_source = trace_source
+
+    def forward(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        model = self.vision_model  # its blocks, not its forward (which an `ExportedEncoder` may stand in for)
+        state = model.run_blocks(pixel_values, model.aggregation_settings(self.trace_source))
+        outputs = (model.post_layernorm(sequence(state)), token_sizes_with_cls(state))
+        return outputs + ((state.source_map,) if self.trace_source else ())
+
+
+def check_exportable(vision_model: nn.Module, backend: str) -> None:
+    """Raises `ValueError` naming a setting of the model that the backend's exporter cannot express."""
+    config = vision_model.config
+    for setting in UNSUPPORTED_SETTINGS.get(backend, ()):
+        name, value = setting.split("=")
+        if str(getattr(config, name)) == value:
+            raise ValueError(f"backend={backend!r} cannot export a TESTA encoder with {setting}; use backend='torch' "
+                             "for this setting.")
+
+
+def default_calibration_videos(frames: int, height: int, width: int, count: int = 4, channels: int = 3,
+                               seed: int = 0) -> torch.Tensor:
+    """``count`` deterministic videos ``(count, frames, channels, height, width)`` for int8 calibration when none are
+    given: smooth random images (noise on a coarse grid, upsampled) that drift and change between scenes, at the
+    scale of normalised pixels. Real videos of the target domain calibrate better: pass them as ``calibration``."""
+    generator = torch.Generator().manual_seed(seed)
+    coarse = torch.randn(count, 2, channels, max(height // 16, 2), max(width // 16, 2), generator=generator)
+    scenes = F.interpolate(coarse.flatten(0, 1), size=(height, width), mode="bicubic", align_corners=False)
+    scenes = scenes.view(count, 2, channels, height, width)
+    videos = []
+    for t in range(frames):
+        scene = scenes[:, 0] if t < frames // 2 else scenes[:, 1]  # a cut halfway
+        shift = (t * max(width // 32, 1)) % width  # a slow pan
+        videos.append(torch.roll(scene, shifts=shift, dims=-1))
+    videos = torch.stack(videos, dim=1)
+    return videos + 0.1 * torch.randn(videos.shape, generator=generator)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Cache
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def default_cache_dir() -> Path:
+    """``$HF_HOME/testa/engines`` (the Hugging Face cache home)."""
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HOME) / "testa" / "engines"
+
+
+def tensor_fingerprint(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """SHA-256 of named tensors (names, shapes, dtypes and bytes)."""
+    digest = hashlib.sha256()
+    for name, tensor in tensors:
+        tensor = tensor.detach().cpu().contiguous().reshape(-1)
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()
+
+
+def library_versions(backend: str) -> dict[str, str]:
+    """The versions an export depends on (torch, transformers, the backend's packages)."""
+    import transformers
+
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__}
+    for module in EXTRAS.get(backend, (None, ()))[1]:
+        versions[module] = getattr(__import__(module), "__version__", "?")
+    return versions
+
+
+def cache_key(weights_sha256: str, config: dict[str, Any], backend: str, precision: str, shape: tuple[int, ...],
+              trace_source: bool, calibration_sha256: str | None, versions: dict[str, str]) -> str:
+    """SHA-256 of everything an export depends on: the weights, the vision config (aggregation settings included),
+    backend, precision, input shape (frames, channels, height, width), source tracing, the calibration videos (int8)
+    and the library versions."""
+    settings = {"weights": weights_sha256, "config": config, "backend": backend, "precision": precision,
+                "shape": list(shape), "trace_source": bool(trace_source), "calibration": calibration_sha256,
+                "versions": versions}
+    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def config_settings(vision_model: nn.Module) -> dict[str, Any]:
+    """The vision config as a dict, without the fields that do not change the exported graph."""
+    settings = vision_model.config.to_dict()
+    for name in ("_name_or_path", "transformers_version", "output_hidden_states", "output_attentions",
+                 "trace_source", "return_dict", "_attn_implementation_autoset"):
+        settings.pop(name, None)
+    return settings
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Which matrix multiplies decide the matching
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def matching_matmuls(nodes: dict[str, tuple[str, list[str]]], matmul_types: tuple[str, ...] = ("MatMul",),
+                     sort_types: tuple[str, ...] = ("TopK",)) -> list[str]:
+    """The matrix multiplies whose results feed a sort without passing another matrix multiply: the key similarity
+    scores (and Eq. 1's attention for the importance strategy). Walking up from every sort, each path stops at the
+    first matrix multiply, so the projections that compute the keys (one multiply further up) are not included.
+
+    Args:
+        nodes: ``name -> (op type, names of the nodes producing its inputs)``.
+    """
+    found, seen = set(), set()
+    queue = deque(name for name, (kind, _) in nodes.items() if kind in sort_types)
+    while queue:
+        name = queue.popleft()
+        if name in seen:
+            continue
+        seen.add(name)
+        kind, inputs = nodes[name]
+        if kind in matmul_types:
+            found.add(name)
+            continue
+        queue.extend(i for i in inputs if i in nodes)
+    return sorted(found)
+
+
+def openvino_nodes(model: Any) -> dict[str, tuple[str, list[str]]]:
+    """`matching_matmuls`' view of an OpenVINO model (by friendly name)."""
+    return {op.get_friendly_name(): (op.get_type_name(), [i.get_source_output().get_node().get_friendly_name()
+                                                          for i in op.inputs()]) for op in model.get_ops()}
+
+
+def onnx_nodes(graph: Any) -> dict[str, tuple[str, list[str]]]:
+    """`matching_matmuls`' view of an ONNX graph (by node name)."""
+    producer = {output: node.name for node in graph.node for output in node.output}
+    return {node.name: (node.op_type, [producer[i] for i in node.input if i in producer]) for node in graph.node}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Export and quantization, per backend
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def export_program(graph: EncoderGraph, example: torch.Tensor) -> Any:
+    """`torch.export` of the encoder graph with a dynamic batch."""
+    batch = torch.export.Dim("batch", min=1, max=1024)
+    with torch.no_grad():
+        return torch.export.export(graph, (example,), dynamic_shapes=({0: batch},))
+
+
+def export_openvino(graph: EncoderGraph, example: torch.Tensor, folder: Path) -> Path:
+    """Converts the encoder to OpenVINO IR (fp32 weights) in ``folder``; returns the ``.xml`` path."""
+    import openvino as ov
+
+    model = ov.convert_model(export_program(graph, example))
+    path = folder / "encoder.xml"
+    ov.save_model(model, str(path), compress_to_fp16=False)
+    return path
+
+
+def quantize_openvino(path: Path, calibration: torch.Tensor, folder: Path) -> Path:
+    """NNCF post-training int8 of an OpenVINO IR, calibrated on ``calibration`` (one video per sample), the
+    matching's matrix multiplies excluded; returns the int8 ``.xml`` path."""
+    import nncf
+    import openvino as ov
+
+    model = ov.Core().read_model(str(path))
+    ignored = matching_matmuls(openvino_nodes(model))
+    dataset = nncf.Dataset([video[None].numpy() for video in calibration])
+    quantized = nncf.quantize(model, dataset, model_type=nncf.ModelType.TRANSFORMER, subset_size=len(calibration),
+                              ignored_scope=nncf.IgnoredScope(names=ignored, validate=False))
+    out = folder / "encoder_int8.xml"
+    ov.save_model(quantized, str(out), compress_to_fp16=False)
+    return out
+
+
+def sort_as_topk(self, stable: bool = False, dim: int = -1, descending: bool = False):
+    """ONNX translation of ``aten.sort.stable``: `TopK` over the whole axis. ONNX's TopK puts the lower index first
+    among equal values, which is what a stable sort does."""
+    from onnxscript import opset18 as op
+
+    k = op.Gather(op.Shape(self), op.Constant(value_ints=[dim]))
+    values, indices = op.TopK(self, k, axis=dim, largest=descending, sorted=True)
+    return values, indices
+
+
+def export_onnx(graph: EncoderGraph, example: torch.Tensor, folder: Path) -> Path:
+    """Exports the encoder to ONNX (opset 18) in ``folder``; returns the ``.onnx`` path."""
+    path = folder / "encoder.onnx"
+    outputs = ["last_hidden_state", "token_sizes"] + (["source_map"] if graph.trace_source else [])
+    torch.onnx.export(graph, (example,), str(path), dynamo=True, opset_version=18, input_names=["pixel_values"],
+                      output_names=outputs, dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=1024)},),
+                      custom_translation_table={torch.ops.aten.sort.stable: sort_as_topk}, verbose=False,
+                      external_data=False)
+    return path
+
+
+def quantize_onnx(path: Path, calibration: torch.Tensor, folder: Path) -> Path:
+    """ONNX Runtime static int8 (QDQ, symmetric weights per channel, activations per tensor), calibrated on
+    ``calibration``, the matching's matrix multiplies excluded; returns the int8 ``.onnx`` path."""
+    import onnx
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+
+    ignored = matching_matmuls(onnx_nodes(onnx.load(str(path), load_external_data=False).graph),
+                               matmul_types=("MatMul", "Gemm"))
+
+    class Reader(CalibrationDataReader):
+        def __init__(self) -> None:
+            self.samples = iter([{"pixel_values": video[None].numpy()} for video in calibration])
+
+        def get_next(self):
+            return next(self.samples, None)
+
+    out = folder / "encoder_int8.onnx"
+    quantize_static(str(path), str(out), Reader(), quant_format=QuantFormat.QDQ, op_types_to_quantize=["MatMul",
+                    "Gemm"], per_channel=True, weight_type=QuantType.QInt8, activation_type=QuantType.QUInt8,
+                    nodes_to_exclude=ignored, extra_options={"MatMulConstBOnly": True})
+    return out
+
+
+class CompiledGraph:
+    """One exported graph loaded by its runtime: ``numpy pixel_values -> list of numpy outputs``."""
+
+    def __init__(self, backend: str, path: Path, precision: str) -> None:
+        self.backend = backend
+        if backend == "openvino":
+            import openvino as ov
+
+            core = ov.Core()
+            hint = "bf16" if precision == "bf16" else "f32"  # int8 graphs keep their fp32 parts in fp32
+            # as many threads as PyTorch uses (`torch.set_num_threads`), so that comparisons are like for like
+            self.compiled = core.compile_model(str(path), "CPU", {"INFERENCE_PRECISION_HINT": hint,
+                                                                  "PERFORMANCE_HINT": "LATENCY",
+                                                                  "INFERENCE_NUM_THREADS": torch.get_num_threads()})
+        else:
+            import onnxruntime as ort
+
+            options = ort.SessionOptions()
+            options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+            options.intra_op_num_threads = torch.get_num_threads()
+            self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+    def __call__(self, pixel_values):
+        if self.backend == "openvino":
+            result = self.compiled(pixel_values)
+            return [result[i] for i in range(len(result))]
+        return self.session.run(None, {"pixel_values": pixel_values})
+
+
+def export_graph(vision_model: nn.Module, backend: str, shape: tuple[int, ...], trace_source: bool,
+                 folder: Path) -> Path:
+    """Exports the fp32 graph into ``folder``; returns its path."""
+    folder.mkdir(parents=True, exist_ok=True)
+    graph = EncoderGraph(vision_model, trace_source).eval()
+    example = torch.zeros(2, *shape)  # batch 2: a batch of 1 would be specialised by the tracer
+    return (export_openvino if backend == "openvino" else export_onnx)(graph, example, folder)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The encoder a model runs
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class ExportedEncoder:
+    """Stands in for a `TestaVisionModel`'s forward: runs the exported graph of the model's current settings and
+    returns a `TestaVisionModelOutput` (``last_hidden_state``, ``pooler_output``, ``token_sizes``, ``source_map``).
+
+    Graphs are exported on first use of an input shape (frames, channels, height, width) and settings, into
+    ``cache_dir``, and loaded from there afterwards. The weights are fingerprinted once, here: an optimized model is
+    for inference (its weights do not change).
+
+    Args:
+        vision_model: the `TestaVisionModel` (kept to export new shapes or settings).
+        backend: ``"openvino"`` or ``"onnxruntime"``.
+        precision: one of ``BACKEND_PRECISIONS[backend]``.
+        cache_dir: where exports are kept (default `default_cache_dir`).
+        calibration: ``(videos, frames, channels, height, width)`` normalised pixel values for int8 calibration
+            (default: `default_calibration_videos` at each exported shape).
+    """
+
+    def __init__(self, vision_model: nn.Module, backend: str, precision: str, cache_dir: str | os.PathLike | None = None,
+                 calibration: torch.Tensor | None = None) -> None:
+        self.vision_model = vision_model
+        self.backend = backend
+        self.precision = precision
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        self.calibration = calibration
+        self.weights_sha256 = tensor_fingerprint(sorted(vision_model.state_dict().items()))
+        self.versions = library_versions(backend)
+        self.graphs: dict[str, CompiledGraph] = {}
+        self.exports = 0  # how many graphs this encoder exported (the rest came from the cache)
+
+    def calibration_for(self, shape: tuple[int, ...]) -> torch.Tensor | None:
+        if self.precision != "int8":
+            return None
+        if self.calibration is None:
+            frames, channels, height, width = shape
+            return default_calibration_videos(frames, height, width, channels=channels)
+        if tuple(self.calibration.shape[1:]) != tuple(shape):
+            raise ValueError(f"`calibration` videos have shape {tuple(self.calibration.shape[1:])} per video, but the "
+                             f"encoder is called with {tuple(shape)}; give calibration videos of the shape you encode.")
+        return self.calibration.float()
+
+    def folder_for(self, shape: tuple[int, ...], trace_source: bool, precision: str | None = None
+                   ) -> tuple[Path, torch.Tensor | None]:
+        """The cache folder of the graph for this input shape and the model's current settings, and the
+        calibration videos (int8). bf16 is the fp32 graph compiled with another hint: it shares fp32's folder."""
+        check_exportable(self.vision_model, self.backend)
+        precision = precision or self.precision
+        precision = "fp32" if precision == "bf16" else precision
+        calibration = self.calibration_for(shape) if precision == "int8" else None
+        calibration_sha = None if calibration is None else tensor_fingerprint([("calibration", calibration)])
+        key = cache_key(self.weights_sha256, config_settings(self.vision_model), self.backend, precision, shape,
+                        trace_source, calibration_sha, self.versions)
+        return self.cache_dir / f"{self.backend}-{precision}-{key[:24]}", calibration
+
+    def exported_path(self, shape: tuple[int, ...], trace_source: bool, precision: str) -> Path:
+        """The graph file for ``precision`` (exported, or quantized from the fp32 export, when not cached)."""
+        folder, calibration = self.folder_for(shape, trace_source, precision)
+        name = {"openvino": "encoder.xml", "onnxruntime": "encoder.onnx"}[self.backend]
+        if precision == "int8":
+            name = name.replace("encoder.", "encoder_int8.")
+        path, done = folder / name, folder / "done.json"
+        if done.exists():
+            return path
+        if precision == "int8":
+            fp32 = self.exported_path(shape, trace_source, "fp32")
+            logger.warning("Quantizing the TESTA encoder for %s (int8, input %s); it is cached in %s.", self.backend,
+                           shape, folder)
+            folder.mkdir(parents=True, exist_ok=True)
+            path = (quantize_openvino if self.backend == "openvino" else quantize_onnx)(fp32, calibration, folder)
+        else:
+            logger.warning("Exporting the TESTA encoder to %s (input %s); it is cached in %s.", self.backend, shape,
+                           folder)
+            path = export_graph(self.vision_model, self.backend, shape, trace_source, folder)
+            self.exports += 1
+        done.write_text(json.dumps({"shape": list(shape), "backend": self.backend, "precision": precision,
+                                    "trace_source": trace_source, "weights_sha256": self.weights_sha256,
+                                    "versions": self.versions, "platform": platform.platform()}, indent=1))
+        return path
+
+    def graph_for(self, shape: tuple[int, ...], trace_source: bool) -> CompiledGraph:
+        """The compiled graph for this input shape and the model's current settings (exported when not cached)."""
+        folder = self.folder_for(shape, trace_source)[0]
+        if folder.name not in self.graphs:
+            path = self.exported_path(shape, trace_source, self.precision)
+            self.graphs[folder.name] = CompiledGraph(self.backend, path, self.precision)
+        return self.graphs[folder.name]
+
+    def __call__(self, pixel_values: torch.Tensor, output_hidden_states: bool | None = None,
+                 output_attentions: bool | None = None, trace_source: bool | None = None, return_dict: bool | None = None,
+                 **kwargs: Any):
+        model = self.vision_model
+        config = model.config
+        for name, value in (("output_hidden_states", output_hidden_states), ("output_attentions", output_attentions)):
+            if value if value is not None else getattr(config, name):
+                raise ValueError(f"{name}=True is not available from an encoder exported to {self.backend}: the graph "
+                                 "returns the last hidden state, the token sizes and the source map. Use "
+                                 "backend='torch' for it.")
+        model.check_pixel_values(pixel_values)
+        trace = bool(config.trace_source if trace_source is None else trace_source)
+        shape = tuple(int(s) for s in pixel_values.shape[1:])
+        graph = self.graph_for(shape, trace)
+        outputs = graph(pixel_values.detach().float().cpu().contiguous().numpy())
+        last_hidden_state = torch.from_numpy(outputs[0])
+        output = TestaVisionModelOutput(
+            last_hidden_state=last_hidden_state, pooler_output=last_hidden_state[:, 0],
+            token_sizes=torch.from_numpy(outputs[1]), source_map=torch.from_numpy(outputs[2]).long() if trace else None,
+        )
+        return output.to_tuple() if return_dict is False else output
+
+
+__all__ = [
+    "BACKENDS",
+    "BACKEND_PRECISIONS",
+    "EXTRAS",
+    "EncoderGraph",
+    "ExportedEncoder",
+    "UNSUPPORTED_SETTINGS",
+    "auto_precision",
+    "cache_key",
+    "check_exportable",
+    "check_precision",
+    "cpu_flags",
+    "cpu_has_bf16",
+    "cpu_has_vnni",
+    "default_cache_dir",
+    "default_calibration_videos",
+    "matching_matmuls",
+    "require_backend",
+    "tensor_fingerprint",
+]

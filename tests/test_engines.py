@@ -1,0 +1,282 @@
+"""The exported TESTA encoder (`modeling_testa/engines.py`): OpenVINO and ONNX Runtime graphs with the merging inside
+equal PyTorch fp32 (same merge decisions: the source map and the token sizes are identical; outputs to float
+rounding), int8 stays within the quality contract with the matching's matrix multiplies left in fp32, the cache is
+keyed by every setting, and bad inputs get messages naming what to do. Tiny random models; every export is cached in
+one folder per test module, so a graph is exported once."""
+
+import copy
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers.models import randomize, tiny_vision_config
+
+import modeling_testa.engines as engines
+from modeling_testa import TestaVisionModel, optimize_for_inference
+from modeling_testa.engines import (
+    ExportedEncoder,
+    cache_key,
+    check_precision,
+    matching_matmuls,
+    require_backend,
+)
+
+
+def _installed(backend: str) -> bool:
+    try:
+        require_backend(backend)
+    except ImportError:
+        return False
+    return True
+
+
+needs = {b: pytest.mark.skipif(not _installed(b), reason=f"the {b} extra is not installed")
+         for b in ("openvino", "onnxruntime")}
+
+
+def _vision_model(seed: int = 0, **overrides) -> TestaVisionModel:
+    torch.manual_seed(seed)
+    model = TestaVisionModel(tiny_vision_config(**overrides)).eval()
+    randomize(model, seed=seed)
+    return model
+
+
+def _video(batch: int = 3, frames: int = 8, seed: int = 1) -> torch.Tensor:
+    return torch.randn(batch, frames, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("engines")
+
+
+def _compare(model: TestaVisionModel, backend: str, precision: str, cache_dir, calibration=None):
+    """(PyTorch fp32 output, exported output, the exported encoder), both with the source map."""
+    video = _video()
+    with torch.no_grad():
+        reference = model(video, trace_source=True)
+    exported = optimize_for_inference(copy.deepcopy(model), precision, backend=backend, cache_dir=cache_dir,
+                                      calibration=calibration)
+    with torch.no_grad():
+        out = exported(video, trace_source=True)
+    return reference, out, exported.forward
+
+
+def _assert_equal_to_fp32(reference, out) -> None:
+    assert torch.equal(out.source_map, reference.source_map)  # the same merge decisions, every video
+    assert torch.equal(out.token_sizes, reference.token_sizes)
+    assert out.last_hidden_state.shape == reference.last_hidden_state.shape
+    torch.testing.assert_close(out.last_hidden_state, reference.last_hidden_state, atol=2e-5, rtol=1e-5)
+    cosine = F.cosine_similarity(out.last_hidden_state.flatten(1), reference.last_hidden_state.flatten(1))
+    assert float(cosine.min()) >= 0.99999
+    assert torch.equal(out.pooler_output, out.last_hidden_state[:, 0])
+
+
+# ------------------------------------------------------------------------------------------------------ bad inputs
+
+
+def test_a_missing_backend_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "openvino", None)  # `import openvino` raises ImportError
+    with pytest.raises(ImportError, match=r'pip install ".\[openvino\]"'):
+        require_backend("openvino")
+    with pytest.raises(ImportError, match="openvino"):
+        optimize_for_inference(_vision_model(), "fp32", backend="openvino")
+
+
+def test_bad_backend_and_precision_are_refused_naming_the_allowed_values():
+    with pytest.raises(ValueError, match=r"backend='tensorrt'.*'torch', 'openvino', 'onnxruntime'"):
+        optimize_for_inference(_vision_model(), "fp32", backend="tensorrt")
+    with pytest.raises(ValueError, match=r"precision='bf16' is not offered by backend='onnxruntime'.*'fp32', 'int8'"):
+        check_precision("onnxruntime", "bf16")
+    with pytest.raises(ValueError, match="`cache_dir` and `calibration`"):
+        optimize_for_inference(_vision_model(), "fp32", cache_dir="x")
+
+
+def test_bf16_on_a_cpu_without_bf16_is_refused_with_the_reason(monkeypatch):
+    with pytest.raises(ValueError, match="avx512_bf16 or amx_bf16.*slower than fp32"):
+        check_precision("openvino", "bf16", flags={"avx2", "avx512f"})
+    check_precision("openvino", "bf16", flags={"avx512_bf16"})  # accepted where the CPU has it
+    if _installed("openvino"):
+        monkeypatch.setattr(engines, "cpu_flags", lambda: {"avx2"})
+        model = _vision_model()
+        with pytest.raises(ValueError, match="bf16 instructions"):
+            optimize_for_inference(model, "bf16", backend="openvino")
+        assert not hasattr(model, "inference_settings") or model.inference_settings is None
+
+
+def test_auto_precision_rule():
+    assert [engines.auto_precision(b) for b in ("torch", "openvino", "onnxruntime")] == ["int8"] * 3
+    assert engines.auto_precision("torch", device="cuda") == "bf16"
+    model = optimize_for_inference(_vision_model(), "auto")
+    assert model.inference_settings["precision"] == "int8"
+
+
+@needs["openvino"]
+def test_outputs_an_export_cannot_give_are_refused_by_name(cache_dir):
+    model = optimize_for_inference(_vision_model(), "fp32", backend="openvino", cache_dir=cache_dir)
+    with pytest.raises(ValueError, match="output_hidden_states=True is not available.*backend='torch'"):
+        model(_video(), output_hidden_states=True)
+    with pytest.raises(ValueError, match="output_attentions=True"):
+        model(_video(), output_attentions=True)
+    with pytest.raises(ValueError, match="`pixel_values` must have shape"):
+        model(torch.zeros(8, 3, 32, 32))
+    with pytest.raises(RuntimeError, match="optimize_for_inference"):
+        model.save_pretrained(str(cache_dir / "refused"))
+
+
+# ---------------------------------------------------------------------------------- the pieces, by hand-worked cases
+
+
+def test_matching_matmuls_stop_at_the_first_matrix_multiply_above_a_sort():
+    # keys = x @ Wk (a projection); scores = norm(keys) @ norm(keys)^T -> ReduceMax -> TopK; and an attention
+    # matmul whose result goes to the output only. Only `scores` decides the matching.
+    nodes = {
+        "x": ("Parameter", []), "wk": ("Constant", []), "keys": ("MatMul", ["x", "wk"]),
+        "norm": ("Divide", ["keys"]), "scores": ("MatMul", ["norm", "norm"]), "max": ("ReduceMax", ["scores"]),
+        "sort": ("TopK", ["max"]), "gather": ("Gather", ["x", "sort"]), "attn": ("MatMul", ["gather", "wk"]),
+        "out": ("Result", ["attn"]), "order": ("TopK", ["sort"]),
+    }
+    assert matching_matmuls(nodes) == ["scores"]
+    assert matching_matmuls({"a": ("Gemm", []), "s": ("TopK", ["a"])}, matmul_types=("MatMul", "Gemm")) == ["a"]
+
+
+def test_cache_key_changes_with_every_setting():
+    base = dict(weights_sha256="w", config={"spatial_reduction": 3}, backend="openvino", precision="int8",
+                shape=(8, 3, 32, 32), trace_source=False, calibration_sha256="c", versions={"openvino": "1"})
+    key = cache_key(**base)
+    assert cache_key(**base) == key
+    changes = dict(weights_sha256="w2", config={"spatial_reduction": 2}, backend="onnxruntime", precision="fp32",
+                   shape=(16, 3, 32, 32), trace_source=True, calibration_sha256="c2", versions={"openvino": "2"})
+    for name, value in changes.items():
+        assert cache_key(**{**base, name: value}) != key, name
+
+
+def test_default_calibration_videos_are_deterministic_and_normalised_scale():
+    a = engines.default_calibration_videos(8, 32, 32)
+    assert a.shape == (4, 8, 3, 32, 32)
+    assert torch.equal(a, engines.default_calibration_videos(8, 32, 32))
+    assert 0.3 < float(a.std()) < 3.0
+
+
+# ------------------------------------------------------------------------------------- exported equals PyTorch fp32
+
+
+@needs["openvino"]
+def test_openvino_fp32_equals_pytorch_and_the_cache_follows_the_settings(cache_dir):
+    model = _vision_model()
+    reference, out, encoder = _compare(model, "openvino", "fp32", cache_dir)
+    _assert_equal_to_fp32(reference, out)
+    assert (reference.source_map != torch.arange(8 * 16).view(1, 8, 16)).any()  # something was merged
+    # a batch of another size runs on the same graph (the batch is dynamic) and gives the same per-video result
+    with torch.no_grad():
+        single = encoder(_video()[1:2], trace_source=True)
+    torch.testing.assert_close(single.last_hidden_state[0], out.last_hidden_state[1], atol=2e-5, rtol=1e-5)
+    assert encoder.exports in (0, 1)
+    exported_before = encoder.exports
+
+    # a change of settings exports again, and the new graph equals PyTorch with the new settings
+    optimized = encoder.vision_model
+    optimized.set_aggregation(spatial_reduction=2)
+    model.set_aggregation(spatial_reduction=2)
+    with torch.no_grad():
+        changed, reference2 = optimized(_video(), trace_source=True), model(_video(), trace_source=True)
+    assert encoder.exports == exported_before + 1
+    _assert_equal_to_fp32(reference2, changed)
+    assert changed.last_hidden_state.shape != out.last_hidden_state.shape
+
+    # another encoder on the same weights and settings loads both graphs from the cache: no export
+    again = ExportedEncoder(copy.deepcopy(model), "openvino", "fp32", cache_dir=cache_dir)
+    with torch.no_grad():
+        loaded = again(_video(), trace_source=True)
+    assert again.exports == 0
+    assert torch.equal(loaded.last_hidden_state, changed.last_hidden_state)
+    # other weights are another model: exported again
+    other = ExportedEncoder(_vision_model(seed=5, spatial_reduction=2), "openvino", "fp32", cache_dir=cache_dir)
+    assert other.folder_for((8, 3, 32, 32), True)[0] != again.folder_for((8, 3, 32, 32), True)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["openvino", "onnxruntime"])
+@pytest.mark.parametrize("overrides", [dict(), dict(temporal_reduction=0, spatial_reduction=0),
+                                       dict(aggregation_strategy="importance"), dict(reduction_mode="prune"),
+                                       dict(frame_matching="vote"), dict(aggregation_dims="joint", spatial_reduction=8)],
+                         ids=["geometry", "R=0", "importance", "prune", "vote", "joint"])
+def test_exported_fp32_equals_pytorch_for_every_strategy(backend, overrides, cache_dir):
+    if not _installed(backend):
+        pytest.skip(f"the {backend} extra is not installed")
+    reference, out, _ = _compare(_vision_model(**overrides), backend, "fp32", cache_dir)
+    _assert_equal_to_fp32(reference, out)
+
+
+# ----------------------------------------------------------------------------------------------------------- int8
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["openvino", "onnxruntime"])
+def test_int8_stays_within_the_contract_with_matching_in_fp32(backend, cache_dir):
+    if not _installed(backend):
+        pytest.skip(f"the {backend} extra is not installed")
+    # calibrated on other videos of the same distribution as the test's (white noise: what a random model sees)
+    reference, out, encoder = _compare(_vision_model(), backend, "int8", cache_dir, calibration=_video(8, seed=7))
+    cosine = F.cosine_similarity(out.last_hidden_state[:, 0], reference.last_hidden_state[:, 0])
+    assert float(cosine.min()) >= 0.98  # the int8 quality contract (benchmarks/fast_inference.py)
+    # the graph is quantized, but no quantization step feeds the matrix multiplies that decide the matching
+    folder = encoder.folder_for((8, 3, 32, 32), True)[0]
+    if backend == "openvino":
+        import openvino as ov
+
+        nodes = engines.openvino_nodes(ov.Core().read_model(str(folder / "encoder_int8.xml")))
+        quantizer, matmuls = "FakeQuantize", ("MatMul",)
+    else:
+        import onnx
+
+        nodes = engines.onnx_nodes(onnx.load(str(folder / "encoder_int8.onnx")).graph)
+        quantizer, matmuls = "DequantizeLinear", ("MatMul", "Gemm")
+    deciding = matching_matmuls(nodes, matmul_types=matmuls)
+    assert deciding and sum(kind == quantizer for kind, _ in nodes.values()) > 0
+    for name in deciding:
+        assert all(nodes[i][0] != quantizer for i in nodes[name][1]), name
+
+
+# ---------------------------------------------------------------------------------------- pipelines and train.index
+
+
+@pytest.mark.slow
+@needs["openvino"]
+def test_pipeline_and_train_index_take_the_backend(tmp_path, monkeypatch):
+    import json
+    import os
+    import subprocess
+
+    from helpers.pipelines import build_retrieval, save_folder, tiny_processor, write_videos
+
+    from modeling_testa import VideoTextRetrievalPipeline
+    from modeling_testa.video_index import VideoIndex
+
+    videos = write_videos(tmp_path / "videos")
+    plain = VideoTextRetrievalPipeline(model=build_retrieval(), processor=tiny_processor(), device="cpu")
+    fast = VideoTextRetrievalPipeline(model=build_retrieval(), processor=tiny_processor(), device="cpu",
+                                      precision="fp32", backend="openvino")
+    assert fast.model.inference_settings["backend"] == "openvino"
+    expected, got = plain.encode_videos(videos), fast.encode_videos(videos)
+    cosine = (F.normalize(expected.embeddings, dim=-1) * F.normalize(got.embeddings, dim=-1)).sum(-1)
+    assert float(cosine.min()) >= 0.99999
+
+    folder = save_folder(build_retrieval(), tiny_processor(), tmp_path / "model")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "HF_HOME": str(tmp_path / "hf")}
+    stores = {}
+    for backend in ("torch", "openvino"):
+        stores[backend] = tmp_path / f"store-{backend}"
+        result = subprocess.run([sys.executable, "-m", "train.index", "--model", folder, "--videos", tmp_path / "videos",
+                                 "--store", stores[backend], "--num-workers", "0", "--token-dtype", "float32",
+                                 "--backend", backend], env=env, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+    settings = json.loads((stores["openvino"] / "index_settings.json").read_text())
+    assert settings["precision"] == "fp32 (openvino)"
+    assert any((tmp_path / "hf" / "testa" / "engines").iterdir())  # the export went to the HF cache home
+    a, b = (VideoIndex.load(stores[k]).embeddings.float() for k in ("torch", "openvino"))
+    assert float((F.normalize(a, dim=-1) * F.normalize(b, dim=-1)).sum(-1).min()) >= 0.99999
+    bad = subprocess.run([sys.executable, "-m", "train.index", "--model", folder, "--videos", tmp_path / "videos",
+                          "--store", tmp_path / "s", "--backend", "tensorrt"], env=env, capture_output=True, text=True)
+    assert bad.returncode != 0 and "tensorrt" in bad.stderr and "openvino" in bad.stderr
