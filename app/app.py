@@ -114,7 +114,7 @@ def index_videos(state: AppState, folder: str, uploads: list[str] | None, progre
         encoded_now = not grow or len(index) + len(index.failures) > known
         state.index, state.indexed, state.indexed_folder = index, [str(v) for v in index.videos], folder_key
     requested = set(paths)
-    failed = [(video, reason) for video, reason in index.failures.items() if video in requested]
+    failed = [(failure.video, str(failure)) for failure in index.failures if failure.video in requested]
     stats = index.stats or {}
     seconds = stats.get("seconds") or 0.0
     waiting = 100 * stats.get("decode_wait_seconds", 0.0) / seconds if seconds else 0.0
@@ -235,9 +235,9 @@ def change_aggregation(state: AppState, temporal: float, spatial: float) -> str:
     panel = model_panel(state)
     if state.indexed:
         with state.lock:
-            failures = dict(state.index.failures)  # known bad files are not decoded again
+            failures = list(state.index.failures)  # known bad files are not decoded again
             state.index = retrieval.encode_videos(state.indexed, batch_size=8, progress_bar=False)
-            state.index.failures.update(failures)
+            state.index.failures = failures
         panel += (f"\n\nRe-indexed {len(state.indexed)} videos with these settings: "
                   f"{state.index.stats['videos_per_second']:.1f} videos/s.")
     return panel

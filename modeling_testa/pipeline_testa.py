@@ -31,7 +31,7 @@ This file is Hub remote code: flat relative imports only, absolute imports of in
 optional and imported inside `try`).
 """
 
-import json
+import dataclasses
 import os
 import re
 import sys
@@ -42,14 +42,14 @@ from transformers.pipelines import PIPELINE_REGISTRY
 from transformers.pipelines.base import Pipeline
 from transformers.utils import logging
 
-from .indexing import SUMMARY_FAILURES, DecodeAhead, InMemorySink, check_on_error, encode_videos
+from .index_homes import IndexEntry, InMemoryHome, StoreHome, VideoIndexBuilder
+from .indexing import SUMMARY_FAILURES, DecodeAhead, check_on_error
 from .inference import optimize_for_inference
 from .processing_testa import TestaProcessor, load_testa_processor
 from .ranking import RankingOptions, ranked_order, two_stage_scores
 from .saving import check_savable, push_folder_to_hub
-from .video_index import SHARED_INFO_SETTINGS, VideoIndex, differing_settings, video_name
+from .video_index import IndexInfo, VideoIndex
 from .video_inputs import check_video, is_array, is_single_video, text_list, video_list
-from .video_store import VideoStoreWriter, finalize_store
 
 
 logger = logging.get_logger(__name__)
@@ -115,25 +115,14 @@ def _candidate_results(items: list[Any], candidates: torch.Tensor, cosines: torc
     return results if top_k is None else results[:top_k]
 
 
-# What `VideoIndex.info` records of the model that encoded it, and where the searching model's config holds it.
-INDEX_MODEL_SETTINGS = {
-    "projection_dim": lambda config: config.projection_dim,
-    "temporal_reduction": lambda config: config.vision_config.temporal_reduction_per_layer,
-    "spatial_reduction": lambda config: config.vision_config.spatial_reduction_per_layer,
-}
-
-
 def _check_index_settings(index: Any, config: Any) -> None:
-    """Refuses to search an index encoded by a model of another projection size or aggregation settings (an
-    index that does not record a setting is not checked for it), naming the setting and both values."""
-    info = getattr(index, "info", None) or {}
-    for key, read in INDEX_MODEL_SETTINGS.items():
-        if key not in info:
-            continue
-        mine = read(config)
-        if json.loads(json.dumps(info[key])) != json.loads(json.dumps(mine)):
-            raise ValueError(f"The index was encoded with {key} = {info[key]!r}, but this model has {key} = "
-                             f"{mine!r}: search it with the model that encoded it, or encode the videos again.")
+    """Refuses to search an index encoded by a model of another projection size or aggregation settings (the
+    `IndexInfo` settings read from a model's config; an index that does not record a setting is not checked for it),
+    naming the setting and both values."""
+    differing = IndexInfo.from_dict(getattr(index, "info", None) or {}).model_differences(config)
+    for key, (recorded, mine) in differing.items():
+        raise ValueError(f"The index was encoded with {key} = {recorded!r}, but this model has {key} = "
+                         f"{mine!r}: search it with the model that encoded it, or encode the videos again.")
 
 
 def _is_remote_code(obj: Any) -> bool:
@@ -443,7 +432,8 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         """Decodes and encodes every video once and returns a [`VideoIndex`].
 
         Args:
-            videos (`list`): paths, 4-D arrays/tensors or frame lists.
+            videos (`list`): paths, 4-D arrays/tensors or frame lists, or `index_homes.IndexEntry` rows (a video
+                with the `start`/`end` of a moment and a `dataset` name, carried into the index and search results).
             batch_size (`int`, defaults to 8): videos per encoder forward.
             store_tokens (`bool`, defaults to `True`): keep the aggregated tokens so that `search` can re-rank with
                 the matching head; `False` keeps only the embeddings (much smaller; not with `store_dir`).
@@ -467,8 +457,10 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
                 `indexing.FAILURE_CODES`); the progress bar counts the failures and a warning at the end lists them.
                 Search never returns a failed video. `"raise"`: the decoder's error (naming the file) is raised and
                 no index is returned. Bad arguments (e.g. an array of the wrong shape) always raise.
-            index (`VideoIndex`, *optional*): an index to grow. Videos already in it (by path; failed ones too) are
-                skipped, the others are encoded and appended to it in place (`VideoIndex.add`), and it is returned.
+            index (`VideoIndex`, *optional*): an index to grow, in memory or store-backed. Videos already in it (by
+                path and `start`/`end`; failed ones too) are skipped, the others are encoded and appended to it in
+                place (`VideoIndex.add`; a store gets a new shard, written and finished on disk), and it is
+                returned.
                 It must have been built with the same model settings (frames, R_T/R_S, projection size): another
                 setting is refused, naming the difference, before anything is encoded.
             **video_kwargs: video-processor arguments (`num_frames=...`).
@@ -487,94 +479,132 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         check_on_error(on_error)
         if store_dir is not None and not store_tokens:
             raise ValueError("`store_dir` writes the tokens: it cannot be combined with store_tokens=False.")
-        info = self._index_info(video_kwargs)
-        names = [video_name(item, i) for i, item in enumerate(videos)]
+        entries = [item if isinstance(item, IndexEntry) else IndexEntry(item) for item in videos]
+        with_weights = index is not None and "model_weights_sha256" in (getattr(index, "info", None) or {})
+        info = self._index_info(video_kwargs, with_weights=with_weights)
         if index is not None:
-            self._check_growable(index, videos, info, store_dir, store_tokens)
-            known = set(index.names) | set(getattr(index, "failures", None) or {})
+            self._check_growable(index, entries, info, store_dir, store_tokens)
+        stored = getattr(index, "store", None) if index is not None else None
+        if store_dir is not None or stored is not None:
+            return self._encode_into_store(entries, videos, index, store_dir, info, token_dtype, batch_size,
+                                           num_workers, on_error, progress_bar, video_kwargs)
+        if index is not None:
+            known = {index.row_key(i) for i in range(len(index))} | {f.key for f in index.failures}
             todo = []
-            for i, name in enumerate(names):  # new videos, each once (a set: linear in the collection)
-                if name not in known:
-                    known.add(name)
+            for i, entry in enumerate(entries):  # new rows, each once (a set: linear in the collection)
+                if entry.key(i) not in known:
+                    known.add(entry.key(i))
                     todo.append(i)
             if not todo:
                 logger.info("All %d videos are already in the index; nothing to encode.", len(videos))
                 return index
-            videos, names = [videos[i] for i in todo], [names[i] for i in todo]
-        if store_dir is not None:
-            sink = VideoStoreWriter(store_dir, 0, 0, len(videos), token_dtype=token_dtype or torch.float16)
-        else:
-            sink = InMemorySink(store_tokens=store_tokens, token_dtype=token_dtype)
-        show = (len(videos) >= PROGRESS_BAR_MIN_VIDEOS) if progress_bar is None else bool(progress_bar)
-        decoded = DecodeAhead(lambda i: self._pixels(videos[i], f"videos[{i}]", video_kwargs), len(videos),
-                              num_workers, max(2 * batch_size, num_workers), self._decoder_for_thread)
-        try:
-            with decoded:
-                stats = encode_videos(self.model, decoded.batches(batch_size, on_error, names.__getitem__), sink,
-                                      total=len(videos), progress_bar=show, num_workers=num_workers)
-            failures = dict(sink.failures) if store_dir is None else {f["video"]: f["reason"] for f in sink.failures}
-            if len(failures) == len(videos) and index is None:
-                raise ValueError(f"None of the {len(videos)} videos could be read:\n" + "\n".join(
-                    f"  {video}: {reason[:300]}" for video, reason in list(failures.items())[:SUMMARY_FAILURES]))
-        except BaseException:
-            if store_dir is not None:
-                sink.abort()  # files closed; the store has no index, so it cannot be opened half-written
-            raise
-        logger.info("Encoded %d videos in %.1f s (%.2f videos/s; waited %.1f s for decoding, encoder %.1f s; %d "
-                    "failed).", len(videos), stats.seconds, stats.videos_per_second, stats.decode_wait_seconds,
-                    stats.encode_seconds, stats.failed)
-        if store_dir is not None:
-            sink.close()
-            finalize_store(store_dir, names, 1, info)
-            stored = VideoIndex.from_store(store_dir)
-            stored.videos = list(videos)
-            stored.stats = stats.as_dict()
-            return stored
-        if not sink.indices:  # growing an index with videos that all failed
-            index.failures.update(failures)
+            entries = [entries[i] for i in todo]
+        builder = VideoIndexBuilder(self.model, InMemoryHome(store_tokens, token_dtype), info)
+        stats, _ = builder.encode(entries, self._decoder(batch_size, num_workers, on_error, video_kwargs),
+                                  progress_bar=self._show_progress(len(entries), progress_bar),
+                                  num_workers=num_workers)
+        self._log_stats(len(entries), stats)
+        failures = builder.home.failures()
+        if len(failures) == len(entries):
+            if index is None:
+                raise ValueError(f"None of the {len(entries)} videos could be read:\n" + "\n".join(
+                    f"  {f.video}: {str(f)[:300]}" for f in failures[:SUMMARY_FAILURES]))
+            index.add(VideoIndex(videos=[], embeddings=index.embeddings[:0], failures=failures, info=index.info,
+                                 tokens=None if index.tokens is None else index.tokens[:0],
+                                 token_sizes=None if index.token_sizes is None else index.token_sizes[:0]))
             index.stats = stats.as_dict()
             return index
-        embeddings, tokens, sizes = sink.result()
-        encoded = VideoIndex(videos=[videos[i] for i in sink.indices], embeddings=embeddings, tokens=tokens,
-                             token_sizes=sizes, info=info, stats=stats.as_dict(), failures=failures)
+        encoded = builder.finish(entries, stats=stats)
         if index is None:
             return encoded
         index.add(encoded)
         index.stats = encoded.stats
         return index
 
-    def _index_info(self, video_kwargs: dict[str, Any]) -> dict[str, Any]:
-        """How an index encoded with this model and these video arguments is built (saved as its `info`)."""
-        vision = self.model.config.vision_config
-        return {
-            "model_class": type(self.model).__name__,
-            "name_or_path": getattr(self.model.config, "_name_or_path", None) or "",
-            "projection_dim": int(self.model.config.projection_dim),
-            "num_frames": int(video_kwargs.get("num_frames", self.video_processor.num_frames)),
-            "temporal_reduction": list(vision.temporal_reduction_per_layer),
-            "spatial_reduction": list(vision.spatial_reduction_per_layer),
-        }
+    @staticmethod
+    def _show_progress(count: int, progress_bar: bool | None) -> bool:
+        return (count >= PROGRESS_BAR_MIN_VIDEOS) if progress_bar is None else bool(progress_bar)
 
     @staticmethod
-    def _check_growable(index: Any, videos: list[Any], info: dict[str, Any], store_dir: Any,
+    def _log_stats(count: int, stats: Any) -> None:
+        logger.info("Encoded %d videos in %.1f s (%.2f videos/s; waited %.1f s for decoding, encoder %.1f s; %d "
+                    "failed).", count, stats.seconds, stats.videos_per_second, stats.decode_wait_seconds,
+                    stats.encode_seconds, stats.failed)
+
+    def _decoder(self, batch_size: int, num_workers: int, on_error: str, video_kwargs: dict[str, Any]) -> Any:
+        """The builder's `decode(entries, positions)`: this pipeline's video processor in `num_workers` threads
+        (`DecodeAhead`), each with its own decoder process; batches and failures name collection positions."""
+
+        def decode(entries: list[IndexEntry], positions: list[int]):
+            def pixels(j: int) -> torch.Tensor:
+                return self._pixels(entries[positions[j]].video, f"videos[{positions[j]}]", video_kwargs)
+
+            names = [entries[p].name(p) for p in positions]
+            ahead = DecodeAhead(pixels, len(positions), num_workers, max(2 * batch_size, num_workers),
+                                self._decoder_for_thread)
+            with ahead:
+                for local, pixel_values, failures in ahead.batches(batch_size, on_error, names.__getitem__):
+                    failures = [dataclasses.replace(f, index=positions[f.index], start=entries[positions[f.index]].start,
+                                                    end=entries[positions[f.index]].end) for f in failures]
+                    yield [positions[j] for j in local], pixel_values, failures
+
+        return decode
+
+    def _encode_into_store(self, entries: list[IndexEntry], videos: list[Any], index: Any, store_dir: Any,
+                           info: dict[str, Any], token_dtype: torch.dtype | None, batch_size: int, num_workers: int,
+                           on_error: str, progress_bar: bool | None, video_kwargs: dict[str, Any]) -> VideoIndex:
+        """Encodes into a new store in `store_dir`, or appends the new rows to the store backing `index` (a new
+        shard; the store's own settings and token dtype), and returns the store-backed index (`index` itself,
+        reopened in place, when growing)."""
+        growing = index is not None
+        if growing:
+            home = StoreHome(index.store.directory, index.store.token_dtype)
+            info = {**index.info, **{key: value for key, value in info.items() if key not in index.info}}
+        else:
+            home = StoreHome(store_dir, token_dtype or torch.float16)
+            home.reset()
+        plan, new = home.append(entries)
+        if not new:
+            logger.info("All %d videos are already in the index; nothing to encode.", len(videos))
+            return index
+        first = plan["shards"][-1][0]
+        rows = [IndexEntry(video) for video in plan["videos"][:first]] + [entries[i] for i in new]
+        builder = VideoIndexBuilder(self.model, home, info)
+        stats, _ = builder.encode(rows, self._decoder(batch_size, num_workers, on_error, video_kwargs),
+                                  shard=len(plan["shards"]) - 1, start=first,
+                                  progress_bar=self._show_progress(len(new), progress_bar), num_workers=num_workers)
+        self._log_stats(len(new), stats)
+        stored = builder.finish(rows, stats=stats)
+        if not growing:
+            stored.videos = list(videos)
+            return stored
+        stored.videos = list(index.videos) + [entries[i].video for i in new]
+        index.__dict__.update(stored.__dict__)  # the caller's index object now reads the grown store
+        return index
+
+    def _index_info(self, video_kwargs: dict[str, Any], with_weights: bool = False) -> dict[str, Any]:
+        """How an index encoded with this model and these video arguments is built (`IndexInfo`, saved as its
+        `info`); `with_weights` also records the weights' hash (to grow an index that records one)."""
+        num_frames = int(video_kwargs.get("num_frames", self.video_processor.num_frames))
+        return IndexInfo.from_model(self.model, num_frames, with_weights=with_weights).as_dict()
+
+    @staticmethod
+    def _check_growable(index: Any, entries: list[IndexEntry], info: dict[str, Any], store_dir: Any,
                         store_tokens: bool) -> None:
         """Refuses, naming the difference, to grow ``index`` with videos it could not hold alongside its own."""
         if not all(hasattr(index, name) for name in ("names", "embeddings", "add", "info")):
             raise TypeError(f"`index` must be a VideoIndex to grow, got {type(index)}.")
-        if getattr(index, "store", None) is not None:  # refused before anything is decoded, not after
-            raise ValueError(f"The index is backed by the video store {str(index.store.directory)!r}, which grows "
-                             "on disk: `python -m train.index --store DIR --videos MORE` appends to it.")
         if store_dir is not None:
-            raise ValueError("`index=` grows an index in memory; grow a video store with `python -m train.index "
-                             "--store DIR --videos MORE` instead of passing `store_dir`.")
-        arrays = [i for i, item in enumerate(videos) if not isinstance(item, (str, os.PathLike))]
+            raise ValueError("`index=` grows that index where it lives (in memory, or its own store); do not pass "
+                             "`store_dir` with it.")
+        arrays = [i for i, entry in enumerate(entries) if not isinstance(entry.video, (str, os.PathLike))]
         if arrays:
             raise ValueError(f"`index=` tells the videos already in the index by their paths; videos{arrays[:3]} "
                              "are in-memory videos, which have none.")
         if store_tokens != index.has_tokens:
             raise ValueError(f"The index {'holds' if index.has_tokens else 'does not hold'} tokens; encode with "
                              f"store_tokens={index.has_tokens} to grow it.")
-        differing = differing_settings(index.info, info, SHARED_INFO_SETTINGS)
+        differing = IndexInfo.from_dict(index.info).differences(IndexInfo.from_dict(info))
         differences = [f"{key}: the index has {mine!r}, this call {theirs!r}" for key, (mine, theirs) in differing.items()]
         if differences:
             raise ValueError("The index was built with other settings; grow it with the same ones or build "

@@ -135,7 +135,8 @@ class VideoStoreWriter:
         rows_per_video = None
         for entry in entries[1:]:
             if "failed" in entry:
-                self.add_failure(entry["failed"], entry["video"], entry["reason"], journal=False)
+                self.add_failure(entry["failed"], entry["video"], entry["reason"], journal=False,
+                                 code=entry.get("code"))
                 continue
             if self.num_tokens is None:
                 self.num_tokens, self.hidden_size = entry["num_tokens"], entry["hidden_size"]
@@ -211,12 +212,14 @@ class VideoStoreWriter:
         self._written += len(indices)
         self.embeddings[locals_] = cpu_embeddings
 
-    def add_failure(self, index: int, video: str, reason: str, journal: bool = True) -> None:
-        """Marks a video that could not be encoded; it is never a candidate, and a query about it is a miss."""
+    def add_failure(self, index: int, video: str, reason: str, journal: bool = True, code: str | None = None) -> None:
+        """Marks a video that could not be encoded; it is never a candidate, and a query about it is a miss.
+        `code` (`indexing.FAILURE_CODES`) is recorded beside the reason when given."""
         self.rows[self._local(int(index))] = -1
-        self.failures.append({"index": int(index), "video": str(video), "reason": str(reason)})
+        coded = {"code": str(code)} if code is not None else {}
+        self.failures.append({"index": int(index), "video": str(video), **coded, "reason": str(reason)})
         if journal:
-            self._log({"failed": int(index), "video": str(video), "reason": str(reason)})
+            self._log({"failed": int(index), "video": str(video), **coded, "reason": str(reason)})
 
     def _log(self, entry: dict[str, Any]) -> None:
         self._journal.write(json.dumps(entry) + "\n")
@@ -262,7 +265,7 @@ def missing_shards(directory: str | os.PathLike, num_shards: int) -> list[int]:
 
 
 def finalize_store(directory: str | os.PathLike, videos: list[str], num_shards: int,
-                   info: dict[str, Any] | None = None) -> Path:
+                   info: dict[str, Any] | None = None, row_fields: dict[str, list[Any]] | None = None) -> Path:
     """Writes ``video_store.json`` once every shard is closed (call it on one process, after a barrier). Raises
     `FileNotFoundError` naming the missing shards when the directory does not hold them all, e.g. when processes on
     different machines wrote to directories that are not one shared filesystem."""
@@ -294,6 +297,8 @@ def finalize_store(directory: str | os.PathLike, videos: list[str], num_shards: 
         "failures": sorted((f for m in shards for f in m["failures"]), key=lambda f: f["index"]),
         "videos": [str(v) for v in videos], "info": dict(info or {}),
     }
+    if row_fields:  # optional per-row fields (`start`/`end` of a moment, `dataset`), one value per video
+        meta["row_fields"] = {key: list(values) for key, values in row_fields.items()}
     # written whole and then renamed: a reader sees the old index (e.g. of a store being grown) or the new one
     temporary = directory / (STORE_INFO_FILE + ".tmp")
     temporary.write_text(json.dumps(meta, indent=1), encoding="utf-8")
@@ -393,7 +398,8 @@ def journaled_count(directory: str | os.PathLike) -> int:
 def journaled_failures(directory: str | os.PathLike) -> list[dict[str, Any]]:
     """``{"index", "video", "reason"}`` of every video marked failed in the shard journals of ``directory``, by
     index (for a store still being written; a finalised one has them in `store_metadata`)."""
-    failures = [{"index": entry["failed"], "video": entry["video"], "reason": entry["reason"]}
+    failures = [{"index": entry["failed"], "video": entry["video"],
+                 **({"code": entry["code"]} if "code" in entry else {}), "reason": entry["reason"]}
                 for entry in _journal_entries(Path(directory)) if "failed" in entry]
     return sorted(failures, key=lambda failure: failure["index"])
 

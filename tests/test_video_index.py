@@ -3,6 +3,7 @@ re-scoring), growing an in-memory index with `add`, cheap opening of a store, an
 an index with another model. References: exact torch top-k (float32 matrix products), an index built at once, the
 files on disk."""
 
+import dataclasses
 import json
 import re
 import shutil
@@ -17,6 +18,7 @@ from helpers.requirements import require
 import modeling_testa.video_index as video_index_module
 import modeling_testa.video_store as video_store_module
 from modeling_testa import VideoTextRetrievalPipeline
+from modeling_testa.indexing import Failure
 from modeling_testa.video_index import FIRST_STAGE_FILE, FIRST_STAGE_INFO_FILE, FirstStage, VideoIndex
 from modeling_testa.video_store import VideoStoreWriter, finalize_store
 
@@ -61,7 +63,7 @@ def write_store(directory, embeddings: torch.Tensor, failed: set[int], num_token
     with VideoStoreWriter(directory, 0, 0, len(embeddings), token_dtype=torch.float32) as writer:
         for i in range(len(embeddings)):
             if i in failed:
-                writer.add_failure(i, names[i], "cannot decode")
+                writer.add_failure(i, names[i], "VideoDecodingError: cannot decode", code="unreadable")
             else:
                 writer.add_batch([i], torch.randn(1, num_tokens, hidden), None, embeddings[i : i + 1])
     finalize_store(directory, names, 1, {"projection_dim": embeddings.shape[1]})
@@ -125,8 +127,9 @@ def test_failed_rows_of_a_store_are_never_returned(tmp_path):
     failed = set(range(0, 3000, 7))
     write_store(tmp_path / "store", embeddings, failed)
     index = VideoIndex.load(tmp_path / "store")
-    assert list(index.failures) == [f"clip{i}.mp4" for i in sorted(failed)]
-    assert set(index.failures.values()) == {"cannot decode"}
+    assert [f.video for f in index.failures] == [f"clip{i}.mp4" for i in sorted(failed)]
+    assert [f.index for f in index.failures] == sorted(failed)
+    assert {(f.code, f.reason) for f in index.failures} == {("unreadable", "VideoDecodingError: cannot decode")}
     kept = torch.tensor([i for i in range(3000) if i not in failed])
     queries = embeddings[sorted(failed)[:10]]  # the failed videos' own embeddings: they would come first
     for threshold, kind in ((10_000, "flat"), (10, "pq")):
@@ -269,20 +272,23 @@ def test_add_of_two_halves_equals_one_index_built_at_once(pipe, videos, builds):
 
 def test_add_merges_failures_and_a_video_encoded_later_leaves_them(pipe, videos):
     good = pipe.encode_videos(videos[:2], batch_size=2)
-    good.failures = {"broken.mp4": "no frames", videos[2]: "timeout"}
+    good.failures = [Failure("broken.mp4", "no_frames", "E: no frames"), Failure(videos[2], "timeout", "E: slow")]
     later = pipe.encode_videos(videos[2:3])
-    later.failures = {"other.mp4": "empty file"}
+    later.failures = [Failure("other.mp4", "empty", "E: empty file")]
     good.add(later)
-    assert good.failures == {"broken.mp4": "no frames", "other.mp4": "empty file"}
+    assert good.failures == [Failure("broken.mp4", "no_frames", "E: no frames"),
+                             Failure("other.mp4", "empty", "E: empty file")]
     assert good.videos == videos[:3]
 
 
 def test_failures_are_saved_by_both_formats(pipe, videos, tmp_path):
     index = pipe.encode_videos(videos[:2], token_dtype=torch.float32)
-    index.failures = {"broken.mp4": "no frames", "empty.mp4": "empty file"}
+    index.failures = [Failure("broken.mp4", "no_frames", "E: no frames"), Failure("empty.mp4", "empty", "E: empty")]
     for as_store in (False, True):
         loaded = VideoIndex.load(index.save(tmp_path / str(as_store), as_store=as_store))
-        assert loaded.failures == index.failures, as_store
+        # a store gives each failure its row (after the encoded videos)
+        expected = [dataclasses.replace(f, index=2 + i) if as_store else f for i, f in enumerate(index.failures)]
+        assert loaded.failures == expected, as_store
         assert [loaded.videos[i] for i in loaded.valid.nonzero().flatten()] == videos[:2]
         queries = index.embeddings[:2]
         assert torch.equal(loaded.nearest(queries, k=5)[1], exact(queries, index.embeddings, 2)[1])

@@ -28,7 +28,6 @@ file with one path per line (relative paths are relative to the file), or a data
 """
 
 import argparse
-import hashlib
 import json
 import os
 import sys
@@ -45,14 +44,20 @@ from tqdm.auto import tqdm
 
 from modeling_testa.distributed import raise_on_every_rank
 from modeling_testa.engines import auto_precision
-from modeling_testa.indexing import SUMMARY_FAILURES, DecodeVideos, EncodingStats, encode_videos
+from modeling_testa.index_homes import (
+    PLAN_FILE,
+    IndexEntry,
+    StoreHome,
+    VideoIndexBuilder,
+    as_entries,
+    write_json_atomically,
+)
+from modeling_testa.indexing import SUMMARY_FAILURES, DecodeVideos, EncodingStats
 from modeling_testa.inference import BACKENDS, PRECISIONS, optimize_for_inference
-from modeling_testa.video_index import VideoIndex
+from modeling_testa.video_index import IndexInfo
 from modeling_testa.video_inputs import VIDEO_SUFFIXES, find_video_files
 from modeling_testa.video_store import (
     TOKEN_DTYPES,
-    VideoStoreWriter,
-    finalize_store,
     is_video_store,
     journaled_count,
     journaled_failures,
@@ -61,7 +66,6 @@ from modeling_testa.video_store import (
 )
 
 SETTINGS_FILE = "index_settings.json"
-PLAN_FILE = "index_plan.json"
 REPORT_FILE = "index_report.json"
 RETRIEVAL_HEADS = ("TestaForVideoTextRetrieval", "TestaForPreTraining")
 
@@ -118,37 +122,13 @@ def load_retrieval_model(source: str) -> tuple[Any, Any]:
     return model_class.from_pretrained(source).eval(), TestaVideoProcessor.from_pretrained(source)
 
 
-def weights_fingerprint(model: torch.nn.Module) -> str:
-    """SHA-256 of the model's parameters and buffers (names, shapes, dtypes and bytes)."""
-    digest = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        tensor = tensor.detach().cpu().contiguous().reshape(-1)
-        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
-        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
-    return digest.hexdigest()
-
-
 def index_settings(model: Any, model_source: str, num_frames: int, precision: str, token_dtype: str,
                    shard_size: int) -> dict[str, Any]:
-    """What a store is built with; a resume or an append must match it exactly."""
-    vision = model.config.vision_config
-    return {
-        "model": str(model_source),
-        "model_weights_sha256": weights_fingerprint(model),
-        "num_frames": int(num_frames),
-        "temporal_reduction": list(vision.temporal_reduction_per_layer),
-        "spatial_reduction": list(vision.spatial_reduction_per_layer),
-        "precision": precision,
-        "token_dtype": token_dtype,
-        "shard_size": int(shard_size),
-    }
-
-
-def write_json_atomically(path: Path, value: Any) -> None:
-    """Writes ``value`` to a temporary file and renames it: a reader sees the old file or the new one."""
-    temporary = path.with_suffix(".tmp")
-    temporary.write_text(json.dumps(value, indent=1), encoding="utf-8")
-    temporary.replace(path)
+    """What a store is built with (`IndexInfo`, weights hashed, and the shard size); a resume or an append must
+    match it exactly."""
+    info = IndexInfo.from_model(model, num_frames, with_weights=True, model=str(model_source), precision=precision,
+                                token_dtype=token_dtype)
+    return {**info.as_dict(), "shard_size": int(shard_size)}
 
 
 def check_or_write_settings(store: Path, settings: dict[str, Any]) -> bool:
@@ -176,37 +156,18 @@ def check_or_write_settings(store: Path, settings: dict[str, Any]) -> bool:
 
 
 def read_plan(store: Path) -> dict[str, Any]:
-    """``{"videos": [...], "shards": [[start, stop], ...]}``: the store's videos in order and its shards' ranges.
-    A store finalised without a plan file (by an earlier version) gives them from its index."""
-    path = store / PLAN_FILE
-    if path.is_file():
-        return json.loads(path.read_text(encoding="utf-8"))
-    if is_video_store(store):
-        meta = store_metadata(store)
-        shards = sorted(meta["shards"], key=lambda shard: shard["shard"])
-        return {"videos": list(meta["videos"]), "shards": [[shard["start"], shard["stop"]] for shard in shards]}
-    return {"videos": [], "shards": []}
-
-
-def grow_plan(plan: dict[str, Any], videos: list[str], shard_size: int) -> tuple[dict[str, Any], list[str]]:
-    """The plan with the videos it lacks appended (in the given order) as new shards of ``shard_size``, and those
-    videos. The shards already planned are left as they are."""
-    known = set(plan["videos"])
-    new = [video for video in videos if video not in known]
-    start = len(plan["videos"])
-    shards = [[start + i, start + min(i + shard_size, len(new))] for i in range(0, len(new), shard_size)]
-    return {"videos": plan["videos"] + new, "shards": plan["shards"] + shards}, new
+    """``{"videos": [...], "shards": [[start, stop], ...]}``: the store's videos in order and its shards' ranges
+    (`StoreHome.plan`)."""
+    return StoreHome(store).plan()
 
 
 def prepare_store(store: Path, settings: dict[str, Any], videos: list[str], shard_size: int
                   ) -> tuple[dict[str, Any], list[str], bool]:
-    """Checks (or writes) the settings and appends the videos the store lacks to its plan. Returns the plan, the
-    videos added to it, and whether the store existed. A refused store is left untouched."""
+    """Checks (or writes) the settings and appends the videos the store lacks to its plan (`StoreHome.append`).
+    Returns the plan, the videos added to it, and whether the store existed. A refused store is left untouched."""
     existed = check_or_write_settings(store, settings)
-    plan, added = grow_plan(read_plan(store), videos, shard_size)
-    if added or not (store / PLAN_FILE).is_file():
-        write_json_atomically(store / PLAN_FILE, plan)
-    return plan, added, existed
+    plan, added = StoreHome(store).append(as_entries(videos), shard_size)
+    return plan, [videos[i] for i in added], existed
 
 
 class JournalProgress:
@@ -243,19 +204,24 @@ class JournalProgress:
         self.bar.close()
 
 
-def encode_shard(model: Any, videos: list[str], shard: int, shard_range: tuple[int, int], store: Path,
-                 collate: DecodeVideos, batch_size: int, num_workers: int, token_dtype: torch.dtype
-                 ) -> tuple[EncodingStats, int]:
-    """Encodes what shard ``shard`` (videos ``[start, stop)``) still lacks; returns the loop's stats and how many
-    videos it already held. Videos that cannot be read are recorded in the shard (`DecodeVideos` skips them)."""
+def decode_with_workers(collate: DecodeVideos, batch_size: int, num_workers: int):
+    """The builder's ``decode(entries, positions)``: `DecodeVideos` in a `DataLoader` of `num_workers` processes."""
+
+    def decode(entries: list[IndexEntry], positions: list[int]):
+        items = [(i, entries[i].video) for i in positions]
+        return DataLoader(items, batch_size=batch_size, collate_fn=collate, num_workers=num_workers,
+                          prefetch_factor=1 if num_workers else None)
+
+    return decode
+
+
+def encode_shard(builder: VideoIndexBuilder, entries: list[IndexEntry], shard: int, shard_range: tuple[int, int],
+                 decode: Any, num_workers: int) -> tuple[EncodingStats, int]:
+    """Encodes what shard ``shard`` (rows ``[start, stop)``) still lacks, resuming after its last journaled batch;
+    returns the loop's stats and how many rows it already held. Unreadable videos are recorded as failures."""
     start, stop = shard_range
-    with VideoStoreWriter(store, shard, start, stop, token_dtype=token_dtype, resume=True) as writer:
-        already = writer.done
-        remaining = [(i, videos[i]) for i in range(start, stop) if i not in already]
-        loader = DataLoader(remaining, batch_size=batch_size, collate_fn=collate, num_workers=num_workers,
-                            prefetch_factor=1 if num_workers else None)
-        stats = encode_videos(model, loader, writer, num_workers=num_workers, summary=False)
-    return stats, len(already)
+    return builder.encode(entries, decode, shard=shard, start=start, stop=stop, resume=True, num_workers=num_workers,
+                          summary=False)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -318,8 +284,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     plan = read_plan(store)  # what the main process wrote (every process sees the store's folder)
 
     stored = plan["videos"]
+    entries = [IndexEntry(video) for video in stored]
     num_shards = len(plan["shards"])
-    closed = set(range(num_shards)) - set(missing_shards(store, num_shards))
+    home = StoreHome(store, TOKEN_DTYPES[args.token_dtype])
+    builder = VideoIndexBuilder(model, home, settings)
+    closed = home.closed_shards(num_shards)
     mine = [s for s in range(accelerator.process_index, num_shards, accelerator.num_processes) if s not in closed]
     if accelerator.is_main_process:
         notes = []
@@ -331,14 +300,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             notes.append(f"skipped {len(skipped)} files that are not videos")
         print(f"Indexing {len(stored)} videos into {num_shards} shards of up to {args.shard_size} on "
               f"{accelerator.num_processes} process(es){'; ' if notes else ''}{'; '.join(notes)}.", flush=True)
-    collate = DecodeVideos(video_processor, num_frames)
+    decode = decode_with_workers(DecodeVideos(video_processor, num_frames), args.batch_size, args.num_workers)
     totals = {"encoded": 0, "already": 0, "failed": 0, "decode_wait_seconds": 0.0, "encode_seconds": 0.0,
               "seconds": 0.0}
     begin = time.perf_counter()
     with JournalProgress(store, len(stored), enabled=accelerator.is_main_process):
         for shard in mine:
-            stats, already_there = encode_shard(model, stored, shard, tuple(plan["shards"][shard]), store, collate,
-                                                args.batch_size, args.num_workers, TOKEN_DTYPES[args.token_dtype])
+            stats, already_there = encode_shard(builder, entries, shard, tuple(plan["shards"][shard]), decode,
+                                                args.num_workers)
             totals["encoded"] += stats.videos
             totals["already"] += already_there
             totals["failed"] += stats.failed
@@ -361,10 +330,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             reasons = "\n  ".join(f"{f['video']}: {f['reason']}" for f in failed[:10])
             raise SystemExit(f"error: none of the {len(stored)} videos could be read, so {str(store)!r} was not "
                              f"finalised (its journals say why):\n  {reasons}")
-        finalize_store(store, stored, num_shards, info={**settings, "model_class": type(model).__name__,
-                                                         "projection_dim": int(model.config.projection_dim)})
-        # the first stage over every video of the (grown) store: saved when approximate, else rebuilt on load
-        VideoIndex.load(store).save_first_stage(store)
+        # the store's index and its first stage over every video of the (grown) store (saved when approximate)
+        builder.finish(entries, num_shards)
         failures = store_metadata(store)["failures"]
         wall = max(t["seconds"] for t in all_totals)
         encoded_now = sum(t["encoded"] for t in all_totals)
@@ -383,7 +350,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"Indexed {len(stored)} videos into {store} ({encoded_now} handled this run, "
               f"{len(stored) - encoded_now} already there; {len(failures)} could not be decoded).")
         for failure in failures[:SUMMARY_FAILURES]:
-            print(f"  failed: {failure['video']}: {failure['reason']}")
+            print(f"  failed: {failure['video']}: {failure.get('code', 'unknown')}: {failure['reason']}")
         if len(failures) > SUMMARY_FAILURES:
             print(f"  ... and {len(failures) - SUMMARY_FAILURES} more failed videos (all are in {REPORT_FILE})")
         for file in skipped:
