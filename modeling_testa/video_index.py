@@ -326,7 +326,7 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
-def _from_config(read: Any) -> dict[str, Any]:
+def config_setting(read: Any) -> dict[str, Any]:
     return {"config": read}
 
 
@@ -344,12 +344,12 @@ class IndexInfo:
     name_or_path: str | None = None
     model: str | None = None
     model_weights_sha256: str | None = None
-    projection_dim: int | None = field(default=None, metadata=_from_config(lambda c: c.projection_dim))
+    projection_dim: int | None = field(default=None, metadata=config_setting(lambda c: c.projection_dim))
     num_frames: int | None = None
     temporal_reduction: list[int] | None = field(
-        default=None, metadata=_from_config(lambda c: c.vision_config.temporal_reduction_per_layer))
+        default=None, metadata=config_setting(lambda c: c.vision_config.temporal_reduction_per_layer))
     spatial_reduction: list[int] | None = field(
-        default=None, metadata=_from_config(lambda c: c.vision_config.spatial_reduction_per_layer))
+        default=None, metadata=config_setting(lambda c: c.vision_config.spatial_reduction_per_layer))
     precision: str | None = None
     token_dtype: str | None = None
 
