@@ -39,6 +39,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 STORE_INFO_FILE = "video_store.json"
+JOINED_EMBEDDINGS_FILE = "embeddings.f32"
+"""Every shard's embeddings in row order, ``(num_videos, dim)`` raw float32, written by `finalize_store`: a store of
+several shards opens memory-mapped, without joining them into one copy."""
 STORE_FORMAT = "testa-video-store"
 STORE_VERSION = 1
 TOKEN_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -299,11 +302,34 @@ def finalize_store(directory: str | os.PathLike, videos: list[str], num_shards: 
     }
     if row_fields:  # optional per-row fields (`start`/`end` of a moment, `dataset`), one value per video
         meta["row_fields"] = {key: list(values) for key, values in row_fields.items()}
+    write_joined_embeddings(directory, meta)
     # written whole and then renamed: a reader sees the old index (e.g. of a store being grown) or the new one
     temporary = directory / (STORE_INFO_FILE + ".tmp")
     temporary.write_text(json.dumps(meta, indent=1), encoding="utf-8")
     temporary.replace(directory / STORE_INFO_FILE)
     return directory
+
+
+def write_joined_embeddings(directory: Path, meta: dict[str, Any]) -> None:
+    """Writes `JOINED_EMBEDDINGS_FILE` from the shards' embeddings, one shard at a time (memory-mapped), beside and
+    renamed into place (a reader of the old index keeps its own mapping)."""
+    if len(meta["shards"]) < 2:  # one shard's embeddings are mapped as they are
+        (directory / JOINED_EMBEDDINGS_FILE).unlink(missing_ok=True)
+        return
+    shards = sorted(meta["shards"], key=lambda shard: shard["start"])
+    paths = [directory / _shard_name("shard", shard["shard"], "safetensors") for shard in shards]
+    dims = {open_safetensors(path)["embeddings"].shape[1] for path in paths} - {0}
+    if len(dims) != 1:
+        return
+    dim = dims.pop()
+    partial = directory / f".{JOINED_EMBEDDINGS_FILE}.partial"
+    with open(partial, "wb") as handle:
+        for path in paths:
+            embeddings = open_safetensors(path)["embeddings"].numpy()
+            if embeddings.shape[1] != dim:  # a shard whose videos all failed: zero rows
+                embeddings = np.zeros((embeddings.shape[0], dim), dtype=np.float32)
+            handle.write(np.ascontiguousarray(embeddings, dtype=np.float32).tobytes())
+    os.replace(partial, directory / JOINED_EMBEDDINGS_FILE)
 
 
 SAFETENSORS_NUMPY_DTYPES = {"F32": np.float32, "F64": np.float64, "F16": np.float16, "I64": np.int64,
@@ -437,9 +463,14 @@ class VideoTokenStore:
             embeddings.append(tensors["embeddings"])
         dims = {e.shape[1] for e in embeddings if e.shape[0] and e.shape[1]}
         dim = dims.pop() if dims else 0
-        embeddings = [e if e.shape[1] == dim else torch.zeros(e.shape[0], dim) for e in embeddings]
-        self.embeddings = embeddings[0] if len(embeddings) == 1 else \
-            torch.cat(embeddings) if embeddings else torch.zeros(0, dim)
+        joined = directory / JOINED_EMBEDDINGS_FILE
+        if len(embeddings) > 1 and dim and joined.is_file() and joined.stat().st_size == n * dim * 4:
+            # mapped, not joined: no copy of the collection's embeddings in this process
+            self.embeddings = torch.from_numpy(np.memmap(joined, dtype=np.float32, mode="c", shape=(n, dim)))
+        else:  # one shard is mapped already; a store written before the joined file existed is joined here
+            embeddings = [e if e.shape[1] == dim else torch.zeros(e.shape[0], dim) for e in embeddings]
+            self.embeddings = embeddings[0] if len(embeddings) == 1 else \
+                torch.cat(embeddings) if embeddings else torch.zeros(0, dim)
         self.valid = self._row_of >= 0
         self.num_valid = int(self.valid.sum())
         self._files: dict[tuple[str, int], int] = {}

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import re
 import shutil
+import sys
 
 import numpy as np
 import pytest
@@ -335,3 +336,36 @@ def test_search_refuses_an_index_of_another_model_and_caps_top_k(pipe, videos):
                           info={"projection_dim": 24})
     with pytest.raises(ValueError, match="projection_dim = 24, but this model has projection_dim = 16"):
         pipe.search(QUERIES[0], recorded)
+
+
+def mapped_file(address: int) -> str:
+    """The file mapped at `address` in this process (Linux's /proc/self/maps), "" when none."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            span, *rest = line.split()
+            low, high = (int(part, 16) for part in span.split("-"))
+            if low <= address < high:
+                return rest[4] if len(rest) > 4 else ""
+    return ""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_a_sharded_store_opens_mapped_without_joining_its_shards(tmp_path):
+    embeddings = unit_vectors(300, 16, seed=5)
+    names = [f"clip{i}.mp4" for i in range(300)]
+    for shard, (start, stop) in enumerate([(0, 100), (100, 220), (220, 300)]):
+        with VideoStoreWriter(tmp_path, shard, start, stop, token_dtype=torch.float32) as writer:
+            for i in range(start, stop):
+                if i == 150:
+                    writer.add_failure(i, names[i], "E: broken", code="unreadable")
+                else:
+                    writer.add_batch([i], torch.randn(1, 3, 4), None, embeddings[i : i + 1])
+    finalize_store(tmp_path, names, 3)
+    index = VideoIndex.load(tmp_path)
+    assert mapped_file(index.embeddings.data_ptr()).endswith("embeddings.f32")  # the file mapped, not a copy
+    valid = index.valid.nonzero().flatten()
+    assert valid.numel() == 299 and torch.equal(index.embeddings[valid], embeddings[valid])
+    queries = embeddings[:5]
+    scores, rows = index.nearest(queries, k=10, use_faiss=False)
+    reference = exact(queries, embeddings[valid], 10)
+    assert torch.equal(rows, valid[reference[1]])
