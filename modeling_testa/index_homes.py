@@ -97,7 +97,7 @@ class InMemoryHome:
         self.store_tokens, self.token_dtype = store_tokens, token_dtype
         self.sink: _InMemoryWriter | None = None
 
-    def writer(self, shard: int, start: int, stop: int, resume: bool = False) -> _InMemoryWriter:
+    def writer(self, shard: int, start: int, stop: int, resume: bool = False, entries: Any = None) -> _InMemoryWriter:
         self.sink = _InMemoryWriter(self.store_tokens, self.token_dtype)
         return self.sink
 
@@ -179,7 +179,8 @@ class StoreHome:
         write_json_atomically(self.directory / PLAN_FILE, plan)
         return plan, new
 
-    def writer(self, shard: int, start: int, stop: int, resume: bool = False) -> VideoStoreWriter:
+    def writer(self, shard: int, start: int, stop: int, resume: bool = False, entries: Any = None
+               ) -> VideoStoreWriter:
         return VideoStoreWriter(self.directory, shard, start, stop, token_dtype=self.token_dtype, resume=resume)
 
     def closed_shards(self, num_shards: int) -> set[int]:
@@ -256,7 +257,7 @@ class VideoIndexBuilder:
         """Encodes the rows ``[start, stop)`` of `entries` (all by default) into shard `shard` of the home, skipping
         what a resumed shard already holds. Returns the encode loop's stats and how many rows were already there."""
         stop = len(entries) if stop is None else stop
-        with self.home.writer(shard, start, stop, resume=resume) as writer:
+        with self.home.writer(shard, start, stop, resume=resume, entries=entries) as writer:
             done = set(writer.done)
             todo = [i for i in range(start, stop) if i not in done]
             batches = decode(entries, todo) if todo else iter(())
@@ -338,7 +339,8 @@ class StoreHome:
         write_json_atomically(self.directory / PLAN_FILE, plan)
         return plan, new
 
-    def writer(self, shard: int, start: int, stop: int, resume: bool = False) -> VideoStoreWriter:
+    def writer(self, shard: int, start: int, stop: int, resume: bool = False, entries: Any = None
+               ) -> VideoStoreWriter:
         return VideoStoreWriter(self.directory, shard, start, stop, token_dtype=self.token_dtype, resume=resume)
 
     def closed_shards(self, num_shards: int) -> set[int]:
@@ -415,7 +417,7 @@ class VideoIndexBuilder:
         """Encodes the rows ``[start, stop)`` of `entries` (all by default) into shard `shard` of the home, skipping
         what a resumed shard already holds. Returns the encode loop's stats and how many rows were already there."""
         stop = len(entries) if stop is None else stop
-        with self.home.writer(shard, start, stop, resume=resume) as writer:
+        with self.home.writer(shard, start, stop, resume=resume, entries=entries) as writer:
             done = set(writer.done)
             todo = [i for i in range(start, stop) if i not in done]
             batches = decode(entries, todo) if todo else iter(())

@@ -101,7 +101,17 @@ def _result_list(items: list[Any], scores: torch.Tensor, similarity: torch.Tenso
     return results
 
 
-def _candidate_results(items: list[Any], candidates: torch.Tensor, cosines: torch.Tensor,
+def _describer(items: Any) -> Any:
+    """``row -> {"video", ...}``: an index's `entry` (the row's video and, when set, its `start`/`end`/`dataset`);
+    for a plain list of videos, ``{"video": items[row]}``."""
+    entry = getattr(items, "entry", None)
+    if entry is not None:
+        videos = items.videos
+        return lambda row: {**entry(row), "video": videos[row]}
+    return lambda row: {"video": items[row]}
+
+
+def _candidate_results(items: Any, candidates: torch.Tensor, cosines: torch.Tensor,
                        head_scores: torch.Tensor | None, top_k: int | None) -> list[dict]:
     """`_result_list` computed from one query's candidates only (O(candidates), not O(collection)): the first
     ``len(head_scores)`` candidates re-ranked (by decreasing two-stage score), then the other candidates by
@@ -110,8 +120,9 @@ def _candidate_results(items: list[Any], candidates: torch.Tensor, cosines: torc
     reranked = 0 if head_scores is None else len(head_scores)
     head = sorted(zip(rows[:reranked], head_scores.tolist() if reranked else []), key=lambda pair: (-pair[1], pair[0]))
     rest = sorted(zip(rows[reranked:], cosines[reranked:]), key=lambda pair: (-pair[1], pair[0]))
-    results = [{"video": items[i], "score": score, "reranked": True} for i, score in head]
-    results += [{"video": items[i], "score": score, "reranked": False} for i, score in rest]
+    describe = _describer(items)
+    results = [{**describe(i), "score": score, "reranked": True} for i, score in head]
+    results += [{**describe(i), "score": score, "reranked": False} for i, score in rest]
     return results if top_k is None else results[:top_k]
 
 
@@ -622,8 +633,11 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         add_cosine: bool = True,
         use_faiss: bool | None = None,
         text_kwargs: dict[str, Any] | None = None,
+        filters: dict[str, Any] | None = None,
     ) -> Any:
-        """Searches an encoded collection without decoding any video.
+        """Searches an encoded collection without decoding any video: a `VideoIndex` (in memory or store-backed) or
+        a `milvus_home.MilvusIndex`, with payload `filters` (``{"folder": DIR}``: the videos under DIR;
+        ``{"dataset": NAME or [NAMES]}``; ``{"video": PATH}``), applied before the first stage.
 
         The first stage takes the nearest videos by cosine (`VideoIndex.nearest`): with FAISS when installed
         (`use_faiss=None`; `True` requires it, `False` uses exact torch top-k), through the index's first stage,
@@ -636,7 +650,8 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         by cosine. Without tokens (or with `rerank=False`) every score is the cosine and nothing is re-ranked.
 
         Returns:
-            Like the pipeline call: `[{"video", "score", "reranked"}]` per query.
+            Like the pipeline call: `[{"video", "score", "reranked"}]` per query, with the row's `start`/`end` (a
+            moment) and `dataset` when it has them.
 
         Raises:
             ValueError: when the index was encoded by a model of another `projection_dim` or aggregation settings
@@ -664,7 +679,11 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         num_videos = len(index)
         window = self._window(num_videos, top_k, rerank_k) if rerank else 0
         depth = num_videos if top_k is None else max(window, min(top_k, num_videos))
-        cosines, candidates = index.nearest(text_features, depth, use_faiss=use_faiss)
+        depth = min(depth, 16_384)  # Milvus' largest limit; no result list is longer in practice
+        if filters:
+            cosines, candidates = index.nearest(text_features, depth, use_faiss=use_faiss, filters=filters)
+        else:
+            cosines, candidates = index.nearest(text_features, depth, use_faiss=use_faiss)
         results = []
         for q in range(len(texts)):
             # only the candidates are scored: the work per query does not grow with the collection
@@ -677,7 +696,9 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
                     video_features=index.embeddings[head], read_tokens=lambda rows: index.tokens[head[rows]],
                     options=RankingOptions(k=len(head), itm_score=itm_score, add_cosine=add_cosine),
                 ).scores[0].float().cpu()
-            results.append(_candidate_results(index.videos, candidates[q], cosines[q].float(), head_scores, top_k))
+            found = candidates[q] >= 0  # a filtered search may find fewer rows than asked
+            results.append(_candidate_results(index, candidates[q][found], cosines[q][found].float(), head_scores,
+                                              top_k))
         return results[0] if single else results
 
 

@@ -814,8 +814,19 @@ class VideoIndex:
 
     # -- search ------------------------------------------------------------------------------------------------------
 
+    def filtered_rows(self, filters: dict[str, Any]) -> torch.Tensor:
+        """The encoded rows whose payload passes `filters` (`milvus_home.matches`: ``video``, ``folder``,
+        ``dataset``)."""
+        from .milvus_home import matches  # a sibling with no import of its own optional package at module level
+
+        valid = self.valid
+        keep = [i for i in range(len(self)) if bool(valid[i]) and matches({**self.entry(i), "video": self.names[i]},
+                                                                            filters)]
+        return torch.tensor(keep, dtype=torch.long)
+
     def nearest(
-        self, query_embeddings: torch.Tensor, k: int, use_faiss: bool | None = None
+        self, query_embeddings: torch.Tensor, k: int, use_faiss: bool | None = None,
+        filters: dict[str, Any] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """First-stage search: the `k` videos of highest cosine similarity for each query.
 
@@ -828,6 +839,8 @@ class VideoIndex:
             query_embeddings (`torch.FloatTensor` of shape `(num_queries, projection_dim)`): normalised text features.
             k (`int`): candidates per query (capped at the number of encoded videos).
             use_faiss (`bool`, *optional*): force (`True`, raises if missing) or avoid (`False`) FAISS.
+            filters (`dict`, *optional*): only rows whose payload passes them (see `filtered_rows`), searched exactly;
+                rows are ``-1`` (scores ``-inf``) past the matching ones.
 
         Returns:
             `(scores, indices)`, both `(num_queries, k)`, by decreasing similarity.
@@ -841,6 +854,14 @@ class VideoIndex:
                 f"The queries have shape {tuple(queries.shape)}, but this index holds {self.dim}-d embeddings: "
                 f"search it with the model that encoded it (projection_dim {self.dim}, got {queries.shape[-1]})."
             )
+        if filters:
+            rows = self.filtered_rows(filters)
+            scores = torch.full((queries.shape[0], int(k)), float("-inf"))
+            found = torch.full((queries.shape[0], int(k)), -1, dtype=torch.long)
+            if rows.numel():
+                top, at = exact_nearest(queries, self.embeddings, rows, min(int(k), rows.numel()))
+                scores[:, : top.shape[1]], found[:, : at.shape[1]] = top, at
+            return scores, found
         count = self.num_encoded
         k = min(int(k), count)
         faiss = faiss_module() if use_faiss in (None, True) else None

@@ -23,6 +23,8 @@ INSTALL = {
     "gradio": 'pip install -e ".[app]"',
     "gradio_client": 'pip install -e ".[app]"',
     "playwright.sync_api": 'pip install -e ".[app]"',
+    "pymilvus": 'pip install -e ".[milvus]"',
+    "milvus_lite": 'pip install -e ".[milvus]"',
 }
 
 
