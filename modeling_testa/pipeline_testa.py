@@ -444,7 +444,8 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
 
         Args:
             videos (`list`): paths, 4-D arrays/tensors or frame lists, or `index_homes.IndexEntry` rows (a video
-                with the `start`/`end` of a moment and a `dataset` name, carried into the index and search results).
+                with a `dataset` name, carried into the index and search results, to filter by; moments, with
+                `start`/`end`, are refused: this decoder reads whole videos).
             batch_size (`int`, defaults to 8): videos per encoder forward.
             store_tokens (`bool`, defaults to `True`): keep the aggregated tokens so that `search` can re-rank with
                 the matching head; `False` keeps only the embeddings (much smaller; not with `store_dir`).
@@ -482,7 +483,17 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         The returned index's `stats` say how fast it went: videos/s, the time the encoder waited for decoding, the
         encoder's own time (decoding is the bottleneck when the wait dominates) and the failures.
         """
-        videos = video_list(videos, "videos")
+        if isinstance(videos, (list, tuple)) and any(isinstance(item, IndexEntry) for item in videos):
+            entries = [item if isinstance(item, IndexEntry) else IndexEntry(item) for item in videos]
+            videos = video_list([entry.video for entry in entries], "videos")
+        else:
+            videos = video_list(videos, "videos")
+            entries = [IndexEntry(item) for item in videos]
+        moments = [i for i, entry in enumerate(entries) if entry.start is not None or entry.end is not None]
+        if moments:  # this decoder reads whole videos; cutting windows is a decoder's job, not a silent whole read
+            raise ValueError(f"videos{moments[:3]} are moments (start/end set): encode_videos decodes whole videos. "
+                             "Build an index of moments with `index_homes.VideoIndexBuilder` and a decoder that cuts "
+                             "the windows.")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"`batch_size` must be a positive int, got {batch_size!r}.")
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
@@ -490,7 +501,6 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         check_on_error(on_error)
         if store_dir is not None and not store_tokens:
             raise ValueError("`store_dir` writes the tokens: it cannot be combined with store_tokens=False.")
-        entries = [item if isinstance(item, IndexEntry) else IndexEntry(item) for item in videos]
         with_weights = index is not None and "model_weights_sha256" in (getattr(index, "info", None) or {})
         info = self._index_info(video_kwargs, with_weights=with_weights)
         if index is not None:

@@ -8,6 +8,7 @@ import json
 import re
 import shutil
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -369,3 +370,46 @@ def test_a_sharded_store_opens_mapped_without_joining_its_shards(tmp_path):
     scores, rows = index.nearest(queries, k=10, use_faiss=False)
     reference = exact(queries, embeddings[valid], 10)
     assert torch.equal(rows, valid[reference[1]])
+
+
+def test_search_without_faiss_above_the_exact_limit_warns_once(monkeypatch, caplog):
+    monkeypatch.setattr(video_index_module, "faiss_module", lambda: None)
+    monkeypatch.setattr(video_index_module, "_warned_exact_fallback", False)
+    embeddings = unit_vectors(60, 8, seed=3)
+    small = VideoIndex(videos=[f"v{i}.mp4" for i in range(60)], embeddings=embeddings)
+    large = VideoIndex(videos=[f"v{i}.mp4" for i in range(60)], embeddings=embeddings)
+    monkeypatch.setattr(video_index_module, "EXACT_MAX_VIDEOS", 50)
+    with caplog.at_level("WARNING", logger=video_index_module.logger.name):
+        small.nearest(embeddings[:2], 5, use_faiss=False)  # asked for: no warning
+        for _ in range(3):
+            scores, rows = large.nearest(embeddings[:2], 5)
+    warnings = [r.getMessage() for r in caplog.records if "without faiss" in r.getMessage()]
+    assert len(warnings) == 1 and "pip install faiss-cpu" in warnings[0] and "60 videos" in warnings[0]
+    assert torch.equal(rows, exact(embeddings[:2], embeddings, 5)[1])
+
+
+def test_filters_keep_only_matching_rows_and_moments_reach_the_results(pipe, videos):
+    from modeling_testa.index_homes import IndexEntry
+
+    entries = [IndexEntry(videos[0], dataset="a"), IndexEntry(videos[1], dataset="b"),
+               IndexEntry(videos[2], dataset="a")]
+    encoded = pipe.encode_videos(entries, batch_size=2)
+    assert encoded.row_fields == {"dataset": ["a", "b", "a"]}
+    with pytest.raises(ValueError, match=r"videos\[0\] are moments"):
+        pipe.encode_videos([IndexEntry(videos[0], start=0.0, end=1.0)])
+    # an index of moments (two windows of videos[1], as a moment decoder would give them)
+    index = VideoIndex(videos=[videos[0], videos[1], videos[1], videos[2]], info=encoded.info,
+                       embeddings=encoded.embeddings[[0, 1, 1, 2]],
+                       tokens=encoded.tokens[[0, 1, 1, 2]], token_sizes=encoded.token_sizes[[0, 1, 1, 2]],
+                       row_fields={"start": [None, 0.0, 1.0, None], "end": [None, 1.0, 2.0, None],
+                                   "dataset": ["a", "b", "b", "a"]})
+    results = pipe.search("a video", index, top_k=None, rerank=False)
+    assert sorted((r["video"], r.get("start", -1)) for r in results) == sorted(
+        [(videos[0], -1), (videos[1], 0.0), (videos[1], 1.0), (videos[2], -1)])
+    only_b = pipe.search("a video", index, top_k=None, rerank=False, filters={"dataset": "b"})
+    assert [r["dataset"] for r in only_b] == ["b", "b"] and {(r["start"], r["end"]) for r in only_b} == {
+        (0.0, 1.0), (1.0, 2.0)}
+    under = pipe.search("a video", index, top_k=2, rerank=False, filters={"folder": str(Path(videos[2]).parent)})
+    assert len(under) == 2  # every test video lies in that folder
+    # growing with the same rows adds nothing: rows are keyed by (video, start, end)
+    assert pipe.encode_videos(entries, index=encoded) is encoded and len(encoded) == 3
