@@ -69,6 +69,15 @@ def matches(entry: dict[str, Any], filters: dict[str, Any] | None) -> bool:
     return True
 
 
+def row_payload(video: str, start: float | None, end: float | None, dataset: str | None, vector: torch.Tensor,
+                store: str = "", row: int = -1) -> dict[str, Any]:
+    """One row as Milvus holds it (see the module docstring)."""
+    return {"key": row_key(video, start, end), "embedding": vector.detach().float().tolist(), "video": str(video),
+            "folder": os.path.dirname(str(video)), "dataset": dataset or "",
+            "start": NO_TIME if start is None else float(start), "end": NO_TIME if end is None else float(end),
+            "store": store, "row": int(row)}
+
+
 class MilvusWriter:
     """The home writer of one shard (rows ``[start, stop)`` of the builder's entries) upserting into Milvus; each
     batch is one upsert. `done` holds the rows already in the collection (a resumed shard skips them)."""
@@ -146,6 +155,8 @@ class MilvusHome:
         schema.add_field("dataset", DataType.VARCHAR, max_length=512)
         schema.add_field("start", DataType.DOUBLE)
         schema.add_field("end", DataType.DOUBLE)
+        schema.add_field("store", DataType.VARCHAR, max_length=4096)  # where the row's tokens are ("": none)
+        schema.add_field("row", DataType.INT64)  # the row in that store
         index_params = self.client.prepare_index_params()
         index_params.add_index("embedding", metric_type="IP", **self.index_params)
         self.client.create_collection(self.collection, schema=schema, index_params=index_params)
@@ -161,10 +172,31 @@ class MilvusHome:
 
     def payload(self, entries: list[Any], i: int, vector: torch.Tensor) -> dict[str, Any]:
         entry, name = entries[i], self.name_of(entries, i)
-        return {"key": row_key(name, entry.start, entry.end), "embedding": vector.tolist(), "video": name,
-                "folder": os.path.dirname(name), "dataset": entry.dataset or "",
-                "start": NO_TIME if entry.start is None else float(entry.start),
-                "end": NO_TIME if entry.end is None else float(entry.end)}
+        return row_payload(name, entry.start, entry.end, entry.dataset, vector)
+
+    def upsert_store_shard(self, directory: str | os.PathLike, start: int, stop: int, shard: int,
+                           names: list[str], row_fields: dict[str, list[Any]] | None = None,
+                           chunk: int = 1000) -> int:
+        """Upserts the encoded rows ``[start, stop)`` of a closed store shard (its embeddings, and the store and row
+        where their tokens are); returns how many. Idempotent: a repeated or resumed run rewrites the same rows."""
+        from .video_store import open_safetensors
+
+        directory = os.path.abspath(os.fspath(directory))
+        tensors = open_safetensors(os.path.join(directory, f"shard-{int(shard):05d}.safetensors"))
+        embeddings, rows = tensors["embeddings"], tensors["rows"]
+        fields = row_fields or {}
+        self.ensure_collection(self.dim or int(embeddings.shape[1]))
+        payloads = []
+        for local in range(stop - start):
+            if int(rows[local]) < 0:  # a failed video: never a search result
+                continue
+            i = start + local
+            value = lambda key: fields[key][i] if fields.get(key) else None  # noqa: E731
+            payloads.append(row_payload(names[i], value("start"), value("end"), value("dataset"),
+                                        embeddings[local], store=directory, row=i))
+        for begin in range(0, len(payloads), chunk):
+            self.upsert(payloads[begin : begin + chunk])
+        return len(payloads)
 
     def upsert(self, rows: list[dict[str, Any]]) -> None:
         if rows:
@@ -191,9 +223,12 @@ class MilvusHome:
         index.stats = dict(stats or {})
         return index
 
-    def open(self, info: dict[str, Any] | None = None) -> "MilvusIndex":
+    def open(self, info: dict[str, Any] | None = None, tokens_from_stores: bool = False) -> "MilvusIndex":
+        """The collection, searchable (`MilvusIndex`; `tokens_from_stores`: re-rank with the tokens of the stores
+        its rows name)."""
+        self.client.flush(self.collection)
         self.client.load_collection(self.collection)
-        return MilvusIndex(self, dict(info or {}), list(self.failures))
+        return MilvusIndex(self, dict(info or {}), list(self.failures), tokens_from_stores)
 
 
 class _Gathered:
@@ -208,20 +243,50 @@ class _Gathered:
             torch.zeros(0, self.index.dim)
 
 
+class _StoredTokens:
+    """``view[rows]``: the tokens (or token sizes) of hits, read from the store each hit names."""
+
+    def __init__(self, index: "MilvusIndex", kind: str):
+        self.index, self.kind = index, kind
+
+    def __getitem__(self, rows: Any) -> torch.Tensor:
+        rows = torch.as_tensor(rows, dtype=torch.long).flatten().tolist()
+        parts = []
+        for r in rows:
+            hit = self.index.hits[int(r)]
+            if not hit.get("store") or int(hit.get("row", -1)) < 0:
+                raise ValueError(f"{hit['video']!r} has no tokens in Milvus' payload: this index ranks by cosine.")
+            store = self.index.token_store(hit["store"])
+            read = store.read_tokens if self.kind == "tokens" else store.read_token_sizes
+            parts.append(read([int(hit["row"])]))
+        return torch.cat(parts)
+
+
 class MilvusIndex:
-    """A Milvus collection searched like a `VideoIndex` (cosine only: no tokens). `nearest` returns rows into the
-    hits of that search (``videos[row]``, ``entry(row)``, ``embeddings[row]``), valid until the next search."""
+    """A Milvus collection searched like a `VideoIndex`. `nearest` returns rows into the hits of that search
+    (``videos[row]``, ``entry(row)``, ``embeddings[row]``, ``tokens[row]``), valid until the next search. With
+    `tokens_from_stores` (rows written from a store, `MilvusHome.upsert_store_shard`), the tokens are read from the
+    store each row names, so search re-ranks; otherwise it ranks by cosine."""
 
-    tokens = None
-    token_sizes = None
-    has_tokens = False
-
-    def __init__(self, home: MilvusHome, info: dict[str, Any], failures: list[Failure]):
+    def __init__(self, home: MilvusHome, info: dict[str, Any], failures: list[Failure],
+                 tokens_from_stores: bool = False):
         self.home, self.info, self.failures = home, info, failures
+        self.has_tokens = bool(tokens_from_stores)
+        self.tokens = _StoredTokens(self, "tokens") if tokens_from_stores else None
+        self.token_sizes = _StoredTokens(self, "token_sizes") if tokens_from_stores else None
+        self._stores: dict[str, Any] = {}
         self.hits: list[dict[str, Any]] = []
         self.hit_vectors: list[torch.Tensor] = []
         self.stats: dict[str, Any] = {}
         self.dim = int(info.get("projection_dim") or home.dim or 0)
+
+    def token_store(self, directory: str) -> Any:
+        """The `VideoTokenStore` in `directory`, opened once."""
+        if directory not in self._stores:
+            from .video_store import VideoTokenStore
+
+            self._stores[directory] = VideoTokenStore(directory)
+        return self._stores[directory]
 
     def __len__(self) -> int:
         return int(self.home.client.get_collection_stats(self.home.collection)["row_count"])
@@ -267,7 +332,7 @@ class MilvusIndex:
                              "embeddings: search it with the model that encoded it.")
         results = self.home.client.search(
             self.home.collection, data=queries.tolist(), limit=max(1, int(k)), filter=milvus_filter(filters),
-            output_fields=["video", "dataset", "start", "end", "embedding"],
+            output_fields=["video", "dataset", "start", "end", "embedding", "store", "row"],
             search_params={"metric_type": "IP", "params": self.home.search_params})
         self.hits, self.hit_vectors = [], []
         width = max((len(hits) for hits in results), default=0)

@@ -697,18 +697,18 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         results = []
         for q in range(len(texts)):
             # only the candidates are scored: the work per query does not grow with the collection
-            head = candidates[q][:window]
+            found = candidates[q] >= 0  # a filtered search may find fewer rows than asked
+            rows, row_cosines = candidates[q][found], cosines[q][found].float()
+            head = rows[:window]
             head_scores = None
-            if window:
+            if head.numel():
                 head_scores = two_stage_scores(
                     self.model, queries_are_texts=True, input_ids=input_ids[q : q + 1],
                     attention_mask=attention_mask[q : q + 1], text_features=text_features[q : q + 1],
                     video_features=index.embeddings[head], read_tokens=lambda rows: index.tokens[head[rows]],
                     options=RankingOptions(k=len(head), itm_score=itm_score, add_cosine=add_cosine),
                 ).scores[0].float().cpu()
-            found = candidates[q] >= 0  # a filtered search may find fewer rows than asked
-            results.append(_candidate_results(index, candidates[q][found], cosines[q][found].float(), head_scores,
-                                              top_k))
+            results.append(_candidate_results(index, rows, row_cosines, head_scores, top_k))
         return results[0] if single else results
 
 

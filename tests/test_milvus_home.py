@@ -158,3 +158,38 @@ def test_pipeline_search_on_an_embedded_milvus_lite_file_carries_moments(tmp_pat
     _, found = index.nearest(vectors[-1:], 3)
     top = index.entry(int(found[0, 0]))
     assert top == {"video": entries[-1].name(len(entries) - 1), "start": 5.0, "end": 10.0, "dataset": "long"}
+
+
+def test_train_index_into_milvus_then_train_search_equals_the_store_search(tmp_path):
+    """`train.index --milvus FILE` upserts every encoded video (keyed by video; a repeated run duplicates nothing),
+    and `train.search --milvus FILE` (first stage in Milvus, tokens from the store) ranks as the store does."""
+    from helpers.pipelines import build_retrieval, save_folder, tiny_processor
+    from helpers.videos import write_noise_video
+
+    from train.index import main as index_main
+    from train.search import search
+
+    model = save_folder(build_retrieval(), tiny_processor(), tmp_path / "model")
+    for i in range(12):
+        write_noise_video(tmp_path / "videos" / ("cats" if i % 2 else "dogs") / f"clip{i:02d}.mp4", seed=40 + i)
+    (tmp_path / "videos" / "dogs" / "broken.mp4").write_text("not a video")
+    store, milvus = tmp_path / "store", str(tmp_path / "videos.db")
+    arguments = ["--model", str(model), "--videos", str(tmp_path / "videos"), "--store", str(store),
+                 "--token-dtype", "float32", "--num-workers", "0", "--shard-size", "5", "--milvus", milvus]
+    index_main(arguments)
+    index_main(arguments)  # again: nothing new is encoded, every row is upserted again
+    home = MilvusHome(milvus, dim=16)
+    rows = home.open({"projection_dim": 16}).all_rows()
+    videos = sorted(str(p) for p in (tmp_path / "videos").rglob("clip*.mp4"))
+    assert sorted(row["video"] for row in rows) == videos  # each once; the broken file is not a row
+    queries = ["a red square on a blue screen", "green and yellow blocks"]
+    for filters in (None, {"folder": [str(tmp_path / "videos" / "cats")]}):
+        from_store = search(str(store), queries, top_k=4, filters=filters)
+        from_milvus = search(str(store), queries, top_k=4, filters=filters, milvus=milvus)
+        for got, want in zip(from_milvus, from_store, strict=True):
+            assert [r["video"] for r in got] == [r["video"] for r in want]
+            assert [r["score"] for r in got] == pytest.approx([r["score"] for r in want], abs=1e-5)
+            assert all(r["reranked"] for r in got)
+            if filters:
+                assert all("/cats/" in r["video"] for r in got)
+

@@ -413,3 +413,14 @@ def test_filters_keep_only_matching_rows_and_moments_reach_the_results(pipe, vid
     assert len(under) == 2  # every test video lies in that folder
     # growing with the same rows adds nothing: rows are keyed by (video, start, end)
     assert pipe.encode_videos(entries, index=encoded) is encoded and len(encoded) == 3
+
+
+def test_a_filter_matching_fewer_rows_than_the_rerank_window_reranks_only_those(pipe, tmp_path):
+    from helpers.videos import write_noise_video
+
+    paths = [str(write_noise_video(tmp_path / ("a" if i < 2 else "b") / f"v{i}.mp4", seed=i)) for i in range(6)]
+    index = pipe.encode_videos(paths, batch_size=3)
+    got = pipe.search("a video", index, top_k=None, rerank_k=5, filters={"folder": str(tmp_path / "a")})
+    reference = pipe.search("a video", pipe.encode_videos(paths[:2]), top_k=None, rerank_k=5)
+    assert [r["video"] for r in got] == [r["video"] for r in reference] and all(r["reranked"] for r in got)
+    assert [r["score"] for r in got] == pytest.approx([r["score"] for r in reference], abs=1e-5)

@@ -243,6 +243,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--shard-size", type=int, default=256, help="videos per shard (default: 256)")
     parser.add_argument("--batch-size", type=int, default=8, help="videos per encoder forward, per process")
     parser.add_argument("--num-workers", type=int, default=2, help="decoding worker processes per process")
+    parser.add_argument("--milvus", default=None,
+                        help="also upsert every encoded video into Milvus: a Milvus Lite file (videos.db) or a server "
+                             "or cluster URI (http://host:19530); the tokens stay in --store")
+    parser.add_argument("--collection", default="videos", help="the Milvus collection (default: videos)")
     args = parser.parse_args(argv)
     for name in ("shard_size", "batch_size"):
         if getattr(args, name) < 1:
@@ -289,7 +293,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     home = StoreHome(store, TOKEN_DTYPES[args.token_dtype])
     builder = VideoIndexBuilder(model, home, settings)
     closed = home.closed_shards(num_shards)
-    mine = [s for s in range(accelerator.process_index, num_shards, accelerator.num_processes) if s not in closed]
+    assigned = list(range(accelerator.process_index, num_shards, accelerator.num_processes))
+    mine = [s for s in assigned if s not in closed]
+    milvus = None
+    if args.milvus:
+        from modeling_testa.milvus_home import MilvusHome
+
+        milvus = MilvusHome(args.milvus, args.collection, dim=int(settings["projection_dim"]))
     if accelerator.is_main_process:
         notes = []
         if existed:
@@ -315,6 +325,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             totals["encode_seconds"] += stats.encode_seconds
             print(f"[process {accelerator.process_index}] shard {shard}: {stats.videos} videos handled this run "
                   f"({stats.failed} could not be read), {already_there} already in the store", flush=True)
+        if milvus is not None:  # this process' shards, closed now or by an earlier run: upserts, so repeats are harmless
+            fields = plan.get("row_fields") or {}
+            upserted = sum(milvus.upsert_store_shard(store, *plan["shards"][shard], shard, stored, fields)
+                           for shard in assigned)
+            print(f"[process {accelerator.process_index}] upserted {upserted} videos into Milvus "
+                  f"{args.milvus} ({args.collection})", flush=True)
         totals["seconds"] = time.perf_counter() - begin
         all_totals = gather_object([totals]) if accelerator.num_processes > 1 else [totals]
         accelerator.wait_for_everyone()
