@@ -49,6 +49,7 @@ class AppState:
     index: Any = None
     indexed: list[str] = field(default_factory=list)
     indexed_folder: str | None = None  # the folder the index was built from (indexing it again grows the index)
+    folder_filter: str = ""  # search only the videos under this folder ("": all)
     lock: threading.Lock = field(default_factory=threading.Lock)  # one index change at a time
     output_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="testa-app-"))
 
@@ -141,7 +142,11 @@ def search_videos(state: AppState, query: str, top_k: float, rerank: bool = True
         raise gr.Error("Type a sentence or a paragraph to search for.")
     if state.index is None:
         raise gr.Error("Index a folder first.")
-    hits = retrieval.search(query.strip(), state.index, top_k=max(1, int(top_k)), rerank=None if rerank else False)
+    filters = {"folder": state.folder_filter.strip()} if state.folder_filter.strip() else None
+    hits = retrieval.search(query.strip(), state.index, top_k=max(1, int(top_k)), rerank=None if rerank else False,
+                            filters=filters)
+    if not hits:
+        raise gr.Error(f"No indexed video lies under {state.folder_filter.strip()!r}.")
     gallery = [(hit["video"], f"{Path(hit['video']).name}  {hit['score']:.3f}") for hit in hits]
     rows = [[rank, Path(hit["video"]).name, round(float(hit["score"]), 4), bool(hit["reranked"])]
             for rank, hit in enumerate(hits, 1)]
@@ -273,6 +278,7 @@ def build_app(state: AppState) -> gr.Blocks:
                 top_k = gr.Slider(1, 20, value=5, step=1, label="Results")
                 rerank = gr.Checkbox(value=state.rerank, label="Re-rank with the matching head")
                 search_button = gr.Button("Search", variant="primary")
+            folder_filter = gr.Textbox(label="Only videos under this folder (empty: all)", value="")
             gr.Examples(EXAMPLES, inputs=query)
             gallery = gr.Gallery(label="Results", columns=5, height=220)
             table = gr.Dataframe(headers=["rank", "video", "score", "re-ranked"], label="Ranking", interactive=False)
@@ -315,6 +321,7 @@ def build_app(state: AppState) -> gr.Blocks:
                             api_name="answer", **ONE_MODEL)
         apply_button.click(lambda t, s: change_aggregation(state, t, s), [temporal, spatial], panel,
                            api_name="aggregation", **ONE_MODEL)
+        folder_filter.change(lambda f: setattr(state, "folder_filter", f or ""), folder_filter, None, api_name=False)
         gallery.select(chosen_video, None, result, api_name=False)
         result.change(lambda v: (v, v), result, [classify_video_input, qa_video], api_name=False)
     demo.queue(default_concurrency_limit=1)  # one model: requests wait their turn, none is dropped
@@ -329,6 +336,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the folder indexed at start (env TESTA_VIDEOS)")
     parser.add_argument("--qa-model", default=os.environ.get("TESTA_QA_MODEL"),
                         help="a VideoQA model folder or Hub id for the Ask tab (env TESTA_QA_MODEL)")
+    parser.add_argument("--index", default=None,
+                        help="search this index instead of indexing --videos: a store or saved index folder")
+    parser.add_argument("--milvus", default=None,
+                        help="with --index (a store written by train.index --milvus): search this Milvus file or URI")
+    parser.add_argument("--collection", default="videos", help="the Milvus collection (default: videos)")
     parser.add_argument("--no-rerank", action="store_true",
                         help="rank by cosine by default (e.g. a model whose matching head is barely trained)")
     parser.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"))
@@ -340,7 +352,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     state = load_state(args.model, args.videos, args.qa_model)
     state.rerank = not args.no_rerank
-    if state.retrieval is not None and args.videos:
+    if args.milvus and not args.index:
+        raise SystemExit("error: --milvus needs --index (the store whose settings and tokens it uses)")
+    if args.index:
+        from train.search import open_index
+
+        state.index = open_index(args.index, args.milvus, args.collection)
+        print(f"Searching {len(state.index)} videos of {args.milvus or args.index}.", flush=True)
+    elif state.retrieval is not None and args.videos:
         try:
             print(index_videos(state, args.videos, None), flush=True)
         except gr.Error as error:
