@@ -126,13 +126,14 @@ class MilvusHome:
                  index_params: dict[str, Any] | None = None, search_params: dict[str, Any] | None = None,
                  token: str | None = None):
         try:
-            from pymilvus import MilvusClient
+            import pymilvus  # optional: only a Milvus home needs it
         except ImportError as error:
             raise ImportError("A Milvus home needs pymilvus (pip install pymilvus milvus-lite).") from error
+        self.pymilvus = pymilvus
         self.uri, self.collection, self.dim = str(uri), collection, dim
         self.index_params = index_params or {"index_type": "HNSW", "params": {"M": 32, "efConstruction": 200}}
         self.search_params = search_params or {"ef": 256}
-        self.client = MilvusClient(uri=self.uri, token=token or "")
+        self.client = pymilvus.MilvusClient(uri=self.uri, token=token or "")
         self.failures: list[Failure] = []
 
     # -- writing -----------------------------------------------------------------------------------------------------
@@ -143,7 +144,7 @@ class MilvusHome:
 
     def ensure_collection(self, dim: int) -> None:
         """Creates the collection (key, embedding, payload) unless it exists."""
-        from pymilvus import DataType
+        DataType = self.pymilvus.DataType  # noqa: N806
 
         if self.client.has_collection(self.collection):
             return

@@ -681,6 +681,9 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         texts, single = text_list(text, "text")
         if rerank and not index.has_tokens:
             raise ValueError("rerank=True needs an index built with store_tokens=True.")
+        if rerank is None and not index.has_tokens:
+            logger.warning_once("This index holds no re-ranking tokens (built with store_tokens=False, or a Milvus "
+                                "collection whose rows name no token store): search ranks by cosine only.")
         rerank = index.has_tokens if rerank is None else bool(rerank)
         encoded = self._tokenize(texts, text_kwargs)
         input_ids = encoded["input_ids"].to(self.device)

@@ -38,13 +38,22 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from .int8_tokens import SCALE_BYTES, pack, unpack
+
 STORE_INFO_FILE = "video_store.json"
 JOINED_EMBEDDINGS_FILE = "embeddings.f32"
 """Every shard's embeddings in row order, ``(num_videos, dim)`` raw float32, written by `finalize_store`: a store of
 several shards opens memory-mapped, without joining them into one copy."""
 STORE_FORMAT = "testa-video-store"
 STORE_VERSION = 1
-TOKEN_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+TOKEN_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.int8}
+
+
+def token_row_shape(num_tokens: int, hidden_size: int, dtype: torch.dtype) -> tuple[tuple[int, int], torch.dtype]:
+    """The on-disk shape and dtype of one video's tokens: int8 tokens carry their scale (`int8_tokens.pack`)."""
+    if dtype == torch.int8:
+        return (num_tokens, hidden_size + SCALE_BYTES), torch.uint8
+    return (num_tokens, hidden_size), dtype
 
 
 def _dtype_name(dtype: torch.dtype | str) -> str:
@@ -149,7 +158,8 @@ class VideoStoreWriter:
                 self.rows[self._local(index)] = self._written
                 self._written += 1
         if self.num_tokens is not None:
-            rows_per_video = {"tokens": self.num_tokens * self.hidden_size * self.token_dtype.itemsize,
+            shape, stored = token_row_shape(self.num_tokens, self.hidden_size, self.token_dtype)
+            rows_per_video = {"tokens": shape[0] * shape[1] * stored.itemsize,
                               "token_sizes": self.num_tokens * 4 if self.has_token_sizes else 0,
                               "embeddings": self.embeddings.shape[1] * 4}
         for kind, path in paths.items():
@@ -199,7 +209,10 @@ class VideoStoreWriter:
         locals_ = [self._local(i) for i in indices]
         if len(set(locals_)) != len(locals_):
             raise ValueError(f"A batch names a video twice: {indices}.")
-        cpu_tokens = tokens.detach().to("cpu", self.token_dtype).contiguous()
+        if self.token_dtype == torch.int8:  # codes and one scale per token
+            cpu_tokens = pack(tokens.detach().cpu())
+        else:
+            cpu_tokens = tokens.detach().to("cpu", self.token_dtype).contiguous()
         self._tokens_file.write(cpu_tokens.view(torch.uint8).numpy().tobytes())
         if token_sizes is not None:
             cpu_sizes = token_sizes.detach().to("cpu", torch.float32).contiguous()
@@ -489,7 +502,8 @@ class VideoTokenStore:
     @property
     def token_bytes(self) -> int:
         """Bytes of one video's tokens on disk."""
-        return (self.num_tokens or 0) * (self.hidden_size or 0) * torch.empty(0, dtype=self.token_dtype).element_size()
+        shape, stored = token_row_shape(self.num_tokens or 0, self.hidden_size or 0, self.token_dtype)
+        return shape[0] * shape[1] * stored.itemsize if self.num_tokens and self.hidden_size else 0
 
     def _fd(self, kind: str, shard: int) -> int:
         key = (kind, shard)
@@ -532,7 +546,9 @@ class VideoTokenStore:
     def read_tokens(self, indices: Any) -> torch.Tensor:
         """``(len(indices), num_tokens, hidden_size)`` tokens of the given videos, in the store's dtype."""
         indices = self._indices(indices)
-        return self._read("tokens", indices, (self.num_tokens, self.hidden_size), self.token_dtype)
+        shape, stored = token_row_shape(self.num_tokens, self.hidden_size, self.token_dtype)
+        tokens = self._read("tokens", indices, shape, stored)
+        return unpack(tokens) if self.token_dtype == torch.int8 else tokens
 
     def read_token_sizes(self, indices: Any) -> torch.Tensor | None:
         """``(len(indices), num_tokens)`` fp32 token sizes, or None when the store has none."""
@@ -565,7 +581,9 @@ class StoredTensor:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.store.token_dtype if self.kind == "tokens" else torch.float32
+        if self.kind == "tokens" and self.store.token_dtype != torch.int8:
+            return self.store.token_dtype
+        return torch.float32  # token sizes, and int8 tokens (read dequantized)
 
     @property
     def ndim(self) -> int:

@@ -424,3 +424,29 @@ def test_a_filter_matching_fewer_rows_than_the_rerank_window_reranks_only_those(
     reference = pipe.search("a video", pipe.encode_videos(paths[:2]), top_k=None, rerank_k=5)
     assert [r["video"] for r in got] == [r["video"] for r in reference] and all(r["reranked"] for r in got)
     assert [r["score"] for r in got] == pytest.approx([r["score"] for r in reference], abs=1e-5)
+
+
+def test_int8_tokens_round_trip_through_a_store_within_half_a_step_per_token(tmp_path):
+    from modeling_testa import int8_tokens
+    from modeling_testa.video_store import VideoTokenStore
+
+    generator = torch.Generator().manual_seed(11)
+    # tokens of very different norms (one scale per token keeps the small ones), one all-zero token
+    tokens = torch.randn(6, 5, 12, generator=generator) * torch.logspace(-3, 2, 5).view(1, 5, 1)
+    tokens[2, 3] = 0
+    embeddings = F.normalize(torch.randn(6, 8, generator=generator), dim=1)
+    with VideoStoreWriter(tmp_path, 0, 0, 6, token_dtype="int8") as writer:
+        writer.add_batch(range(6), tokens.half(), torch.ones(6, 5), embeddings)
+    finalize_store(tmp_path, [f"v{i}" for i in range(6)], 1)
+    store = VideoTokenStore(tmp_path)
+    read = store.read_tokens(torch.arange(6))
+    reference = tokens.half().double()  # the fp16 tokens given, re-quantized in float64
+    scales = reference.abs().amax(dim=-1, keepdim=True) / 127
+    expected = torch.where(scales > 0, torch.round(reference / scales.clamp(min=1e-300)) * scales, reference)
+    assert read.dtype == torch.float32 and store.tokens.dtype == torch.float32
+    # float32 arithmetic may round a value lying on a half step the other way than float64: one step, rarely
+    steps = ((read.double() - expected).abs() / scales.clamp(min=1e-300)).round()
+    assert int((steps > 0).sum()) <= 2 and float(steps.max()) <= 1
+    assert bool(((read.double() - reference).abs() <= scales / 2 * (1 + 1e-4)).all())
+    assert torch.equal(read[2, 3], torch.zeros(12))
+    assert store.token_bytes == 5 * (12 + int8_tokens.SCALE_BYTES)  # half of fp16's 5 * 12 * 2 plus the scales
