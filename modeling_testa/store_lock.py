@@ -81,7 +81,8 @@ def process_state(pid: int) -> str | None:
 
 
 def pid_is_running(pid: int) -> bool:
-    """Whether a process `pid` runs on this host (a zombie does not)."""
+    """Whether a process `pid` runs on this host (a zombie does not). POSIX only (on Windows ``os.kill`` would stop
+    the process)."""
     try:
         os.kill(int(pid), 0)
     except ProcessLookupError:
@@ -109,7 +110,8 @@ def stale_reason(holder: dict[str, Any] | None, age_seconds: float,
                  stale_after: float = STALE_AFTER_SECONDS) -> str | None:
     """Why the writer of a lock is certainly gone, or None when it may be alive. `holder` is None for a payload that
     cannot be read (only damage makes one: it is written whole); `age_seconds` is the age of its heartbeat."""
-    if holder is not None and holder.get("host") == socket.gethostname():
+    # on Windows no pid is probed: every lock goes stale by its heartbeat, as another host's does
+    if holder is not None and holder.get("host") == socket.gethostname() and os.name != "nt":
         pid = holder.get("pid")
         if not isinstance(pid, int) or not pid_is_running(pid):
             return f"pid {pid} is not running on this host"

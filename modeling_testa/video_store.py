@@ -627,22 +627,32 @@ def check_journal(path: Path, rows: torch.Tensor, shard: int, start: int, stop: 
         raise DamagedStoreError(path, "videos it marks failed have rows in the shard's row map")
 
 
+# Rows compared at a time by `check_row_embeddings` (32 MB of 256-d fp32 embeddings per side): bounded memory.
+CHECK_CHUNK_ROWS = 32_768
+
+
 def check_row_embeddings(path: Path, shard_path: Path, rows: torch.Tensor, embeddings: torch.Tensor,
                          start: int) -> None:
-    """Each row of ``embeddings-NNNNN.bin`` (written with the row's tokens, in row order) equals the embedding the
-    writer kept for the video the row map gives it: a row written by another writer does not."""
+    """Each row of ``embeddings-NNNNN.bin`` (written with the row's tokens, in row order) equals, bit for bit, the
+    embedding the writer kept for the video the row map gives it: a row written by another writer does not. Read
+    in chunks of `CHECK_CHUNK_ROWS`, so memory stays bounded whatever the shard's size."""
     dim = embeddings.shape[1]
     row_order = np.memmap(path, dtype=np.float32, mode="r").reshape(-1, dim)
-    videos = np.flatnonzero(rows.numpy() >= 0)
-    kept = embeddings.numpy()[videos]
-    in_rows = row_order[rows.numpy()[videos]]
-    same = (kept.view(np.uint32) == in_rows.view(np.uint32)).all(axis=1)  # bit for bit (NaN included)
-    if not same.all():
-        first = int(np.flatnonzero(~same)[0])
-        raise DamagedStoreError(path, f"{int((~same).sum())} of its {len(videos)} rows do not hold the embedding "
-                                      f"{shard_path.name} keeps for their video (first: row "
-                                      f"{int(rows[videos[first]])}, video {start + int(videos[first])}): their "
-                                      "tokens belong to other videos")
+    row_map, kept_all = rows.numpy(), embeddings.numpy()
+    videos = np.flatnonzero(row_map >= 0)
+    mismatched, first = 0, None
+    for begin in range(0, len(videos), CHECK_CHUNK_ROWS):
+        chunk = videos[begin : begin + CHECK_CHUNK_ROWS]
+        kept, in_rows = kept_all[chunk], row_order[row_map[chunk]]
+        same = (kept.view(np.uint32) == in_rows.view(np.uint32)).all(axis=1)  # bit for bit (NaN included)
+        if not same.all():
+            mismatched += int((~same).sum())
+            first = first if first is not None else int(chunk[np.flatnonzero(~same)[0]])
+    del row_order
+    if mismatched:
+        raise DamagedStoreError(path, f"{mismatched} of its {len(videos)} rows do not hold the embedding "
+                                      f"{shard_path.name} keeps for their video (first: row {int(row_map[first])}, "
+                                      f"video {start + first}): their tokens belong to other videos")
 
 
 class VideoTokenStore:

@@ -22,6 +22,10 @@ returned by search, and listed at the end. When every shard is closed, the main 
 store's index (`VideoIndex.load(OUT)` and `python -m train.search` read it) and its first stage, and reports the
 videos, the failures, the settings, and the time spent decoding and encoding (`index_report.json`).
 
+One writer per store: the main process takes the store's lock (``writer.lock``, `modeling_testa.store_lock`) before
+anything is written and the other processes of the launch check it; a second run on the same store is refused,
+naming the running one, and a lock left by a killed run is taken over (then the run resumes).
+
 Inputs (``--videos``): a folder (searched recursively for video files; other files are listed as skipped), a text
 file with one path per line (relative paths are relative to the file), or a dataset written by the builders
 (a folder with ``<split>.jsonl``, or one jsonl/parquet file; ``--split`` picks the split, default ``test``).
