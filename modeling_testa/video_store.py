@@ -554,12 +554,13 @@ def open_shard(directory: Path, shard: dict[str, Any], meta: dict[str, Any]) -> 
 def check_row_map(path: Path, rows: torch.Tensor, num_rows: int) -> None:
     """A shard's row map gives every encoded video its own row of ``[0, num_rows)``, and failed videos -1."""
     values = rows.numpy()
-    valid = values[values >= 0]
-    if (values < -1).any() or (valid >= num_rows).any():
-        bad = int(np.flatnonzero((values < -1) | (values >= num_rows))[0])
+    outside = (values < -1) | (values >= num_rows)
+    if outside.any():
+        bad = int(np.flatnonzero(outside)[0])
         raise DamagedStoreError(path, f"its row map gives video {bad} of the shard row {int(values[bad])}, outside "
                                       f"[0, {num_rows}) (-1: failed)")
-    if valid.size != num_rows or np.unique(valid).size != valid.size:
+    valid = values[values >= 0]
+    if valid.size != num_rows or (valid.size and np.bincount(valid, minlength=num_rows).max() > 1):
         raise DamagedStoreError(path, f"its row map gives {valid.size} encoded videos {np.unique(valid).size} "
                                       f"distinct rows, but the shard has {num_rows} rows")
 
@@ -604,18 +605,18 @@ def check_journal(path: Path, rows: torch.Tensor, shard: int, start: int, stop: 
         raise DamagedStoreError(path, f"its header {entries[:1]} is not that of shard {shard} [{start}, {stop})")
     encoded = [int(i) for entry in entries[1:] for i in entry.get("encoded", [])]
     failed = [int(entry["failed"]) for entry in entries[1:] if "failed" in entry]
-    named = np.asarray(encoded + failed, dtype=np.int64)
-    values, counts = np.unique(named, return_counts=True)
+    local = np.asarray(encoded + failed, dtype=np.int64) - start
+    if local.size and (local.min() < 0 or local.max() >= stop - start):
+        raise DamagedStoreError(path, f"it names videos outside its shard's range [{start}, {stop})")
+    counts = np.bincount(local, minlength=stop - start)
     if (counts > 1).any():
-        twice = int(values[counts > 1][0])
+        twice = start + int(np.flatnonzero(counts > 1)[0])
         where = [n for n, entry in enumerate(entries, start=1) if twice in entry.get("encoded", [])
                  or entry.get("failed") == twice]
-        raise DamagedStoreError(path, f"video {twice} appears {int(counts[values == twice][0])} times (lines "
+        raise DamagedStoreError(path, f"video {twice} appears {int(counts[twice - start])} times (lines "
                                       f"{where}): the shard was written by two writers at once")
-    if named.size and (values[0] < start or values[-1] >= stop):
-        raise DamagedStoreError(path, f"it names videos outside its shard's range [{start}, {stop})")
-    if values.size != stop - start:
-        raise DamagedStoreError(path, f"it names {values.size} of the {stop - start} videos of its shard")
+    if (counts == 0).any():
+        raise DamagedStoreError(path, f"it names {int((counts > 0).sum())} of the {stop - start} videos of its shard")
     row_map = rows.numpy()
     encoded_at = np.asarray(encoded, dtype=np.int64) - start
     wrong = np.flatnonzero(row_map[encoded_at] != np.arange(len(encoded))) if encoded else np.empty(0, np.int64)
@@ -631,6 +632,13 @@ def check_journal(path: Path, rows: torch.Tensor, shard: int, start: int, stop: 
 CHECK_CHUNK_ROWS = 32_768
 
 
+def contiguous_rows(array: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``array[rows]``, as a view (no copy, no gather) when ``rows`` are consecutive, as they mostly are."""
+    if rows.size and int(rows[-1]) - int(rows[0]) == rows.size - 1 and (np.diff(rows) == 1).all():
+        return array[int(rows[0]) : int(rows[-1]) + 1]
+    return array[rows]
+
+
 def check_row_embeddings(path: Path, shard_path: Path, rows: torch.Tensor, embeddings: torch.Tensor,
                          start: int) -> None:
     """Each row of ``embeddings-NNNNN.bin`` (written with the row's tokens, in row order) equals, bit for bit, the
@@ -643,7 +651,7 @@ def check_row_embeddings(path: Path, shard_path: Path, rows: torch.Tensor, embed
     mismatched, first = 0, None
     for begin in range(0, len(videos), CHECK_CHUNK_ROWS):
         chunk = videos[begin : begin + CHECK_CHUNK_ROWS]
-        kept, in_rows = kept_all[chunk], row_order[row_map[chunk]]
+        kept, in_rows = contiguous_rows(kept_all, chunk), contiguous_rows(row_order, row_map[chunk])
         same = (kept.view(np.uint32) == in_rows.view(np.uint32)).all(axis=1)  # bit for bit (NaN included)
         if not same.all():
             mismatched += int((~same).sum())

@@ -31,6 +31,8 @@ from modeling_testa.video_store import VideoTokenStore, journaled_count
 NUM_VIDEOS = 96
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 PLAIN = [sys.executable, "-m", "train.index"]
+LAUNCH_2 = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "train.index"]
 REFUSED = "is being written by another writer"
 
 
@@ -43,8 +45,8 @@ def collection(tmp_path_factory):
     return root, model
 
 
-def command(root: Path, model: Path, store: Path, *extra) -> list[str]:
-    return [*PLAIN, *map(str, ["--model", model, "--videos", root / "videos", "--store", store, "--token-dtype",
+def command(root: Path, model: Path, store: Path, *extra, launcher: list[str] = PLAIN) -> list[str]:
+    return [*launcher, *map(str, ["--model", model, "--videos", root / "videos", "--store", store, "--token-dtype",
                                "float32", "--num-workers", "0", "--shard-size", "32", "--batch-size", "1", *extra])]
 
 
@@ -100,15 +102,16 @@ def test_two_runs_started_at_once_one_writes_and_the_other_is_refused_naming_it(
     assert report["encoded_this_run"] == NUM_VIDEOS and report["failed"] == 0
 
 
-def test_a_refused_run_writes_nothing(collection, clean_store, tmp_path):
+@pytest.mark.parametrize("launcher", [PLAIN, LAUNCH_2], ids=["1 process", "accelerate launch, 2 processes"])
+def test_a_refused_run_writes_nothing(collection, clean_store, tmp_path, launcher):
     """While another writer holds the store (this test process), a run that would append videos is refused before
-    it writes anything: no file of the store changes, none appears."""
+    it writes anything (every process of a launch stops): no file of the store changes, none appears."""
     root, model = collection
     extra = tmp_path / "more"
     write_noise_video(extra / "new.mp4", seed=1000)
     before = {p.name: (p.stat().st_mtime_ns, p.stat().st_size) for p in clean_store.iterdir()}
     with StoreLock(clean_store, command="the test writer") as held:
-        args = command(root, model, clean_store)
+        args = command(root, model, clean_store, launcher=launcher)
         args[args.index("--videos") + 1] = str(extra)
         result = subprocess.run(args, env=ENV, capture_output=True, text=True, timeout=300)
         assert result.returncode != 0 and REFUSED in result.stderr
