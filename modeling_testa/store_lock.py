@@ -3,8 +3,8 @@
 ``writer.lock`` holds who writes the store (JSON: ``host``, ``pid``, ``started``, ``command``, ``token``). It is
 created whole and atomically: the payload is written to a private file, then hard-linked to ``writer.lock``, which
 fails when the name exists. The only file-system operations relied on are ``link`` failing on an existing name and
-``rename`` / ``replace`` being atomic, which hold on local file systems and on NFS (no ``flock``/``fcntl`` locks,
-which NFS clients do not all honour). While held, a thread refreshes the file's modification time every
+``rename`` / ``replace`` being atomic: the classic lock-file recipe for NFS (``flock``/``fcntl`` locks, which NFS
+clients do not all honour, are not used; the tests run on a local file system). While held, a thread refreshes the file's modification time every
 `HEARTBEAT_SECONDS` (the heartbeat) and checks that the file still names this writer.
 
 **A lock left by a killed run.** A lock is stale when its writer is certainly gone: on the same host, when its pid

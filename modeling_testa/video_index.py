@@ -293,8 +293,9 @@ class FirstStage:
     @classmethod
     def load(cls, faiss: Any, directory: str | os.PathLike, embeddings: torch.Tensor,
              rows: torch.Tensor | None) -> "FirstStage | None":
-        """The stage saved in `directory`, or None when there is none or it is stale (built from other embeddings:
-        another count, dim or fingerprint; it is then rebuilt, never used). The FAISS file is memory-mapped where
+        """The stage saved in `directory`, or None when there is none, it is stale (built from other embeddings:
+        another count, dim or fingerprint) or a file of it is damaged; it is then rebuilt (a warning names the file),
+        never used. The FAISS file is memory-mapped where
         FAISS can (`IO_FLAG_MMAP`), else read once."""
         directory = Path(directory)
         meta_path, path = directory / FIRST_STAGE_INFO_FILE, directory / FIRST_STAGE_FILE
