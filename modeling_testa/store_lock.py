@@ -22,6 +22,7 @@ This file is Hub remote code: flat relative imports only, absolute imports of in
 """
 
 import datetime
+import errno
 import json
 import logging
 import os
@@ -146,8 +147,17 @@ def _link(source: Path, target: Path) -> bool:
         return True
     except FileExistsError:
         return source.stat().st_nlink == 2 and _same_file(source, target)
-    except OSError:
+    except OSError as error:
+        if error.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS):
+            raise
+    # a file system without hard links: an exclusive create (its payload is briefly empty: read as unreadable)
+    try:
+        descriptor = os.open(target, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
         return False
+    with os.fdopen(descriptor, "wb") as handle:
+        handle.write(source.read_bytes())
+    return True
 
 
 def _same_file(first: Path, second: Path) -> bool:
@@ -232,6 +242,8 @@ class StoreLock:
             try:
                 holder, age = read_lock(self.path)
             except FileNotFoundError:
+                if time.monotonic() > deadline:
+                    raise OSError(f"Could not create the lock file {str(self.path)!r}.") from None
                 continue  # released meanwhile
             reason = stale_reason(holder, age, self.stale_after)
             if reason is None:
