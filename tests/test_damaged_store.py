@@ -204,3 +204,27 @@ def test_a_store_copied_after_the_damage_is_still_refused(store, tmp_path):
     copy = shutil.copytree(store, tmp_path / "copy")
     error = damaged(Path(copy))
     assert error.path == Path(copy) / "journal-00000.jsonl" and "video 0 appears 2 times" in error.reason
+
+
+def test_damaged_train_index_files_are_named(store, tmp_path):
+    """`train.index`'s own files: a damaged `index_settings.json` stops `train.search` and `train.index` naming it
+    (before any model is loaded by the search, and before anything is written by the index)."""
+    from helpers.pipelines import build_retrieval, save_folder, tiny_processor
+    from helpers.videos import write_noise_video
+
+    from train.index import main as index_main
+    from train.search import search
+
+    settings = store / "index_settings.json"
+    settings.write_bytes(b"\xff\xfe{not json")
+    with pytest.raises(DamagedStoreError, match="index_settings.json': it is not UTF-8 text") as caught:
+        search(str(store), ["a query"])
+    assert caught.value.path == settings
+
+    model = save_folder(build_retrieval(), tiny_processor(), tmp_path / "model")
+    write_noise_video(tmp_path / "videos" / "clip.mp4", seed=0)
+    before = {p.name: p.stat().st_mtime_ns for p in store.iterdir()}
+    with pytest.raises(SystemExit, match=rf"error: Damaged video store file '{settings}': it is not UTF-8 text"):
+        index_main(["--model", str(model), "--videos", str(tmp_path / "videos"), "--store", str(store),
+                    "--num-workers", "0"])
+    assert {p.name: p.stat().st_mtime_ns for p in store.iterdir()} == before

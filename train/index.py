@@ -62,6 +62,7 @@ from modeling_testa.video_store import (
     journaled_count,
     journaled_failures,
     missing_shards,
+    read_json_file,
     store_metadata,
 )
 
@@ -161,7 +162,7 @@ def check_or_write_settings(store: Path, settings: dict[str, Any]) -> bool:
     differs. Returns whether the store already existed (a resume or an append)."""
     path = store / SETTINGS_FILE
     if path.is_file():
-        saved = json.loads(path.read_text(encoding="utf-8"))
+        saved = read_json_file(path)  # DamagedStoreError naming it when damaged
         differences = [f"{key}: the store has {saved.get(key)!r}, this run {value!r}"
                        for key, value in settings.items() if saved.get(key) != value]
         if differences:
@@ -185,7 +186,7 @@ def read_plan(store: Path) -> dict[str, Any]:
     A store finalised without a plan file (by an earlier version) gives them from its index."""
     path = store / PLAN_FILE
     if path.is_file():
-        return json.loads(path.read_text(encoding="utf-8"))
+        return read_json_file(path)
     if is_video_store(store):
         meta = store_metadata(store)
         shards = sorted(meta["shards"], key=lambda shard: shard["shard"])
