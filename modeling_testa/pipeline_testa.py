@@ -47,9 +47,9 @@ from .inference import optimize_for_inference
 from .processing_testa import TestaProcessor, load_testa_processor
 from .ranking import RankingOptions, ranked_order, two_stage_scores
 from .saving import check_savable, push_folder_to_hub
+from .store_lock import StoreLock
 from .video_index import SHARED_INFO_SETTINGS, VideoIndex, differing_settings, video_name
 from .video_inputs import check_video, is_array, is_single_video, text_list, video_list
-from .store_lock import StoreLock
 from .video_store import VideoStoreWriter, finalize_store
 
 

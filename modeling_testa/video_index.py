@@ -295,8 +295,7 @@ class FirstStage:
              rows: torch.Tensor | None) -> "FirstStage | None":
         """The stage saved in `directory`, or None when there is none, it is stale (built from other embeddings:
         another count, dim or fingerprint) or a file of it is damaged; it is then rebuilt (a warning names the file),
-        never used. The FAISS file is memory-mapped where
-        FAISS can (`IO_FLAG_MMAP`), else read once."""
+        never used. The FAISS file is memory-mapped where FAISS can (`IO_FLAG_MMAP`), else read once."""
         directory = Path(directory)
         meta_path, path = directory / FIRST_STAGE_INFO_FILE, directory / FIRST_STAGE_FILE
         if not (meta_path.is_file() and path.is_file()):
@@ -683,8 +682,9 @@ class VideoIndex:
                 )
         tensors = load_safetensors(directory / INDEX_TENSORS_FILE)  # DamagedStoreError naming a damaged file
         info = read_json_file(directory / INDEX_INFO_FILE)
-        if not isinstance(info, dict) or info.get("format_version") != 1:
-            raise ValueError(f"Unknown video index format_version {info.get('format_version')!r} in "
+        version = info.get("format_version") if isinstance(info, dict) else f"(not a JSON object: {info!r:.40})"
+        if version != 1:
+            raise ValueError(f"Unknown video index format_version {version!r} in "
                              f"{str(directory / INDEX_INFO_FILE)!r}; this version reads 1 and video stores.")
         index = cls(
             videos=list(info["videos"]),
