@@ -47,6 +47,7 @@ from .inference import optimize_for_inference
 from .processing_testa import TestaProcessor, load_testa_processor
 from .ranking import RankingOptions, ranked_order, two_stage_scores
 from .saving import check_savable, push_folder_to_hub
+from .store_lock import StoreLock
 from .video_index import SHARED_INFO_SETTINGS, VideoIndex, differing_settings, video_name
 from .video_inputs import check_video, is_array, is_single_video, text_list, video_list
 from .video_store import VideoStoreWriter, finalize_store
@@ -501,8 +502,13 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
                 logger.info("All %d videos are already in the index; nothing to encode.", len(videos))
                 return index
             videos, names = [videos[i] for i in todo], [names[i] for i in todo]
-        if store_dir is not None:
-            sink = VideoStoreWriter(store_dir, 0, 0, len(videos), token_dtype=token_dtype or torch.float16)
+        if store_dir is not None:  # one writer per store: refused (StoreLockedError) while another writes it
+            lock = StoreLock(store_dir, command="VideoTextRetrievalPipeline.encode_videos").acquire()
+            try:
+                sink = VideoStoreWriter(store_dir, 0, 0, len(videos), token_dtype=token_dtype or torch.float16)
+            except BaseException:
+                lock.release()
+                raise
         else:
             sink = InMemorySink(store_tokens=store_tokens, token_dtype=token_dtype)
         show = (len(videos) >= PROGRESS_BAR_MIN_VIDEOS) if progress_bar is None else bool(progress_bar)
@@ -519,13 +525,17 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         except BaseException:
             if store_dir is not None:
                 sink.abort()  # files closed; the store has no index, so it cannot be opened half-written
+                lock.release()
             raise
         logger.info("Encoded %d videos in %.1f s (%.2f videos/s; waited %.1f s for decoding, encoder %.1f s; %d "
                     "failed).", len(videos), stats.seconds, stats.videos_per_second, stats.decode_wait_seconds,
                     stats.encode_seconds, stats.failed)
         if store_dir is not None:
-            sink.close()
-            finalize_store(store_dir, names, 1, info)
+            try:
+                sink.close()
+                finalize_store(store_dir, names, 1, info)
+            finally:
+                lock.release()
             stored = VideoIndex.from_store(store_dir)
             stored.videos = list(videos)
             stored.stats = stats.as_dict()
