@@ -35,6 +35,7 @@ from .video_store import (
     finalize_store,
     is_video_store,
     missing_shards,
+    read_json_file,
     store_metadata,
 )
 
@@ -137,7 +138,7 @@ class StoreHome:
         its finished index; empty for a new store)."""
         path = self.directory / PLAN_FILE
         if path.is_file():
-            return json.loads(path.read_text(encoding="utf-8"))
+            return read_json_file(path)  # DamagedStoreError naming it when damaged
         if is_video_store(self.directory):
             meta = store_metadata(self.directory)
             shards = sorted(meta["shards"], key=lambda shard: shard["shard"])
@@ -297,7 +298,7 @@ class StoreHome:
         its finished index; empty for a new store)."""
         path = self.directory / PLAN_FILE
         if path.is_file():
-            return json.loads(path.read_text(encoding="utf-8"))
+            return read_json_file(path)  # DamagedStoreError naming it when damaged
         if is_video_store(self.directory):
             meta = store_metadata(self.directory)
             shards = sorted(meta["shards"], key=lambda shard: shard["shard"])

@@ -48,6 +48,7 @@ from .inference import optimize_for_inference
 from .processing_testa import TestaProcessor, load_testa_processor
 from .ranking import RankingOptions, ranked_order, two_stage_scores
 from .saving import check_savable, push_folder_to_hub
+from .store_lock import StoreLock
 from .video_index import IndexInfo, VideoIndex
 from .video_inputs import check_video, is_array, is_single_video, text_list, video_list
 
@@ -578,11 +579,25 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         shard; the store's own settings and token dtype), and returns the store-backed index (`index` itself,
         reopened in place, when growing)."""
         growing = index is not None
+        directory = index.store.directory if growing else store_dir
+        # one writer per store: refused (StoreLockedError, naming the writer) while another process writes it
+        lock = StoreLock(directory, command="VideoTextRetrievalPipeline.encode_videos").acquire()
+        try:
+            return self._encode_into_locked_store(entries, videos, index, directory, info, token_dtype, batch_size,
+                                                  num_workers, on_error, progress_bar, video_kwargs)
+        finally:
+            lock.release()
+
+    def _encode_into_locked_store(self, entries: list[IndexEntry], videos: list[Any], index: Any, directory: Any,
+                                  info: dict[str, Any], token_dtype: torch.dtype | None, batch_size: int,
+                                  num_workers: int, on_error: str, progress_bar: bool | None,
+                                  video_kwargs: dict[str, Any]) -> VideoIndex:
+        growing = index is not None
         if growing:
-            home = StoreHome(index.store.directory, index.store.token_dtype)
+            home = StoreHome(directory, index.store.token_dtype)
             info = {**index.info, **{key: value for key, value in info.items() if key not in index.info}}
         else:
-            home = StoreHome(store_dir, token_dtype or torch.float16)
+            home = StoreHome(directory, token_dtype or torch.float16)
             home.reset()
         plan, new = home.append(entries)
         if not new:

@@ -21,10 +21,20 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from .indexing import Failure
-from .video_store import STORE_INFO_FILE, VideoStoreWriter, VideoTokenStore, finalize_store, is_video_store
+from .store_lock import StoreLock
+from .video_store import (
+    STORE_INFO_FILE,
+    DamagedStoreError,
+    VideoStoreWriter,
+    VideoTokenStore,
+    finalize_store,
+    is_video_store,
+    load_safetensors,
+    read_json_file,
+)
 
 
 INDEX_TENSORS_FILE = "video_index.safetensors"
@@ -299,14 +309,21 @@ class FirstStage:
     @classmethod
     def load(cls, faiss: Any, directory: str | os.PathLike, embeddings: torch.Tensor,
              rows: torch.Tensor | None) -> "FirstStage | None":
-        """The stage saved in `directory`, or None when there is none or it is stale (built from other embeddings:
-        another count, dim or fingerprint; it is then rebuilt, never used). The FAISS file is memory-mapped where
-        FAISS can (`IO_FLAG_MMAP`), else read once."""
+        """The stage saved in `directory`, or None when there is none, it is stale (built from other embeddings:
+        another count, dim or fingerprint) or a file of it is damaged; it is then rebuilt (a warning names the file),
+        never used. The FAISS file is memory-mapped where FAISS can (`IO_FLAG_MMAP`), else read once."""
         directory = Path(directory)
         meta_path, path = directory / FIRST_STAGE_INFO_FILE, directory / FIRST_STAGE_FILE
         if not (meta_path.is_file() and path.is_file()):
             return None
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        try:  # unreadable (damaged): rebuilt, as a stale or unreadable FAISS file is (the first stage is derived)
+            meta = read_json_file(meta_path)
+        except DamagedStoreError as error:
+            logger.warning("Ignoring the unreadable first stage %s (%s); it will be rebuilt.", meta_path, error.reason)
+            return None
+        if not isinstance(meta, dict):
+            logger.warning("Ignoring the unreadable first stage %s (not a JSON object); it will be rebuilt.", meta_path)
+            return None
         count = embeddings.shape[0] if rows is None else rows.numel()
         expected = {"count": count, "dim": int(embeddings.shape[1]), "num_videos": int(embeddings.shape[0])}
         stale = {key: (meta.get(key), value) for key, value in expected.items() if meta.get(key) != value}
@@ -739,11 +756,12 @@ class VideoIndex:
             if not self.has_tokens:
                 raise ValueError("The video store format holds tokens; this index has none (save it with "
                                  "as_store=False, or encode with store_tokens=True).")
-            if self.store is None or Path(self.store.directory).resolve() != directory.resolve():
-                self._write_store(directory)
-            # the rows are the same unless failures of an in-memory index became rows
-            same_rows = self.store is not None or not self.failures
-            (self if same_rows else VideoIndex.from_store(directory, first_stage=False)).save_first_stage(directory)
+            with StoreLock(directory, command="VideoIndex.save"):  # one writer per store
+                if self.store is None or Path(self.store.directory).resolve() != directory.resolve():
+                    self._write_store(directory)
+                # the rows are the same unless failures of an in-memory index became rows
+                same_rows = self.store is not None or not self.failures
+                (self if same_rows else VideoIndex.from_store(directory, first_stage=False)).save_first_stage(directory)
             return directory
         rows = self.encoded_rows()
         kept = (lambda tensor: tensor) if rows is None else (lambda tensor: tensor[rows])
@@ -809,10 +827,11 @@ class VideoIndex:
                     f"No video index in {str(directory)!r}: it holds neither a video store ({STORE_INFO_FILE}) nor "
                     f"the single-file index ({name} is missing)."
                 )
-        tensors = load_file(str(directory / INDEX_TENSORS_FILE))
-        info = json.loads((directory / INDEX_INFO_FILE).read_text(encoding="utf-8"))
-        if info.get("format_version") != 1:
-            raise ValueError(f"Unknown video index format_version {info.get('format_version')!r} in "
+        tensors = load_safetensors(directory / INDEX_TENSORS_FILE)  # DamagedStoreError naming a damaged file
+        info = read_json_file(directory / INDEX_INFO_FILE)
+        version = info.get("format_version") if isinstance(info, dict) else f"(not a JSON object: {info!r:.40})"
+        if version != 1:
+            raise ValueError(f"Unknown video index format_version {version!r} in "
                              f"{str(directory / INDEX_INFO_FILE)!r}; this version reads 1 and video stores.")
         index = cls(
             videos=list(info["videos"]),

@@ -22,6 +22,10 @@ returned by search, and listed at the end. When every shard is closed, the main 
 store's index (`VideoIndex.load(OUT)` and `python -m train.search` read it) and its first stage, and reports the
 videos, the failures, the settings, and the time spent decoding and encoding (`index_report.json`).
 
+One writer per store: the main process takes the store's lock (``writer.lock``, `modeling_testa.store_lock`) before
+anything is written and the other processes of the launch check it; a second run on the same store is refused,
+naming the running one, and a lock left by a killed run is taken over (then the run resumes).
+
 Inputs (``--videos``): a folder (searched recursively for video files; other files are listed as skipped), a text
 file with one path per line (relative paths are relative to the file), or a dataset written by the builders
 (a folder with ``<split>.jsonl``, or one jsonl/parquet file; ``--split`` picks the split, default ``test``).
@@ -38,7 +42,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import gather_object
+from accelerate.utils import broadcast_object_list, gather_object
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
@@ -54,6 +58,7 @@ from modeling_testa.index_homes import (
 )
 from modeling_testa.indexing import SUMMARY_FAILURES, DecodeVideos, EncodingStats
 from modeling_testa.inference import BACKENDS, PRECISIONS, optimize_for_inference
+from modeling_testa.store_lock import LOCK_FILE, StoreLock, StoreLockedError, check_lock_token
 from modeling_testa.video_index import IndexInfo
 from modeling_testa.video_inputs import VIDEO_SUFFIXES, find_video_files
 from modeling_testa.video_store import (
@@ -62,6 +67,7 @@ from modeling_testa.video_store import (
     journaled_count,
     journaled_failures,
     missing_shards,
+    read_json_file,
     store_metadata,
 )
 
@@ -136,7 +142,7 @@ def check_or_write_settings(store: Path, settings: dict[str, Any]) -> bool:
     differs. Returns whether the store already existed (a resume or an append)."""
     path = store / SETTINGS_FILE
     if path.is_file():
-        saved = json.loads(path.read_text(encoding="utf-8"))
+        saved = read_json_file(path)  # DamagedStoreError naming it when damaged
         differences = [f"{key}: the store has {saved.get(key)!r}, this run {value!r}"
                        for key, value in settings.items() if saved.get(key) != value]
         if differences:
@@ -147,7 +153,7 @@ def check_or_write_settings(store: Path, settings: dict[str, Any]) -> bool:
         raise ValueError(f"--store {str(store)!r} is a video store that train.index did not build (no "
                          f"{SETTINGS_FILE}; e.g. written by `encode_videos(store_dir=...)` or the evaluation): its "
                          "settings are unknown, so it cannot be grown. Give a new folder.")
-    if store.exists() and any(store.iterdir()):
+    if store.exists() and any(path.name != LOCK_FILE for path in store.iterdir()):
         raise ValueError(f"--store {str(store)!r} is a non-empty folder that is not a video store being indexed "
                          f"(no {SETTINGS_FILE}); give a new or empty folder.")
     store.mkdir(parents=True, exist_ok=True)
@@ -274,7 +280,55 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # without cpu=True, CPU processes under `--multi_gpu` would not join one group
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     model = optimize_for_inference(model.to(accelerator.device), precision, backend=args.backend)
+    lock = StoreLock(store, command=writer_command(argv, accelerator.num_processes))
+    try:
+        return index_into_store(args, store, videos, skipped, model, settings,
+                                DecodeVideos(video_processor, num_frames), accelerator, lock)
+    finally:
+        lock.release()  # a killed run leaves it: the next run recognises it as stale and takes it over
+
+
+def writer_command(argv: list[str] | None, num_processes: int) -> str:
+    """How the lock names this run to a refused writer."""
+    arguments = sys.argv[1:] if argv is None else argv
+    return f"python -m train.index {' '.join(map(str, arguments))} ({num_processes} process(es))"
+
+
+def take_store_lock(lock: StoreLock, accelerator: Accelerator) -> None:
+    """Collective. One writer per store: the main process takes the store's lock before anything is written (a
+    store held by another run is refused, naming it; a lock left by a killed run is taken over), and the other
+    processes of this launch check that the lock they see is the one it took."""
+    error = None
+    if accelerator.is_main_process:
+        try:
+            lock.acquire()
+            if lock.taken_over:
+                print(f"Took over the lock of {str(lock.directory)!r} left by a run that is gone "
+                      f"({lock.taken_over['reason']}); resuming.", flush=True)
+        except (OSError, StoreLockedError) as caught:
+            error = caught
+    raise_on_every_rank(error, accelerator.device)
+    token = [lock.token]
+    if accelerator.num_processes > 1:
+        token = broadcast_object_list(token)
+        error = None
+        if not accelerator.is_main_process:
+            try:
+                check_lock_token(lock.directory, token[0])
+            except StoreLockedError as caught:
+                error = caught
+        raise_on_every_rank(error, accelerator.device)
+
+
+def index_into_store(args: argparse.Namespace, store: Path, videos: list[str], skipped: list[str], model: Any,
+                     settings: dict[str, Any], collate: DecodeVideos, accelerator: Accelerator,
+                     lock: StoreLock) -> dict[str, Any]:
+    """`main` once the model is ready: takes the store's lock, then plans, encodes, checks and finalises."""
     existed, added, error = False, [], None
+    try:
+        take_store_lock(lock, accelerator)
+    except (StoreLockedError, RuntimeError, OSError) as failure:
+        raise SystemExit(f"error: {failure}") from None
     if accelerator.is_main_process:
         try:
             _, added, existed = prepare_store(store, settings, videos, args.shard_size)
@@ -310,7 +364,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             notes.append(f"skipped {len(skipped)} files that are not videos")
         print(f"Indexing {len(stored)} videos into {num_shards} shards of up to {args.shard_size} on "
               f"{accelerator.num_processes} process(es){'; ' if notes else ''}{'; '.join(notes)}.", flush=True)
-    decode = decode_with_workers(DecodeVideos(video_processor, num_frames), args.batch_size, args.num_workers)
+    decode = decode_with_workers(collate, args.batch_size, args.num_workers)
     totals = {"encoded": 0, "already": 0, "failed": 0, "decode_wait_seconds": 0.0, "encode_seconds": 0.0,
               "seconds": 0.0}
     begin = time.perf_counter()
@@ -341,6 +395,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if missing:  # only when processes on several machines do not share the store's filesystem
             raise SystemExit(f"error: shards {missing} of {str(store)!r} are not closed: every process must write to "
                              "the same folder (on several machines, a shared filesystem).")
+        try:
+            lock.verify()  # still this run's store (its lock was not taken over meanwhile)
+        except StoreLockedError as lost:
+            raise SystemExit(f"error: {lost}") from None
         failed = journaled_failures(store)
         if stored and len(failed) == len(stored):  # nothing to search: no store is published
             reasons = "\n  ".join(f"{f['video']}: {f['reason']}" for f in failed[:10])

@@ -22,6 +22,7 @@ from typing import Any
 
 from modeling_testa import TestaProcessor, VideoTextRetrievalPipeline
 from modeling_testa.video_index import VideoIndex
+from modeling_testa.video_store import read_json_file
 
 from .index import SETTINGS_FILE, load_retrieval_model
 
@@ -87,7 +88,7 @@ def search(store: str, queries: list[str], model: str | None = None, top_k: int 
         settings = Path(store) / SETTINGS_FILE
         if not settings.is_file():
             raise ValueError(f"--store {store!r} does not say which model built it ({SETTINGS_FILE}): pass --model.")
-        model = json.loads(settings.read_text(encoding="utf-8"))["model"]
+        model = read_json_file(settings)["model"]  # DamagedStoreError naming it when damaged
     retrieval, _ = load_retrieval_model(model)
     pipe = VideoTextRetrievalPipeline(model=retrieval, processor=TestaProcessor.from_pretrained(model), device="cpu")
     results = pipe.search(queries, index, top_k=top_k, rerank=None if rerank else False, rerank_k=rerank_k,
