@@ -19,6 +19,7 @@ import torch
 from modeling_testa import TestaForVideoTextRetrieval, TestaProcessor, VideoTextRetrievalPipeline
 from modeling_testa.int8_tokens import SCALE_BYTES, pack, unpack
 from modeling_testa.video_index import VideoIndex
+from train.evaluation import load_metric
 
 DEMO = Path("outputs/demo")
 
@@ -56,15 +57,19 @@ def main() -> None:
         scores = {r["video"]: r["score"] for r in b if r["reranked"]}
         differences += [abs(r["score"] - scores[r["video"]]) for r in a if r["reranked"] and r["video"] in scores]
 
-    def recall(name: str, k: int) -> float:
-        return sum(t in [r["video"] for r in ranked[:k]] for t, ranked in zip(truth, results[name])) / len(truth)
+    position = {video: i for i, video in enumerate(videos)}
+    metric = load_metric("video_text_retrieval", "ranked_lists")
+    retrieval = {name: metric.compute(predictions=[[position[r["video"]] for r in ranked] for ranked in results[name]],
+                                      references=[[position[t]] for t in truth], ks=[1, 5], truncated="miss")
+                 for name in results}
 
     hidden, count = int(encoded.tokens.shape[2]), int(encoded.tokens.shape[1])
     report = {
         "model": args.model, "videos": len(videos), "queries": len(texts), "rerank_k": min(k_test, len(videos)),
         "top1_equal": sum(first) / len(first), "top10_lists_equal": sum(lists) / len(lists),
         "top10_overlap": sum(overlap) / len(overlap), "max_abs_score_difference": max(differences),
-        "R@1": {name: recall(name, 1) for name in results}, "R@5": {name: recall(name, 5) for name in results},
+        "R@1": {name: retrieval[name]["R@1"] / 100 for name in results},
+        "R@5": {name: retrieval[name]["R@5"] / 100 for name in results},
         "token_bytes_per_video": {"fp16": count * hidden * 2, "int8": count * (hidden + SCALE_BYTES)},
         "tokens_per_video": count, "hidden_size": hidden,
     }
