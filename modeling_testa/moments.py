@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
+from .indexing import check_on_error, decode_or_failure
 from .video_decoding import decode_video, sample_frame_indices
 
 
@@ -180,6 +181,54 @@ def window_pixel_values(video_processor: Any, source: str | os.PathLike, window:
     return cut, pixel_values
 
 
+@dataclass
+class WindowRows:
+    """The rows `window_batches` handed out: the video, start and end of row `i`, in order."""
+
+    videos: list[str] = field(default_factory=list)
+    starts: list[float] = field(default_factory=list)
+    ends: list[float] = field(default_factory=list)
+
+    def segments(self, rows: Iterable[int]) -> torch.Tensor:
+        """`(len(rows), 2)` float64 `(start, end)` of the given rows."""
+        rows = list(rows)
+        return torch.tensor([[self.starts[i], self.ends[i]] for i in rows], dtype=torch.float64).reshape(len(rows), 2)
+
+
+def window_batches(
+    videos: list[str],
+    decode: Callable[[str], tuple[list[tuple[float, float]], torch.Tensor]],
+    batch_size: int,
+    on_error: str,
+    rows: WindowRows,
+) -> Iterator[tuple[list[int], torch.Tensor | None, list[tuple[int, str, str]]]]:
+    """Decoded batches of windows for `indexing.encode_videos`: every video is decoded once (``decode(path)`` gives
+    its windows and their `(windows, T, 3, H, W)` pixel values), its windows become consecutive rows (recorded in
+    `rows`), and the rows go out in batches of at most `batch_size`. A video that cannot be read is one failure
+    (``on_error="skip"``) or raises (``"raise"``)."""
+    check_on_error(on_error)
+    pending: list[torch.Tensor] = []
+    pending_rows: list[int] = []
+    failures: list[tuple[int, str, str]] = []
+    for path in videos:
+        decoded, failure = decode_or_failure(lambda: decode(path), len(rows.videos), str(path), on_error)  # noqa: B023
+        if failure is not None:
+            failures.append(failure)
+            continue
+        windows, pixel_values = decoded
+        for (start, end), clip in zip(windows, pixel_values):
+            pending_rows.append(len(rows.videos))
+            rows.videos.append(path)
+            rows.starts.append(start)
+            rows.ends.append(end)
+            pending.append(clip)
+            if len(pending) == batch_size:
+                yield pending_rows, torch.stack(pending), failures
+                pending, pending_rows, failures = [], [], []
+    if pending or failures:
+        yield pending_rows, (torch.stack(pending) if pending else None), failures
+
+
 def format_time(seconds: float | None) -> str:
     """``h:mm:ss`` (whole seconds, rounded down), e.g. ``3725.4 -> "1:02:05"``; ``"-"`` for None (a whole video)."""
     if seconds is None:
@@ -204,6 +253,8 @@ def best_moment_per_video(results: Iterable[Mapping[str, Any]]) -> list[dict[str
 
 __all__ = [
     "VideoWindows",
+    "WindowRows",
+    "window_batches",
     "best_moment_per_video",
     "check_window_options",
     "decode_windows",

@@ -1,0 +1,155 @@
+"""Indexing and searching moments: `encode_videos(paths, window=, stride=)` (one row per window, decoded once per
+video), `search` returning `{"video", "start", "end", "score"}`, `group_by="video"`, saving, growing and bad input.
+
+References: every window decoded on its own (its frames only) and encoded by the model directly; the two-stage
+ranking of `model.rank_videos` over those rows (k = all)."""
+
+import numpy as np
+import pytest
+import torch
+from helpers.pipelines import FRAMES, build_retrieval, tiny_processor, write_videos
+from helpers.requirements import require
+from helpers.videos import write_long_video
+
+from modeling_testa import VideoTextRetrievalPipeline
+from modeling_testa.moments import window_frame_indices
+from modeling_testa.video_index import VideoIndex
+
+
+require("faiss")
+QUERIES = ["a white block in the corner", "a black frame"]
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return VideoTextRetrievalPipeline(model=build_retrieval(), processor=tiny_processor(), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def videos(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("moments")
+    minute = write_long_video(folder / "minute.mp4", 120, fps=2)  # 60 s: windows (0, 25), (15, 40), (30, 55), (35, 60)
+    half = write_long_video(folder / "half_minute.mp4", 90, fps=3)  # 30 s: (0, 25), (5, 30)
+    short = write_long_video(folder / "short.mp4", 20, fps=2)  # 10 s, shorter than a window: one entry (0, 10)
+    return [str(minute), str(half), str(short)]
+
+
+# windows of 25 s every 15 s; the last one of a video moved back to end at its end
+EXPECTED_ROWS = [("minute.mp4", 0, 25), ("minute.mp4", 15, 40), ("minute.mp4", 30, 55), ("minute.mp4", 35, 60),
+                 ("half_minute.mp4", 0, 25), ("half_minute.mp4", 5, 30), ("short.mp4", 0, 10)]
+
+
+@torch.no_grad()
+def reference_rows(pipe, videos):
+    """Every window decoded alone (its own frames only) and encoded by the model on its own."""
+    processor, model = pipe.video_processor, pipe.model
+    tokens, sizes, features = [], [], []
+    for name, start, end in EXPECTED_ROWS:
+        path = next(v for v in videos if v.endswith("/" + name))
+
+        def sample(metadata, s=start, e=end):
+            return window_frame_indices(s, e, metadata.fps, metadata.total_num_frames, FRAMES)
+
+        frames, _ = processor.fetch_videos(path, sample_indices_fn=sample)
+        pixel_values = processor(videos=[frames], num_frames=FRAMES, return_tensors="pt")["pixel_values"]
+        out = model.get_video_tokens(pixel_values)
+        tokens.append(out.last_hidden_state)
+        sizes.append(out.token_sizes)
+        features.append(model.get_video_features(video_tokens=out.last_hidden_state,
+                                                 video_token_sizes=out.token_sizes).pooler_output)
+    return torch.cat(tokens), torch.cat(sizes), torch.cat(features)
+
+
+def test_each_window_is_one_row_equal_to_encoding_it_alone(pipe, videos):
+    index = pipe.encode_videos(videos, window=25, stride=15, batch_size=4)
+    assert [(name.rsplit("/", 1)[1], *index.moment(i)) for i, name in enumerate(index.names)] == EXPECTED_ROWS
+    assert index.info["window"] == 25 and index.info["stride"] == 15
+    tokens, sizes, features = reference_rows(pipe, videos)
+    torch.testing.assert_close(index.embeddings, features.float(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(index.tokens, tokens, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(index.token_sizes, sizes)
+
+
+def test_search_returns_moments_ranked_as_the_model_ranks_the_rows(pipe, videos):
+    index = pipe.encode_videos(videos, window=25, stride=15)
+    tokens, sizes, features = reference_rows(pipe, videos)
+    text = pipe.processor(text=QUERIES)
+    reference = pipe.model.rank_videos(text["input_ids"], tokens, attention_mask=text["attention_mask"],
+                                       video_token_sizes=sizes, k=len(EXPECTED_ROWS)).scores
+    results = pipe.search(QUERIES, index, top_k=None, rerank_k=len(EXPECTED_ROWS))
+    for ranked, scores in zip(results, reference):
+        order = sorted(range(len(EXPECTED_ROWS)), key=lambda i: (-float(scores[i]), i))
+        got = [(r["video"].rsplit("/", 1)[1], r["start"], r["end"]) for r in ranked]
+        assert got == [EXPECTED_ROWS[i] for i in order]
+        np.testing.assert_allclose([r["score"] for r in ranked], [float(scores[i]) for i in order], atol=1e-4)
+        assert set(ranked[0]) == {"video", "start", "end", "score", "reranked"}
+
+
+def test_group_by_video_gives_each_video_once_at_its_best_moment(pipe, videos):
+    index = pipe.encode_videos(videos, window=25, stride=15)
+    for top_k in (None, 2):
+        for rerank_k in (2, 7):
+            full = pipe.search(QUERIES, index, top_k=None, rerank_k=rerank_k)
+            grouped = pipe.search(QUERIES, index, top_k=top_k, rerank_k=rerank_k, group_by="video")
+            for every, best in zip(full, grouped):
+                first_of_each = []
+                for result in every:
+                    if result["video"] not in [r["video"] for r in first_of_each]:
+                        first_of_each.append(result)
+                assert best == first_of_each[:top_k]
+    with pytest.raises(ValueError, match="`group_by` must be None or 'video'"):
+        pipe.search(QUERIES, index, group_by="moment")
+
+
+def test_whole_video_indexes_are_unchanged(pipe, videos):
+    index = pipe.encode_videos(videos)
+    assert index.segments is None
+    assert set(pipe.search(QUERIES[0], index)[0]) == {"video", "score", "reranked"}
+
+
+def test_moments_survive_save_load_and_growth(pipe, videos, tmp_path):
+    whole = pipe.encode_videos(videos, window=25, stride=15)
+    whole.save(tmp_path / "index")
+    loaded = VideoIndex.load(tmp_path / "index")
+    assert loaded.row_keys() == whole.row_keys() and loaded.info["window"] == 25
+    assert pipe.search(QUERIES, loaded) == pipe.search(QUERIES, whole)
+
+    grown = pipe.encode_videos(videos[:1], window=25, stride=15)
+    grown = pipe.encode_videos(videos, window=25, stride=15, index=grown)  # the first video is not encoded again
+    assert grown.row_keys() == whole.row_keys()
+    torch.testing.assert_close(grown.embeddings, whole.embeddings)
+    grown.add(pipe.encode_videos(videos[1:2], window=25, stride=15))  # its moments are there already: skipped
+    assert len(grown) == len(EXPECTED_ROWS) and grown.skipped == [videos[1]] * 2
+    with pytest.raises(ValueError, match="windows of 25.0 s every 15.0 s; grow it with the same window"):
+        pipe.encode_videos(videos[2:], window=30, stride=15, index=grown)
+    with pytest.raises(ValueError, match="single-file format"):
+        whole.save(tmp_path / "store", as_store=True)
+
+
+def test_a_whole_video_index_grows_with_moments_of_other_videos(pipe, videos):
+    index = pipe.encode_videos(videos[2:])  # the short video, whole
+    moments = pipe.encode_videos(videos[:1], window=25, stride=15)
+    moments.info = {k: v for k, v in moments.info.items() if k not in ("window", "stride")}
+    index.add(moments)
+    assert [(name.rsplit("/", 1)[1], *index.moment(i)) for i, name in enumerate(index.names)] == [
+        ("short.mp4", None, None), ("minute.mp4", 0, 25), ("minute.mp4", 15, 40), ("minute.mp4", 30, 55),
+        ("minute.mp4", 35, 60)]
+    results = pipe.search(QUERIES[0], index, top_k=None)
+    assert {(r["start"], r["end"]) for r in results if r["video"] == videos[2]} == {(None, None)}
+
+
+def test_bad_input_for_windows(pipe, videos, tmp_path):
+    broken = tmp_path / "broken.mp4"
+    broken.write_bytes(b"not a video at all" * 50)
+    index = pipe.encode_videos([str(broken)] + videos[2:], window=25)
+    assert index.names == [videos[2]] and str(broken) in index.failures
+    with pytest.raises(ValueError, match="None of the 1 videos could be read"):
+        pipe.encode_videos([str(broken)], window=25)
+    with pytest.raises(ValueError, match="does not hold start/end times"):
+        pipe.encode_videos(videos, window=25, store_dir=tmp_path / "store")
+    with pytest.raises(ValueError, match=r"videos\[0\] are in-memory videos"):
+        pipe.encode_videos([np.zeros((4, 32, 32, 3), dtype=np.uint8)], window=25)
+    with pytest.raises(ValueError, match="`window` must be a positive number of seconds"):
+        pipe.encode_videos(videos, window=-1)
+    with pytest.raises(ValueError, match="only video argument"):
+        pipe.encode_videos(videos, window=25, fps=1)
