@@ -153,3 +153,23 @@ def test_bad_input_for_windows(pipe, videos, tmp_path):
         pipe.encode_videos(videos, window=-1)
     with pytest.raises(ValueError, match="only video argument"):
         pipe.encode_videos(videos, window=25, fps=1)
+
+
+def test_search_command_prints_moments_as_h_mm_ss(pipe, videos, tmp_path, capsys):
+    from helpers.pipelines import save_folder
+
+    from train.search import main
+
+    model = save_folder(pipe.model, pipe.processor, tmp_path / "model")
+    index = pipe.encode_videos(videos, window=25, stride=15)
+    index.save(tmp_path / "index")
+    results = main(["--store", str(tmp_path / "index"), "--model", str(model), "--top-k", "3", QUERIES[0]])
+    assert results == [pipe.search(QUERIES[0], index, top_k=3)]
+    lines = capsys.readouterr().out.splitlines()
+    for line, result in zip(lines[1:4], results[0]):
+        start, end = int(result["start"]), int(result["end"])
+        assert line.endswith(f"{result['video']}  0:00:{start:02d}-0:00:{end:02d}")
+    grouped = main(["--store", str(tmp_path / "index"), "--model", str(model), "--group-by-video", "--json",
+                    QUERIES[0]])
+    assert [r["video"] for r in grouped[0]] == list(dict.fromkeys(r["video"] for r in pipe.search(
+        QUERIES[0], index, top_k=None)))
