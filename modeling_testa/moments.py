@@ -229,6 +229,46 @@ def window_batches(
         yield pending_rows, (torch.stack(pending) if pending else None), failures
 
 
+def frame_spans(start: float, end: float, num_frames: int) -> list[tuple[float, float]]:
+    """The time each of a window's `num_frames` uniformly sampled frames stands for: equal shares of `[start, end)`."""
+    step = (end - start) / num_frames
+    return [(start + t * step, start + (t + 1) * step) for t in range(num_frames)]
+
+
+def refine_moment(spans: list[tuple[float, float]], scores: Any, level: float = 0.5) -> tuple[float, float]:
+    """The moment around the best-scoring frame: the longest run of frames in time order, containing the best one,
+    whose scores are at least ``low + level * (high - low)`` of the scores given (half-way by default).
+
+    Args:
+        spans: `(start, end)` seconds of every frame (e.g. `frame_spans` of one or several overlapping windows; sorted
+            here by start).
+        scores: one score per frame (e.g. the similarity of the query with the frame's TESTA segment); NaN never
+            qualifies.
+        level: where between the lowest and the highest score the threshold lies, in [0, 1].
+
+    Returns:
+        `(start, end)` seconds from the first frame of the run to the end of its last frame.
+    """
+    scores = np.asarray(scores, dtype=np.float64).reshape(-1)
+    if len(spans) != len(scores) or not len(spans):
+        raise ValueError(f"Need one score per frame span, got {len(scores)} scores for {len(spans)} spans.")
+    if not 0.0 <= level <= 1.0:
+        raise ValueError(f"`level` must lie in [0, 1], got {level!r}.")
+    if np.isnan(scores).all():
+        raise ValueError("Every frame score is NaN: no frame to build a moment around.")
+    order = sorted(range(len(spans)), key=lambda i: (spans[i][0], spans[i][1]))
+    ordered = np.where(np.isnan(scores[order]), -np.inf, scores[order])
+    finite = ordered[np.isfinite(ordered)]
+    threshold = finite.min() + level * (finite.max() - finite.min())
+    best = int(np.argmax(ordered))
+    first = last = best
+    while first > 0 and ordered[first - 1] >= threshold:
+        first -= 1
+    while last < len(ordered) - 1 and ordered[last + 1] >= threshold:
+        last += 1
+    return float(spans[order[first]][0]), float(max(spans[order[i]][1] for i in range(first, last + 1)))
+
+
 def format_time(seconds: float | None) -> str:
     """``h:mm:ss`` (whole seconds, rounded down), e.g. ``3725.4 -> "1:02:05"``; ``"-"`` for None (a whole video)."""
     if seconds is None:
@@ -259,6 +299,8 @@ __all__ = [
     "check_window_options",
     "decode_windows",
     "format_time",
+    "frame_spans",
+    "refine_moment",
     "plan_windows",
     "window_frame_indices",
     "window_pixel_values",

@@ -14,7 +14,9 @@ from modeling_testa.moments import (
     check_window_options,
     decode_windows,
     format_time,
+    frame_spans,
     plan_windows,
+    refine_moment,
     window_frame_indices,
     window_pixel_values,
 )
@@ -228,3 +230,34 @@ def test_window_pixel_values_equal_each_window_decoded_on_its_own(tmp_path):
         frames, _ = processor.fetch_videos(str(path), sample_indices_fn=sample)
         expected = processor(videos=[frames], num_frames=4, return_tensors="pt")["pixel_values"][0]
         torch.testing.assert_close(clip, expected, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------------------ refining
+
+
+def test_frame_spans_share_the_window_equally():
+    assert frame_spans(30, 60, 3) == [(30, 40), (40, 50), (50, 60)]
+
+
+def test_refine_moment_keeps_the_run_around_the_best_frame():
+    spans = frame_spans(0, 80, 8)  # 10 s per frame
+    # scores 0..1: threshold at half-way 0.5; best frame 4 (0.9); the run 3..5 (0.6, 0.9, 0.5); frame 7 (0.8) is
+    # above the threshold but cut off from the run by frame 6
+    scores = [0.0, 0.1, 0.2, 0.6, 0.9, 0.5, 0.1, 0.8]
+    assert refine_moment(spans, scores) == (30.0, 60.0)
+    # a higher level trims: threshold 0.72 keeps frame 4 alone
+    assert refine_moment(spans, scores, level=0.8) == (40.0, 50.0)
+    # level 0 keeps everything: the whole span
+    assert refine_moment(spans, scores, level=0.0) == (0.0, 80.0)
+
+
+def test_refine_moment_merges_overlapping_windows_in_time_order_and_skips_nan():
+    # two windows (0, 40) and (20, 60) of 2 frames each, given out of order: frames (20, 40), (40, 60), (0, 20),
+    # (20, 40); NaN never qualifies
+    spans = frame_spans(20, 60, 2) + frame_spans(0, 40, 2)
+    assert refine_moment(spans, [0.9, 0.2, float("nan"), 0.8]) == (20.0, 40.0)
+    assert refine_moment(spans, [0.9, 0.7, 0.1, 0.8]) == (20.0, 60.0)
+    with pytest.raises(ValueError, match="one score per frame span"):
+        refine_moment(spans, [0.1])
+    with pytest.raises(ValueError, match="NaN"):
+        refine_moment(spans, [float("nan")] * 4)
