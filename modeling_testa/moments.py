@@ -164,6 +164,25 @@ def decode_windows(
     return VideoWindows(source, windows, frames, indices, fps, total)
 
 
+def moment_frames(source: str | os.PathLike, start: float, end: float, num_frames: int = 6,
+                  **decode_options: Any) -> np.ndarray:
+    """`num_frames` RGB frames `(num_frames, H, W, 3)` spread over `[start, end)` seconds of a video (uniform segment
+    midpoints), e.g. a strip that shows a moment. `decode_options` go to `decode_video`."""
+    if isinstance(num_frames, bool) or not isinstance(num_frames, int) or num_frames < 1:
+        raise ValueError(f"`num_frames` must be a positive int, got {num_frames!r}.")
+    if not (math.isfinite(start) and math.isfinite(end)) or not 0 <= start < end:
+        raise ValueError(f"A moment needs 0 <= start < end seconds, got ({start!r}, {end!r}).")
+    source = os.fspath(source)
+
+    def sample(metadata: Any) -> np.ndarray:
+        if not metadata.fps:
+            raise ValueError(f"Finding {start:g}-{end:g} s in {source!r} needs its frame rate, which is unknown.")
+        return window_frame_indices(start, end, metadata.fps, metadata.total_num_frames, num_frames)
+
+    frames, _ = decode_video(source, sample_indices_fn=sample, **decode_options)
+    return frames
+
+
 def window_pixel_values(video_processor: Any, source: str | os.PathLike, window: float, stride: float | None = None,
                         num_frames: int | None = None) -> tuple[VideoWindows, torch.Tensor]:
     """Every window of `source` as model input: `(windows, pixel_values)` with `pixel_values`
@@ -300,6 +319,7 @@ __all__ = [
     "decode_windows",
     "format_time",
     "frame_spans",
+    "moment_frames",
     "refine_moment",
     "plan_windows",
     "window_frame_indices",

@@ -261,3 +261,13 @@ def test_refine_moment_merges_overlapping_windows_in_time_order_and_skips_nan():
         refine_moment(spans, [0.1])
     with pytest.raises(ValueError, match="NaN"):
         refine_moment(spans, [float("nan")] * 4)
+
+
+def test_moment_frames_come_from_inside_the_moment(hour_video):
+    from modeling_testa.moments import moment_frames
+
+    frames = moment_frames(hour_video, 1800, 1830, num_frames=3, isolate_decoder=False)
+    # frames 3600..3659 at 2 fps: 3 segments of 20, midpoints 10, 30, 50
+    assert [read_long_index(f) for f in frames] == [3610, 3630, 3650]
+    with pytest.raises(ValueError, match="0 <= start < end"):
+        moment_frames(hour_video, 30, 10)
