@@ -216,21 +216,23 @@ class WindowRows:
 
 def window_batches(
     videos: list[str],
-    decode: Callable[[str], tuple[list[tuple[float, float]], torch.Tensor]],
+    decode: Callable[[int], tuple[list[tuple[float, float]], torch.Tensor]],
     batch_size: int,
     on_error: str,
     rows: WindowRows,
 ) -> Iterator[tuple[list[int], torch.Tensor | None, list[tuple[int, str, str]]]]:
-    """Decoded batches of windows for `indexing.encode_videos`: every video is decoded once (``decode(path)`` gives
-    its windows and their `(windows, T, 3, H, W)` pixel values), its windows become consecutive rows (recorded in
-    `rows`), and the rows go out in batches of at most `batch_size`. A video that cannot be read is one failure
-    (``on_error="skip"``) or raises (``"raise"``)."""
+    """Decoded batches of windows for `indexing.encode_videos`: every video is decoded once (``decode(i)`` gives the
+    windows of ``videos[i]`` and their `(windows, T, 3, H, W)` pixel values; e.g. `indexing.DecodeAhead.get`, which
+    decodes the next videos in threads), its windows become consecutive rows (recorded in `rows`), and the rows go out
+    in batches of at most `batch_size`. A video that cannot be read is one failure (``on_error="skip"``) or raises
+    (``"raise"``)."""
     check_on_error(on_error)
     pending: list[torch.Tensor] = []
     pending_rows: list[int] = []
     failures: list[tuple[int, str, str]] = []
-    for path in videos:
-        decoded, failure = decode_or_failure(lambda: decode(path), len(rows.videos), str(path), on_error)  # noqa: B023
+    for position, path in enumerate(videos):
+        decoded, failure = decode_or_failure(lambda: decode(position), len(rows.videos), str(path),  # noqa: B023
+                                             on_error)
         if failure is not None:
             failures.append(failure)
             continue

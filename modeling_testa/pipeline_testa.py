@@ -484,7 +484,8 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
                 windows of this many seconds (`moments.plan_windows`; a video shorter than one window is one entry),
                 decoded once for all its windows (`moments.decode_windows`), and each window is one row of the index
                 with its `start` and `end` (`VideoIndex.segments`); `search` then returns moments. Paths only, kept in
-                memory (not with `store_dir`); `num_frames` is the only video argument taken.
+                memory (not with `store_dir`); `num_frames` is the only video argument taken. With `num_workers`,
+                the next videos are decoded (each in one pass) in threads while the current windows are encoded.
             stride (`float`, *optional*): seconds between window starts (default: `window`).
             **video_kwargs: video-processor arguments (`num_frames=...`).
 
@@ -505,7 +506,7 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         window, stride = check_window_options(window, stride)
         if window is not None:
             return self._encode_windows(videos, window, stride, batch_size, store_tokens, token_dtype, progress_bar,
-                                        store_dir, on_error, index, video_kwargs)
+                                        store_dir, on_error, index, video_kwargs, num_workers)
         info = self._index_info(video_kwargs)
         names = [video_name(item, i) for i, item in enumerate(videos)]
         if index is not None:
@@ -564,7 +565,7 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
 
     def _encode_windows(self, videos: list[Any], window: float, stride: float, batch_size: int, store_tokens: bool,
                         token_dtype: torch.dtype | None, progress_bar: bool | None, store_dir: Any, on_error: str,
-                        index: VideoIndex | None, video_kwargs: dict[str, Any]) -> VideoIndex:
+                        index: VideoIndex | None, video_kwargs: dict[str, Any], num_workers: int = 0) -> VideoIndex:
         """`encode_videos` with `window`: one row per window of every video (see `encode_videos`)."""
         if store_dir is not None:
             raise ValueError("`window=` keeps the moments in memory (save them with `index.save(DIR)`); the video "
@@ -590,14 +591,17 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
                 return index
         rows = WindowRows()
 
-        def decode(path: str) -> tuple[list[tuple[float, float]], torch.Tensor]:
-            cut, pixel_values = window_pixel_values(self.video_processor, path, window, stride, info["num_frames"])
+        def decode(i: int) -> tuple[list[tuple[float, float]], torch.Tensor]:
+            cut, pixel_values = window_pixel_values(self.video_processor, paths[i], window, stride, info["num_frames"])
             return cut.windows, pixel_values
 
         sink = InMemorySink(store_tokens=store_tokens, token_dtype=token_dtype)
         show = (len(paths) >= PROGRESS_BAR_MIN_VIDEOS) if progress_bar is None else bool(progress_bar)
-        stats = encode_videos(self.model, window_batches(paths, decode, batch_size, on_error, rows), sink,
-                              progress_bar=show, description="Encoding windows")
+        # with workers, the next videos are decoded (each in one pass) while the current windows are encoded
+        decoded = DecodeAhead(decode, len(paths), num_workers, max(2, num_workers), self._decoder_for_thread)
+        with decoded:
+            stats = encode_videos(self.model, window_batches(paths, decoded.get, batch_size, on_error, rows), sink,
+                                  progress_bar=show, description="Encoding windows", num_workers=num_workers)
         failures = dict(sink.failures)
         if not sink.indices:
             if index is None:

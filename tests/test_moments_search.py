@@ -173,3 +173,14 @@ def test_search_command_prints_moments_as_h_mm_ss(pipe, videos, tmp_path, capsys
                     QUERIES[0]])
     assert [r["video"] for r in grouped[0]] == list(dict.fromkeys(r["video"] for r in pipe.search(
         QUERIES[0], index, top_k=None)))
+
+
+def test_decoding_threads_give_the_same_moments(pipe, videos, tmp_path):
+    broken = tmp_path / "broken.mp4"
+    broken.write_bytes(b"not a video at all" * 50)
+    paths = [videos[0], str(broken), *videos[1:]]
+    alone = pipe.encode_videos(paths, window=25, stride=15, batch_size=3)
+    threads = pipe.encode_videos(paths, window=25, stride=15, batch_size=3, num_workers=2)
+    assert threads.row_keys() == alone.row_keys() and threads.failures.keys() == {str(broken)}
+    torch.testing.assert_close(threads.embeddings, alone.embeddings)
+    assert threads.stats["num_workers"] == 2
