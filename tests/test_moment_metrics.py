@@ -213,3 +213,26 @@ def test_rows_without_timestamps_are_refused_by_name():
 
     with pytest.raises(ValueError, match=r"Row 0 has no 'timestamps'.*'sentences' and 'timestamps'"):
         moment_queries([{"video": "x.mp4", "text": "a paragraph", "sentences": ["a paragraph"]}])
+
+
+def test_the_command_indexes_windows_and_scores_every_sentence(tmp_path, capsys):
+    from helpers.pipelines import build_retrieval, save_folder, tiny_processor
+
+    from modeling_testa import VideoTextRetrievalPipeline
+    from processing.long_videos import generate_long_videos_dataset
+    from train.moment_evaluation import main, moment_queries, score_moment_search
+
+    rows = generate_long_videos_dataset(str(tmp_path / "data"), num_videos=2, minutes=1.5, events_per_video=2)
+    model = save_folder(build_retrieval(), tiny_processor(), tmp_path / "model")
+    scores = main(["--data", str(tmp_path / "data"), "--model", str(model), "--window", "30", "--stride", "15",
+                   "--top-k", "5", "--save-index", str(tmp_path / "index")])
+    assert json.loads(capsys.readouterr().out) == scores
+    # the same numbers by hand: the saved index of moments searched with each sentence
+    from modeling_testa.video_index import VideoIndex
+
+    index = VideoIndex.load(tmp_path / "index")
+    assert len(set(index.names)) == 2 and len(index) == 2 * 5  # 90 s in 30 s windows every 15 s: 5 each
+    pipe = VideoTextRetrievalPipeline(model=build_retrieval(), processor=tiny_processor(), device="cpu")
+    queries = moment_queries([dict(r, video=str(tmp_path / "data" / r["video"])) for r in rows]).queries
+    expected = score_moment_search(queries, pipe.search([q.text for q in queries], index, top_k=5))
+    assert scores == {**expected, "num_skipped": 0, "num_videos_failed": 0}

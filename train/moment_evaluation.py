@@ -8,11 +8,19 @@ for ActivityNet, ``duration``. Every sentence is one moment query: find its vide
 * `score_moment_search` scores ranked search results (``{"video", "start", "end", "score"}``, as
   ``pipe.search`` returns them) with the `train/metrics/moment_retrieval` `evaluate` module, in video-corpus mode: a
   moment in another video counts as a miss, and video-level recall is reported alongside R1@IoU and mIoU.
+
+From the shell: index the split's videos as windows and score every sentence's search (prints JSON)::
+
+    python -m train.moment_evaluation --data data/activitynet --split test --model FOLDER_OR_HUB_ID \
+        --window 30 --stride 15 [--top-k 10] [--no-rerank] [--num-workers 2] [--save-index DIR]
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -126,3 +134,49 @@ def evaluate_moment_search(
     scores = score_moment_search(built.queries, results, **metric_options)
     scores["num_skipped"] = len(built.skipped)
     return scores
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m train.moment_evaluation", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", required=True, help="a builders folder (ActivityNet Captions, DiDeMo) or its jsonl")
+    parser.add_argument("--split", default="test")
+    parser.add_argument("--model", required=True, help="a retrieval model folder or Hub id")
+    parser.add_argument("--window", type=float, required=True, help="seconds per window")
+    parser.add_argument("--stride", type=float, default=None, help="seconds between windows (default: --window)")
+    parser.add_argument("--top-k", type=int, default=10, help="moments kept per query (default: 10)")
+    parser.add_argument("--no-rerank", action="store_true", help="rank by cosine only")
+    parser.add_argument("--num-workers", type=int, default=0, help="decoding threads")
+    parser.add_argument("--save-index", default=None, help="also save the index of moments in this folder")
+    args = parser.parse_args(argv)
+    if args.top_k < 1:
+        parser.error("--top-k must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from modeling_testa import TestaProcessor, VideoTextRetrievalPipeline
+    from processing.data import load_split
+
+    from .index import load_retrieval_model
+
+    args = parse_args(argv)
+    try:
+        rows = list(load_split(args.data, split=args.split))
+        model, _ = load_retrieval_model(args.model)
+        pipe = VideoTextRetrievalPipeline(model=model, processor=TestaProcessor.from_pretrained(args.model),
+                                          device="cpu")
+        videos = list(dict.fromkeys(str(_row_field(row, "video", i)) for i, row in enumerate(rows)))
+        index = pipe.encode_videos(videos, window=args.window, stride=args.stride, num_workers=args.num_workers)
+        if args.save_index:
+            index.save(args.save_index)
+        rerank = False if args.no_rerank else None
+        scores = evaluate_moment_search(rows, lambda texts: pipe.search(texts, index, top_k=args.top_k, rerank=rerank))
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"error: {error}") from None
+    scores["num_videos_failed"] = len(index.failures)
+    print(json.dumps(scores, indent=1))
+    return scores
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
