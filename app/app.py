@@ -137,10 +137,11 @@ def index_videos(state: AppState, folder: str, uploads: list[str] | None, progre
         head = (f"Indexed {len(set(index.names))} videos as {len(index)} moments (windows of {window:g} s every "
                 f"{window / 2:g} s)")
     if grow:
-        head += f" ({len(index) - before} new, {before} already indexed)"
+        head += f" ({len(index) - before} new, {before} already indexed)" if not moments else (
+            f" ({len(index) - before} new moments, {before} already indexed)")
     if encoded_now:
-        head += (f": {stats.get('videos_per_second', 0.0):.1f} videos/s, {waiting:.0f}% of the time waiting for "
-                 "decoding.")
+        head += (f": {stats.get('videos_per_second', 0.0):.1f} {'moments' if moments else 'videos'}/s, {waiting:.0f}% "
+                 "of the time waiting for decoding.")
     else:
         head += ": nothing new to encode."
     lines = [head]
@@ -324,10 +325,13 @@ def change_aggregation(state: AppState, temporal: float, spatial: float) -> str:
     if state.indexed:
         with state.lock:
             failures = dict(state.index.failures)  # known bad files are not decoded again
-            state.index = retrieval.encode_videos(state.indexed, batch_size=8, progress_bar=False)
+            info = state.index.info  # an index of moments is rebuilt as moments, each video once
+            moments = {"window": info["window"], "stride": info["stride"]} if info.get("window") else {}
+            state.index = retrieval.encode_videos(list(dict.fromkeys(state.indexed)), batch_size=8,
+                                                  progress_bar=False, **moments)
             state.index.failures.update(failures)
-        panel += (f"\n\nRe-indexed {len(state.indexed)} videos with these settings: "
-                  f"{state.index.stats['videos_per_second']:.1f} videos/s.")
+        panel += (f"\n\nRe-indexed {len(set(state.indexed))} videos with these settings: "
+                  f"{state.index.stats['videos_per_second']:.1f} {'moments' if moments else 'videos'}/s.")
     return panel
 
 

@@ -293,6 +293,12 @@ def test_moments_through_the_api(served_moments):
     assert height == 96 and width == 6 * (160 + 4)  # six frames of the moment, 160x96 each
     with pytest.raises(gradio_client.exceptions.AppError, match="Rank 9 is not among the 4 results"):
         client.predict(9, api_name="/moment")
+    # new R_T/R_S rebuild the index as moments again, each video once
+    keys = state.index.row_keys()
+    panel = client.predict(0, 0, api_name="/aggregation")
+    assert "Re-indexed 2 videos with these settings" in panel and "moments/s" in panel
+    assert state.index.row_keys() == keys
+    client.predict(1, 3, api_name="/aggregation")  # back to the model's own settings
 
 
 def test_a_browser_sees_the_start_up_index_and_a_moment_playing_from_its_start(served_moments, tmp_path):
