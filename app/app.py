@@ -12,8 +12,8 @@ pipelines (`modeling_testa.pipeline_testa`), `visualization.visualize_aggregatio
 `draw_grounding`, `flops.count_encoder_gmac`, and `set_aggregation`.
 
 API names (stable, for `gradio_client`): ``/index``, ``/search``, ``/visualize``, ``/classify``, ``/answer``,
-``/aggregation``, ``/moment``; see `app/README.md`. Analytics are off and the server binds 127.0.0.1 unless ``--host`` (or
-``GRADIO_SERVER_NAME``, as Spaces set it) says otherwise.
+``/aggregation``, ``/moment``; see `app/README.md`. Analytics are off and the server binds 127.0.0.1 unless
+``--host`` (or ``GRADIO_SERVER_NAME``, as Spaces set it) says otherwise.
 """
 
 import argparse

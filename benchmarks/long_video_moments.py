@@ -133,12 +133,14 @@ def main() -> None:
         results["windows + TESTA segments"] = refined
 
     scores = {name: score_moment_search(built.queries, ranked, video_ks=(1,)) for name, ranked in results.items()}
-    compute = {"whole video": frames, "mean of windows": per_video_windows * frames, "windows": per_video_windows * frames,
-               "windows + TESTA segments": per_video_windows * frames}
+    windowed = per_video_windows * frames
+    compute = {"whole video": frames, "mean of windows": windowed, "windows": windowed,
+               "windows + TESTA segments": windowed}
     per_hour = {"whole video": whole_seconds / hours, "mean of windows": windows_seconds / hours,
                 "windows": windows_seconds / hours, "windows + TESTA segments": windows_seconds / hours}
     print(f"{len(paths)} videos of {args.minutes:g} min, {len(texts)} queries (one per event); windows of "
-          f"{args.window:g} s every {args.stride:g} s ({per_video_windows:.0f} per video), {frames} frames each; one core\n")
+          f"{args.window:g} s every {args.stride:g} s ({per_video_windows:.0f} per video), {frames} frames each; "
+          "one core\n")
     print("| method | frames encoded per video | R1@0.3 | R1@0.5 | R1@0.7 | mIoU | video R@1 | indexing s per hour of "
           "video |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")

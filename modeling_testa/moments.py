@@ -107,16 +107,17 @@ class VideoWindows:
         return self.total_num_frames / self.fps
 
 
-def windows_sampler(window: float, stride: float, num_frames: int, source: str):
-    """A `sample_indices_fn` for `decode_video` that plans the windows from the video's metadata, remembers the plan
-    (`sampler.plan`, updated if the decoder samples again over a truncated file), and asks for every window's frames
-    at once."""
+def windows_sampler(window: float, stride: float, num_frames: int, source: str,
+                    planned: list[tuple[float, float]] | None = None):
+    """A `sample_indices_fn` for `decode_video` that plans the windows from the video's metadata (or takes the
+    `planned` ones), remembers the plan (`sampler.plan`, updated if the decoder samples again over a truncated file),
+    and asks for every window's frames at once."""
 
     def sampler(metadata: Any) -> np.ndarray:
         total, fps = int(metadata.total_num_frames), metadata.fps
         if not fps:
             raise ValueError(f"Cutting {source!r} into windows of seconds needs its frame rate, which is unknown.")
-        windows = plan_windows(total / fps, window, stride)
+        windows = list(planned) if planned is not None else plan_windows(total / fps, window, stride)
         indices = np.stack([window_frame_indices(s, e, fps, total, num_frames) for s, e in windows])
         sampler.plan = (windows, indices, float(fps), total)
         return indices.reshape(-1)
@@ -131,6 +132,7 @@ def decode_windows(
     stride: float | None = None,
     num_frames: int = 8,
     fetch: Any = None,
+    windows: list[tuple[float, float]] | None = None,
     **decode_options: Any,
 ) -> VideoWindows:
     """Decodes `source` once and cuts it into windows of `window` seconds every `stride` seconds (default: `window`),
@@ -143,6 +145,8 @@ def decode_windows(
         fetch: the decoding function, ``fetch(source, sample_indices_fn=...) -> (frames, metadata)``: default
             `decode_video` with `decode_options` (``backend``, ``isolate_decoder``, ``decode_timeout``,
             ``num_threads``); a video processor's ``fetch_videos`` uses its own decoder settings.
+        windows: `(start, end)` seconds planned beforehand (e.g. by `plan_window_rows`), cut instead of planning
+            from the decoded video's metadata (frames past the video's end are its last frames).
 
     Raises:
         `ValueError` for bad options or a video without a known frame rate (naming the file); the decoder's
@@ -154,7 +158,7 @@ def decode_windows(
     if isinstance(num_frames, bool) or not isinstance(num_frames, int) or num_frames < 1:
         raise ValueError(f"`num_frames` must be a positive int, got {num_frames!r}.")
     source = os.fspath(source)
-    sampler = windows_sampler(window, stride, num_frames, source)
+    sampler = windows_sampler(window, stride, num_frames, source, windows)
     if fetch is None:
         frames, _ = decode_video(source, sample_indices_fn=sampler, **decode_options)
     else:
@@ -184,7 +188,8 @@ def moment_frames(source: str | os.PathLike, start: float, end: float, num_frame
 
 
 def window_pixel_values(video_processor: Any, source: str | os.PathLike, window: float, stride: float | None = None,
-                        num_frames: int | None = None) -> tuple[VideoWindows, torch.Tensor]:
+                        num_frames: int | None = None, windows: list[tuple[float, float]] | None = None
+                        ) -> tuple[VideoWindows, torch.Tensor]:
     """Every window of `source` as model input: `(windows, pixel_values)` with `pixel_values`
     `(len(windows), num_frames, 3, H, W)`, decoded once with the processor's decoder settings and transformed as the
     processor transforms a whole clip (resize, crop, normalise)."""
@@ -193,7 +198,7 @@ def window_pixel_values(video_processor: Any, source: str | os.PathLike, window:
     def fetch(path: str, sample_indices_fn: Any) -> tuple[np.ndarray, Any]:
         return video_processor.fetch_videos(path, sample_indices_fn=lambda metadata: sample_indices_fn(metadata))
 
-    cut = decode_windows(source, window, stride, num_frames, fetch=fetch)
+    cut = decode_windows(source, window, stride, num_frames, fetch=fetch, windows=windows)
     # every window already holds exactly `num_frames` frames: uniform sampling of T out of T keeps them all, in order
     pixel_values = video_processor(videos=list(cut.frames), num_frames=num_frames, frame_sampling="uniform",
                                    return_tensors="pt")["pixel_values"]
@@ -290,6 +295,108 @@ def refine_moment(spans: list[tuple[float, float]], scores: Any, level: float = 
     return float(spans[order[first]][0]), float(max(spans[order[i]][1] for i in range(first, last + 1)))
 
 
+def probe_duration(source: str | os.PathLike) -> float:
+    """A video's duration in seconds from its container (PyAV: declared frames, else packets, over the frame rate;
+    no frame is decoded), as the PyAV decoder will count its frames. Raises `ValueError` naming the file."""
+    from .video_decoding_worker import DecodeFailure, pyav_probe
+
+    source = os.fspath(source)
+    try:
+        info = pyav_probe(source)
+    except (DecodeFailure, OSError, ImportError) as error:
+        raise ValueError(f"Cannot read the duration of {source!r}: {error}") from error
+    total = info["declared_frames"] or info["packets"]
+    if not total or not info["fps"]:
+        raise ValueError(f"Cannot read the duration of {source!r}: {total} frames at {info['fps']} fps.")
+    return total / info["fps"]
+
+
+def plan_window_rows(videos: list[str], window: float, stride: float | None,
+                     duration: Callable[[str], float] = probe_duration
+                     ) -> tuple[list[str], list[list[float] | None], list[tuple[str, str]]]:
+    """The rows of an index of moments planned before decoding (an on-disk store needs its rows up front): every
+    video's windows from its `duration`, as `(names, segments)` with one entry per row; a video whose duration
+    cannot be read is one row with segment `None` (decoding it will then fail and record why, or index it whole),
+    and is listed with the reason in the third value."""
+    window, stride = check_window_options(window, stride)
+    names: list[str] = []
+    segments: list[list[float] | None] = []
+    unreadable: list[tuple[str, str]] = []
+    for video in videos:
+        try:
+            planned = plan_windows(duration(video), window, stride)
+        except (ValueError, OSError) as error:
+            names.append(video)
+            segments.append(None)
+            unreadable.append((video, str(error)))
+            continue
+        names += [video] * len(planned)
+        segments += [[start, end] for start, end in planned]
+    return names, segments, unreadable
+
+
+def video_groups(rows: Iterable[int], names: list[str]) -> list[tuple[str, list[int]]]:
+    """Consecutive rows of the same video, grouped: ``[(video, [rows...]), ...]`` (each video decoded once)."""
+    groups: list[tuple[str, list[int]]] = []
+    for row in rows:
+        if groups and groups[-1][0] == names[row] and groups[-1][1][-1] == row - 1:
+            groups[-1][1].append(row)
+        else:
+            groups.append((names[row], [row]))
+    return groups
+
+
+class DecodeWindowRows:
+    """DataLoader collation for an index of moments built row by row (`train.index --window`): takes
+    ``[(video, rows)]`` (from `video_groups`) and decodes each video once for the windows of its rows
+    (``segments[row]``; a `None` segment is the whole video), returning a `indexing.DecodedBatch` over rows. A video
+    that cannot be read fails all its rows (``on_error="skip"``) or raises."""
+
+    def __init__(self, video_processor: Any, num_frames: int, segments: list[list[float] | None],
+                 on_error: str = "skip"):
+        self.video_processor, self.num_frames, self.segments = video_processor, num_frames, segments
+        self.on_error = check_on_error(on_error)
+
+    def decode(self, video: str, rows: list[int]) -> torch.Tensor:
+        planned = [self.segments[row] for row in rows]
+        if any(segment is None for segment in planned):
+            return self.video_processor(videos=[video], num_frames=self.num_frames, frame_sampling="uniform",
+                                        return_tensors="pt")["pixel_values"]
+        windows = [(float(start), float(end)) for start, end in planned]
+        window = max(end - start for start, end in windows)
+        return window_pixel_values(self.video_processor, video, window, window, self.num_frames, windows=windows)[1]
+
+    def __call__(self, groups: list[tuple[str, list[int]]]):
+        indices, pixels, failures = [], [], []
+        for video, rows in groups:
+            decoded, failure = decode_or_failure(lambda: self.decode(video, rows), rows[0], video,  # noqa: B023
+                                                 self.on_error)
+            if failure is not None:
+                failures += [(row, video, failure[2]) for row in rows]
+                continue
+            indices += rows
+            pixels.append(decoded)
+        return indices, (torch.cat(pixels) if pixels else None), failures
+
+
+def rebatch(batches: Iterable[Any], batch_size: int) -> Iterator[Any]:
+    """`indexing.DecodedBatch` es regrouped into batches of at most `batch_size` rows (a long video's windows split
+    over several encoder forwards, short ones joined); failures pass with the next batch."""
+    indices: list[int] = []
+    pixels: list[torch.Tensor] = []
+    failures: list[Any] = []
+    for batch_indices, batch_pixels, batch_failures in batches:
+        failures += batch_failures
+        for offset, row in enumerate(batch_indices):
+            indices.append(row)
+            pixels.append(batch_pixels[offset])
+            if len(indices) == batch_size:
+                yield indices, torch.stack(pixels), failures
+                indices, pixels, failures = [], [], []
+    if indices or failures:
+        yield indices, (torch.stack(pixels) if pixels else None), failures
+
+
 def format_time(seconds: float | None) -> str:
     """``h:mm:ss`` (whole seconds, rounded down), e.g. ``3725.4 -> "1:02:05"``; ``"-"`` for None (a whole video)."""
     if seconds is None:
@@ -313,7 +420,12 @@ def best_moment_per_video(results: Iterable[Mapping[str, Any]]) -> list[dict[str
 
 
 __all__ = [
+    "DecodeWindowRows",
     "VideoWindows",
+    "plan_window_rows",
+    "probe_duration",
+    "rebatch",
+    "video_groups",
     "WindowRows",
     "window_batches",
     "best_moment_per_video",

@@ -568,8 +568,8 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
                         index: VideoIndex | None, video_kwargs: dict[str, Any], num_workers: int = 0) -> VideoIndex:
         """`encode_videos` with `window`: one row per window of every video (see `encode_videos`)."""
         if store_dir is not None:
-            raise ValueError("`window=` keeps the moments in memory (save them with `index.save(DIR)`); the video "
-                             "store (`store_dir`) does not hold start/end times yet.")
+            raise ValueError("`window=` builds the moments in memory (save them with `index.save(DIR)`, either "
+                             "format); `python -m train.index --window` writes a video store of moments as it goes.")
         unsupported = sorted(set(video_kwargs) - {"num_frames"})
         if unsupported:
             raise ValueError(f"With `window=`, `num_frames` is the only video argument taken; got {unsupported}.")

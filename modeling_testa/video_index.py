@@ -453,9 +453,15 @@ class VideoIndex:
         opened when FAISS is installed, it is current and `first_stage` is True."""
         if not isinstance(store, VideoTokenStore):
             store = VideoTokenStore(store)
+        info = dict(store.info)
+        # an index of moments (train.index --window) keeps its rows' (start, end) in the store's info
+        segments = info.pop("segments", None)
+        if segments is not None:
+            segments = torch.tensor([pair if pair is not None else [float("nan")] * 2 for pair in segments],
+                                    dtype=torch.float64).reshape(-1, 2)
         index = cls(videos=list(store.videos), embeddings=store.embeddings, tokens=store.tokens,
-                    token_sizes=store.token_sizes, info=dict(store.info), store=store,
-                    failures={f["video"]: f["reason"] for f in store.failures})
+                    token_sizes=store.token_sizes, info=info, store=store,
+                    failures={f["video"]: f["reason"] for f in store.failures}, segments=segments)
         if first_stage:
             index.load_first_stage(store.directory)
         return index
@@ -621,9 +627,6 @@ class VideoIndex:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         as_store = self.store is not None if as_store is None else as_store
-        if as_store and self.segments is not None:
-            raise ValueError("An index of moments (segments) is saved in the single-file format (as_store=False); "
-                             "the video store format does not hold start/end times yet.")
         if as_store:
             if not self.has_tokens:
                 raise ValueError("The video store format holds tokens; this index has none (save it with "
@@ -676,7 +679,11 @@ class VideoIndex:
         for j, name in enumerate(extra):
             writer.add_failure(len(self) + j, name, self.failures[name])
         writer.close()
-        finalize_store(directory, self.names + extra, 1, self.info)
+        info = dict(self.info)
+        if self.segments is not None:  # rows' (start, end), None for whole videos and the failed rows after them
+            info["segments"] = [list(self.moment(i)) if self.moment(i)[0] is not None else None
+                                for i in range(len(self))] + [None] * len(extra)
+        finalize_store(directory, self.names + extra, 1, info)
 
     @classmethod
     def load(cls, directory: str | os.PathLike, first_stage: bool = True) -> "VideoIndex":

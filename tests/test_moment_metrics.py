@@ -148,7 +148,8 @@ def test_activitynet_release_rows_become_one_query_per_sentence_and_score(tmp_pa
     ann.mkdir()
     vids.mkdir()
     val_1 = {
-        "v_a": {"duration": 55.0, "timestamps": [[13.5, 54.0], [0.5, 60.0]], "sentences": ["Coach helps.", "A tutorial."]},
+        "v_a": {"duration": 55.0, "timestamps": [[13.5, 54.0], [0.5, 60.0]],
+                "sentences": ["Coach helps.", "A tutorial."]},
         "v_b": {"duration": 120, "timestamps": [[0, 30], [130, 140]], "sentences": ["A guy exercises.", "After end."]},
     }
     for name in ("train.json", "val_1.json", "val_2.json"):

@@ -86,9 +86,10 @@ def test_format_time_and_grouping():
     assert format_time(None) == "-"
     with pytest.raises(ValueError, match="non-negative"):
         format_time(-1)
-    ranking = [{"video": "a", "start": 30, "end": 60, "score": 0.9}, {"video": "b", "start": 0, "end": 30, "score": 0.8},
-               {"video": "a", "start": 0, "end": 30, "score": 0.7}, {"video": "c", "start": None, "end": None,
-                                                                      "score": 0.1}]
+    ranking = [{"video": "a", "start": 30, "end": 60, "score": 0.9},
+               {"video": "b", "start": 0, "end": 30, "score": 0.8},
+               {"video": "a", "start": 0, "end": 30, "score": 0.7},
+               {"video": "c", "start": None, "end": None, "score": 0.1}]
     assert best_moment_per_video(ranking) == [ranking[0], ranking[1], ranking[3]]
 
 

@@ -7,7 +7,7 @@ ranking of `model.rank_videos` over those rows (k = all)."""
 import numpy as np
 import pytest
 import torch
-from helpers.pipelines import FRAMES, build_retrieval, tiny_processor, write_videos
+from helpers.pipelines import FRAMES, build_retrieval, tiny_processor
 from helpers.requirements import require
 from helpers.videos import write_long_video
 
@@ -122,8 +122,11 @@ def test_moments_survive_save_load_and_growth(pipe, videos, tmp_path):
     assert len(grown) == len(EXPECTED_ROWS) and grown.skipped == [videos[1]] * 2
     with pytest.raises(ValueError, match="windows of 25.0 s every 15.0 s; grow it with the same window"):
         pipe.encode_videos(videos[2:], window=30, stride=15, index=grown)
-    with pytest.raises(ValueError, match="single-file format"):
-        whole.save(tmp_path / "store", as_store=True)
+    # the video store format keeps the moments as well
+    whole.save(tmp_path / "store", as_store=True)
+    stored = VideoIndex.load(tmp_path / "store")
+    assert stored.store is not None and stored.row_keys() == whole.row_keys()
+    assert pipe.search(QUERIES, stored) == pipe.search(QUERIES, whole)
 
 
 def test_a_whole_video_index_grows_with_moments_of_other_videos(pipe, videos):
@@ -145,7 +148,7 @@ def test_bad_input_for_windows(pipe, videos, tmp_path):
     assert index.names == [videos[2]] and str(broken) in index.failures
     with pytest.raises(ValueError, match="None of the 1 videos could be read"):
         pipe.encode_videos([str(broken)], window=25)
-    with pytest.raises(ValueError, match="does not hold start/end times"):
+    with pytest.raises(ValueError, match="train.index --window"):
         pipe.encode_videos(videos, window=25, store_dir=tmp_path / "store")
     with pytest.raises(ValueError, match=r"videos\[0\] are in-memory videos"):
         pipe.encode_videos([np.zeros((4, 32, 32, 3), dtype=np.uint8)], window=25)
@@ -184,3 +187,67 @@ def test_decoding_threads_give_the_same_moments(pipe, videos, tmp_path):
     assert threads.row_keys() == alone.row_keys() and threads.failures.keys() == {str(broken)}
     torch.testing.assert_close(threads.embeddings, alone.embeddings)
     assert threads.stats["num_workers"] == 2
+
+
+def test_train_index_writes_a_store_of_moments_and_grows_it(pipe, videos, tmp_path, capsys):
+    from helpers.pipelines import save_folder
+
+    from train.index import main as index_main
+
+    model = save_folder(pipe.model, pipe.processor, tmp_path / "model")
+    store = tmp_path / "store"
+    common = ["--model", str(model), "--store", str(store), "--token-dtype", "float32", "--num-workers", "0",
+              "--window", "25", "--stride", "15", "--shard-size", "2", "--batch-size", "3"]
+    first = tmp_path / "first.txt"
+    first.write_text("\n".join(videos[:2]))
+    index_main(common + ["--videos", str(first)])
+    ordered = sorted(videos[:2])  # train.index sorts the collection: half_minute.mp4, minute.mp4
+    index = VideoIndex.load(store)
+    reference = pipe.encode_videos(ordered, window=25, stride=15)
+    assert index.store is not None and index.row_keys() == reference.row_keys()
+    torch.testing.assert_close(index.embeddings, reference.embeddings, atol=1e-5, rtol=1e-5)
+    # shards hold whole videos: half_minute's 2 rows, then minute's 4
+    from modeling_testa.video_store import store_metadata
+
+    assert [[s["start"], s["stop"]] for s in store_metadata(store)["shards"]] == [[0, 2], [2, 6]]
+    assert "Indexing 6 moments of 2 videos into 2 shards" in capsys.readouterr().out
+
+    broken = tmp_path / "broken.mp4"
+    broken.write_bytes(b"not a video at all" * 50)
+    everything = tmp_path / "all.txt"
+    everything.write_text("\n".join([*videos, str(broken)]))
+    index_main(common + ["--videos", str(everything)])
+    grown = VideoIndex.load(store)
+    reference = pipe.encode_videos(ordered + sorted([videos[2], str(broken)]), window=25, stride=15)
+    valid = grown.valid
+    assert [key for key, ok in zip(grown.row_keys(), valid) if ok] == reference.row_keys()
+    assert set(grown.failures) == {str(broken)}
+    for got, want in zip(pipe.search(QUERIES, grown, top_k=None), pipe.search(QUERIES, reference, top_k=None)):
+        assert [(r["video"], r["start"], r["end"]) for r in got] == [(r["video"], r["start"], r["end"]) for r in want]
+        np.testing.assert_allclose([r["score"] for r in got], [r["score"] for r in want], atol=1e-4)
+    with pytest.raises(SystemExit, match="window: the store has 25.0, this run 30.0"):
+        index_main([*common[:-8], "--window", "30", "--stride", "15", "--shard-size", "2", "--videos", str(first)])
+
+
+def test_a_resumed_shard_decodes_only_the_rows_it_lacks(pipe, videos):
+    """`DecodeWindowRows` on the rows a shard still lacks (here rows 2, 3 and 5 of a plan over two videos) decodes
+    each video once and gives exactly those windows' pixel values and rows."""
+    from modeling_testa.moments import DecodeWindowRows, plan_window_rows, video_groups
+
+    names, segments, unreadable = plan_window_rows(videos[:2], 25, 15)
+    assert unreadable == [] and names == [videos[0]] * 4 + [videos[1]] * 2
+    assert segments == [[0, 25], [15, 40], [30, 55], [35, 60], [0, 25], [5, 30]]
+    groups = video_groups([2, 3, 5], names)
+    assert groups == [(videos[0], [2, 3]), (videos[1], [5])]
+    collate = DecodeWindowRows(pipe.video_processor, FRAMES, segments)
+    indices, pixel_values, failures = collate(groups)
+    assert indices == [2, 3, 5] and failures == []
+    whole = [window_pixel_values_of(pipe, video, 25, 15) for video in videos[:2]]
+    expected = torch.stack([whole[0][2], whole[0][3], whole[1][1]])
+    torch.testing.assert_close(pixel_values, expected, rtol=0, atol=0)
+
+
+def window_pixel_values_of(pipe, video, window, stride):
+    from modeling_testa.moments import window_pixel_values
+
+    return window_pixel_values(pipe.video_processor, video, window, stride)[1]

@@ -93,7 +93,8 @@ def average_precision(ranks: np.ndarray) -> np.ndarray:
 
 
 def distinct_videos_rank(videos: list[str], target: str) -> int:
-    """0-based position of `target` among the distinct videos of a ranked list (first occurrence order); -1 if absent."""
+    """0-based position of `target` among the distinct videos of a ranked list (in order of first appearance); -1 if
+    absent."""
     seen: list[str] = []
     for video in videos:
         if video not in seen:
