@@ -251,3 +251,54 @@ def window_pixel_values_of(pipe, video, window, stride):
     from modeling_testa.moments import window_pixel_values
 
     return window_pixel_values(pipe.video_processor, video, window, stride)[1]
+
+
+def test_a_killed_store_of_moments_resumes_and_decodes_only_what_it_lacks(pipe, videos, tmp_path, monkeypatch):
+    import json
+
+    import modeling_testa.moments as moments_module
+    from helpers.pipelines import save_folder
+
+    from modeling_testa.video_store import VideoStoreWriter
+    from train.index import main as index_main
+
+    model = save_folder(pipe.model, pipe.processor, tmp_path / "model")
+    store = tmp_path / "store"
+    listing = tmp_path / "videos.txt"
+    listing.write_text("\n".join(videos[:2]))
+    args = ["--model", str(model), "--store", str(store), "--token-dtype", "float32", "--num-workers", "0",
+            "--window", "25", "--stride", "15", "--shard-size", "2", "--batch-size", "3", "--videos", str(listing)]
+    decoded = []
+    original_decode = moments_module.window_pixel_values
+
+    def counting(processor, video, *rest, windows=None, **kwargs):
+        decoded.append((video.rsplit("/", 1)[1], windows))
+        return original_decode(processor, video, *rest, windows=windows, **kwargs)
+
+    monkeypatch.setattr(moments_module, "window_pixel_values", counting)
+    original_add = VideoStoreWriter.add_batch
+    calls = []
+
+    def killed_after_two_batches(self, *args, **kwargs):
+        original_add(self, *args, **kwargs)
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("killed")
+
+    monkeypatch.setattr(VideoStoreWriter, "add_batch", killed_after_two_batches)
+    with pytest.raises(RuntimeError, match="killed"):
+        index_main(args)
+    # half_minute (rows 0-1, shard 0) and 3 of minute's 4 windows (rows 2-4 of shard 1) were journaled
+    assert decoded == [("half_minute.mp4", [(0.0, 25.0), (5.0, 30.0)]),
+                       ("minute.mp4", [(0.0, 25.0), (15.0, 40.0), (30.0, 55.0), (35.0, 60.0)])]
+    monkeypatch.setattr(VideoStoreWriter, "add_batch", original_add)
+    decoded.clear()
+    index_main(args)
+    assert decoded == [("minute.mp4", [(35.0, 60.0)])]  # the resume decodes minute once, for its last window only
+    journaled = [row for journal in sorted(store.glob("journal-*.jsonl"))
+                 for line in journal.read_text().splitlines()[1:] for row in json.loads(line).get("encoded", [])]
+    assert sorted(journaled) == list(range(6))  # every row encoded exactly once over both runs
+    reference = pipe.encode_videos(sorted(videos[:2]), window=25, stride=15)
+    index = VideoIndex.load(store)
+    assert index.row_keys() == reference.row_keys()
+    torch.testing.assert_close(index.embeddings, reference.embeddings, atol=1e-5, rtol=1e-5)
