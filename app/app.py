@@ -335,6 +335,11 @@ def change_aggregation(state: AppState, temporal: float, spatial: float) -> str:
     return panel
 
 
+def chosen_rank(event: gr.SelectData) -> int:
+    """The 1-based rank of the gallery result a user clicked."""
+    return int(event.index) + 1 if isinstance(event.index, int) else 1
+
+
 def chosen_video(event: gr.SelectData) -> str | None:
     """The path of the gallery video a user clicked."""
     value = event.value if isinstance(event.value, dict) else {}
@@ -423,6 +428,9 @@ def build_app(state: AppState) -> gr.Blocks:
         apply_button.click(lambda t, s: change_aggregation(state, t, s), [temporal, spatial], panel,
                            api_name="aggregation", **ONE_MODEL)
         gallery.select(chosen_video, None, result, api_name=False)
+        gallery.select(chosen_rank, None, moment_rank, api_name=False).then(
+            lambda r: show_moment(state, r), moment_rank, moment_outputs, api_name=False, **ONE_MODEL).then(
+            None, moment_start, None, js=PLAY_FROM_START, api_name=False)
         result.change(lambda v: (v, v), result, [classify_video_input, qa_video], api_name=False)
     demo.queue(default_concurrency_limit=1)  # one model: requests wait their turn, none is dropped
     return demo

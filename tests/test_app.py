@@ -333,6 +333,15 @@ def test_a_browser_sees_the_start_up_index_and_a_moment_playing_from_its_start(s
             page.wait_for_function(
                 "([v, s]) => v.readyState >= 1 && v.dataset.momentStart == String(s) && Math.abs(v.currentTime - s) "
                 "< 0.5", arg=[video.element_handle(), expected[0]["start"]], timeout=30_000)
+            # clicking the second result shows its moment and plays it from its start
+            page.get_by_role("button", name="Thumbnail 2 of 5").click()
+            strip = page.locator("img[src*='moment_2_']")
+            sync_api.expect(strip).to_have_count(1, timeout=60_000)
+            sync_api.expect(page.get_by_text("(rank 2)")).to_have_count(1, timeout=30_000)
+            page.wait_for_function(
+                "([s]) => { const v = document.querySelector('#moment-video video'); return v && v.readyState >= 1 "
+                "&& v.dataset.momentStart == String(s) && Math.abs(v.currentTime - s) < 0.5; }",
+                arg=[expected[1]["start"]], timeout=30_000)
             page.screenshot(path=str(tmp_path / "moment.png"), full_page=True)
             if os.environ.get("TESTA_KEEP_SCREENSHOT"):
                 shutil.copy(tmp_path / "moment.png", os.environ["TESTA_KEEP_SCREENSHOT"])
