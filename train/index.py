@@ -2,6 +2,7 @@
 
     accelerate launch -m train.index --model FOLDER_OR_HUB_ID --videos DIR_OR_LIST_OR_DATASET --store OUT \
         [--precision fp32|bf16|int8|auto] [--backend torch|openvino|onnxruntime] [--num-frames N] [--shard-size 256] [--batch-size 8] [--num-workers 2]
+        [--window SECONDS [--stride SECONDS]]
 
 (`python -m train.index ...` runs the same on one process.) The videos are sorted and cut into shards of
 ``--shard-size`` videos; process ``r`` of ``W`` encodes shards ``r, r + W, r + 2W, ...`` with the library's one encode
@@ -25,6 +26,13 @@ videos, the failures, the settings, and the time spent decoding and encoding (`i
 One writer per store: the main process takes the store's lock (``writer.lock``, `modeling_testa.store_lock`) before
 anything is written and the other processes of the launch check it; a second run on the same store is refused,
 naming the running one, and a lock left by a killed run is taken over (then the run resumes).
+
+**Moments.** With ``--window`` (and ``--stride``, default: the window) every video is cut into windows
+(`modeling_testa.moments.plan_windows`) and each window is one row of the store, with its start and end; search then
+returns moments (``python -m train.search`` prints them as ``h:mm:ss``). The rows are planned from each video's
+duration (read from its container, nothing decoded) when it joins the plan, a shard holds whole videos, and a video is
+decoded once for all its windows in a shard run (a resumed shard decodes a video again only for its rows not yet
+journaled). Resume and growth work as for whole videos; the window and stride are settings of the store.
 
 Inputs (``--videos``): a folder (searched recursively for video files; other files are listed as skipped), a text
 file with one path per line (relative paths are relative to the file), or a dataset written by the builders
@@ -51,6 +59,7 @@ from modeling_testa.distributed import raise_on_every_rank
 from modeling_testa.engines import auto_precision
 from modeling_testa.indexing import SUMMARY_FAILURES, DecodeVideos, EncodingStats, encode_videos
 from modeling_testa.inference import BACKENDS, PRECISIONS, optimize_for_inference
+from modeling_testa.moments import DecodeWindowRows, check_window_options, plan_window_rows, rebatch, video_groups
 from modeling_testa.store_lock import LOCK_FILE, StoreLock, StoreLockedError, check_lock_token
 from modeling_testa.video_index import VideoIndex
 from modeling_testa.video_inputs import VIDEO_SUFFIXES, find_video_files
@@ -135,8 +144,9 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
 
 
 def index_settings(model: Any, model_source: str, num_frames: int, precision: str, token_dtype: str,
-                   shard_size: int) -> dict[str, Any]:
-    """What a store is built with; a resume or an append must match it exactly."""
+                   shard_size: int, window: float | None = None, stride: float | None = None) -> dict[str, Any]:
+    """What a store is built with; a resume or an append must match it exactly (a store of whole videos has window
+    and stride None, as stores written before moments existed read)."""
     vision = model.config.vision_config
     return {
         "model": str(model_source),
@@ -147,6 +157,8 @@ def index_settings(model: Any, model_source: str, num_frames: int, precision: st
         "precision": precision,
         "token_dtype": token_dtype,
         "shard_size": int(shard_size),
+        "window": window,
+        "stride": stride,
     }
 
 
@@ -194,14 +206,28 @@ def read_plan(store: Path) -> dict[str, Any]:
     return {"videos": [], "shards": []}
 
 
-def grow_plan(plan: dict[str, Any], videos: list[str], shard_size: int) -> tuple[dict[str, Any], list[str]]:
+def grow_plan(plan: dict[str, Any], videos: list[str], shard_size: int, window: float | None = None,
+              stride: float | None = None) -> tuple[dict[str, Any], list[str]]:
     """The plan with the videos it lacks appended (in the given order) as new shards of ``shard_size``, and those
-    videos. The shards already planned are left as they are."""
+    videos. The shards already planned are left as they are. With a ``window``, the plan's rows are the new videos'
+    windows (``plan["segments"]``: ``[start, end]`` per row, None for a whole video), and a shard holds whole
+    videos: it closes once it has ``shard_size`` rows or more."""
     known = set(plan["videos"])
-    new = [video for video in videos if video not in known]
+    new = [video for video in dict.fromkeys(videos) if video not in known]
     start = len(plan["videos"])
-    shards = [[start + i, start + min(i + shard_size, len(new))] for i in range(0, len(new), shard_size)]
-    return {"videos": plan["videos"] + new, "shards": plan["shards"] + shards}, new
+    if window is None:
+        shards = [[start + i, start + min(i + shard_size, len(new))] for i in range(0, len(new), shard_size)]
+        return {**plan, "videos": plan["videos"] + new, "shards": plan["shards"] + shards}, new
+    names, segments, _ = plan_window_rows(new, window, stride)
+    shards, first = [], start
+    for row in range(start, start + len(names)):
+        ends_video = row + 1 == start + len(names) or names[row + 1 - start] != names[row - start]
+        if ends_video and row + 1 - first >= shard_size or row + 1 == start + len(names):
+            shards.append([first, row + 1])
+            first = row + 1
+    grown = {**plan, "videos": plan["videos"] + names, "shards": plan["shards"] + shards,
+             "segments": plan.get("segments", []) + segments}
+    return grown, new
 
 
 def prepare_store(store: Path, settings: dict[str, Any], videos: list[str], shard_size: int
@@ -209,7 +235,7 @@ def prepare_store(store: Path, settings: dict[str, Any], videos: list[str], shar
     """Checks (or writes) the settings and appends the videos the store lacks to its plan. Returns the plan, the
     videos added to it, and whether the store existed. A refused store is left untouched."""
     existed = check_or_write_settings(store, settings)
-    plan, added = grow_plan(read_plan(store), videos, shard_size)
+    plan, added = grow_plan(read_plan(store), videos, shard_size, settings.get("window"), settings.get("stride"))
     if added or not (store / PLAN_FILE).is_file():
         write_json_atomically(store / PLAN_FILE, plan)
     return plan, added, existed
@@ -250,17 +276,24 @@ class JournalProgress:
 
 
 def encode_shard(model: Any, videos: list[str], shard: int, shard_range: tuple[int, int], store: Path,
-                 collate: DecodeVideos, batch_size: int, num_workers: int, token_dtype: torch.dtype
+                 collate: Any, batch_size: int, num_workers: int, token_dtype: torch.dtype
                  ) -> tuple[EncodingStats, int]:
     """Encodes what shard ``shard`` (videos ``[start, stop)``) still lacks; returns the loop's stats and how many
-    videos it already held. Videos that cannot be read are recorded in the shard (`DecodeVideos` skips them)."""
+    videos it already held. Videos that cannot be read are recorded in the shard (`DecodeVideos` skips them). With
+    moments (`DecodeWindowRows`), the rows are windows: each video is decoded once for its remaining rows, and the
+    windows are encoded ``batch_size`` at a time."""
     start, stop = shard_range
     with VideoStoreWriter(store, shard, start, stop, token_dtype=token_dtype, resume=True) as writer:
         already = writer.done
-        remaining = [(i, videos[i]) for i in range(start, stop) if i not in already]
-        loader = DataLoader(remaining, batch_size=batch_size, collate_fn=collate, num_workers=num_workers,
-                            prefetch_factor=1 if num_workers else None)
-        stats = encode_videos(model, loader, writer, num_workers=num_workers, summary=False)
+        remaining = [i for i in range(start, stop) if i not in already]
+        workers = dict(num_workers=num_workers, prefetch_factor=1 if num_workers else None)
+        if isinstance(collate, DecodeWindowRows):
+            loader = DataLoader(video_groups(remaining, videos), batch_size=1, collate_fn=collate, **workers)
+            batches = rebatch(loader, batch_size)
+        else:
+            batches = DataLoader([(i, videos[i]) for i in remaining], batch_size=batch_size, collate_fn=collate,
+                                 **workers)
+        stats = encode_videos(model, batches, writer, num_workers=num_workers, summary=False)
     return stats, len(already)
 
 
@@ -283,7 +316,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--shard-size", type=int, default=256, help="videos per shard (default: 256)")
     parser.add_argument("--batch-size", type=int, default=8, help="videos per encoder forward, per process")
     parser.add_argument("--num-workers", type=int, default=2, help="decoding worker processes per process")
+    parser.add_argument("--window", type=float, default=None,
+                        help="index moments: windows of this many seconds, one row each (default: whole videos)")
+    parser.add_argument("--stride", type=float, default=None, help="seconds between windows (default: --window)")
     args = parser.parse_args(argv)
+    try:
+        args.window, args.stride = check_window_options(args.window, args.stride)
+    except ValueError as error:
+        parser.error(str(error))
     for name in ("shard_size", "batch_size"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
@@ -306,14 +346,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     precision = auto_precision(args.backend) if args.precision == "auto" else args.precision
     # the backend changes the embeddings as the precision does: a store records both (as "int8 (openvino)")
     recorded = precision if args.backend == "torch" else f"{precision} ({args.backend})"
-    settings = index_settings(model, args.model, num_frames, recorded, args.token_dtype, args.shard_size)
+    settings = index_settings(model, args.model, num_frames, recorded, args.token_dtype, args.shard_size,
+                              args.window, args.stride)
     # without cpu=True, CPU processes under `--multi_gpu` would not join one group
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     model = optimize_for_inference(model.to(accelerator.device), precision, backend=args.backend)
     lock = StoreLock(store, command=writer_command(argv, accelerator.num_processes))
     try:
         return index_into_store(args, store, videos, skipped, model, settings,
-                                DecodeVideos(video_processor, num_frames), accelerator, lock)
+                                video_processor, num_frames, accelerator, lock)
     finally:
         lock.release()  # a killed run leaves it: the next run recognises it as stale and takes it over
 
@@ -351,7 +392,7 @@ def take_store_lock(lock: StoreLock, accelerator: Accelerator) -> None:
 
 
 def index_into_store(args: argparse.Namespace, store: Path, videos: list[str], skipped: list[str], model: Any,
-                     settings: dict[str, Any], collate: DecodeVideos, accelerator: Accelerator,
+                     settings: dict[str, Any], video_processor: Any, num_frames: int, accelerator: Accelerator,
                      lock: StoreLock) -> dict[str, Any]:
     """`main` once the model is ready: takes the store's lock, then plans, encodes, checks and finalises."""
     existed, added, error = False, [], None
@@ -383,8 +424,13 @@ def index_into_store(args: argparse.Namespace, store: Path, videos: list[str], s
                          f"{len(added)} added")
         if skipped:
             notes.append(f"skipped {len(skipped)} files that are not videos")
-        print(f"Indexing {len(stored)} videos into {num_shards} shards of up to {args.shard_size} on "
+        rows = f"{len(stored)} videos" if args.window is None else f"{len(stored)} moments of {len(set(stored))} videos"
+        print(f"Indexing {rows} into {num_shards} shards of up to {args.shard_size} on "
               f"{accelerator.num_processes} process(es){'; ' if notes else ''}{'; '.join(notes)}.", flush=True)
+    if args.window is not None:  # rows are windows: each video decoded once for its rows
+        collate = DecodeWindowRows(video_processor, num_frames, plan["segments"])
+    else:
+        collate = DecodeVideos(video_processor, num_frames)
     totals = {"encoded": 0, "already": 0, "failed": 0, "decode_wait_seconds": 0.0, "encode_seconds": 0.0,
               "seconds": 0.0}
     begin = time.perf_counter()
@@ -418,8 +464,10 @@ def index_into_store(args: argparse.Namespace, store: Path, videos: list[str], s
             reasons = "\n  ".join(f"{f['video']}: {f['reason']}" for f in failed[:10])
             raise SystemExit(f"error: none of the {len(stored)} videos could be read, so {str(store)!r} was not "
                              f"finalised (its journals say why):\n  {reasons}")
-        finalize_store(store, stored, num_shards, info={**settings, "model_class": type(model).__name__,
-                                                         "projection_dim": int(model.config.projection_dim)})
+        info = {**settings, "model_class": type(model).__name__, "projection_dim": int(model.config.projection_dim)}
+        if args.window is not None:
+            info["segments"] = plan["segments"]  # every row's (start, end): VideoIndex.from_store reads them
+        finalize_store(store, stored, num_shards, info=info)
         # the first stage over every video of the (grown) store: saved when approximate, else rebuilt on load
         VideoIndex.load(store).save_first_stage(store)
         failures = store_metadata(store)["failures"]
