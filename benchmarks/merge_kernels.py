@@ -53,10 +53,10 @@ METADATA_ONLY = frozenset(
     for name in (
         "view", "view_as", "_reshape_alias", "_unsafe_view", "expand", "expand_as", "as_strided", "slice", "select",
         "narrow", "unsqueeze", "squeeze", "transpose", "permute", "t", "movedim", "moveaxis", "swapaxes", "detach",
-        "alias", "split", "split_with_sizes", "unbind", "chunk", "unflatten", "diagonal", "lift_fresh", "empty",
-        "empty_like", "empty_strided", "resolve_conj", "resolve_neg", "promote_types", "result_type", "is_nonzero",
-        "_has_compatible_shallow_copy_type", "size", "stride", "numel", "dim", "is_same_size", "broadcast_tensors",
-        "expand_copy_", "unfold", "real", "imag", "conj", "_conj", "_neg_view",
+        "alias", "split", "split_with_sizes", "unbind", "chunk", "unflatten", "diagonal", "unfold", "real", "imag",
+        "conj", "_conj", "_neg_view", "resolve_conj", "resolve_neg", "lift_fresh", "empty", "empty_like",
+        "empty_strided", "new_empty", "new_empty_strided", "promote_types", "result_type", "is_nonzero", "size",
+        "stride", "numel", "dim", "is_same_size", "broadcast_tensors", "_has_compatible_shallow_copy_type",
     )
 )
 PASS_THROUGH = frozenset(
@@ -148,6 +148,7 @@ class MergeTraffic(TorchDispatchMode):
         self.calls = Counter()
         self.bytes_written = Counter()
         self.index_bytes = 0
+        self.largest_index = 0  # elements of the largest int64 tensor created
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -156,7 +157,10 @@ class MergeTraffic(TorchDispatchMode):
             name = func.overloadpacket.__name__
             self.calls[name] += 1
             self.bytes_written[name] += _written_bytes(name, args, out)
-            self.index_bytes += sum(t.untyped_storage().nbytes() for t in _tensors(out) if t.dtype == torch.long)
+            for t in _tensors(out):
+                if t.dtype == torch.long:
+                    self.index_bytes += t.untyped_storage().nbytes()
+                    self.largest_index = max(self.largest_index, t.untyped_storage().nbytes() // t.element_size())
         return out
 
 
@@ -247,7 +251,7 @@ def run_train_step(args: argparse.Namespace) -> None:
           f"{args.train_frames} frames, {args.train_image_size} px, hidden {args.train_hidden_size}, "
           f"{args.train_layers} blocks, R_T={args.temporal_reduction}, R_S={args.train_spatial_reduction}:")
     for label, value in seconds.items():
-        print(f"  {label}: {value:.3f} s (median of {args.repeats})")
+        print(f"  {label}: {value:.4f} s (median of {args.repeats})")
     print(f"  TESTA speed-up: {seconds['no aggregation'] / seconds['TESTA']:.2f}x")
 
 
@@ -315,7 +319,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"  {name:32s} {count:+d}")
     written = sum(traffic.bytes_written.values())
     print(f"Aggregation functions, forward, after decompositions: {sum(traffic.calls.values())} non-view ops, "
-          f"{mib(written)} written ({written} bytes), {mib(traffic.index_bytes)} of int64 indices created")
+          f"{mib(written)} written ({written} bytes), {mib(traffic.index_bytes)} of int64 indices created "
+          f"(the largest: {traffic.largest_index} elements)")
     for name, value in traffic.bytes_written.most_common(8):
         print(f"  {name:32s} {traffic.calls[name]:4d} calls {mib(value):>12s}")
     return dict(plain=calls_plain, testa=calls_testa, added=added, traffic=traffic)

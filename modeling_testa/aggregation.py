@@ -199,11 +199,9 @@ def geometry_matching(
         vote: how the positions decide, one of :data:`FRAME_VOTES` (used only with ``vote_dim``).
     """
     scores = _cosine_scores(metric[..., ::2, :], metric[..., 1::2, :])
-    first = int(protect_first)
-    if protect_first:
-        scores[..., 0, :] = -torch.inf
     node_max, node_idx = _best_partner(scores, vote_dim, vote)
-    # The protected token (A token 0) is never a source: it is left out of the order, and set A starts after it.
+    # The protected token (A token 0) is never a source: its row is left out of the order, and set A starts after it.
+    first = int(protect_first)
     # Stable: among equal scores the lower A index merges first, on every device (ties are common: static frames).
     order = node_max[..., first:].argsort(dim=-1, descending=True, stable=True)
     node_idx = node_idx[..., first:]
@@ -289,13 +287,17 @@ def _as(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return weight if weight.dtype == x.dtype else weight.to(x.dtype)
 
 
-def _merge_bipartite(x: torch.Tensor, size: torch.Tensor, pairs: Bipartite) -> tuple[torch.Tensor, torch.Tensor]:
+def _merge_bipartite(
+    x: torch.Tensor, size: torch.Tensor, pairs: Bipartite
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`merge_tokens` for a geometry matching, in the coordinates of its two sets: about a dozen kernels whatever
     the shapes, indices only over tokens (r pairs and the A set), never over the hidden dimension.
 
     Set B is copied into the output as it is and every target row gets ``sum_j (x_j - x_t) * s_j / S_t`` over the
     sources j that join it (``S_t``: the target's new size), which is the size-weighted average of the target and
-    its sources; rows that receive nothing are exact copies of the input.
+    its sources; rows that receive nothing are exact copies of the input, and identical tokens stay identical.
+
+    Returns the merged tokens and sizes, and for the backward the sources' weights and the A-set order.
     """
     axis = pairs.sources.ndim - 1
     if x.shape[axis] != pairs.num_tokens or size.shape[axis] != pairs.num_tokens:
@@ -318,7 +320,55 @@ def _merge_bipartite(x: torch.Tensor, size: torch.Tensor, pairs: Bipartite) -> t
     weight = source_sizes / _take(new_size, targets)
     update = (source_rows - _take(x_b, pairs.partners)) * _as(weight, x)
     merged.scatter_add_(axis, _expand_index(targets, update), update)
-    return merged, new_size
+    return merged, new_size, weight, a_index
+
+
+class _BipartiteMerge(torch.autograd.Function):
+    """`_merge_bipartite` with a hand-written backward of seven kernels, where autograd would run about a dozen
+    (a slice backward per view of the two sets, a gather backward per gather, the accumulations between them).
+
+    The merge is linear in ``x``: an output row of set A is its input row; an output row of set B is
+    ``f_t x_t + sum_j w_j x_j`` with ``f_t = s_t / S_t`` and ``w_j = s_j / S_t``. So the gradient of a B token is its
+    output gradient times ``f_t`` (exactly 1 for tokens that receive nothing), of an unmerged A token its output
+    gradient, and of a source ``w_j`` times its target's output gradient. Sizes carry no gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, x, size, unmerged, sources, partners, a_start, b_start, protected, num_tokens):
+        pairs = Bipartite(unmerged, sources, partners, a_start, b_start, protected, num_tokens)
+        merged, new_size, weight, a_index = _merge_bipartite(x, size, pairs)
+        ctx.pairs, ctx.x_shape = pairs, x.shape
+        ctx.save_for_backward(weight, a_index, size, new_size)
+        ctx.mark_non_differentiable(new_size)
+        ctx.set_materialize_grads(False)  # no zero tensor for the sizes' (absent) gradient
+        return merged, new_size
+
+    @staticmethod
+    def backward(ctx, grad_merged, grad_size):
+        if grad_merged is None:
+            return (None,) * 9
+        weight, a_index, size, new_size = ctx.saved_tensors
+        pairs = ctx.pairs
+        axis, kept_a = pairs.sources.ndim - 1, pairs.unmerged.shape[-1]
+        num_b = grad_merged.shape[axis] - pairs.protected - kept_a
+        grad_protected, grad_kept, grad_b = grad_merged.split([pairs.protected, kept_a, num_b], dim=axis)
+        grad_sources = _take(grad_b, pairs.partners) * _as(weight, grad_merged)
+        b_factor = _every_other(size, pairs.b_start, axis) / new_size.narrow(axis, pairs.protected + kept_a, num_b)
+        grad_x = grad_merged.new_empty(ctx.x_shape)  # every position is written below: B, A (a permutation), CLS
+        _every_other(grad_x, pairs.b_start, axis).copy_(grad_b * _as(b_factor, grad_merged))
+        grad_a = torch.cat([grad_kept, grad_sources], dim=axis)
+        _every_other(grad_x, pairs.a_start, axis).scatter_(axis, _expand_index(a_index, grad_a), grad_a)
+        if pairs.protected:
+            _leading(grad_x, pairs.protected, axis).copy_(grad_protected)
+        return grad_x, None, None, None, None, None, None, None, None
+
+
+def _differentiable(x: torch.Tensor) -> bool:
+    """Whether the merge runs under autograd (not when exporting: tracers record the plain ops)."""
+    return (
+        x.requires_grad and torch.is_grad_enabled() and not torch.jit.is_tracing()
+        and not torch.onnx.is_in_onnx_export()
+    )
 
 
 def merge_tokens(x: torch.Tensor, size: torch.Tensor, matching: Matching) -> tuple[torch.Tensor, torch.Tensor]:
@@ -342,8 +392,11 @@ def merge_tokens(x: torch.Tensor, size: torch.Tensor, matching: Matching) -> tup
     the copy of the kept tokens). Every target row becomes ``x_t + sum_j (x_j - x_t) s_j / S_t``, the size-weighted
     mean of the target and its sources j (``S_t``: their summed size), with the sizes merged by the same indices.
     """
-    if matching.bipartite is not None:
-        return _merge_bipartite(x, size, matching.bipartite)
+    pairs = matching.bipartite
+    if pairs is not None:
+        if _differentiable(x):
+            return _BipartiteMerge.apply(x, size, *pairs)
+        return _merge_bipartite(x, size, pairs)[:2]
     kept, sources, targets = matching.kept, matching.sources, matching.targets
     merged = _take(x, kept)
     new_size = _take(size, kept)

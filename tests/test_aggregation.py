@@ -372,3 +372,27 @@ def test_a_matching_applied_to_the_wrong_number_of_tokens_is_refused():
     m = geometry_matching(torch.randn(2, 9, 4), 3)
     with pytest.raises(ValueError, match="over 9 tokens"):
         merge_tokens(torch.randn(2, 8, 3), torch.ones(2, 8), m)
+
+
+@pytest.mark.parametrize("protect_first", [False, True])
+def test_bipartite_merge_backward_is_the_gradient_of_the_forward(protect_first):
+    """The hand-written backward against float64 finite differences (gradcheck) and against autograd through the
+    plain forward ops, for frames (per-position sizes) and for tokens with a protected CLS kept in the tensor."""
+    from modeling_testa.aggregation import _merge_bipartite
+
+    generator = torch.Generator().manual_seed(5)
+    if protect_first:  # joint mode: [CLS, tokens] merged as one tensor, CLS protected and kept first
+        m = geometry_matching(torch.randn(2, 9, 4, generator=generator, dtype=torch.float64), 3, protect_first=True)
+        x = torch.randn(2, 9, 3, generator=generator, dtype=torch.float64, requires_grad=True)
+        size = torch.randint(1, 5, (2, 9), generator=generator).double()
+    else:  # frames: (B, T, L, D) with a (B, K) matching
+        frame_metric = torch.randn(1, 7, 4, generator=generator, dtype=torch.float64)
+        frame_metric[:, 4] = frame_metric[:, 1]  # an exact tie
+        m = geometry_matching(frame_metric, 3)
+        x = torch.randn(1, 7, 2, 3, generator=generator, dtype=torch.float64, requires_grad=True)
+        size = torch.randint(1, 5, (1, 7, 2), generator=generator).double()
+    assert torch.autograd.gradcheck(lambda t: merge_tokens(t, size, m)[0], (x,))
+    upstream = torch.randn_like(merge_tokens(x, size, m)[0])
+    (custom,) = torch.autograd.grad(merge_tokens(x, size, m)[0], x, upstream)
+    (plain,) = torch.autograd.grad(_merge_bipartite(x, size, m.bipartite)[0], x, upstream)
+    torch.testing.assert_close(custom, plain, rtol=1e-12, atol=1e-12)
