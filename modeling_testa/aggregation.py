@@ -21,6 +21,7 @@ order. A protected first token (CLS) always stays first. Use ``trace_source`` (:
 """
 
 
+import sys
 from typing import NamedTuple
 
 import torch
@@ -364,11 +365,12 @@ class _BipartiteMerge(torch.autograd.Function):
 
 
 def _differentiable(x: torch.Tensor) -> bool:
-    """Whether the merge runs under autograd (not when exporting: tracers record the plain ops)."""
-    return (
-        x.requires_grad and torch.is_grad_enabled() and not torch.jit.is_tracing()
-        and not torch.onnx.is_in_onnx_export()
-    )
+    """Whether the merge runs under autograd (not when exporting or tracing: exporters record the plain ops)."""
+    if not (x.requires_grad and torch.is_grad_enabled()):
+        return False
+    onnx = sys.modules.get("torch.onnx")  # not imported means not exporting (importing it takes a while)
+    exporting = torch.compiler.is_exporting() or (onnx is not None and onnx.is_in_onnx_export())
+    return not (exporting or torch.jit.is_tracing())
 
 
 def merge_tokens(x: torch.Tensor, size: torch.Tensor, matching: Matching) -> tuple[torch.Tensor, torch.Tensor]:
