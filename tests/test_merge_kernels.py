@@ -68,8 +68,8 @@ def test_tiny_encoder_counts_are_the_difference_and_within_the_bound(tiny_run, c
     assert kernels["argsort"] == 4 and kernels["sort"] == 4  # one matching per axis and block: 2 blocks x 2 axes
     assert kernels["scatter_add_"] == 8  # one scatter per merged tensor: features and sizes
     assert "view" not in kernels and "expand" not in kernels
-    merges = 4
-    assert sum(kernels.values()) <= 26 * merges  # 1,164 / 24 = 48.5 per aggregation step before the rewrite
+    merges = 4  # 25.5 calls per aggregation step today (9 of them in the score functions); 42.5 before the rewrite
+    assert sum(kernels.values()) <= 32 * merges
 
 
 def test_tiny_encoder_merge_traffic_has_no_index_the_size_of_the_hidden_states(tiny_run):
