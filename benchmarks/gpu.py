@@ -12,6 +12,9 @@ killed keeps what it finished:
 
 1. ``headline``: encoder videos/s at 32 frames, bf16, batch 8: TESTA (R_T=1, R_S=12) against our encoder without
    aggregation (R_T=R_S=0) and transformers' `TimesformerModel`. Targets: >= 1.7x and >= 2x.
+1b. ``same_mode`` (issue 36): TESTA against the encoder without aggregation at 8/32/96 frames and batch 1/8/64, bf16,
+   both run the same way: eagerly, replayed as a captured CUDA graph, and ``torch.compile(mode="reduce-overhead")``
+   (32 frames only, run last). Targets: >= 1.7x at 32 frames and batch 8, >= 1.5x at batch 1, >= 1x at 8 frames.
 2. ``memory_96``: peak `torch.cuda.max_memory_allocated` of `TestaForVideoTextRetrieval` built from the QuerYD
    96-frame recipe (ViT-B/16 224 + BERT-base, random init), for inference (the matching head on one text per video)
    and for one training step, without aggregation and with R_T=4, R_S=8. The paper's ablation: 12.6 GB against
@@ -801,11 +804,14 @@ def run_same_mode(ctx: Context, results: dict) -> None:
     scale = ctx.scale
     results.update(dtype="bf16", attention="sdpa", modes=list(EXECUTION_MODES), entries=[],
                    reductions={str(frames): list(scale.reductions[frames]) for frames in scale.frames})
-    for frames in (scale.headline_frames, scale.frames[0], scale.long_frames):
+    # eager and graphs everywhere first; compiling (a minute or more per shape) last, so a short budget skips it alone
+    passes = [(frames, ("eager", "cuda_graph")) for frames in (scale.headline_frames, scale.frames[0], scale.long_frames)]
+    passes += [(frames, ("compile",)) for frames in (scale.headline_frames, scale.frames[0], scale.long_frames)]
+    for frames, modes in passes:
         for variant in ("testa", "testa-none"):
             model = build_encoder(ctx, variant, frames, "bf16", "sdpa")
             for batch in scale.same_mode_batches:
-                for mode in EXECUTION_MODES:
+                for mode in modes:
                     entry = same_mode_entry(ctx, model, variant, frames, batch, mode)
                     results["entries"].append(entry)
                     outcome = next(entry[key] for key in ("seconds", "unavailable", "skipped", "error") if key in entry)
