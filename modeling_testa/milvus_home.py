@@ -31,7 +31,8 @@ FILTER_KEYS = ("video", "folder", "dataset")
 def row_key(video: str, start: float | None, end: float | None) -> str:
     """The primary key of a row: the SHA-256 (hex) of its ``(video, start, end)`` as compact json (a digest, so that
     no path character reaches a Milvus expression)."""
-    return hashlib.sha256(json.dumps([str(video), start, end], separators=(",", ":")).encode()).hexdigest()
+    bounds = [None if value is None else float(value) for value in (start, end)]  # 25 and 25.0: one row
+    return hashlib.sha256(json.dumps([str(video), *bounds], separators=(",", ":")).encode()).hexdigest()
 
 
 def milvus_filter(filters: dict[str, Any] | None) -> str:
@@ -176,25 +177,25 @@ class MilvusHome:
         return row_payload(name, entry.start, entry.end, entry.dataset, vector)
 
     def upsert_store_shard(self, directory: str | os.PathLike, start: int, stop: int, shard: int,
-                           names: list[str], row_fields: dict[str, list[Any]] | None = None,
-                           chunk: int = 1000) -> int:
+                           entries: list[Any], chunk: int = 1000) -> int:
         """Upserts the encoded rows ``[start, stop)`` of a closed store shard (its embeddings, and the store and row
-        where their tokens are); returns how many. Idempotent: a repeated or resumed run rewrites the same rows."""
+        where their tokens are), each with its `IndexEntry` of `entries` (the store's rows: `StoreHome.entries`,
+        their moments from the plan's segments); returns how many. Idempotent: a repeated or resumed run rewrites
+        the same rows."""
         from .video_store import open_safetensors
 
         directory = os.path.abspath(os.fspath(directory))
         tensors = open_safetensors(os.path.join(directory, f"shard-{int(shard):05d}.safetensors"))
         embeddings, rows = tensors["embeddings"], tensors["rows"]
-        fields = row_fields or {}
         self.ensure_collection(self.dim or int(embeddings.shape[1]))
         payloads = []
         for local in range(stop - start):
             if int(rows[local]) < 0:  # a failed video: never a search result
                 continue
             i = start + local
-            value = lambda key: fields[key][i] if fields.get(key) else None  # noqa: E731
-            payloads.append(row_payload(names[i], value("start"), value("end"), value("dataset"),
-                                        embeddings[local], store=directory, row=i))
+            entry = entries[i]
+            payloads.append(row_payload(entry.name(i), entry.start, entry.end, entry.dataset, embeddings[local],
+                                        store=directory, row=i))
         for begin in range(0, len(payloads), chunk):
             self.upsert(payloads[begin : begin + chunk])
         return len(payloads)

@@ -45,6 +45,14 @@ from transformers.utils import logging
 from .index_homes import IndexEntry, InMemoryHome, StoreHome, VideoIndexBuilder
 from .indexing import SUMMARY_FAILURES, DecodeAhead, check_on_error
 from .inference import optimize_for_inference
+from .moments import (
+    DecodeWindowRows,
+    best_moment_per_video,
+    check_window_options,
+    plan_window_rows,
+    rebatch,
+    video_groups,
+)
 from .processing_testa import TestaProcessor, load_testa_processor
 from .ranking import RankingOptions, ranked_order, two_stage_scores
 from .saving import check_savable, push_folder_to_hub
@@ -103,8 +111,8 @@ def _result_list(items: list[Any], scores: torch.Tensor, similarity: torch.Tenso
 
 
 def _describer(items: Any) -> Any:
-    """``row -> {"video", ...}``: an index's `entry` (the row's video and, when set, its `start`/`end`/`dataset`);
-    for a plain list of videos, ``{"video": items[row]}``."""
+    """``row -> {"video", ...}``: an index's `entry` (the row's video and, when it has them, its `start`/`end`
+    (an index of moments) and `dataset`); for a plain list of videos, ``{"video": items[row]}``."""
     entry = getattr(items, "entry", None)
     if entry is not None:
         videos = items.videos
@@ -116,7 +124,8 @@ def _candidate_results(items: Any, candidates: torch.Tensor, cosines: torch.Tens
                        head_scores: torch.Tensor | None, top_k: int | None) -> list[dict]:
     """`_result_list` computed from one query's candidates only (O(candidates), not O(collection)): the first
     ``len(head_scores)`` candidates re-ranked (by decreasing two-stage score), then the other candidates by
-    decreasing cosine; ties by index, as `ranking.ranked_order` orders them."""
+    decreasing cosine; ties by index, as `ranking.ranked_order` orders them. Every result says what `_describer`
+    says of its row."""
     rows, cosines = candidates.tolist(), cosines.tolist()
     reranked = 0 if head_scores is None else len(head_scores)
     head = sorted(zip(rows[:reranked], head_scores.tolist() if reranked else []), key=lambda pair: (-pair[1], pair[0]))
@@ -439,14 +448,16 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         num_workers: int = 0,
         on_error: str = "skip",
         index: VideoIndex | None = None,
+        window: float | None = None,
+        stride: float | None = None,
         **video_kwargs: Any,
     ) -> VideoIndex:
         """Decodes and encodes every video once and returns a [`VideoIndex`].
 
         Args:
             videos (`list`): paths, 4-D arrays/tensors or frame lists, or `index_homes.IndexEntry` rows (a video
-                with a `dataset` name, carried into the index and search results, to filter by; moments, with
-                `start`/`end`, are refused: this decoder reads whole videos).
+                with a `dataset` name, carried into the index and search results, to filter by; or a moment of a
+                video file, with `start`/`end`, decoded as `window=` decodes its windows; kept in memory).
             batch_size (`int`, defaults to 8): videos per encoder forward.
             store_tokens (`bool`, defaults to `True`): keep the aggregated tokens so that `search` can re-rank with
                 the matching head; `False` keeps only the embeddings (much smaller; not with `store_dir`).
@@ -476,6 +487,14 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
                 returned.
                 It must have been built with the same model settings (frames, R_T/R_S, projection size): another
                 setting is refused, naming the difference, before anything is encoded.
+            window (`float`, *optional*): index moments instead of whole videos: every video file is cut into
+                windows of this many seconds (planned from its duration, `moments.plan_window_rows`; a video shorter
+                than one window is one entry), the rows encoded by `index_homes.VideoIndexBuilder`, each video
+                decoded once for all its windows (`moments.DecodeWindowRows`), and each window is one row of the index
+                with its `start` and `end` (`VideoIndex.segments`); `search` then returns moments. Paths only, kept in
+                memory (not with `store_dir`); `num_frames` is the only video argument taken. With `num_workers`,
+                the next videos are decoded (each in one pass) in threads while the current windows are encoded.
+            stride (`float`, *optional*): seconds between window starts (default: `window`).
             **video_kwargs: video-processor arguments (`num_frames=...`).
 
         Raises:
@@ -490,11 +509,6 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         else:
             videos = video_list(videos, "videos")
             entries = [IndexEntry(item) for item in videos]
-        moments = [i for i, entry in enumerate(entries) if entry.start is not None or entry.end is not None]
-        if moments:  # this decoder reads whole videos; cutting windows is a decoder's job, not a silent whole read
-            raise ValueError(f"videos{moments[:3]} are moments (start/end set): encode_videos decodes whole videos. "
-                             "Build an index of moments with `index_homes.VideoIndexBuilder` and a decoder that cuts "
-                             "the windows.")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"`batch_size` must be a positive int, got {batch_size!r}.")
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
@@ -504,6 +518,17 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
             raise ValueError("`store_dir` writes the tokens: it cannot be combined with store_tokens=False.")
         with_weights = index is not None and "model_weights_sha256" in (getattr(index, "info", None) or {})
         info = self._index_info(video_kwargs, with_weights=with_weights)
+        window, stride = check_window_options(window, stride)
+        if window is not None:  # the rows are the videos' windows, planned from their durations
+            entries, info = self._window_entries(entries, window, stride, store_dir, index, info, video_kwargs)
+            if not entries:
+                logger.info("All %d videos are already in the index; nothing to encode.", len(videos))
+                return index
+        moments = any(entry.start is not None for entry in entries)
+        if moments and (store_dir is not None or getattr(index, "store", None) is not None):
+            raise ValueError("Moments (`window=`, or entries with start/end) are built in memory here (save them with "
+                             "`index.save(DIR)`, either format); `python -m train.index --window` writes a video "
+                             "store of moments as it goes.")
         if index is not None:
             self._check_growable(index, entries, info, store_dir, store_tokens)
         stored = getattr(index, "store", None) if index is not None else None
@@ -522,9 +547,13 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
                 return index
             entries = [entries[i] for i in todo]
         builder = VideoIndexBuilder(self.model, InMemoryHome(store_tokens, token_dtype), info)
-        stats, _ = builder.encode(entries, self._decoder(batch_size, num_workers, on_error, video_kwargs),
-                                  progress_bar=self._show_progress(len(entries), progress_bar),
-                                  num_workers=num_workers)
+        if moments:  # each video decoded once for all its rows' windows
+            decode = self._moment_decoder(batch_size, num_workers, on_error, info["num_frames"])
+        else:
+            decode = self._decoder(batch_size, num_workers, on_error, video_kwargs)
+        stats, _ = builder.encode(entries, decode, progress_bar=self._show_progress(len(entries), progress_bar),
+                                  num_workers=num_workers,
+                                  description="Encoding windows" if moments else "Encoding videos")
         self._log_stats(len(entries), stats)
         failures = builder.home.failures()
         if len(failures) == len(entries):
@@ -546,6 +575,53 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
     @staticmethod
     def _show_progress(count: int, progress_bar: bool | None) -> bool:
         return (count >= PROGRESS_BAR_MIN_VIDEOS) if progress_bar is None else bool(progress_bar)
+
+    def _window_entries(self, entries: list[IndexEntry], window: float, stride: float, store_dir: Any,
+                        index: VideoIndex | None, info: dict[str, Any], video_kwargs: dict[str, Any]
+                        ) -> tuple[list[IndexEntry], dict[str, Any]]:
+        """`encode_videos` with `window`: the rows (`IndexEntry` per window of every video file not yet in `index`,
+        planned from the files' durations by `moments.plan_window_rows`, with each video's `dataset`) and the
+        index's info (with the window and stride)."""
+        if store_dir is not None:
+            raise ValueError("`window=` builds the moments in memory (save them with `index.save(DIR)`, either "
+                             "format); `python -m train.index --window` writes a video store of moments as it goes.")
+        unsupported = sorted(set(video_kwargs) - {"num_frames"})
+        if unsupported:
+            raise ValueError(f"With `window=`, `num_frames` is the only video argument taken; got {unsupported}.")
+        arrays = [i for i, entry in enumerate(entries) if not isinstance(entry.video, (str, os.PathLike))]
+        if arrays:
+            raise ValueError(f"`window=` cuts video files by time; videos{arrays[:3]} are in-memory videos.")
+        info = {**info, "window": window, "stride": stride}
+        datasets = {os.fspath(entry.video): entry.dataset for entry in entries}
+        paths = list(datasets)
+        if index is not None:
+            if (index.info.get("window"), index.info.get("stride")) != (window, stride):
+                raise ValueError(f"The index holds windows of {index.info.get('window')} s every "
+                                 f"{index.info.get('stride')} s; grow it with the same window and stride, got "
+                                 f"window={window}, stride={stride}.")
+            known = set(index.names) | {failure.video for failure in index.failures}
+            paths = [path for path in paths if path not in known]
+        names, segments, _ = plan_window_rows(paths, window, stride)
+        return [IndexEntry(name, *(segment or (None, None)), dataset=datasets[name])
+                for name, segment in zip(names, segments)], info
+
+    def _moment_decoder(self, batch_size: int, num_workers: int, on_error: str, num_frames: int) -> Any:
+        """The builder's `decode(entries, positions)` for rows that are moments (`IndexEntry.start`/`end`; None: the
+        whole video): `moments.DecodeWindowRows` decodes each video once for its consecutive rows, in `num_workers`
+        threads (`DecodeAhead`, each with its own decoder process), and the windows go out `batch_size` at a time."""
+
+        def decode(entries: list[IndexEntry], positions: list[int]):
+            segments = [None if entry.start is None else [entry.start, entry.end] for entry in entries]
+            collate = DecodeWindowRows(self.video_processor, num_frames, segments, on_error)
+            groups = video_groups(positions, [entry.name(i) for i, entry in enumerate(entries)])
+            ahead = DecodeAhead(lambda g: collate([groups[g]]), len(groups), num_workers, max(2, num_workers),
+                                self._decoder_for_thread)
+            with ahead:
+                for indices, pixel_values, failures in rebatch(map(ahead.get, range(len(groups))), batch_size):
+                    yield indices, pixel_values, [dataclasses.replace(f, start=entries[f.index].start,
+                                                                      end=entries[f.index].end) for f in failures]
+
+        return decode
 
     @staticmethod
     def _log_stats(count: int, stats: Any) -> None:
@@ -604,7 +680,7 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
             logger.info("All %d videos are already in the index; nothing to encode.", len(videos))
             return index
         first = plan["shards"][-1][0]
-        rows = [IndexEntry(video) for video in plan["videos"][:first]] + [entries[i] for i in new]
+        rows = StoreHome.entries(plan)
         builder = VideoIndexBuilder(self.model, home, info)
         stats, _ = builder.encode(rows, self._decoder(batch_size, num_workers, on_error, video_kwargs),
                                   shard=len(plan["shards"]) - 1, start=first,
@@ -659,6 +735,7 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         use_faiss: bool | None = None,
         text_kwargs: dict[str, Any] | None = None,
         filters: dict[str, Any] | None = None,
+        group_by: str | None = None,
     ) -> Any:
         """Searches an encoded collection without decoding any video: a `VideoIndex` (in memory or store-backed) or
         a `milvus_home.MilvusIndex`, with payload `filters` (``{"folder": DIR}``: the videos under DIR;
@@ -674,9 +751,13 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         same arguments: with `top_k=None`, all videos, the re-ranked ones first (`"reranked": True`), then the others
         by cosine. Without tokens (or with `rerank=False`) every score is the cosine and nothing is re-ranked.
 
+        An index of moments (`encode_videos(..., window=)`) is searched the same way, one row per moment, and every
+        result also has `"start"` and `"end"` (seconds; `None` for a row that is a whole video). `group_by="video"`
+        gives each video once, at its best moment (the whole ranking is scored, then grouped, then cut to `top_k`).
+
         Returns:
-            Like the pipeline call: `[{"video", "score", "reranked"}]` per query, with the row's `start`/`end` (a
-            moment) and `dataset` when it has them.
+            Like the pipeline call: `[{"video", "score", "reranked"}]` per query, with the row's `"start"`/`"end"`
+            (an index of moments) and `"dataset"` when it has them.
 
         Raises:
             ValueError: when the index was encoded by a model of another `projection_dim` or aggregation settings
@@ -692,7 +773,12 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
             _check_rerank_k(rerank_k)
         if use_faiss not in (None, True, False):
             raise ValueError(f"`use_faiss` must be None, True or False, got {use_faiss!r}.")
+        if group_by not in (None, "video"):
+            raise ValueError(f"`group_by` must be None or 'video', got {group_by!r}.")
         _check_index_settings(index, self.model.config)
+        grouped_top_k = top_k if group_by == "video" else None
+        if group_by == "video":
+            top_k = None  # every row, so that grouping keeps each video's best moment
         texts, single = text_list(text, "text")
         if rerank and not index.has_tokens:
             raise ValueError("rerank=True needs an index built with store_tokens=True.")
@@ -726,7 +812,10 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
                     video_features=index.embeddings[head], read_tokens=lambda rows: index.tokens[head[rows]],
                     options=RankingOptions(k=len(head), itm_score=itm_score, add_cosine=add_cosine),
                 ).scores[0].float().cpu()
-            results.append(_candidate_results(index, rows, row_cosines, head_scores, top_k))
+            ranked = _candidate_results(index, rows, row_cosines, head_scores, top_k)
+            if group_by == "video":
+                ranked = best_moment_per_video(ranked)[:grouped_top_k]
+            results.append(ranked)
         return results[0] if single else results
 
 

@@ -11,6 +11,7 @@ This file is Hub remote code: flat relative imports only, absolute imports of in
 optional and imported inside `try`).
 """
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -436,8 +437,28 @@ def differing_settings(first: dict[str, Any], second: dict[str, Any], keys: tupl
     return {key: value for key, value in differing.items() if key in keys}
 
 
-ROW_FIELDS = ("start", "end", "dataset")
-"""Optional per-row fields of an index (`VideoIndex.row_fields`), carried by every home and into search results."""
+ROW_FIELDS = ("dataset",)
+"""Optional per-row fields of an index (`VideoIndex.row_fields`), carried by every home and into search results. A
+row's `start`/`end` are not among them: they live in `VideoIndex.segments`."""
+
+
+def segments_tensor(segments: list[Any] | None) -> torch.Tensor | None:
+    """`VideoIndex.segments` from a list of ``[start, end]`` or None (a whole video) per row, as a store's info and
+    a store plan keep them; None for None."""
+    if segments is None:
+        return None
+    return torch.tensor([pair if pair is not None else [float("nan")] * 2 for pair in segments],
+                        dtype=torch.float64).reshape(-1, 2)
+
+
+def failure_moment(failure: Failure, segments: torch.Tensor) -> Failure:
+    """`failure` with the `start`/`end` of its row (`failure.index`) in `segments` (NaN: a whole video)."""
+    if failure.index is None or not 0 <= failure.index < segments.shape[0] or failure.start is not None:
+        return failure
+    start, end = segments[failure.index].tolist()
+    if start != start:  # NaN
+        return failure
+    return dataclasses.replace(failure, start=float(start), end=float(end))
 
 
 def as_failures(failures: Any) -> list[Failure]:
@@ -477,14 +498,18 @@ class VideoIndex:
         store (`VideoTokenStore`, *optional*): the on-disk store backing `tokens`, when there is one.
         failures (`list[Failure]`): the videos (or moments) that could not be encoded, each with its code and reason,
             in the order met; saved with the index.
-        row_fields (`dict[str, list]`): optional per-row fields, each a list of `len(videos)` values (None: absent):
-            ``start``/``end`` (seconds: the row is a moment of its video), ``dataset`` (a name to filter by). Saved
-            with the index; search results carry them.
+        row_fields (`dict[str, list]`): optional per-row fields (`ROW_FIELDS`), each a list of `len(videos)`
+            values (None: absent): ``dataset`` (a name to filter by). Saved with the index; search results carry
+            them. A moment's `start`/`end` are in `segments`.
         stats (`dict`): how fast `encode_videos` built it (not saved): `videos`, `seconds` (wall time),
             `videos_per_second`, `decode_wait_seconds` (time the encoder waited for decoded videos; all the decoding
             time without workers), `encode_seconds` (encoder forwards) and `num_workers`.
         exact_max_videos (`int`, defaults to `EXACT_MAX_VIDEOS`): up to this many encoded videos the first stage is
             exact, above it approximate (not saved).
+        segments (`torch.Tensor` of shape `(num_videos, 2)`, *optional*): for an index of moments
+            (`encode_videos(..., window=)`), the `(start, end)` seconds of every row in its video (`videos[i]` names
+            the video); NaN for a row that is a whole video; `None` when every row is a whole video. Saved with the
+            index (either format), and the one place a row's start and end live (`moment`, `row_key`, `entry`).
 
     Attributes:
         skipped (`list[str]`): the videos the last `add` left out because the index already held them.
@@ -500,6 +525,7 @@ class VideoIndex:
     row_fields: dict[str, list[Any]] = field(default_factory=dict)
     stats: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     exact_max_videos: int = field(default=EXACT_MAX_VIDEOS, compare=False, repr=False)
+    segments: torch.Tensor | None = None
     skipped: list[str] = field(default_factory=list, init=False, compare=False, repr=False)
     first_stage: FirstStage | None = field(default=None, init=False, compare=False, repr=False)
 
@@ -517,9 +543,25 @@ class VideoIndex:
             if key not in ROW_FIELDS or len(values) != n:
                 raise ValueError(f"`row_fields[{key!r}]` must be one of {ROW_FIELDS} with {n} values, got "
                                  f"{len(values)} values.")
+        if self.segments is not None:
+            self.segments = torch.as_tensor(self.segments, dtype=torch.float64)
+            if tuple(self.segments.shape) != (n, 2):
+                raise ValueError(f"`segments` must be ({n}, 2) (start, end) seconds for {n} rows, got "
+                                 f"{tuple(self.segments.shape)}.")
 
     def __len__(self) -> int:
         return len(self.videos)
+
+    def moment(self, row: int) -> tuple[float | None, float | None]:
+        """`(start, end)` seconds of a row in its video; `(None, None)` for a whole video."""
+        if self.segments is None or bool(torch.isnan(self.segments[row]).any()):
+            return None, None
+        start, end = self.segments[row].tolist()
+        return float(start), float(end)
+
+    def row_keys(self) -> list[tuple[str, float | None, float | None]]:
+        """`(video name, start, end)` of every row: what tells two rows apart (a video's moments share its name)."""
+        return [self.row_key(i) for i in range(len(self))]
 
     @property
     def names(self) -> list[str]:
@@ -532,8 +574,11 @@ class VideoIndex:
         return None if values is None else values[row]
 
     def entry(self, row: int) -> dict[str, Any]:
-        """What a search result says of `row`: ``{"video"}`` and, when set, ``start``, ``end`` and ``dataset``."""
+        """What a search result says of `row`: ``{"video"}``, ``start`` and ``end`` in an index of moments (None for
+        a whole video among them, `moment`), and ``dataset`` when set."""
         found = {"video": self.videos[row]}
+        if self.segments is not None:
+            found["start"], found["end"] = self.moment(row)
         for key in ROW_FIELDS:
             value = self.row_field(key, row)
             if value is not None:
@@ -542,7 +587,7 @@ class VideoIndex:
 
     def row_key(self, row: int) -> tuple[str, float | None, float | None]:
         """``(name, start, end)``: what tells two rows apart (the windows of one video are distinct rows)."""
-        return (video_name(self.videos[row], row), self.row_field("start", row), self.row_field("end", row))
+        return (video_name(self.videos[row], row), *self.moment(row))
 
     @property
     def index_info(self) -> IndexInfo:
@@ -580,10 +625,15 @@ class VideoIndex:
         opened when FAISS is installed, it is current and `first_stage` is True."""
         if not isinstance(store, VideoTokenStore):
             store = VideoTokenStore(store)
+        info = dict(store.info)
+        # an index of moments (train.index --window) keeps its rows' (start, end) in the store's info
+        segments = segments_tensor(info.pop("segments", None))
+        failures = [Failure.from_dict(f) for f in store.failures]
+        if segments is not None:  # a failed row's moment, from the row's segment
+            failures = [failure_moment(f, segments) for f in failures]
         index = cls(videos=list(store.videos), embeddings=store.embeddings, tokens=store.tokens,
-                    token_sizes=store.token_sizes, info=dict(store.info), store=store,
-                    failures=[Failure.from_dict(f) for f in store.failures],
-                    row_fields=dict(store.meta.get("row_fields") or {}))
+                    token_sizes=store.token_sizes, info=info, store=store, failures=failures,
+                    row_fields=dict(store.meta.get("row_fields") or {}), segments=segments)
         if first_stage:
             index.load_first_stage(store.directory)
         return index
@@ -666,12 +716,11 @@ class VideoIndex:
                 f"{self.store.directory} --videos MORE`."
             )
         self.check_compatible(other)
-        known = {self.row_key(i) for i, item in enumerate(self.videos) if isinstance(item, (str, os.PathLike))}
+        known = {key for item, key in zip(self.videos, self.row_keys()) if isinstance(item, (str, os.PathLike))}
         take, skipped = [], []
-        for i, item in enumerate(other.videos):
+        for i, (item, key) in enumerate(zip(other.videos, other.row_keys())):
             if not bool(other.valid[i]):
                 continue
-            key = other.row_key(i)
             if isinstance(item, (str, os.PathLike)) and key in known:
                 skipped.append(key[0])
                 continue
@@ -682,6 +731,11 @@ class VideoIndex:
         for key in set(self.row_fields) | set(other.row_fields):
             self.row_fields[key] = ([self.row_field(key, i) for i in range(first_new)]
                                     + [other.row_field(key, i) for i in take])
+        if self.segments is not None or other.segments is not None:  # whole videos are NaN rows among moments
+            whole = lambda count: torch.full((count, 2), float("nan"), dtype=torch.float64)  # noqa: E731
+            mine = self.segments if self.segments is not None else whole(len(self))
+            theirs = other.segments[rows] if other.segments is not None else whole(len(take))
+            self.segments = torch.cat([mine, theirs])
         self.videos = self.videos + [other.videos[i] for i in take]
         new_embeddings = other.embeddings[rows].to(self.embeddings.dtype)
         self.embeddings = torch.cat([self.embeddings, new_embeddings])
@@ -766,6 +820,8 @@ class VideoIndex:
         rows = self.encoded_rows()
         kept = (lambda tensor: tensor) if rows is None else (lambda tensor: tensor[rows])
         tensors = {"embeddings": kept(self.embeddings).detach().cpu().contiguous()}
+        if self.segments is not None:
+            tensors["segments"] = kept(self.segments).contiguous()
         for name in ("tokens", "token_sizes"):
             value = getattr(self, name)
             if value is not None:
@@ -809,8 +865,11 @@ class VideoIndex:
         writer.close()
         row_fields = {key: values + [getattr(failure, key, None) for failure in extra]
                       for key, values in self.row_fields.items()}
-        finalize_store(directory, self.names + [failure.video for failure in extra], 1, self.info,
-                       row_fields=row_fields or None)
+        info = dict(self.info)
+        keys = self.row_keys() + [failure.key for failure in extra]
+        if any(start is not None for _, start, _ in keys):  # rows' (start, end), None for whole videos
+            info["segments"] = [None if start is None else [start, end] for _, start, end in keys]
+        finalize_store(directory, [key[0] for key in keys], 1, info, row_fields=row_fields or None)
 
     @classmethod
     def load(cls, directory: str | os.PathLike, first_stage: bool = True) -> "VideoIndex":
@@ -841,6 +900,7 @@ class VideoIndex:
             info=dict(info.get("info", {})),
             failures=info.get("failures", []),
             row_fields=info.get("row_fields") or {},
+            segments=tensors.get("segments"),
         )
         if first_stage:
             index.load_first_stage(directory)

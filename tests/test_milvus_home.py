@@ -128,8 +128,7 @@ def test_two_writers_one_killed_and_resumed_give_the_rows_of_an_in_process_build
     in_process = reference.finish(entries)
     keys = [row["key"] for row in rows]
     assert len(keys) == len(set(keys)) == len(entries) == len(index)
-    expected = {row_key(in_process.names[i], in_process.row_field("start", i), in_process.row_field("end", i)):
-                in_process.embeddings[i] for i in range(len(in_process))}
+    expected = {row_key(*in_process.row_key(i)): in_process.embeddings[i] for i in range(len(in_process))}
     assert set(keys) == set(expected)
     for row in rows:
         torch.testing.assert_close(torch.tensor(row["embedding"]), expected[row["key"]], rtol=0, atol=1e-6)
@@ -193,3 +192,44 @@ def test_train_index_into_milvus_then_train_search_equals_the_store_search(tmp_p
             if filters:
                 assert all("/cats/" in r["video"] for r in got)
 
+
+
+def test_train_index_of_moments_into_milvus_keeps_start_and_end_and_searches_as_the_store(tmp_path):
+    """`train.index --window --milvus FILE`: the builder's moments (planned from the videos' durations) land in
+    Milvus with their start/end in the payload, one row per (video, start, end) of the store; `train.search --milvus`
+    returns them as moments, ranked as the store ranks them (also grouped by video)."""
+    from helpers.pipelines import build_retrieval, save_folder, tiny_processor
+    from helpers.videos import write_long_video
+
+    from modeling_testa.video_index import VideoIndex
+    from train.index import main as index_main
+    from train.search import search
+
+    model = save_folder(build_retrieval(), tiny_processor(), tmp_path / "model")
+    (tmp_path / "videos").mkdir()
+    write_long_video(tmp_path / "videos" / "minute.mp4", 120, fps=2)  # 60 s: (0, 25) (15, 40) (30, 55) (35, 60)
+    write_long_video(tmp_path / "videos" / "short.mp4", 20, fps=2)  # 10 s: one row (0, 10)
+    (tmp_path / "videos" / "broken.mp4").write_text("not a video")
+    store, milvus = tmp_path / "store", str(tmp_path / "videos.db")
+    index_main(["--model", str(model), "--videos", str(tmp_path / "videos"), "--store", str(store), "--token-dtype",
+                "float32", "--num-workers", "0", "--window", "25", "--stride", "15", "--shard-size", "2", "--milvus",
+                milvus])
+    stored = VideoIndex.load(store)
+    keys = [key for key, ok in zip(stored.row_keys(), stored.valid) if ok]
+    names = [Path(name).name for name, _, _ in keys]
+    assert [(name, start, end) for name, (_, start, end) in zip(names, keys)] == [
+        ("minute.mp4", 0, 25), ("minute.mp4", 15, 40), ("minute.mp4", 30, 55), ("minute.mp4", 35, 60),
+        ("short.mp4", 0, 10)]
+    assert [Path(f.video).name for f in stored.failures] == ["broken.mp4"]
+    rows = MilvusHome(milvus, dim=16).open({"projection_dim": 16}).all_rows()
+    assert sorted((row["video"], row["start"], row["end"]) for row in rows) == sorted(keys)
+    assert sorted(row["key"] for row in rows) == sorted(row_key(*key) for key in keys)
+    queries = ["a white block in the corner", "a black frame"]
+    for group_by_video in (False, True):
+        from_store = search(str(store), queries, top_k=5, group_by_video=group_by_video)
+        from_milvus = search(str(store), queries, top_k=5, milvus=milvus, group_by_video=group_by_video)
+        for got, want in zip(from_milvus, from_store, strict=True):
+            assert [(r["video"], r["start"], r["end"]) for r in got] == [(r["video"], r["start"], r["end"])
+                                                                          for r in want]
+            assert [r["score"] for r in got] == pytest.approx([r["score"] for r in want], abs=1e-5)
+            assert len(got) == (2 if group_by_video else 5)

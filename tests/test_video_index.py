@@ -395,17 +395,17 @@ def test_filters_keep_only_matching_rows_and_moments_reach_the_results(pipe, vid
                IndexEntry(videos[2], dataset="a")]
     encoded = pipe.encode_videos(entries, batch_size=2)
     assert encoded.row_fields == {"dataset": ["a", "b", "a"]}
-    with pytest.raises(ValueError, match=r"videos\[0\] are moments"):
-        pipe.encode_videos([IndexEntry(videos[0], start=0.0, end=1.0)])
     # an index of moments (two windows of videos[1], as a moment decoder would give them)
     index = VideoIndex(videos=[videos[0], videos[1], videos[1], videos[2]], info=encoded.info,
                        embeddings=encoded.embeddings[[0, 1, 1, 2]],
                        tokens=encoded.tokens[[0, 1, 1, 2]], token_sizes=encoded.token_sizes[[0, 1, 1, 2]],
-                       row_fields={"start": [None, 0.0, 1.0, None], "end": [None, 1.0, 2.0, None],
-                                   "dataset": ["a", "b", "b", "a"]})
+                       segments=[[float("nan")] * 2, [0.0, 1.0], [1.0, 2.0], [float("nan")] * 2],
+                       row_fields={"dataset": ["a", "b", "b", "a"]})
     results = pipe.search("a video", index, top_k=None, rerank=False)
-    assert sorted((r["video"], r.get("start", -1)) for r in results) == sorted(
+    assert sorted((r["video"], r["start"] if r["start"] is not None else -1) for r in results) == sorted(
         [(videos[0], -1), (videos[1], 0.0), (videos[1], 1.0), (videos[2], -1)])
+    with pytest.raises(ValueError, match=r"one of \('dataset',\)"):  # a row's start/end live in `segments`
+        VideoIndex(videos=videos[:1], embeddings=encoded.embeddings[:1], row_fields={"start": [0.0]})
     only_b = pipe.search("a video", index, top_k=None, rerank=False, filters={"dataset": "b"})
     assert [r["dataset"] for r in only_b] == ["b", "b"] and {(r["start"], r["end"]) for r in only_b} == {
         (0.0, 1.0), (1.0, 2.0)}

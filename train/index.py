@@ -2,6 +2,7 @@
 
     accelerate launch -m train.index --model FOLDER_OR_HUB_ID --videos DIR_OR_LIST_OR_DATASET --store OUT \
         [--precision fp32|bf16|int8|auto] [--backend torch|openvino|onnxruntime] [--num-frames N] [--shard-size 256] [--batch-size 8] [--num-workers 2]
+        [--window SECONDS [--stride SECONDS]]
 
 (`python -m train.index ...` runs the same on one process.) The videos are sorted and cut into shards of
 ``--shard-size`` videos; process ``r`` of ``W`` encodes shards ``r, r + W, r + 2W, ...`` with the library's one encode
@@ -26,13 +27,19 @@ One writer per store: the main process takes the store's lock (``writer.lock``, 
 anything is written and the other processes of the launch check it; a second run on the same store is refused,
 naming the running one, and a lock left by a killed run is taken over (then the run resumes).
 
+**Moments.** With ``--window`` (and ``--stride``, default: the window) every video is cut into windows
+(`modeling_testa.moments.plan_windows`) and each window is one row of the store, with its start and end; search then
+returns moments (``python -m train.search`` prints them as ``h:mm:ss``). The rows are planned from each video's
+duration (read from its container, nothing decoded) when it joins the plan, a shard holds whole videos, and a video is
+decoded once for all its windows in a shard run (a resumed shard decodes a video again only for its rows not yet
+journaled). Resume and growth work as for whole videos; the window and stride are settings of the store.
+
 Inputs (``--videos``): a folder (searched recursively for video files; other files are listed as skipped), a text
 file with one path per line (relative paths are relative to the file), or a dataset written by the builders
 (a folder with ``<split>.jsonl``, or one jsonl/parquet file; ``--split`` picks the split, default ``test``).
 """
 
 import argparse
-import json
 import os
 import sys
 import threading
@@ -49,7 +56,6 @@ from tqdm.auto import tqdm
 from modeling_testa.distributed import raise_on_every_rank
 from modeling_testa.engines import auto_precision
 from modeling_testa.index_homes import (
-    PLAN_FILE,
     IndexEntry,
     StoreHome,
     VideoIndexBuilder,
@@ -58,6 +64,7 @@ from modeling_testa.index_homes import (
 )
 from modeling_testa.indexing import SUMMARY_FAILURES, DecodeVideos, EncodingStats
 from modeling_testa.inference import BACKENDS, PRECISIONS, optimize_for_inference
+from modeling_testa.moments import DecodeWindowRows, check_window_options, plan_window_rows, rebatch, video_groups
 from modeling_testa.store_lock import LOCK_FILE, StoreLock, StoreLockedError, check_lock_token
 from modeling_testa.video_index import IndexInfo
 from modeling_testa.video_inputs import VIDEO_SUFFIXES, find_video_files
@@ -129,12 +136,13 @@ def load_retrieval_model(source: str) -> tuple[Any, Any]:
 
 
 def index_settings(model: Any, model_source: str, num_frames: int, precision: str, token_dtype: str,
-                   shard_size: int) -> dict[str, Any]:
-    """What a store is built with (`IndexInfo`, weights hashed, and the shard size); a resume or an append must
-    match it exactly."""
+                   shard_size: int, window: float | None = None, stride: float | None = None) -> dict[str, Any]:
+    """What a store is built with (`IndexInfo`, weights hashed, the shard size, and the window and stride of an
+    index of moments); a resume or an append must match it exactly (a store of whole videos has window and stride
+    None, as stores written before moments existed read)."""
     info = IndexInfo.from_model(model, num_frames, with_weights=True, model=str(model_source), precision=precision,
                                 token_dtype=token_dtype)
-    return {**info.as_dict(), "shard_size": int(shard_size)}
+    return {**info.as_dict(), "shard_size": int(shard_size), "window": window, "stride": stride}
 
 
 def check_or_write_settings(store: Path, settings: dict[str, Any]) -> bool:
@@ -162,9 +170,22 @@ def check_or_write_settings(store: Path, settings: dict[str, Any]) -> bool:
 
 
 def read_plan(store: Path) -> dict[str, Any]:
-    """``{"videos": [...], "shards": [[start, stop], ...]}``: the store's videos in order and its shards' ranges
-    (`StoreHome.plan`)."""
+    """``{"videos": [...], "shards": [[start, stop], ...], "segments": ...}``: the store's rows in order, its shards'
+    ranges and, for moments, every row's ``[start, end]`` (`StoreHome.plan`)."""
     return StoreHome(store).plan()
+
+
+def planned_entries(plan: dict[str, Any], videos: list[str], window: float | None = None,
+                    stride: float | None = None) -> list[IndexEntry]:
+    """The rows to plan for ``videos`` (those the plan lacks, in order): whole videos, or with a ``window`` every
+    new video's windows from its duration (`moments.plan_window_rows`; a video whose duration cannot be read is one
+    whole-video row, whose decoding then fails and says why)."""
+    known = set(plan["videos"])
+    new = [video for video in dict.fromkeys(videos) if video not in known]
+    if window is None:
+        return as_entries(new)
+    names, segments, _ = plan_window_rows(new, window, stride)
+    return [IndexEntry(name, *(segment or (None, None))) for name, segment in zip(names, segments)]
 
 
 def prepare_store(store: Path, settings: dict[str, Any], videos: list[str], shard_size: int
@@ -172,8 +193,10 @@ def prepare_store(store: Path, settings: dict[str, Any], videos: list[str], shar
     """Checks (or writes) the settings and appends the videos the store lacks to its plan (`StoreHome.append`).
     Returns the plan, the videos added to it, and whether the store existed. A refused store is left untouched."""
     existed = check_or_write_settings(store, settings)
-    plan, added = StoreHome(store).append(as_entries(videos), shard_size)
-    return plan, [videos[i] for i in added], existed
+    home = StoreHome(store)
+    entries = planned_entries(home.plan(), videos, settings.get("window"), settings.get("stride"))
+    plan, added = home.append(entries, shard_size)
+    return plan, list(dict.fromkeys(entries[i].name(i) for i in added)), existed
 
 
 class JournalProgress:
@@ -210,13 +233,18 @@ class JournalProgress:
         self.bar.close()
 
 
-def decode_with_workers(collate: DecodeVideos, batch_size: int, num_workers: int):
-    """The builder's ``decode(entries, positions)``: `DecodeVideos` in a `DataLoader` of `num_workers` processes."""
+def decode_with_workers(collate: DecodeVideos | DecodeWindowRows, batch_size: int, num_workers: int):
+    """The builder's ``decode(entries, positions)``: `DecodeVideos` in a `DataLoader` of `num_workers` processes;
+    for moments (`DecodeWindowRows`), each video decoded once for its rows, the windows regrouped into batches of
+    ``batch_size``."""
 
     def decode(entries: list[IndexEntry], positions: list[int]):
+        workers = dict(num_workers=num_workers, prefetch_factor=1 if num_workers else None)
+        if isinstance(collate, DecodeWindowRows):
+            groups = video_groups(positions, [entry.name(i) for i, entry in enumerate(entries)])
+            return rebatch(DataLoader(groups, batch_size=1, collate_fn=collate, **workers), batch_size)
         items = [(i, entries[i].video) for i in positions]
-        return DataLoader(items, batch_size=batch_size, collate_fn=collate, num_workers=num_workers,
-                          prefetch_factor=1 if num_workers else None)
+        return DataLoader(items, batch_size=batch_size, collate_fn=collate, **workers)
 
     return decode
 
@@ -253,7 +281,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="also upsert every encoded video into Milvus: a Milvus Lite file (videos.db) or a server "
                              "or cluster URI (http://host:19530); the tokens stay in --store")
     parser.add_argument("--collection", default="videos", help="the Milvus collection (default: videos)")
+    parser.add_argument("--window", type=float, default=None,
+                        help="index moments: windows of this many seconds, one row each (default: whole videos)")
+    parser.add_argument("--stride", type=float, default=None, help="seconds between windows (default: --window)")
     args = parser.parse_args(argv)
+    try:
+        args.window, args.stride = check_window_options(args.window, args.stride)
+    except ValueError as error:
+        parser.error(str(error))
     for name in ("shard_size", "batch_size"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
@@ -276,14 +311,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     precision = auto_precision(args.backend) if args.precision == "auto" else args.precision
     # the backend changes the embeddings as the precision does: a store records both (as "int8 (openvino)")
     recorded = precision if args.backend == "torch" else f"{precision} ({args.backend})"
-    settings = index_settings(model, args.model, num_frames, recorded, args.token_dtype, args.shard_size)
+    settings = index_settings(model, args.model, num_frames, recorded, args.token_dtype, args.shard_size,
+                              args.window, args.stride)
     # without cpu=True, CPU processes under `--multi_gpu` would not join one group
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     model = optimize_for_inference(model.to(accelerator.device), precision, backend=args.backend)
     lock = StoreLock(store, command=writer_command(argv, accelerator.num_processes))
     try:
         return index_into_store(args, store, videos, skipped, model, settings,
-                                DecodeVideos(video_processor, num_frames), accelerator, lock)
+                                video_processor, num_frames, accelerator, lock)
     finally:
         lock.release()  # a killed run leaves it: the next run recognises it as stale and takes it over
 
@@ -321,7 +357,7 @@ def take_store_lock(lock: StoreLock, accelerator: Accelerator) -> None:
 
 
 def index_into_store(args: argparse.Namespace, store: Path, videos: list[str], skipped: list[str], model: Any,
-                     settings: dict[str, Any], collate: DecodeVideos, accelerator: Accelerator,
+                     settings: dict[str, Any], video_processor: Any, num_frames: int, accelerator: Accelerator,
                      lock: StoreLock) -> dict[str, Any]:
     """`main` once the model is ready: takes the store's lock, then plans, encodes, checks and finalises."""
     existed, added, error = False, [], None
@@ -342,7 +378,7 @@ def index_into_store(args: argparse.Namespace, store: Path, videos: list[str], s
     plan = read_plan(store)  # what the main process wrote (every process sees the store's folder)
 
     stored = plan["videos"]
-    entries = [IndexEntry(video) for video in stored]
+    entries = StoreHome.entries(plan)  # every row: a video, or a moment of it
     num_shards = len(plan["shards"])
     home = StoreHome(store, TOKEN_DTYPES[args.token_dtype])
     builder = VideoIndexBuilder(model, home, settings)
@@ -362,8 +398,13 @@ def index_into_store(args: argparse.Namespace, store: Path, videos: list[str], s
                          f"{len(added)} added")
         if skipped:
             notes.append(f"skipped {len(skipped)} files that are not videos")
-        print(f"Indexing {len(stored)} videos into {num_shards} shards of up to {args.shard_size} on "
+        rows = f"{len(stored)} videos" if args.window is None else f"{len(stored)} moments of {len(set(stored))} videos"
+        print(f"Indexing {rows} into {num_shards} shards of up to {args.shard_size} on "
               f"{accelerator.num_processes} process(es){'; ' if notes else ''}{'; '.join(notes)}.", flush=True)
+    if args.window is not None:  # rows are windows: each video decoded once for its rows
+        collate = DecodeWindowRows(video_processor, num_frames, plan.get("segments") or [None] * len(stored))
+    else:
+        collate = DecodeVideos(video_processor, num_frames)
     decode = decode_with_workers(collate, args.batch_size, args.num_workers)
     totals = {"encoded": 0, "already": 0, "failed": 0, "decode_wait_seconds": 0.0, "encode_seconds": 0.0,
               "seconds": 0.0}
@@ -380,8 +421,7 @@ def index_into_store(args: argparse.Namespace, store: Path, videos: list[str], s
             print(f"[process {accelerator.process_index}] shard {shard}: {stats.videos} videos handled this run "
                   f"({stats.failed} could not be read), {already_there} already in the store", flush=True)
         if milvus is not None:  # this process' shards, closed now or by an earlier run: upserts, so repeats are harmless
-            fields = plan.get("row_fields") or {}
-            upserted = sum(milvus.upsert_store_shard(store, *plan["shards"][shard], shard, stored, fields)
+            upserted = sum(milvus.upsert_store_shard(store, *plan["shards"][shard], shard, entries)
                            for shard in assigned)
             print(f"[process {accelerator.process_index}] upserted {upserted} videos into Milvus "
                   f"{args.milvus} ({args.collection})", flush=True)
@@ -404,7 +444,7 @@ def index_into_store(args: argparse.Namespace, store: Path, videos: list[str], s
             reasons = "\n  ".join(f"{f['video']}: {f['reason']}" for f in failed[:10])
             raise SystemExit(f"error: none of the {len(stored)} videos could be read, so {str(store)!r} was not "
                              f"finalised (its journals say why):\n  {reasons}")
-        # the store's index and its first stage over every video of the (grown) store (saved when approximate)
+        # the store's index (with every row's moment) and its first stage over every video of the (grown) store
         builder.finish(entries, num_shards)
         failures = store_metadata(store)["failures"]
         wall = max(t["seconds"] for t in all_totals)
