@@ -68,9 +68,9 @@ def load_state(model: str, videos_dir: str | None, qa_model: str | None, precisi
     from modeling_testa.runtimes import isolated_by_default
 
     state = AppState(videos_dir=videos_dir)
-    runtime = {} if precision is None else {"precision": precision, "backend": backend,
-                                            "isolate": isolated_by_default(backend)}
     try:
+        runtime = {} if precision is None else {"precision": precision, "backend": backend,
+                                                "isolate": isolated_by_default(backend)}
         state.retrieval = pipeline("video-text-retrieval", model=model, trust_remote_code=True, **runtime)
         state.classifier = pipeline("zero-shot-video-classification", model=state.retrieval.model,
                                     processor=state.retrieval.processor, trust_remote_code=True)

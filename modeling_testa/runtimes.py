@@ -53,6 +53,7 @@ import torch
 from torch import nn
 
 from .aggregation_settings import AGGREGATION_FIELDS
+from .linear_layers import compile_blocks, convert_linears
 from .engines import (
     BF16_FLAGS,
     EXTRAS,
@@ -229,8 +230,6 @@ class TorchEagerRuntime(EncoderRuntime):
     options = ("compile", "include_text")
 
     def prepare(self, model: nn.Module) -> dict[str, Any]:
-        from .inference import compile_blocks, convert_linears
-
         if self.precision == "int8":
             warnings.warn(INT8_DEPRECATION, FutureWarning, stacklevel=4)
         converted = convert_linears(model, self.vision_model, self.precision, self.options["include_text"])
@@ -297,8 +296,6 @@ class CudaGraphRuntime(EncoderRuntime):
         self.lock = threading.Lock()  # a graph's static buffers serve one call at a time
 
     def prepare(self, model: nn.Module) -> dict[str, Any]:
-        from .inference import convert_linears
-
         converted = convert_linears(model, self.vision_model, self.precision, self.options["include_text"])
         return {"include_text": self.options["include_text"], "converted_linears": converted,
                 "max_graphs": self.max_graphs}
@@ -452,7 +449,8 @@ class EngineProcessError(RuntimeError):
     """The engine's worker process died or could not start."""
 
 
-def _write_message(fd: int, obj: Any) -> None:
+def write_message(fd: int, obj: Any) -> None:
+    """Sends one message of the worker protocol: its pickle, after its length (8 bytes, little-endian)."""
     payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     data = memoryview(struct.pack("<Q", len(payload)) + payload)
     while data:
@@ -470,7 +468,7 @@ def _read_exactly(fd: int, size: int) -> bytes | None:
     return bytes(buffer)
 
 
-def _read_message(fd: int) -> Any:
+def read_message(fd: int) -> Any:
     """The next message, or `EOFError` when the other side closed the pipe."""
     header = _read_exactly(fd, 8)
     payload = None if header is None else _read_exactly(fd, struct.unpack("<Q", header)[0])
@@ -557,8 +555,8 @@ class EngineProcess:
 
     def request(self, message: tuple, doing: str) -> tuple:
         try:
-            _write_message(self.process.stdin.fileno(), message)
-            reply = _read_message(self.process.stdout.fileno())
+            write_message(self.process.stdin.fileno(), message)
+            reply = read_message(self.process.stdout.fileno())
         except (EOFError, BrokenPipeError, OSError) as error:
             raise self.died(doing) from error
         if reply[0] == "error":
@@ -620,7 +618,7 @@ def serve() -> None:
     runtime = None
     while True:
         try:
-            message = _read_message(0)
+            message = read_message(0)
         except EOFError:
             return
         try:
@@ -638,7 +636,7 @@ def serve() -> None:
                 reply = ("ok", (out.last_hidden_state, out.token_sizes, out.source_map))
         except Exception as error:  # noqa: BLE001 - sent to the caller, which raises it
             reply = ("error", type(error).__name__, f"{error}")
-        _write_message(replies, reply)
+        write_message(replies, reply)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -722,6 +720,9 @@ __all__ = [
     "device_type",
     "embeddings_label",
     "isolated_by_default",
+    "read_message",
+    "serve",
+    "write_message",
     "names_for_device",
     "resolve",
 ]

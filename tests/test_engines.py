@@ -310,7 +310,7 @@ def test_an_isolated_engine_equals_in_process_and_outlives_its_worker(cache_dir,
         isolated(torch.zeros(8, 3, 32, 32))
 
     # the worker dies during a call (as a segfaulting engine would): this process gets an error naming the signal
-    write = runtimes._write_message
+    write = runtimes.write_message
 
     def crash_then_write(fd, message):
         if message[0] == "encode":
@@ -318,11 +318,11 @@ def test_an_isolated_engine_equals_in_process_and_outlives_its_worker(cache_dir,
             worker.process.wait()
         write(fd, message)
 
-    monkeypatch.setattr(runtimes, "_write_message", crash_then_write)
+    monkeypatch.setattr(runtimes, "write_message", crash_then_write)
     with pytest.raises(EngineProcessError, match=r"died while encoding a batch of shape \(3, 8, 3, 32, 32\) "
                                                  r"\(killed by SIGSEGV\); this process is unharmed"):
         isolated(video, trace_source=True)
-    monkeypatch.setattr(runtimes, "_write_message", write)
+    monkeypatch.setattr(runtimes, "write_message", write)
     with torch.no_grad():  # the next call starts a new worker
         assert torch.equal(isolated(video, trace_source=True).last_hidden_state, expected.last_hidden_state)
     assert worker.starts == 2
