@@ -1,7 +1,7 @@
 """Soak test of a video-encoder runtime in a long-lived process: the app's own functions (`app/app.py`:
 `load_state`, `index_videos`, `search_videos`) serving with the OpenVINO runtime for several minutes, mixed with
 PyTorch work in the same process (training steps with backward, a DataLoader whose workers fork this process), then
-a clean exit.
+a clean exit. The model is saved again with this checkout's code first (the app runs a folder's own code copy).
 
     python -m benchmarks.soak_runtime --minutes 4                     # the app's default: the engine in a worker
     python -m benchmarks.soak_runtime --minutes 4 --in-process        # the engine inside this process
@@ -85,12 +85,19 @@ def main(argv: list[str] | None = None) -> int:
     from modeling_testa import TestaVisionConfig, TestaVisionModel
     from modeling_testa.video_inputs import find_video_files
 
+    from modeling_testa import TestaForVideoTextRetrieval
+    from modeling_testa.processing_testa import TestaProcessor
+
+    # the app loads the model folder's own code copy (trust_remote_code): save it again with this checkout's code
+    model_folder = Path(tempfile.mkdtemp(prefix="testa-soak-model-"))
+    TestaForVideoTextRetrieval.from_pretrained(args.model).save_pretrained(model_folder)
+    TestaProcessor.from_pretrained(args.model).save_pretrained(model_folder)
     app = load_app()
     if args.in_process:  # what the app passes, with isolation off
         import modeling_testa.runtimes as runtimes
 
         runtimes.isolated_by_default = lambda backend, device="cpu": False
-    state = app.load_state(args.model, None, None, args.precision, args.backend)
+    state = app.load_state(str(model_folder), None, None, args.precision, args.backend)
     if state.retrieval is None:
         print(f"error: {state.model_error}", file=sys.stderr)
         return 2

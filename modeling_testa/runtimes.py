@@ -342,7 +342,8 @@ class CudaGraphRuntime(EncoderRuntime):
         next replay overwrites them)."""
         with self.lock:
             if key not in self.graphs:
-                static_input = pixel_values.detach().clone()
+                with torch.inference_mode(False):  # a normal tensor: later calls may come outside inference mode
+                    static_input = pixel_values.detach().clone()
                 replay, static_outputs = self.capture(self.graph_function(trace_source), static_input)
                 self.graphs[key] = (static_input, replay, static_outputs)
                 logger.info("cuda-graphs: captured input %s (%d of at most %d graphs).", key[0], len(self.graphs),

@@ -27,7 +27,9 @@ def _seed():
 # tests moved last, at interpreter exit after every test had passed: the OpenVINO runtime that ran in-process and
 # the state of the other tests do not mix (neither alone crashes; faulthandler printed nothing, so a native library
 # had replaced its handler). Alone, or with any one other test file, it passes and exits cleanly. Within a run that
-# does include it, it still goes last.
+# does include it, it still goes last. The cause is still unknown (docs/inference.md, "Engines in long-lived
+# processes": none of the libraries replaces the handler, and pytest turns faulthandler off before exiting); the app
+# and train.index therefore run the engines in a worker process (`isolate=True`).
 LAST = ("test_engines.py",)
 
 

@@ -52,8 +52,9 @@ class ReplayOnCpu:
         static_outputs = function(static_input)
 
         def replay():
-            for static, fresh in zip(static_outputs, function(static_input)):
-                static.copy_(fresh)
+            with torch.inference_mode():  # a graph's replay writes memory, outside autograd's bookkeeping
+                for static, fresh in zip(static_outputs, function(static_input)):
+                    static.copy_(fresh)
 
         self.captured.append(tuple(static_input.shape))
         return replay, static_outputs
@@ -280,3 +281,19 @@ def test_bf16_graphs_replay_the_bf16_model_and_threads_take_turns(graphs):
         thread.join()
     for i, want in enumerate(expected):  # one static buffer, many threads: each got its own video's result
         assert torch.equal(results[i], want.last_hidden_state), i
+
+
+def test_a_graph_captured_in_inference_mode_serves_calls_outside_it(graphs):
+    reference = _vision_model()
+    model = optimize_for_inference(_vision_model(), "fp32", backend=graphs)
+    videos = [_video(seed=s) for s in range(4)]
+    with torch.inference_mode():  # as a pipeline calls it
+        model(videos[0]), model(videos[0])  # captured in inference mode
+    with torch.no_grad():
+        got = [model(v) for v in videos[1:3]]
+    with torch.inference_mode():
+        got.append(model(videos[3]))
+    with torch.no_grad():
+        for out, video in zip(got, videos[1:]):
+            _assert_same_output(out, reference(video))
+    assert model.runtime.replays == 4
