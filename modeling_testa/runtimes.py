@@ -202,8 +202,14 @@ class EncoderRuntime:
         return {}
 
     def unavailable_outputs(self, output_hidden_states: bool, output_attentions: bool) -> list[str]:
+        """The optional outputs requested that this runtime cannot give: refused (`ValueError`), or, where the
+        runtime ``falls_back``, returned (the call then runs eager)."""
         requested = {"output_hidden_states": output_hidden_states, "output_attentions": output_attentions}
-        return [name for name, wanted in requested.items() if wanted and name not in self.outputs]
+        unavailable = [name for name, wanted in requested.items() if wanted and name not in self.outputs]
+        if unavailable and not self.falls_back:
+            raise ValueError(f"{unavailable[0]}=True is not available from backend={self.name!r}: it returns the last "
+                             "hidden state, the token sizes and the source map. Use backend='torch' for it.")
+        return unavailable
 
     def __call__(self, pixel_values: torch.Tensor, output_hidden_states: bool = False,
                  output_attentions: bool = False, trace_source: bool | None = None):
@@ -221,7 +227,7 @@ class EncoderRuntime:
 
 class TorchEagerRuntime(EncoderRuntime):
     """PyTorch eager: the model's own forward, with its linear layers converted for the precision
-    (`inference.convert_linears`: bf16, or the legacy int8 kernels, CPU only), and ``compile=True``: every encoder
+    (`linear_layers.convert_linears`: bf16, or the legacy int8 kernels, CPU only), and ``compile=True``: every encoder
     block compiled by `torch.compile` (TorchInductor, weights frozen)."""
 
     name = "torch-eager"
@@ -231,7 +237,7 @@ class TorchEagerRuntime(EncoderRuntime):
 
     def prepare(self, model: nn.Module) -> dict[str, Any]:
         if self.precision == "int8":
-            warnings.warn(INT8_DEPRECATION, FutureWarning, stacklevel=4)
+            warnings.warn(INT8_DEPRECATION, FutureWarning, stacklevel=3)  # the caller of optimize_for_inference
         converted = convert_linears(model, self.vision_model, self.precision, self.options["include_text"])
         compiled = compile_blocks(self.vision_model) if self.options["compile"] else False
         return {"compile": compiled, "include_text": self.options["include_text"], "converted_linears": converted}
@@ -252,21 +258,23 @@ class CudaGraphCapture:
 
     def __call__(self, function: Callable[[torch.Tensor], tuple[torch.Tensor, ...]], static_input: torch.Tensor
                  ) -> tuple[Callable[[], None], tuple[torch.Tensor, ...]]:
-        stream = torch.cuda.Stream(device=static_input.device)
-        stream.wait_stream(torch.cuda.current_stream(static_input.device))
-        with torch.cuda.stream(stream):
-            function(static_input)
-        torch.cuda.current_stream(static_input.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_outputs = function(static_input)
+        with torch.cuda.device(static_input.device):
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                function(static_input)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                static_outputs = function(static_input)
         return graph.replay, static_outputs
 
 
 class CudaGraphRuntime(EncoderRuntime):
     """The encoder captured as a CUDA graph per input shape and replayed (see the module docstring): the GPU path
     without kernel-launch overhead. The linear layers are converted as `TorchEagerRuntime` converts them (bf16), and a
-    graph replays exactly the kernels the eager forward runs, so its outputs equal eager's.
+    graph replays the kernels the eager forward launched while it was captured, so its outputs should equal eager's
+    (checked on the CPU with a stand-in capture; not yet on a GPU).
 
     Args:
         vision_model, precision: as for every runtime.
@@ -410,10 +418,7 @@ class ExportedRuntime(EncoderRuntime):
         return {"isolate": bool(self.options["isolate"])}
 
     def __call__(self, pixel_values, output_hidden_states=False, output_attentions=False, trace_source=None):
-        for name in self.unavailable_outputs(output_hidden_states, output_attentions):
-            raise ValueError(f"{name}=True is not available from an encoder exported to {self.name}: the graph "
-                             "returns the last hidden state, the token sizes and the source map. Use "
-                             "backend='torch' for it.")
+        self.unavailable_outputs(output_hidden_states, output_attentions)  # refused
         if self.process is None:
             return self.encoder(pixel_values, trace_source=trace_source)
         return self.process.encode(pixel_values, trace_source)
