@@ -44,6 +44,7 @@ import json
 import logging
 import os
 import platform
+import threading
 from collections import deque
 from pathlib import Path
 from typing import Any, Iterable
@@ -269,7 +270,7 @@ def quantize_openvino(path: Path, calibration: torch.Tensor, folder: Path) -> Pa
     import nncf
     import openvino as ov
 
-    model = ov.Core().read_model(str(path))
+    model = openvino_core().read_model(str(path))
     ignored = matching_matmuls(openvino_nodes(model))
     dataset = nncf.Dataset([video[None].numpy() for video in calibration])
     quantized = nncf.quantize(model, dataset, model_type=nncf.ModelType.TRANSFORMER, subset_size=len(calibration),
@@ -323,15 +324,36 @@ def quantize_onnx(path: Path, calibration: torch.Tensor, folder: Path) -> Path:
     return out
 
 
+_OPENVINO_CORE: list = []
+_OPENVINO_CORE_LOCK = threading.Lock()
+
+
+def openvino_core() -> Any:
+    """The one `openvino.Core` of this process, created at first use and never destroyed before exit.
+
+    Why one: OpenVINO's CPU plugin gives the thread that compiles or runs a model an alternate signal stack
+    (``sigaltstack``) of its own, saving the thread's previous one, and puts the saved one back when its `Core` is
+    destroyed. With a `Core` per graph, destroyed in another order than created (as garbage collection does), a
+    thread is left with an alternate stack that was freed: the next signal with a Python handler (CPython installs
+    them with ``SA_ONSTACK``; e.g. the SIGCHLD of a DataLoader worker or of a helper process) cannot be delivered, and
+    the kernel kills the process with SIGSEGV, without a traceback (faulthandler runs on that stack too). That was the
+    segfault of long pytest runs, mid-run and at exit (`tests/test_engines.py`
+    `test_openvino_graphs_freed_in_any_order_leave_signals_deliverable`, docs/inference.md)."""
+    with _OPENVINO_CORE_LOCK:
+        if not _OPENVINO_CORE:
+            import openvino as ov
+
+            _OPENVINO_CORE.append(ov.Core())
+        return _OPENVINO_CORE[0]
+
+
 class CompiledGraph:
     """One exported graph loaded by its runtime: ``numpy pixel_values -> list of numpy outputs``."""
 
     def __init__(self, backend: str, path: Path, precision: str) -> None:
         self.backend = backend
         if backend == "openvino":
-            import openvino as ov
-
-            core = ov.Core()
+            core = openvino_core()
             hint = "bf16" if precision == "bf16" else "f32"  # int8 graphs keep their fp32 parts in fp32
             # as many threads as PyTorch uses (`torch.set_num_threads`), so that comparisons are like for like
             self.compiled = core.compile_model(str(path), "CPU", {"INFERENCE_PRECISION_HINT": hint,
@@ -483,5 +505,6 @@ __all__ = [
     "default_cache_dir",
     "default_calibration_videos",
     "matching_matmuls",
+    "openvino_core",
     "tensor_fingerprint",
 ]

@@ -345,3 +345,43 @@ def test_a_worker_killed_between_calls_is_replaced_and_said(cache_dir, caplog):
         assert torch.equal(model(video, trace_source=True).last_hidden_state, expected.last_hidden_state)
     assert worker.starts == 2 and "died while idle (killed by SIGKILL)" in caplog.text
     worker.stop()
+
+
+# ------------------------------------------------------------------------------- signals after graphs are freed
+
+SIGNAL_SCRIPT = """
+import gc, os, signal, sys
+import numpy as np
+import openvino as ov
+import openvino.opset13 as ops
+from modeling_testa.engines import CompiledGraph
+
+parameter = ops.parameter([2, 4], np.float32)
+ov.save_model(ov.Model([ops.relu(parameter)], [parameter]), sys.argv[1])
+graphs = []
+for _ in range(2):  # as two encoders (or two input shapes) load their graphs, each run once
+    graphs.append(CompiledGraph("openvino", sys.argv[1], "fp32"))
+    graphs[-1](np.ones((2, 4), np.float32))
+for index in (0, 1):  # freed first in, first out (garbage collection may free them in any order)
+    graphs[index] = None
+    gc.collect()
+signal.signal(signal.SIGUSR1, lambda *args: print("handled", flush=True))  # CPython: SA_ONSTACK
+os.kill(os.getpid(), signal.SIGUSR1)
+print("alive", flush=True)
+"""
+
+
+@needs["openvino"]
+def test_openvino_graphs_freed_in_any_order_leave_signals_deliverable(tmp_path):
+    # With one openvino.Core per graph, the CPU plugin left the thread's alternate signal stack pointing at freed
+    # memory, and the next signal handled by Python killed the process with SIGSEGV (engines.openvino_core).
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-c", SIGNAL_SCRIPT, str(tmp_path / "relu.xml")], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
+    assert result.stdout.split() == ["handled", "alive"]
