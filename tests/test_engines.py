@@ -22,7 +22,7 @@ from modeling_testa.runtimes import OnnxRuntimeRuntime, OpenVINORuntime, auto_pr
 
 def _installed(backend: str) -> bool:
     """Whether the backend's package is there, without importing it at collection (the engines load only when
-    their tests run, last: see tests/conftest.py)."""
+    their tests run)."""
     return importlib.util.find_spec(backend) is not None
 
 
