@@ -1,16 +1,19 @@
 """TESTA video search: a Gradio app (and Hugging Face Space) on the library's pipelines.
 
-    python app/app.py --model FOLDER_OR_HUB_ID --videos DIR [--qa-model FOLDER_OR_HUB_ID] [--host 127.0.0.1] [--port N]
+    python app/app.py --model FOLDER_OR_HUB_ID --videos DIR [--qa-model FOLDER_OR_HUB_ID] [--window SECONDS]
+        [--host 127.0.0.1] [--port N]
 
 Index a folder (or uploaded videos), search it by sentence or paragraph, see which frames and patches TESTA merged
 for a result and where the query's words land (grounding), classify a video zero-shot, ask a question about it, and
-change R_T/R_S live to see what the merging saves. Every step calls the library: the retrieval, zero-shot and QA
+change R_T/R_S live to see what the merging saves. With a window (``--window`` or the page's "Moments" field), every
+video is indexed as windows of that many seconds (half-overlapping) and a result is a moment: its start and end, a strip
+of its frames, and the video playing from its start. Every step calls the library: the retrieval, zero-shot and QA
 pipelines (`modeling_testa.pipeline_testa`), `visualization.visualize_aggregation`, `grounding.ground_phrases` /
 `draw_grounding`, `flops.count_encoder_gmac`, and `set_aggregation`.
 
 API names (stable, for `gradio_client`): ``/index``, ``/search``, ``/visualize``, ``/classify``, ``/answer``,
-``/aggregation``; see `app/README.md`. Analytics are off and the server binds 127.0.0.1 unless ``--host`` (or
-``GRADIO_SERVER_NAME``, as Spaces set it) says otherwise.
+``/aggregation``, ``/moment``; see `app/README.md`. Analytics are off and the server binds 127.0.0.1 unless
+``--host`` (or ``GRADIO_SERVER_NAME``, as Spaces set it) says otherwise.
 """
 
 import argparse
@@ -26,6 +29,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 import gradio as gr  # noqa: E402
 
+from modeling_testa.moments import format_time, moment_frames  # noqa: E402
 from modeling_testa.video_inputs import VIDEO_SUFFIXES, find_video_files, is_video_file_name  # noqa: E402
 
 THEME = gr.themes.Default(font=[gr.themes.LocalFont("Source Sans Pro", weights=(400, 700)), "ui-sans-serif",
@@ -49,6 +53,9 @@ class AppState:
     index: Any = None
     indexed: list[str] = field(default_factory=list)
     indexed_folder: str | None = None  # the folder the index was built from (indexing it again grows the index)
+    window: float = 0.0  # seconds per indexed window (moments); 0 indexes whole videos
+    index_status: str = ""  # what the last indexing said (shown in the Index box, also after the start-up index)
+    hits: list[dict] = field(default_factory=list)  # the last search's results, for /moment
     lock: threading.Lock = field(default_factory=threading.Lock)  # one index change at a time
     output_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="testa-app-"))
 
@@ -86,11 +93,17 @@ def load_state(model: str, videos_dir: str | None, qa_model: str | None, precisi
     return state
 
 
-def index_videos(state: AppState, folder: str, uploads: list[str] | None, progress: Any = None) -> str:
+def index_videos(state: AppState, folder: str, uploads: list[str] | None, progress: Any = None,
+                 window: float | None = None) -> str:
     """Indexes the folder's videos and the uploads in one pass, each video encoded once; files that cannot be read
     are left out and listed with their reasons. Indexing the folder of the current index again adds only the videos
-    it lacks (and the uploads); another folder, or uploads alone, start a new index."""
+    it lacks (and the uploads); another folder, or uploads alone, start a new index. With a `window` (seconds;
+    default: the app's), every video becomes half-overlapping windows of that length: moments."""
     retrieval = state.require_model()
+    window = state.window if window is None else float(window or 0)
+    if window < 0:
+        raise gr.Error(f"Moments: the window must be a positive number of seconds (0 for whole videos), got {window}.")
+    moments = {"window": window, "stride": window / 2} if window > 0 else {}
     folder = (folder or "").strip()
     paths, others = [], []
     if folder:
@@ -105,18 +118,19 @@ def index_videos(state: AppState, folder: str, uploads: list[str] | None, progre
                        f" (looked for {', '.join(VIDEO_SUFFIXES)}; {len(others)} other files).")
     folder_key = str(Path(folder).expanduser().resolve()) if folder else None
     with state.lock:
-        grow = state.index is not None and folder_key is not None and folder_key == state.indexed_folder
+        grow = (state.index is not None and folder_key is not None and folder_key == state.indexed_folder
+                and state.index.info.get("window", 0) == moments.get("window", 0))
         before = len(state.index) if grow else 0
         known = before + len(state.index.failures) if grow else 0
         if progress is not None:
             progress(0, desc=f"Encoding {len(paths) - before if grow else len(paths)} videos")
         try:
             index = retrieval.encode_videos(paths, batch_size=8, progress_bar=False,
-                                            index=state.index if grow else None)
+                                            index=state.index if grow else None, **moments)
         except ValueError as error:  # no video could be read, or the index was built with other settings
             if not grow:
                 raise gr.Error(f"No video could be indexed: {error}") from None
-            index = retrieval.encode_videos(paths, batch_size=8, progress_bar=False)
+            index = retrieval.encode_videos(paths, batch_size=8, progress_bar=False, **moments)
             grow = False
         encoded_now = not grow or len(index) + len(index.failures) > known
         state.index, state.indexed, state.indexed_folder = index, [str(v) for v in index.videos], folder_key
@@ -126,18 +140,23 @@ def index_videos(state: AppState, folder: str, uploads: list[str] | None, progre
     seconds = stats.get("seconds") or 0.0
     waiting = 100 * stats.get("decode_wait_seconds", 0.0) / seconds if seconds else 0.0
     head = f"Indexed {len(index)} videos"
+    if moments:
+        head = (f"Indexed {len(set(index.names))} videos as {len(index)} moments (windows of {window:g} s every "
+                f"{window / 2:g} s)")
     if grow:
-        head += f" ({len(index) - before} new, {before} already indexed)"
+        head += f" ({len(index) - before} new, {before} already indexed)" if not moments else (
+            f" ({len(index) - before} new moments, {before} already indexed)")
     if encoded_now:
-        head += (f": {stats.get('videos_per_second', 0.0):.1f} videos/s, {waiting:.0f}% of the time waiting for "
-                 "decoding.")
+        head += (f": {stats.get('videos_per_second', 0.0):.1f} {'moments' if moments else 'videos'}/s, {waiting:.0f}% "
+                 "of the time waiting for decoding.")
     else:
         head += ": nothing new to encode."
     lines = [head]
     lines += [f"Not a video, skipped: {Path(o).name}" for o in others]
     lines += [f"Could not be decoded, skipped: {Path(video).name}: {reason.splitlines()[0][:300]}"
               for video, reason in failed]
-    return "\n".join(lines)
+    state.index_status = "\n".join(lines)
+    return state.index_status
 
 
 def search_videos(state: AppState, query: str, top_k: float, rerank: bool = True) -> tuple[list, list[list], str]:
@@ -149,10 +168,80 @@ def search_videos(state: AppState, query: str, top_k: float, rerank: bool = True
     if state.index is None:
         raise gr.Error("Index a folder first.")
     hits = retrieval.search(query.strip(), state.index, top_k=max(1, int(top_k)), rerank=None if rerank else False)
-    gallery = [(hit["video"], f"{Path(hit['video']).name}  {hit['score']:.3f}") for hit in hits]
+    state.hits = hits
+    gallery = [(hit["video"], f"{Path(hit['video']).name}  {hit['score']:.3f}" + moment_label(hit)) for hit in hits]
     rows = [[rank, Path(hit["video"]).name, round(float(hit["score"]), 4), bool(hit["reranked"])]
             for rank, hit in enumerate(hits, 1)]
+    if any(hit.get("start") is not None for hit in hits):  # moments: two more columns
+        rows = [row + [format_time(hit.get("start")), format_time(hit.get("end"))] for row, hit in zip(rows, hits)]
+        import pandas as pd  # a gradio dependency; a DataFrame's columns become the table's headers
+
+        return gallery, pd.DataFrame(rows, columns=MOMENT_HEADERS), hits[0]["video"]
     return gallery, rows, hits[0]["video"]
+
+
+HEADERS = ["rank", "video", "score", "re-ranked"]
+MOMENT_HEADERS = HEADERS + ["start", "end"]
+
+
+def moment_label(hit: dict) -> str:
+    """``"  0:01:30-0:02:00"`` for a moment, ``""`` for a whole video."""
+    return "" if hit.get("start") is None else f"  {format_time(hit['start'])}-{format_time(hit['end'])}"
+
+
+def show_moment(state: AppState, rank: float) -> tuple[str | None, str | None, float, str]:
+    """The moment of the result at `rank` (1-based) of the last search: a strip of its frames (PNG), the video, the
+    second to play it from, and a caption. A whole-video result shows frames of the whole video, played from 0."""
+    from PIL import Image
+
+    if not state.hits:
+        raise gr.Error("Search first.")
+    rank = int(rank or 1)
+    if not 1 <= rank <= len(state.hits):
+        raise gr.Error(f"Rank {rank} is not among the {len(state.hits)} results.")
+    hit = state.hits[rank - 1]
+    video, start, end = hit["video"], hit.get("start"), hit.get("end")
+    try:
+        if start is None:  # a whole video: frames spread over all of it
+            from modeling_testa.video_decoding import decode_video, sample_frame_indices
+
+            frames, metadata = decode_video(video, lambda m: sample_frame_indices(m.total_num_frames, MOMENT_FRAMES))
+            start, end = 0.0, metadata.duration or 0.0
+        else:
+            frames = moment_frames(video, start, end, num_frames=MOMENT_FRAMES)
+    except (ValueError, OSError) as error:
+        raise gr.Error(f"Could not show {Path(video).name} {moment_label(hit)}: {error}") from None
+    height = 96
+    width = max(1, round(frames.shape[2] * height / frames.shape[1]))
+    strip = Image.new("RGB", (len(frames) * (width + 4), height), "white")
+    for i, frame in enumerate(frames):
+        strip.paste(Image.fromarray(frame).resize((width, height)), (i * (width + 4), 0))
+    path = Path(state.output_dir) / f"moment_{rank}_{Path(video).stem}_{start:.0f}_{end:.0f}.png"
+    strip.save(path)
+    caption = f"**{Path(video).name}** from {format_time(start)} to {format_time(end)} (rank {rank})"
+    return str(path), video, float(start), caption
+
+
+def best_moment(state: AppState) -> tuple[str | None, str | None, float, str]:
+    """After a search: the best result's moment when the index holds moments; an empty moment panel otherwise."""
+    if state.hits and state.hits[0].get("start") is not None:
+        return show_moment(state, 1)
+    return None, None, 0.0, ""
+
+
+MOMENT_FRAMES = 6
+# Plays the moment's video from its start: waits (up to 10 s) for the player to hold the new video, then seeks.
+PLAY_FROM_START = """(start) => {
+  const deadline = Date.now() + 10000;
+  const seek = () => {
+    const video = document.querySelector('#moment-video video');
+    if (!video || !video.currentSrc) { if (Date.now() < deadline) setTimeout(seek, 100); return; }
+    const go = () => { video.currentTime = start; video.dataset.momentStart = String(start); };
+    if (video.readyState >= 1) go(); else video.addEventListener('loadedmetadata', go, {once: true});
+  };
+  seek();
+  return [];
+}"""
 
 
 def visualize_result(state: AppState, video: str, query: str) -> tuple[str, str | None, str]:
@@ -243,11 +332,19 @@ def change_aggregation(state: AppState, temporal: float, spatial: float) -> str:
     if state.indexed:
         with state.lock:
             failures = dict(state.index.failures)  # known bad files are not decoded again
-            state.index = retrieval.encode_videos(state.indexed, batch_size=8, progress_bar=False)
+            info = state.index.info  # an index of moments is rebuilt as moments, each video once
+            moments = {"window": info["window"], "stride": info["stride"]} if info.get("window") else {}
+            state.index = retrieval.encode_videos(list(dict.fromkeys(state.indexed)), batch_size=8,
+                                                  progress_bar=False, **moments)
             state.index.failures.update(failures)
-        panel += (f"\n\nRe-indexed {len(state.indexed)} videos with these settings: "
-                  f"{state.index.stats['videos_per_second']:.1f} videos/s.")
+        panel += (f"\n\nRe-indexed {len(set(state.indexed))} videos with these settings: "
+                  f"{state.index.stats['videos_per_second']:.1f} {'moments' if moments else 'videos'}/s.")
     return panel
+
+
+def chosen_rank(event: gr.SelectData) -> int:
+    """The 1-based rank of the gallery result a user clicked."""
+    return int(event.index) + 1 if isinstance(event.index, int) else 1
 
 
 def chosen_video(event: gr.SelectData) -> str | None:
@@ -273,8 +370,10 @@ def build_app(state: AppState) -> gr.Blocks:
             with gr.Row():
                 folder = gr.Textbox(label="Folder", value=state.videos_dir or "", scale=3)
                 uploads = gr.File(label="Or upload videos", file_count="multiple", type="filepath", scale=2)
+                window = gr.Number(value=state.window, minimum=0, label="Moments: seconds per window (0: whole videos)",
+                                   scale=1)
                 index_button = gr.Button("Index", variant="secondary", scale=1)
-            status = gr.Textbox(label="Index", interactive=False, lines=2)
+            status = gr.Textbox(label="Index", value=state.index_status, interactive=False, lines=2)
             query = gr.Textbox(label="Paragraph", lines=2, placeholder="a sentence or a paragraph")
             with gr.Row():
                 top_k = gr.Slider(1, 20, value=5, step=1, label="Results")
@@ -282,7 +381,15 @@ def build_app(state: AppState) -> gr.Blocks:
                 search_button = gr.Button("Search", variant="primary")
             gr.Examples(EXAMPLES, inputs=query)
             gallery = gr.Gallery(label="Results", columns=5, height=220)
-            table = gr.Dataframe(headers=["rank", "video", "score", "re-ranked"], label="Ranking", interactive=False)
+            table = gr.Dataframe(headers=HEADERS, label="Ranking", interactive=False)
+            with gr.Row():
+                moment_rank = gr.Number(value=1, precision=0, label="Moment of result", minimum=1, scale=1)
+                moment_button = gr.Button("Show the moment", scale=1)
+                moment_caption = gr.Markdown()
+            with gr.Row():
+                moment_strip = gr.Image(label="Frames of the moment", type="filepath", height=120, scale=3)
+                moment_video = gr.Video(label="The moment", elem_id="moment-video", height=240, scale=2)
+            moment_start = gr.Number(visible=False)
             result = gr.Textbox(label="Result to inspect (click a video above to choose another)")
             show_button = gr.Button("What did TESTA merge?")
             caption = gr.Markdown()
@@ -310,10 +417,15 @@ def build_app(state: AppState) -> gr.Blocks:
                                 label="R_S (patches merged per frame and block)")
             apply_button = gr.Button("Apply and re-index")
 
-        index_button.click(lambda f, u, progress=gr.Progress(): index_videos(state, f, u, progress),
-                           [folder, uploads], status, api_name="index", **ONE_MODEL)
-        search_button.click(lambda q, k, r: search_videos(state, q, k, r), [query, top_k, rerank],
-                            [gallery, table, result], api_name="search", **ONE_MODEL)
+        index_button.click(lambda f, u, w, progress=gr.Progress(): index_videos(state, f, u, progress, w),
+                           [folder, uploads, window], status, api_name="index", **ONE_MODEL)
+        searched = search_button.click(lambda q, k, r: search_videos(state, q, k, r), [query, top_k, rerank],
+                                       [gallery, table, result], api_name="search", **ONE_MODEL)
+        moment_outputs = [moment_strip, moment_video, moment_start, moment_caption]
+        searched.then(lambda: best_moment(state), None, moment_outputs, api_name=False, **ONE_MODEL).then(
+            None, moment_start, None, js=PLAY_FROM_START, api_name=False)
+        moment_button.click(lambda r: show_moment(state, r), moment_rank, moment_outputs, api_name="moment",
+                            **ONE_MODEL).then(None, moment_start, None, js=PLAY_FROM_START, api_name=False)
         show_button.click(lambda v, q: visualize_result(state, v, q), [result, query], [merges, grounding, caption],
                           api_name="visualize", **ONE_MODEL)
         classify_button.click(lambda v, labs: classify_video(state, v, labs), [classify_video_input, labels],
@@ -323,9 +435,24 @@ def build_app(state: AppState) -> gr.Blocks:
         apply_button.click(lambda t, s: change_aggregation(state, t, s), [temporal, spatial], panel,
                            api_name="aggregation", **ONE_MODEL)
         gallery.select(chosen_video, None, result, api_name=False)
+        gallery.select(chosen_rank, None, moment_rank, api_name=False).then(
+            lambda r: show_moment(state, r), moment_rank, moment_outputs, api_name=False, **ONE_MODEL).then(
+            None, moment_start, None, js=PLAY_FROM_START, api_name=False)
         result.change(lambda v: (v, v), result, [classify_video_input, qa_video], api_name=False)
     demo.queue(default_concurrency_limit=1)  # one model: requests wait their turn, none is dropped
     return demo
+
+
+def startup_index(state: AppState, videos: str | None) -> str:
+    """Indexes the start-up folder; what it says (or why it failed) fills the page's Index box."""
+    if state.retrieval is None or not videos:
+        return state.index_status
+    try:
+        return index_videos(state, videos, None)
+    except gr.Error as error:
+        state.index_status = f"The start-up index of {videos} failed: {error}"
+        print(state.index_status, file=sys.stderr)
+        return state.index_status
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -336,6 +463,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the folder indexed at start (env TESTA_VIDEOS)")
     parser.add_argument("--qa-model", default=os.environ.get("TESTA_QA_MODEL"),
                         help="a VideoQA model folder or Hub id for the Ask tab (env TESTA_QA_MODEL)")
+    parser.add_argument("--window", type=float, default=float(os.environ.get("TESTA_WINDOW", 0)),
+                        help="index moments: windows of this many seconds, half-overlapping (0, the default: whole "
+                             "videos; env TESTA_WINDOW)")
     parser.add_argument("--no-rerank", action="store_true",
                         help="rank by cosine by default (e.g. a model whose matching head is barely trained)")
     parser.add_argument("--precision", default=os.environ.get("TESTA_PRECISION"),
@@ -353,11 +483,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     state = load_state(args.model, args.videos, args.qa_model, args.precision, args.backend)
     state.rerank = not args.no_rerank
-    if state.retrieval is not None and args.videos:
-        try:
-            print(index_videos(state, args.videos, None), flush=True)
-        except gr.Error as error:
-            print(f"The start-up index failed: {error}", file=sys.stderr)
+    state.window = args.window
+    print(startup_index(state, args.videos), flush=True)
     demo = build_app(state)
     demo.launch(server_name=args.host, server_port=args.port, theme=THEME, show_error=True,
                 allowed_paths=[str(Path(args.videos).resolve())] if args.videos else None)

@@ -12,6 +12,9 @@ killed keeps what it finished:
 
 1. ``headline``: encoder videos/s at 32 frames, bf16, batch 8: TESTA (R_T=1, R_S=12) against our encoder without
    aggregation (R_T=R_S=0) and transformers' `TimesformerModel`. Targets: >= 1.7x and >= 2x.
+1b. ``same_mode`` (issue 36): TESTA against the encoder without aggregation at 8/32/96 frames and batch 1/8/64, bf16,
+   both run the same way: eagerly, replayed as a captured CUDA graph, and ``torch.compile(mode="reduce-overhead")``
+   (32 frames only, run last). Targets: >= 1.7x at 32 frames and batch 8, >= 1.5x at batch 1, >= 1x at 8 frames.
 2. ``memory_96``: peak `torch.cuda.max_memory_allocated` of `TestaForVideoTextRetrieval` built from the QuerYD
    96-frame recipe (ViT-B/16 224 + BERT-base, random init), for inference (the matching head on one text per video)
    and for one training step, without aggregation and with R_T=4, R_S=8. The paper's ablation: 12.6 GB against
@@ -94,6 +97,7 @@ class Scale:
     compile_backend: str = "inductor"
     cpu_compare_frames: int = 32
     scaling_batches: tuple[int, ...] = (8, 16, 32, 64)  # batch_scaling: where kernel launches stop dominating
+    same_mode_batches: tuple[int, ...] = (1, 8, 64)  # same_mode: TESTA against no aggregation, one mode for both
 
     @property
     def headline_frames(self) -> int:
@@ -136,6 +140,7 @@ DRY_SCALE = Scale(
     compile_backend="eager",
     cpu_compare_frames=8,
     scaling_batches=(1, 2),
+    same_mode_batches=(1, 2),
 )
 
 RECIPES = {"headline": "configuration/retrieval_queryd_f32.yaml", "long": "configuration/retrieval_queryd_f96.yaml"}
@@ -726,8 +731,162 @@ def render_batch_scaling(results: dict) -> list[str]:
     return lines
 
 
+EXECUTION_MODES = ("eager", "cuda_graph", "compile")
+SAME_MODE_TARGETS = (  # issue 36, at the paper's sizes: (frames, batch, minimum TESTA / no aggregation ratio)
+    ("headline", "headline", 1.7),  # 32 frames, batch 8
+    ("headline", "smallest", 1.5),  # 32 frames, batch 1
+    ("shortest", None, 1.0),  # 8 frames, every batch: never slower
+)
+
+
+def compiled_forward_seconds(ctx: Context, model: torch.nn.Module, video: torch.Tensor) -> tuple[float, float, Any]:
+    """``torch.compile`` with static shapes (``mode="reduce-overhead"``, CUDA graphs, on CUDA; ``--compile-backend``
+    elsewhere): compile seconds (the first call), median seconds per forward, and the compiled output."""
+    if ctx.device.startswith("cuda"):
+        compiled = torch.compile(model, dynamic=False, mode="reduce-overhead")
+    else:
+        compiled = torch.compile(model, dynamic=False, backend=ctx.scale.compile_backend)
+    compile_seconds = time_forward(compiled, video, ctx.device)
+    for _ in range(ctx.scale.warmup):
+        time_forward(compiled, video, ctx.device)
+    times = [time_forward(compiled, video, ctx.device) for _ in range(ctx.scale.iterations)]
+    with torch.inference_mode():
+        output = compiled(pixel_values=video).last_hidden_state.float().clone()
+    return compile_seconds, statistics.median(times), output
+
+
+def same_mode_entry(ctx: Context, model: torch.nn.Module, variant: str, frames: int, batch: int, mode: str) -> dict:
+    """Median seconds of one forward of ``model`` in one execution mode, or why it was not measured."""
+    entry = dict(variant=variant, frames=frames, batch=batch, mode=mode)
+    size = ctx.scale.encoder["image_size"]
+    video = torch.randn(batch, frames, 3, size, size, device=ctx.device, dtype=torch.bfloat16)
+    try:
+        if mode == "eager":
+            first = time_forward(model, video, ctx.device)
+            needed = first * (ctx.scale.warmup - 1 + ctx.scale.iterations)
+            if needed > ctx.budget.left():
+                entry["skipped"] = f"needs about {needed:.0f} s, {ctx.budget.left():.0f} s left"
+                return entry
+            for _ in range(ctx.scale.warmup - 1):
+                time_forward(model, video, ctx.device)
+            entry["seconds"] = statistics.median(time_forward(model, video, ctx.device)
+                                                 for _ in range(ctx.scale.iterations))
+        elif mode == "cuda_graph":
+            if not ctx.device.startswith("cuda"):
+                entry["unavailable"] = "CUDA graphs need a CUDA device"
+                return entry
+            entry["seconds"] = graph_replay_seconds(ctx, model, video)
+        else:
+            if frames != ctx.scale.headline_frames:
+                entry["unavailable"] = f"compiled at {ctx.scale.headline_frames} frames only (compile time)"
+                return entry
+            if ctx.budget.left() < 90:
+                entry["skipped"] = f"compiling needs time; {ctx.budget.left():.0f} s left"
+                return entry
+            entry["compile_seconds"], entry["seconds"], output = compiled_forward_seconds(ctx, model, video)
+            with torch.inference_mode():
+                reference = model(pixel_values=video).last_hidden_state.float()
+            entry["max_abs_output_difference"] = (reference - output).abs().max().item()  # against eager
+            torch.compiler.reset()
+    except torch.cuda.OutOfMemoryError as error:
+        entry["error"] = f"out of memory: {str(error)[:160]}"
+    except Exception as error:  # a forward that cannot be captured or compiled: say why, measure the rest
+        entry["error"] = f"{type(error).__name__}: {str(error)[:160]}"
+    if "seconds" in entry:
+        entry["videos_per_second"] = batch / entry["seconds"]
+    return entry
+
+
+def run_same_mode(ctx: Context, results: dict) -> None:
+    """TESTA against the same encoder without aggregation at every frame count and batch, bf16, SDPA, with both
+    encoders in the same execution mode: eager, replayed as one captured CUDA graph, and ``torch.compile``
+    (reduce-overhead) at the headline frame count. The issue-36 targets are checked on the ratios."""
+    scale = ctx.scale
+    results.update(dtype="bf16", attention="sdpa", modes=list(EXECUTION_MODES), entries=[],
+                   reductions={str(frames): list(scale.reductions[frames]) for frames in scale.frames})
+    # eager and graphs everywhere first; compiling (a minute or more per shape) last, so a short budget skips it alone
+    passes = [(frames, ("eager", "cuda_graph")) for frames in (scale.headline_frames, scale.frames[0], scale.long_frames)]
+    passes += [(frames, ("compile",)) for frames in (scale.headline_frames, scale.frames[0], scale.long_frames)]
+    for frames, modes in passes:
+        for variant in ("testa", "testa-none"):
+            model = build_encoder(ctx, variant, frames, "bf16", "sdpa")
+            for batch in scale.same_mode_batches:
+                for mode in modes:
+                    entry = same_mode_entry(ctx, model, variant, frames, batch, mode)
+                    results["entries"].append(entry)
+                    outcome = next(entry[key] for key in ("seconds", "unavailable", "skipped", "error") if key in entry)
+                    log(ctx.budget, f"same_mode {variant} {frames} frames, batch {batch}, {mode}: {outcome}")
+                    ctx.free()
+                ctx.save()
+            del model
+            ctx.free()
+    results["ratios"] = same_mode_ratios(results["entries"])
+    results["targets"] = same_mode_targets(results["ratios"], scale)
+
+
+def same_mode_ratios(entries: list[dict]) -> list[dict]:
+    """TESTA's videos/s over the unmerged encoder's, per (frames, batch, mode) where both were measured."""
+    by = {(e["variant"], e["frames"], e["batch"], e["mode"]): e for e in entries}
+    ratios = []
+    for (variant, frames, batch, mode), testa in sorted(by.items()):
+        plain = by.get(("testa-none", frames, batch, mode))
+        if variant == "testa" and testa.get("seconds") and plain and plain.get("seconds"):
+            ratios.append(dict(frames=frames, batch=batch, mode=mode, ratio=plain["seconds"] / testa["seconds"]))
+    return ratios
+
+
+def same_mode_targets(ratios: list[dict], scale: Scale) -> list[dict]:
+    """Each target of :data:`SAME_MODE_TARGETS` at this scale's sizes, with the measured ratio it covers (the best
+    execution mode counts; "every batch" takes the worst batch) and whether it is met."""
+    frame_counts = {"headline": scale.headline_frames, "shortest": scale.frames[0]}
+    batch_sizes = {"headline": scale.headline_batch, "smallest": scale.same_mode_batches[0], None: None}
+    targets = []
+    for frames_role, batch_role, minimum in SAME_MODE_TARGETS:
+        frames, batch = frame_counts[frames_role], batch_sizes[batch_role]
+        best = {}
+        for r in ratios:
+            if r["frames"] == frames and (batch is None or r["batch"] == batch):
+                best[r["batch"]] = max(best.get(r["batch"], 0.0), r["ratio"])
+        value = min(best.values()) if best else None
+        label = f"{frames} frames, " + (f"batch {batch}" if batch is not None else "every batch")
+        targets.append(dict(label=label, frames=frames, batch=batch, target=minimum, value=value,
+                            met=None if value is None else value >= minimum))
+    return targets
+
+
+def render_same_mode(results: dict) -> list[str]:
+    by = {(e["variant"], e["frames"], e["batch"], e["mode"]): e for e in results.get("entries", [])}
+    ratios = {(r["frames"], r["batch"], r["mode"]): r["ratio"] for r in results.get("ratios", [])}
+    reductions = results.get("reductions", {})
+    lines = ["TESTA against the same encoder without aggregation, both run the same way: eagerly, replayed as one "
+             "captured CUDA graph, or compiled (`torch.compile`, static shapes, `mode=\"reduce-overhead\"` on CUDA). "
+             "bf16, SDPA; TESTA's R_T, R_S per frame count: "
+             + ", ".join(f"{frames} frames {tuple(value)}" for frames, value in reductions.items()) + ".", "",
+             "| frames | batch | mode | TESTA videos/s | no aggregation videos/s | ratio |", "|---|---|---|---|---|---|"]
+
+    def cell(entry):
+        if entry is None:
+            return "–"
+        if entry.get("videos_per_second"):
+            return number(entry["videos_per_second"])
+        return entry.get("unavailable") or entry.get("skipped") or entry.get("error") or "–"
+
+    for frames, batch, mode in sorted({key[1:] for key in by}, key=lambda k: (k[0], k[1], EXECUTION_MODES.index(k[2]))):
+        ratio = ratios.get((frames, batch, mode))
+        lines.append(f"| {frames} | {batch} | {mode} | {cell(by.get(('testa', frames, batch, mode)))} | "
+                     f"{cell(by.get(('testa-none', frames, batch, mode)))} | "
+                     f"{f'{ratio:.2f}x' if ratio else '–'} |")
+    lines += ["", "| target | required | measured (best mode) | met |", "|---|---|---|---|"]
+    for target in results.get("targets", []):
+        met = {True: "yes", False: "**no**", None: "not measured"}[target["met"]]
+        value = f"{target['value']:.2f}x" if target["value"] else "–"
+        lines.append(f"| {target['label']} | >= {target['target']:.1f}x | {value} | {met} |")
+    return lines
+
+
 SECTIONS = (
     Section("headline", "Encoder speed: TESTA, no aggregation, TimesformerModel", run_headline, min_seconds=20),
+    Section("same_mode", "TESTA against no aggregation in the same execution mode", run_same_mode, min_seconds=30),
     Section("memory_96", "Peak memory of long clips: inference and one training step", run_memory_96, min_seconds=30),
     Section("train_step", "One bf16 training step", run_train_step, min_seconds=20),
     Section("cuda_vs_cpu", 'frame_matching="original" on CUDA against the CPU', run_cuda_vs_cpu, min_seconds=30),
@@ -953,7 +1112,7 @@ def render_grid(results: dict) -> list[str]:
 
 RENDERERS = {"headline": render_headline, "memory_96": render_memory, "train_step": render_train_step,
              "cuda_vs_cpu": render_cuda_vs_cpu, "compile": render_compile, "speed_grid": render_grid,
-             "batch_scaling": render_batch_scaling}
+             "batch_scaling": render_batch_scaling, "same_mode": render_same_mode}
 
 
 def render_markdown(report: dict) -> str:

@@ -51,8 +51,10 @@ from .pipeline_testa import (
     register_testa_pipelines,
 )
 from .processing_testa import TestaProcessor, build_testa_tokenizer, pre_caption
+from .store_lock import StoreLock, StoreLockedError
 from .video_decoding import VideoDecodingError, VideoDecodingTimeoutError, decode_video, sample_frame_indices
 from .video_processing_testa import TestaVideoProcessor
+from .video_store import DamagedStoreError
 from .visualization import AggregationGroups, aggregation_groups, draw_aggregation, visualize_aggregation
 
 
@@ -87,9 +89,12 @@ __all__ = [
     "PRECISIONS",
     "AggregationGroups",
     "Bf16Linear",
+    "DamagedStoreError",
     "Grounding",
     "Int8DynamicLinear",
     "Matching",
+    "StoreLock",
+    "StoreLockedError",
     "TestaAnswerRankingOutput",
     "TestaConfig",
     "TestaForPreTraining",

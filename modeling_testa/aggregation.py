@@ -21,24 +21,90 @@ order. A protected first token (CLS) always stays first. Use ``trace_source`` (:
 """
 
 
+import sys
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 
-class Matching(NamedTuple):
+class Bipartite(NamedTuple):
+    """A geometry matching in the coordinates of its two sets, which is how it is computed and applied.
+
+    A token ``i`` of set A sits at input position ``a_start + 2 i``, token ``j`` of set B at ``b_start + 2 j``; the
+    first ``protected`` input positions (the CLS) are in neither set and stay first. Output order:
+    ``[protected, unmerged A (ascending), all of B]``.
+
+    Attributes:
+        unmerged: ``(*batch, nA - r)`` A indices that stay, ascending.
+        sources: ``(*batch, r)`` A indices merged away, most similar first.
+        partners: ``(*batch, r)`` the B index every source joins.
+    """
+
+    unmerged: torch.Tensor
+    sources: torch.Tensor
+    partners: torch.Tensor
+    a_start: int
+    b_start: int
+    protected: int
+    num_tokens: int
+
+
+class Matching:
     """How N input tokens become N - r output tokens. All tensors share the leading (batch) dimensions.
 
     Attributes:
         kept: ``(*batch, N - r)`` input positions that survive, in output order.
         sources: ``(*batch, r_merge)`` input positions that are merged away (empty when pruning).
         targets: ``(*batch, r_merge)`` output slots (``0 .. N - r - 1``) that the sources are averaged into.
+        bipartite: the :class:`Bipartite` form of a geometry matching, else None. `merge_tokens` applies that form
+            directly (views of the two sets, indices over the r merged pairs only), and ``kept``, ``sources`` and
+            ``targets`` are then computed on first use (source tracing, the public API), not on every block.
     """
 
-    kept: torch.Tensor
-    sources: torch.Tensor
-    targets: torch.Tensor
+    def __init__(
+        self,
+        kept: torch.Tensor | None = None,
+        sources: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+        *,
+        bipartite: Bipartite | None = None,
+    ):
+        if bipartite is None and kept is None:
+            raise ValueError("A Matching needs `kept`, `sources` and `targets`, or `bipartite`.")
+        self.bipartite = bipartite
+        self._kept, self._sources, self._targets = kept, sources, targets
+
+    def _positions(self) -> None:
+        pairs = self.bipartite
+        batch, device = pairs.partners.shape[:-1], pairs.partners.device
+        num_b = len(range(pairs.b_start, pairs.num_tokens, 2))
+        leading = torch.arange(pairs.protected, device=device).expand(*batch, pairs.protected)
+        b_positions = (torch.arange(num_b, device=device) * 2 + pairs.b_start).expand(*batch, num_b)
+        self._kept = torch.cat([leading, pairs.unmerged * 2 + pairs.a_start, b_positions], dim=-1)
+        self._sources = pairs.sources * 2 + pairs.a_start
+        self._targets = pairs.partners + (pairs.protected + pairs.unmerged.shape[-1])
+
+    @property
+    def kept(self) -> torch.Tensor:
+        if self._kept is None:
+            self._positions()
+        return self._kept
+
+    @property
+    def sources(self) -> torch.Tensor:
+        if self._sources is None:
+            self._positions()
+        return self._sources
+
+    @property
+    def targets(self) -> torch.Tensor:
+        if self._targets is None:
+            self._positions()
+        return self._targets
+
+    def __repr__(self) -> str:
+        return f"Matching(kept={self.kept!r}, sources={self.sources!r}, targets={self.targets!r})"
 
 
 def capped_reduction(requested: int, num_tokens: int, protected: int) -> int:
@@ -134,17 +200,23 @@ def geometry_matching(
         vote: how the positions decide, one of :data:`FRAME_VOTES` (used only with ``vote_dim``).
     """
     scores = _cosine_scores(metric[..., ::2, :], metric[..., 1::2, :])
-    if protect_first:
-        scores[..., 0, :] = -torch.inf
     node_max, node_idx = _best_partner(scores, vote_dim, vote)
-    num_a, num_b = node_max.shape[-1], scores.shape[-1]
-    order = node_max.argsort(dim=-1, descending=True, stable=True)
-    src_a = order[..., :r]
-    unmerged_a = order[..., r:].sort(dim=-1).values
-    odd = torch.arange(num_b, device=metric.device).expand(*node_max.shape[:-1], num_b) * 2 + 1
-    kept = torch.cat([unmerged_a * 2, odd], dim=-1)
-    targets = (num_a - r) + node_idx.gather(-1, src_a)
-    return Matching(kept=kept, sources=src_a * 2, targets=targets)
+    # The protected token (A token 0) is never a source: its row is left out of the order, and set A starts after it.
+    first = int(protect_first)
+    # Stable: among equal scores the lower A index merges first, on every device (ties are common: static frames).
+    order = node_max[..., first:].argsort(dim=-1, descending=True, stable=True)
+    node_idx = node_idx[..., first:]
+    sources = order[..., :r]
+    pairs = Bipartite(
+        unmerged=order[..., r:].sort(dim=-1).values,
+        sources=sources,
+        partners=node_idx.gather(-1, sources),
+        a_start=2 * first,
+        b_start=1,
+        protected=first,
+        num_tokens=metric.shape[-2],
+    )
+    return Matching(bipartite=pairs)
 
 
 def importance_matching(
@@ -190,15 +262,115 @@ def importance_matching(
 
 
 def _expand_index(index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """Broadcasts a ``(*batch, K)`` token index over the trailing dimensions of ``like``."""
+    """Broadcasts a ``(*batch, K)`` token index over the trailing dimensions of ``like``: a stride-0 view, never a
+    materialised index the size of the hidden states."""
     trailing = like.shape[index.ndim :]
     return index.view(*index.shape, *(1,) * len(trailing)).expand(*index.shape, *trailing)
 
 
 def _take(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``t[..., index, ...]`` along the token axis ``index.ndim - 1`` for a batched index ``(*batch, K)``."""
-    trailing = t.shape[index.ndim :]
-    return t.gather(index.ndim - 1, index.view(*index.shape, *(1,) * len(trailing)).expand(*index.shape, *trailing))
+    return t.gather(index.ndim - 1, _expand_index(index, t))
+
+
+def _every_other(t: torch.Tensor, start: int, axis: int) -> torch.Tensor:
+    """The view ``t[..., start::2, ...]`` along ``axis``: one set of the bipartite split, without a copy."""
+    return t[(slice(None),) * axis + (slice(start, None, 2),)]
+
+
+def _leading(t: torch.Tensor, count: int, axis: int) -> torch.Tensor:
+    return t[(slice(None),) * axis + (slice(0, count),)]
+
+
+def _as(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``weight`` as a factor of ``x``: one trailing axis for the hidden dimension, ``x``'s dtype."""
+    weight = weight.unsqueeze(-1)
+    return weight if weight.dtype == x.dtype else weight.to(x.dtype)
+
+
+def _merge_bipartite(
+    x: torch.Tensor, size: torch.Tensor, pairs: Bipartite
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`merge_tokens` for a geometry matching, in the coordinates of its two sets: about a dozen kernels whatever
+    the shapes, indices only over tokens (r pairs and the A set), never over the hidden dimension.
+
+    Set B is copied into the output as it is and every target row gets ``sum_j (x_j - x_t) * s_j / S_t`` over the
+    sources j that join it (``S_t``: the target's new size), which is the size-weighted average of the target and
+    its sources; rows that receive nothing are exact copies of the input, and identical tokens stay identical.
+
+    Returns the merged tokens and sizes, and for the backward the sources' weights and the A-set order.
+    """
+    axis = pairs.sources.ndim - 1
+    if x.shape[axis] != pairs.num_tokens or size.shape[axis] != pairs.num_tokens:
+        raise ValueError(
+            f"The matching is over {pairs.num_tokens} tokens; got x {tuple(x.shape)} and size {tuple(size.shape)} "
+            f"with the token axis {axis}."
+        )
+    kept_a = pairs.unmerged.shape[-1]
+    a_index = torch.cat([pairs.unmerged, pairs.sources], dim=-1)
+    a_rows = _take(_every_other(x, pairs.a_start, axis), a_index)  # [unmerged A, sources], one gather
+    a_sizes = _take(_every_other(size, pairs.a_start, axis), a_index)
+    x_b, size_b = _every_other(x, pairs.b_start, axis), _every_other(size, pairs.b_start, axis)
+    kept_rows, source_rows = a_rows.split([kept_a, pairs.sources.shape[-1]], dim=axis)
+    kept_sizes, source_sizes = a_sizes.split([kept_a, pairs.sources.shape[-1]], dim=axis)
+    targets = pairs.partners + (pairs.protected + kept_a)
+    merged = torch.cat([_leading(x, pairs.protected, axis), kept_rows, x_b], dim=axis)
+    new_size = torch.cat([_leading(size, pairs.protected, axis), kept_sizes, size_b], dim=axis)
+    # Fresh tensors (cat outputs), so updating them in place costs no copy and autograd saves nothing of them.
+    new_size.scatter_add_(axis, _expand_index(targets, source_sizes), source_sizes)
+    weight = source_sizes / _take(new_size, targets)
+    update = (source_rows - _take(x_b, pairs.partners)) * _as(weight, x)
+    merged.scatter_add_(axis, _expand_index(targets, update), update)
+    return merged, new_size, weight, a_index
+
+
+class _BipartiteMerge(torch.autograd.Function):
+    """`_merge_bipartite` with a hand-written backward of seven kernels, where autograd would run about a dozen
+    (a slice backward per view of the two sets, a gather backward per gather, the accumulations between them).
+
+    The merge is linear in ``x``: an output row of set A is its input row; an output row of set B is
+    ``f_t x_t + sum_j w_j x_j`` with ``f_t = s_t / S_t`` and ``w_j = s_j / S_t``. So the gradient of a B token is its
+    output gradient times ``f_t`` (exactly 1 for tokens that receive nothing), of an unmerged A token its output
+    gradient, and of a source ``w_j`` times its target's output gradient. Sizes carry no gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, x, size, unmerged, sources, partners, a_start, b_start, protected, num_tokens):
+        pairs = Bipartite(unmerged, sources, partners, a_start, b_start, protected, num_tokens)
+        merged, new_size, weight, a_index = _merge_bipartite(x, size, pairs)
+        ctx.pairs, ctx.x_shape = pairs, x.shape
+        ctx.save_for_backward(weight, a_index, size, new_size)
+        ctx.mark_non_differentiable(new_size)
+        ctx.set_materialize_grads(False)  # no zero tensor for the sizes' (absent) gradient
+        return merged, new_size
+
+    @staticmethod
+    def backward(ctx, grad_merged, grad_size):
+        if grad_merged is None:
+            return (None,) * 9
+        weight, a_index, size, new_size = ctx.saved_tensors
+        pairs = ctx.pairs
+        axis, kept_a = pairs.sources.ndim - 1, pairs.unmerged.shape[-1]
+        num_b = grad_merged.shape[axis] - pairs.protected - kept_a
+        grad_protected, grad_kept, grad_b = grad_merged.split([pairs.protected, kept_a, num_b], dim=axis)
+        grad_sources = _take(grad_b, pairs.partners) * _as(weight, grad_merged)
+        b_factor = _every_other(size, pairs.b_start, axis) / new_size.narrow(axis, pairs.protected + kept_a, num_b)
+        grad_x = grad_merged.new_empty(ctx.x_shape)  # every position is written below: B, A (a permutation), CLS
+        _every_other(grad_x, pairs.b_start, axis).copy_(grad_b * _as(b_factor, grad_merged))
+        grad_a = torch.cat([grad_kept, grad_sources], dim=axis)
+        _every_other(grad_x, pairs.a_start, axis).scatter_(axis, _expand_index(a_index, grad_a), grad_a)
+        if pairs.protected:
+            _leading(grad_x, pairs.protected, axis).copy_(grad_protected)
+        return grad_x, None, None, None, None, None, None, None, None
+
+
+def _differentiable(x: torch.Tensor) -> bool:
+    """Whether the merge runs under autograd (not when exporting or tracing: exporters record the plain ops)."""
+    if not (x.requires_grad and torch.is_grad_enabled()):
+        return False
+    onnx = sys.modules.get("torch.onnx")  # not imported means not exporting (importing it takes a while)
+    exporting = torch.compiler.is_exporting() or (onnx is not None and onnx.is_in_onnx_export())
+    return not (exporting or torch.jit.is_tracing())
 
 
 def merge_tokens(x: torch.Tensor, size: torch.Tensor, matching: Matching) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,26 +390,26 @@ def merge_tokens(x: torch.Tensor, size: torch.Tensor, matching: Matching) -> tup
         The merged features ``(*batch, N - r, *rest, D)`` and sizes. Sizes are summed, so they keep adding up to the
         number of input patches; with pruning the dropped tokens' sizes are lost.
 
-    Only the ``r`` merged rows are reweighted (work O(r) beyond the copy of the kept tokens), which keeps the
-    aggregation a few percent of the encoder's time.
+    Rows that receive no source are exact copies of the input; only the merged rows are computed (work O(r) beyond
+    the copy of the kept tokens). Every target row becomes ``x_t + sum_j (x_j - x_t) s_j / S_t``, the size-weighted
+    mean of the target and its sources j (``S_t``: their summed size), with the sizes merged by the same indices.
     """
-    merged = _take(x, matching.kept)
-    kept_size = _take(size, matching.kept)
-    if matching.sources.shape[-1] == 0:
-        return merged, kept_size
-    axis = matching.kept.ndim - 1
-    sources, targets = matching.sources, matching.targets
+    pairs = matching.bipartite
+    if pairs is not None:
+        if _differentiable(x):
+            return _BipartiteMerge.apply(x, size, *pairs)
+        return _merge_bipartite(x, size, pairs)[:2]
+    kept, sources, targets = matching.kept, matching.sources, matching.targets
+    merged = _take(x, kept)
+    new_size = _take(size, kept)
+    if sources.shape[-1] == 0:
+        return merged, new_size
+    axis = kept.ndim - 1
     source_size = _take(size, sources)
-    target_index = _expand_index(targets, source_size)
-    new_size = kept_size.scatter_add(axis, target_index, source_size)
-    fan_in = torch.zeros_like(kept_size).scatter_add(axis, target_index, torch.ones_like(source_size))
-    total = _take(new_size, targets)
-    # Every target row receives one update per source that joins it: its own reweighting split evenly among them
-    # (target * (s_t / S - 1) / fan_in) plus that source's share (source * s_s / S).
-    target_delta = ((_take(kept_size, targets) / total - 1) / _take(fan_in, targets)).unsqueeze(-1).to(x.dtype)
-    source_share = (source_size / total).unsqueeze(-1).to(x.dtype)
-    target_rows = _take(x, matching.kept.gather(-1, targets))  # read from x: `merged` is updated in place below
-    update = target_rows * target_delta + _take(x, sources) * source_share
+    new_size.scatter_add_(axis, _expand_index(targets, source_size), source_size)
+    weight = source_size / _take(new_size, targets)
+    # read the targets from x: `merged` is updated in place below
+    update = (_take(x, sources) - _take(x, kept.gather(-1, targets))) * _as(weight, x)
     merged.scatter_add_(axis, _expand_index(targets, update), update)
     return merged, new_size
 
@@ -258,6 +430,13 @@ def shift_protected(matching: Matching) -> Matching:
     Patch matching runs on ``[CLS, patches]`` keys (CLS takes part in the alternating split, as in the original
     code) but merges the patch tensor alone. CLS is never a source and always the first kept token.
     """
+    pairs = matching.bipartite
+    if pairs is not None:
+        if pairs.protected != 1:
+            raise ValueError(f"shift_protected needs a matching with one protected token; got {pairs.protected}.")
+        return Matching(bipartite=pairs._replace(
+            a_start=pairs.a_start - 1, b_start=pairs.b_start - 1, protected=0, num_tokens=pairs.num_tokens - 1
+        ))
     return Matching(kept=matching.kept[..., 1:] - 1, sources=matching.sources - 1, targets=matching.targets - 1)
 
 
@@ -319,6 +498,7 @@ def attention_received(
 
 
 __all__ = [
+    "Bipartite",
     "first_max",
     "FRAME_VOTES",
     "Matching",

@@ -205,11 +205,15 @@ def divided_block(
     # 1. Temporal attention: every patch position attends over the frames (CLS excluded, as in TimeSformer).
     frame_reduction = capped_reduction(r_t, frames, protected=1)
     temporal_in = patches.transpose(1, 2).reshape(batch * patches_per_frame, frames, hidden)
-    temporal_sizes = sizes.transpose(1, 2).reshape(batch * patches_per_frame, frames)
+    temporal_bias = None
+    if settings.proportional_attention and merged:  # sizes are rearranged only when the bias needs them
+        temporal_bias = size_bias(
+            settings, sizes.transpose(1, 2).reshape(batch * patches_per_frame, frames), patches.dtype, merged
+        )
     temporal = host.temporal(
         layer,
         temporal_in,
-        size_bias(settings, temporal_sizes, patches.dtype, merged),
+        temporal_bias,
         frame_reduction > 0 and settings.uses_importance,
         attentions is not None,
     )
@@ -230,11 +234,14 @@ def divided_block(
     patch_reduction = capped_reduction(r_s, patches_per_frame + 1, protected=1)
     spatial_in = torch.cat([cls.unsqueeze(1).expand(-1, frames, -1, -1), patches], dim=2)
     spatial_in = spatial_in.view(batch * frames, patches_per_frame + 1, hidden)
-    spatial_sizes = F.pad(sizes, (1, 0), value=1.0).view(batch * frames, patches_per_frame + 1)
+    spatial_bias = None
+    if settings.proportional_attention and merged:  # the CLS counts 1
+        spatial_sizes = F.pad(sizes, (1, 0), value=1.0).view(batch * frames, patches_per_frame + 1)
+        spatial_bias = size_bias(settings, spatial_sizes, patches.dtype, merged)
     spatial = host.spatial(
         layer,
         spatial_in,
-        size_bias(settings, spatial_sizes, patches.dtype, merged),
+        spatial_bias,
         patch_reduction > 0 and settings.uses_importance,
         attentions is not None,
     )
@@ -282,9 +289,11 @@ def joint_block(
     patch_reduction = capped_reduction(r_s, per_frame + first, protected=first)
 
     tokens, token_sizes = patches.reshape(batch, frames * per_frame, hidden), sizes.reshape(batch, -1)
+    needs_token_sizes = (settings.proportional_attention and merged) or (joint and patch_reduction > 0)
     if has_cls:
         tokens = torch.cat([cls, tokens], dim=1)
-        token_sizes = F.pad(token_sizes, (1, 0), value=1.0)
+        if needs_token_sizes:  # padded only for the bias or the joint merge
+            token_sizes = F.pad(token_sizes, (1, 0), value=1.0)
     attention = host.attention(
         layer,
         tokens,

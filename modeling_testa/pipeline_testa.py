@@ -44,9 +44,11 @@ from transformers.utils import logging
 
 from .indexing import SUMMARY_FAILURES, DecodeAhead, InMemorySink, check_on_error, encode_videos
 from .inference import optimize_for_inference
+from .moments import WindowRows, best_moment_per_video, check_window_options, window_batches, window_pixel_values
 from .processing_testa import TestaProcessor, load_testa_processor
 from .ranking import RankingOptions, ranked_order, two_stage_scores
 from .saving import check_savable, push_folder_to_hub
+from .store_lock import StoreLock
 from .video_index import SHARED_INFO_SETTINGS, VideoIndex, differing_settings, video_name
 from .video_inputs import check_video, is_array, is_single_video, text_list, video_list
 from .video_store import VideoStoreWriter, finalize_store
@@ -102,17 +104,23 @@ def _result_list(items: list[Any], scores: torch.Tensor, similarity: torch.Tenso
 
 
 def _candidate_results(items: list[Any], candidates: torch.Tensor, cosines: torch.Tensor,
-                       head_scores: torch.Tensor | None, top_k: int | None) -> list[dict]:
+                       head_scores: torch.Tensor | None, top_k: int | None, moment: Any = None) -> list[dict]:
     """`_result_list` computed from one query's candidates only (O(candidates), not O(collection)): the first
     ``len(head_scores)`` candidates re-ranked (by decreasing two-stage score), then the other candidates by
-    decreasing cosine; ties by index, as `ranking.ranked_order` orders them."""
+    decreasing cosine; ties by index, as `ranking.ranked_order` orders them. With ``moment`` (row -> (start, end)),
+    every result also has ``"start"`` and ``"end"``."""
     rows, cosines = candidates.tolist(), cosines.tolist()
     reranked = 0 if head_scores is None else len(head_scores)
     head = sorted(zip(rows[:reranked], head_scores.tolist() if reranked else []), key=lambda pair: (-pair[1], pair[0]))
     rest = sorted(zip(rows[reranked:], cosines[reranked:]), key=lambda pair: (-pair[1], pair[0]))
-    results = [{"video": items[i], "score": score, "reranked": True} for i, score in head]
-    results += [{"video": items[i], "score": score, "reranked": False} for i, score in rest]
-    return results if top_k is None else results[:top_k]
+    results = [{"video": items[i], "score": score, "reranked": True, "row": i} for i, score in head]
+    results += [{"video": items[i], "score": score, "reranked": False, "row": i} for i, score in rest]
+    results = results if top_k is None else results[:top_k]
+    for result in results:
+        row = result.pop("row")
+        if moment is not None:
+            result["start"], result["end"] = moment(row)
+    return results
 
 
 # What `VideoIndex.info` records of the model that encoded it, and where the searching model's config holds it.
@@ -442,6 +450,8 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         num_workers: int = 0,
         on_error: str = "skip",
         index: VideoIndex | None = None,
+        window: float | None = None,
+        stride: float | None = None,
         **video_kwargs: Any,
     ) -> VideoIndex:
         """Decodes and encodes every video once and returns a [`VideoIndex`].
@@ -475,6 +485,13 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
                 skipped, the others are encoded and appended to it in place (`VideoIndex.add`), and it is returned.
                 It must have been built with the same model settings (frames, R_T/R_S, projection size): another
                 setting is refused, naming the difference, before anything is encoded.
+            window (`float`, *optional*): index moments instead of whole videos: every video file is cut into
+                windows of this many seconds (`moments.plan_windows`; a video shorter than one window is one entry),
+                decoded once for all its windows (`moments.decode_windows`), and each window is one row of the index
+                with its `start` and `end` (`VideoIndex.segments`); `search` then returns moments. Paths only, kept in
+                memory (not with `store_dir`); `num_frames` is the only video argument taken. With `num_workers`,
+                the next videos are decoded (each in one pass) in threads while the current windows are encoded.
+            stride (`float`, *optional*): seconds between window starts (default: `window`).
             **video_kwargs: video-processor arguments (`num_frames=...`).
 
         Raises:
@@ -491,6 +508,10 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         check_on_error(on_error)
         if store_dir is not None and not store_tokens:
             raise ValueError("`store_dir` writes the tokens: it cannot be combined with store_tokens=False.")
+        window, stride = check_window_options(window, stride)
+        if window is not None:
+            return self._encode_windows(videos, window, stride, batch_size, store_tokens, token_dtype, progress_bar,
+                                        store_dir, on_error, index, video_kwargs, num_workers)
         info = self._index_info(video_kwargs)
         names = [video_name(item, i) for i, item in enumerate(videos)]
         if index is not None:
@@ -505,8 +526,13 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
                 logger.info("All %d videos are already in the index; nothing to encode.", len(videos))
                 return index
             videos, names = [videos[i] for i in todo], [names[i] for i in todo]
-        if store_dir is not None:
-            sink = VideoStoreWriter(store_dir, 0, 0, len(videos), token_dtype=token_dtype or torch.float16)
+        if store_dir is not None:  # one writer per store: refused (StoreLockedError) while another writes it
+            lock = StoreLock(store_dir, command="VideoTextRetrievalPipeline.encode_videos").acquire()
+            try:
+                sink = VideoStoreWriter(store_dir, 0, 0, len(videos), token_dtype=token_dtype or torch.float16)
+            except BaseException:
+                lock.release()
+                raise
         else:
             sink = InMemorySink(store_tokens=store_tokens, token_dtype=token_dtype)
         show = (len(videos) >= PROGRESS_BAR_MIN_VIDEOS) if progress_bar is None else bool(progress_bar)
@@ -523,13 +549,17 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         except BaseException:
             if store_dir is not None:
                 sink.abort()  # files closed; the store has no index, so it cannot be opened half-written
+                lock.release()
             raise
         logger.info("Encoded %d videos in %.1f s (%.2f videos/s; waited %.1f s for decoding, encoder %.1f s; %d "
                     "failed).", len(videos), stats.seconds, stats.videos_per_second, stats.decode_wait_seconds,
                     stats.encode_seconds, stats.failed)
         if store_dir is not None:
-            sink.close()
-            finalize_store(store_dir, names, 1, info)
+            try:
+                sink.close()
+                finalize_store(store_dir, names, 1, info)
+            finally:
+                lock.release()
             stored = VideoIndex.from_store(store_dir)
             stored.videos = list(videos)
             stored.stats = stats.as_dict()
@@ -541,6 +571,62 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         embeddings, tokens, sizes = sink.result()
         encoded = VideoIndex(videos=[videos[i] for i in sink.indices], embeddings=embeddings, tokens=tokens,
                              token_sizes=sizes, info=info, stats=stats.as_dict(), failures=failures)
+        if index is None:
+            return encoded
+        index.add(encoded)
+        index.stats = encoded.stats
+        return index
+
+    def _encode_windows(self, videos: list[Any], window: float, stride: float, batch_size: int, store_tokens: bool,
+                        token_dtype: torch.dtype | None, progress_bar: bool | None, store_dir: Any, on_error: str,
+                        index: VideoIndex | None, video_kwargs: dict[str, Any], num_workers: int = 0) -> VideoIndex:
+        """`encode_videos` with `window`: one row per window of every video (see `encode_videos`)."""
+        if store_dir is not None:
+            raise ValueError("`window=` builds the moments in memory (save them with `index.save(DIR)`, either "
+                             "format); `python -m train.index --window` writes a video store of moments as it goes.")
+        unsupported = sorted(set(video_kwargs) - {"num_frames"})
+        if unsupported:
+            raise ValueError(f"With `window=`, `num_frames` is the only video argument taken; got {unsupported}.")
+        arrays = [i for i, item in enumerate(videos) if not isinstance(item, (str, os.PathLike))]
+        if arrays:
+            raise ValueError(f"`window=` cuts video files by time; videos{arrays[:3]} are in-memory videos.")
+        info = {**self._index_info(video_kwargs), "window": window, "stride": stride}
+        paths = list(dict.fromkeys(os.fspath(item) for item in videos))
+        if index is not None:
+            self._check_growable(index, videos, info, None, store_tokens)
+            if (index.info.get("window"), index.info.get("stride")) != (window, stride):
+                raise ValueError(f"The index holds windows of {index.info.get('window')} s every "
+                                 f"{index.info.get('stride')} s; grow it with the same window and stride, got "
+                                 f"window={window}, stride={stride}.")
+            known = set(index.names) | set(index.failures)
+            paths = [path for path in paths if path not in known]
+            if not paths:
+                logger.info("All %d videos are already in the index; nothing to encode.", len(videos))
+                return index
+        rows = WindowRows()
+
+        def decode(i: int) -> tuple[list[tuple[float, float]], torch.Tensor]:
+            cut, pixel_values = window_pixel_values(self.video_processor, paths[i], window, stride, info["num_frames"])
+            return cut.windows, pixel_values
+
+        sink = InMemorySink(store_tokens=store_tokens, token_dtype=token_dtype)
+        show = (len(paths) >= PROGRESS_BAR_MIN_VIDEOS) if progress_bar is None else bool(progress_bar)
+        # with workers, the next videos are decoded (each in one pass) while the current windows are encoded
+        decoded = DecodeAhead(decode, len(paths), num_workers, max(2, num_workers), self._decoder_for_thread)
+        with decoded:
+            stats = encode_videos(self.model, window_batches(paths, decoded.get, batch_size, on_error, rows), sink,
+                                  progress_bar=show, description="Encoding windows", num_workers=num_workers)
+        failures = dict(sink.failures)
+        if not sink.indices:
+            if index is None:
+                raise ValueError(f"None of the {len(paths)} videos could be read:\n" + "\n".join(
+                    f"  {video}: {reason[:300]}" for video, reason in list(failures.items())[:SUMMARY_FAILURES]))
+            index.failures.update(failures)
+            return index
+        embeddings, tokens, sizes = sink.result()
+        encoded = VideoIndex(videos=[rows.videos[i] for i in sink.indices], embeddings=embeddings, tokens=tokens,
+                             token_sizes=sizes, info=info, stats=stats.as_dict(), failures=failures,
+                             segments=rows.segments(sink.indices))
         if index is None:
             return encoded
         index.add(encoded)
@@ -596,6 +682,7 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         add_cosine: bool = True,
         use_faiss: bool | None = None,
         text_kwargs: dict[str, Any] | None = None,
+        group_by: str | None = None,
     ) -> Any:
         """Searches an encoded collection without decoding any video.
 
@@ -609,8 +696,12 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         same arguments: with `top_k=None`, all videos, the re-ranked ones first (`"reranked": True`), then the others
         by cosine. Without tokens (or with `rerank=False`) every score is the cosine and nothing is re-ranked.
 
+        An index of moments (`encode_videos(..., window=)`) is searched the same way, one row per moment, and every
+        result also has `"start"` and `"end"` (seconds; `None` for a row that is a whole video). `group_by="video"`
+        gives each video once, at its best moment (the whole ranking is scored, then grouped, then cut to `top_k`).
+
         Returns:
-            Like the pipeline call: `[{"video", "score", "reranked"}]` per query.
+            Like the pipeline call: `[{"video", "score", "reranked"}]` per query (with `"start"`, `"end"` for moments).
 
         Raises:
             ValueError: when the index was encoded by a model of another `projection_dim` or aggregation settings
@@ -626,7 +717,13 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
             _check_rerank_k(rerank_k)
         if use_faiss not in (None, True, False):
             raise ValueError(f"`use_faiss` must be None, True or False, got {use_faiss!r}.")
+        if group_by not in (None, "video"):
+            raise ValueError(f"`group_by` must be None or 'video', got {group_by!r}.")
         _check_index_settings(index, self.model.config)
+        moments = getattr(index, "segments", None) is not None
+        grouped_top_k = top_k if group_by == "video" else None
+        if group_by == "video":
+            top_k = None  # every row, so that grouping keeps each video's best moment
         texts, single = text_list(text, "text")
         if rerank and not index.has_tokens:
             raise ValueError("rerank=True needs an index built with store_tokens=True.")
@@ -651,7 +748,11 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
                     video_features=index.embeddings[head], read_tokens=lambda rows: index.tokens[head[rows]],
                     options=RankingOptions(k=len(head), itm_score=itm_score, add_cosine=add_cosine),
                 ).scores[0].float().cpu()
-            results.append(_candidate_results(index.videos, candidates[q], cosines[q].float(), head_scores, top_k))
+            ranked = _candidate_results(index.videos, candidates[q], cosines[q].float(), head_scores, top_k,
+                                        index.moment if moments else None)
+            if group_by == "video":
+                ranked = best_moment_per_video(ranked)[:grouped_top_k]
+            results.append(ranked)
         return results[0] if single else results
 
 

@@ -21,9 +21,19 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from .video_store import STORE_INFO_FILE, VideoStoreWriter, VideoTokenStore, finalize_store, is_video_store
+from .store_lock import StoreLock
+from .video_store import (
+    STORE_INFO_FILE,
+    DamagedStoreError,
+    VideoStoreWriter,
+    VideoTokenStore,
+    finalize_store,
+    is_video_store,
+    load_safetensors,
+    read_json_file,
+)
 
 
 INDEX_TENSORS_FILE = "video_index.safetensors"
@@ -283,14 +293,21 @@ class FirstStage:
     @classmethod
     def load(cls, faiss: Any, directory: str | os.PathLike, embeddings: torch.Tensor,
              rows: torch.Tensor | None) -> "FirstStage | None":
-        """The stage saved in `directory`, or None when there is none or it is stale (built from other embeddings:
-        another count, dim or fingerprint; it is then rebuilt, never used). The FAISS file is memory-mapped where
-        FAISS can (`IO_FLAG_MMAP`), else read once."""
+        """The stage saved in `directory`, or None when there is none, it is stale (built from other embeddings:
+        another count, dim or fingerprint) or a file of it is damaged; it is then rebuilt (a warning names the file),
+        never used. The FAISS file is memory-mapped where FAISS can (`IO_FLAG_MMAP`), else read once."""
         directory = Path(directory)
         meta_path, path = directory / FIRST_STAGE_INFO_FILE, directory / FIRST_STAGE_FILE
         if not (meta_path.is_file() and path.is_file()):
             return None
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        try:  # unreadable (damaged): rebuilt, as a stale or unreadable FAISS file is (the first stage is derived)
+            meta = read_json_file(meta_path)
+        except DamagedStoreError as error:
+            logger.warning("Ignoring the unreadable first stage %s (%s); it will be rebuilt.", meta_path, error.reason)
+            return None
+        if not isinstance(meta, dict):
+            logger.warning("Ignoring the unreadable first stage %s (not a JSON object); it will be rebuilt.", meta_path)
+            return None
         count = embeddings.shape[0] if rows is None else rows.numel()
         expected = {"count": count, "dim": int(embeddings.shape[1]), "num_videos": int(embeddings.shape[0])}
         stale = {key: (meta.get(key), value) for key, value in expected.items() if meta.get(key) != value}
@@ -366,6 +383,10 @@ class VideoIndex:
             time without workers), `encode_seconds` (encoder forwards) and `num_workers`.
         exact_max_videos (`int`, defaults to `EXACT_MAX_VIDEOS`): up to this many encoded videos the first stage is
             exact, above it approximate (not saved).
+        segments (`torch.Tensor` of shape `(num_videos, 2)`, *optional*): for an index of moments
+            (`encode_videos(..., window=)`), the `(start, end)` seconds of every row in its video (`videos[i]` names
+            the video); NaN for a row that is a whole video; `None` when every row is a whole video. Saved with the
+            single-file index.
 
     Attributes:
         skipped (`list[str]`): the videos the last `add` left out because the index already held them.
@@ -380,6 +401,7 @@ class VideoIndex:
     failures: dict[str, str] = field(default_factory=dict)
     stats: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     exact_max_videos: int = field(default=EXACT_MAX_VIDEOS, compare=False, repr=False)
+    segments: torch.Tensor | None = None
     skipped: list[str] = field(default_factory=list, init=False, compare=False, repr=False)
     first_stage: FirstStage | None = field(default=None, init=False, compare=False, repr=False)
 
@@ -391,10 +413,26 @@ class VideoIndex:
             value = getattr(self, name)
             if value is not None and value.shape[0] != n:
                 raise ValueError(f"`{name}` has {value.shape[0]} rows for {n} videos.")
+        if self.segments is not None:
+            self.segments = torch.as_tensor(self.segments, dtype=torch.float64)
+            if tuple(self.segments.shape) != (n, 2):
+                raise ValueError(f"`segments` must be ({n}, 2) (start, end) seconds for {n} rows, got "
+                                 f"{tuple(self.segments.shape)}.")
         self.failures = dict(self.failures)
 
     def __len__(self) -> int:
         return len(self.videos)
+
+    def moment(self, row: int) -> tuple[float | None, float | None]:
+        """`(start, end)` seconds of a row in its video; `(None, None)` for a whole video."""
+        if self.segments is None or bool(torch.isnan(self.segments[row]).any()):
+            return None, None
+        start, end = self.segments[row].tolist()
+        return float(start), float(end)
+
+    def row_keys(self) -> list[tuple[str, float | None, float | None]]:
+        """`(video name, start, end)` of every row: what tells two rows apart (a video's moments share its name)."""
+        return [(name, *self.moment(i)) for i, name in enumerate(self.names)]
 
     @property
     def names(self) -> list[str]:
@@ -432,9 +470,15 @@ class VideoIndex:
         opened when FAISS is installed, it is current and `first_stage` is True."""
         if not isinstance(store, VideoTokenStore):
             store = VideoTokenStore(store)
+        info = dict(store.info)
+        # an index of moments (train.index --window) keeps its rows' (start, end) in the store's info
+        segments = info.pop("segments", None)
+        if segments is not None:
+            segments = torch.tensor([pair if pair is not None else [float("nan")] * 2 for pair in segments],
+                                    dtype=torch.float64).reshape(-1, 2)
         index = cls(videos=list(store.videos), embeddings=store.embeddings, tokens=store.tokens,
-                    token_sizes=store.token_sizes, info=dict(store.info), store=store,
-                    failures={f["video"]: f["reason"] for f in store.failures})
+                    token_sizes=store.token_sizes, info=info, store=store,
+                    failures={f["video"]: f["reason"] for f in store.failures}, segments=segments)
         if first_stage:
             index.load_first_stage(store.directory)
         return index
@@ -516,18 +560,23 @@ class VideoIndex:
                 f"`python -m train.index --store {self.store.directory} --videos MORE` and load it again."
             )
         self.check_compatible(other)
-        known = {name for item, name in zip(self.videos, self.names) if isinstance(item, (str, os.PathLike))}
+        known = {key for item, key in zip(self.videos, self.row_keys()) if isinstance(item, (str, os.PathLike))}
         take, skipped = [], []
-        for i, (item, name) in enumerate(zip(other.videos, other.names)):
+        for i, (item, key) in enumerate(zip(other.videos, other.row_keys())):
             if not bool(other.valid[i]):
                 continue
-            if isinstance(item, (str, os.PathLike)) and name in known:
-                skipped.append(name)
+            if isinstance(item, (str, os.PathLike)) and key in known:
+                skipped.append(key[0])
                 continue
             take.append(i)
-            known.add(name)
+            known.add(key)
         rows = torch.tensor(take, dtype=torch.long)
         first_new = len(self)
+        if self.segments is not None or other.segments is not None:  # whole videos are NaN rows among moments
+            whole = lambda count: torch.full((count, 2), float("nan"), dtype=torch.float64)  # noqa: E731
+            mine = self.segments if self.segments is not None else whole(len(self))
+            theirs = other.segments[rows] if other.segments is not None else whole(len(take))
+            self.segments = torch.cat([mine, theirs])
         self.videos = self.videos + [other.videos[i] for i in take]
         new_embeddings = other.embeddings[rows].to(self.embeddings.dtype)
         self.embeddings = torch.cat([self.embeddings, new_embeddings])
@@ -599,15 +648,18 @@ class VideoIndex:
             if not self.has_tokens:
                 raise ValueError("The video store format holds tokens; this index has none (save it with "
                                  "as_store=False, or encode with store_tokens=True).")
-            if self.store is None or Path(self.store.directory).resolve() != directory.resolve():
-                self._write_store(directory)
-            # the rows are the same unless failures of an in-memory index became rows
-            same_rows = self.store is not None or not self.failures
-            (self if same_rows else VideoIndex.from_store(directory, first_stage=False)).save_first_stage(directory)
+            with StoreLock(directory, command="VideoIndex.save"):  # one writer per store
+                if self.store is None or Path(self.store.directory).resolve() != directory.resolve():
+                    self._write_store(directory)
+                # the rows are the same unless failures of an in-memory index became rows
+                same_rows = self.store is not None or not self.failures
+                (self if same_rows else VideoIndex.from_store(directory, first_stage=False)).save_first_stage(directory)
             return directory
         rows = self.encoded_rows()
         kept = (lambda tensor: tensor) if rows is None else (lambda tensor: tensor[rows])
         tensors = {"embeddings": kept(self.embeddings).detach().cpu().contiguous()}
+        if self.segments is not None:
+            tensors["segments"] = kept(self.segments).contiguous()
         for name in ("tokens", "token_sizes"):
             value = getattr(self, name)
             if value is not None:
@@ -645,7 +697,11 @@ class VideoIndex:
         for j, name in enumerate(extra):
             writer.add_failure(len(self) + j, name, self.failures[name])
         writer.close()
-        finalize_store(directory, self.names + extra, 1, self.info)
+        info = dict(self.info)
+        if self.segments is not None:  # rows' (start, end), None for whole videos and the failed rows after them
+            info["segments"] = [list(self.moment(i)) if self.moment(i)[0] is not None else None
+                                for i in range(len(self))] + [None] * len(extra)
+        finalize_store(directory, self.names + extra, 1, info)
 
     @classmethod
     def load(cls, directory: str | os.PathLike, first_stage: bool = True) -> "VideoIndex":
@@ -662,10 +718,11 @@ class VideoIndex:
                     f"No video index in {str(directory)!r}: it holds neither a video store ({STORE_INFO_FILE}) nor "
                     f"the single-file index ({name} is missing)."
                 )
-        tensors = load_file(str(directory / INDEX_TENSORS_FILE))
-        info = json.loads((directory / INDEX_INFO_FILE).read_text(encoding="utf-8"))
-        if info.get("format_version") != 1:
-            raise ValueError(f"Unknown video index format_version {info.get('format_version')!r} in "
+        tensors = load_safetensors(directory / INDEX_TENSORS_FILE)  # DamagedStoreError naming a damaged file
+        info = read_json_file(directory / INDEX_INFO_FILE)
+        version = info.get("format_version") if isinstance(info, dict) else f"(not a JSON object: {info!r:.40})"
+        if version != 1:
+            raise ValueError(f"Unknown video index format_version {version!r} in "
                              f"{str(directory / INDEX_INFO_FILE)!r}; this version reads 1 and video stores.")
         index = cls(
             videos=list(info["videos"]),
@@ -674,6 +731,7 @@ class VideoIndex:
             token_sizes=tensors.get("token_sizes"),
             info=dict(info.get("info", {})),
             failures=dict(info.get("failures", {})),
+            segments=tensors.get("segments"),
         )
         if first_stage:
             index.load_first_stage(directory)

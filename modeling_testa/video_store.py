@@ -18,10 +18,19 @@ Layout of a store directory::
                                    each video in the token file, -1 for a video that could not be encoded
     tokens-00000.bin               (rows, num_tokens, hidden_size) in the store's token dtype, C order, no header
     token_sizes-00000.bin          (rows, num_tokens) fp32 (when the encoder reports token sizes)
+    writer.lock                    while a writer runs: who it is (`store_lock.StoreLock`; one writer per store)
 
 The ``.bin`` files are raw arrays: ``np.memmap(path, dtype, mode="r", shape=(rows, num_tokens, hidden_size))`` opens
 them (bfloat16 tokens are stored as their 16-bit patterns). The token count is fixed per store: aggregation settings
 that give another count need another store.
+
+**Damaged stores are named, not searched.** Opening a store checks, without reading any token, that every file it
+needs is there and whole (the sizes of the ``.bin`` files are the shard's rows times the row size) and that every row
+belongs to its video: the shard's row map is a permutation of its rows, each video appears once in the journal and
+at the row the row map gives it, and the row-order copy of the embeddings (``embeddings-NNNNN.bin``) equals the
+embeddings kept per video (``shard-NNNNN.safetensors``). Two writers appending to one shard at once break these
+(rows written twice, or rows of one writer under the other's row map). Any failure, here or when tokens are read
+later, raises `DamagedStoreError` naming the file and what is wrong with it.
 
 This file is Hub remote code: flat relative imports only, absolute imports of installed packages only.
 """
@@ -42,6 +51,36 @@ STORE_INFO_FILE = "video_store.json"
 STORE_FORMAT = "testa-video-store"
 STORE_VERSION = 1
 TOKEN_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class DamagedStoreError(ValueError):
+    """A file of a video store is missing, unreadable or inconsistent with the rest of the store. Attributes:
+    ``path`` (the file) and ``reason`` (what is wrong with it)."""
+
+    def __init__(self, path: str | os.PathLike, reason: str):
+        self.path, self.reason = Path(path), str(reason)
+        super().__init__(f"Damaged video store file {str(path)!r}: {reason}. The store cannot be searched: index "
+                         "its videos again into a new folder.")
+
+
+def read_json_file(path: str | os.PathLike) -> Any:
+    """The JSON value in ``path``; `DamagedStoreError` naming it when it is missing, not UTF-8 text or not JSON."""
+    try:
+        raw = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise DamagedStoreError(path, "the file is missing") from None
+    except OSError as error:
+        raise DamagedStoreError(path, f"it cannot be read ({error})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise DamagedStoreError(path, f"it is not UTF-8 text (byte {error.start} of {len(raw)} is "
+                                      f"{raw[error.start:error.start + 1]!r})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise DamagedStoreError(path, f"it is not valid JSON ({error.msg} at line {error.lineno} column "
+                                      f"{error.colno}; {len(raw)} bytes)") from None
 
 
 def _dtype_name(dtype: torch.dtype | str) -> str:
@@ -127,7 +166,8 @@ class VideoStoreWriter:
                 entries.append(json.loads(line))
             except json.JSONDecodeError:
                 if number < len(lines) - 1 and any(rest.strip() for rest in lines[number + 1:]):
-                    raise ValueError(f"{str(journal)!r} is corrupt at line {number + 1}.") from None
+                    raise DamagedStoreError(journal, f"line {number + 1} is not valid JSON, and lines follow "
+                                                     "it") from None
                 break  # a torn last line: the batch it named is written again
         if not entries or {k: entries[0].get(k) for k in header} != header:
             raise ValueError(f"{str(journal)!r} belongs to another shard or token dtype: {entries[:1]} (this writer: "
@@ -142,6 +182,9 @@ class VideoStoreWriter:
                 self.has_token_sizes = entry["has_token_sizes"]
                 self.embeddings = torch.zeros(self.stop - self.start, entry["embedding_dim"], dtype=torch.float32)
             for index in entry["encoded"]:
+                if self.start <= index < self.stop and self.rows[index - self.start] != -2:
+                    raise DamagedStoreError(journal, f"video {index} appears twice: the shard was written by two "
+                                                     "writers at once")
                 self.rows[self._local(index)] = self._written
                 self._written += 1
         if self.num_tokens is not None:
@@ -273,8 +316,7 @@ def finalize_store(directory: str | os.PathLike, videos: list[str], num_shards: 
             f"The video store {str(directory)!r} lacks shards {missing} of {num_shards}: every process must write to "
             "the same directory (on several machines, a shared filesystem)."
         )
-    shards = [json.loads((directory / _shard_name("shard", s, "json")).read_text(encoding="utf-8"))
-              for s in range(num_shards)]
+    shards = [read_json_file(directory / _shard_name("shard", s, "json")) for s in range(num_shards)]
     ranges = sorted((m["start"], m["stop"]) for m in shards)
     position = 0
     for start, stop in ranges:
@@ -320,16 +362,76 @@ def populate_for_reading(mapped: mmap.mmap) -> None:
             pass  # an older kernel
 
 
+def safetensors_header(handle: Any, path: str | os.PathLike) -> tuple[int, dict[str, Any]]:
+    """The header size and tensors (name -> ``dtype``, ``shape``, ``data_offsets``) of an open safetensors file,
+    checked against the file's size: `DamagedStoreError` naming ``path`` when it is truncated or not safetensors."""
+    size = os.fstat(handle.fileno()).st_size
+    if size < 8:
+        raise DamagedStoreError(path, f"it holds {size} bytes, less than a safetensors header (truncated)")
+    header_size = int.from_bytes(handle.read(8), "little")
+    if 8 + header_size > size:
+        raise DamagedStoreError(path, f"its header announces {header_size} bytes but the file holds {size} "
+                                      "(truncated, or not a safetensors file)")
+    try:
+        header = json.loads(handle.read(header_size))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise DamagedStoreError(path, f"its header is not valid JSON ({error}): not a safetensors file") from None
+    if not isinstance(header, dict):
+        raise DamagedStoreError(path, "its header is not a JSON object: not a safetensors file")
+    header.pop("__metadata__", None)
+    for name, meta in header.items():
+        try:
+            start, stop = (int(x) for x in meta["data_offsets"])
+            count = int(np.prod([int(d) for d in meta["shape"]]))
+            dtype = str(meta["dtype"])
+        except (KeyError, TypeError, ValueError):
+            raise DamagedStoreError(path, f"the header entry of tensor {name!r} is malformed: {meta!r}") from None
+        if not 0 <= start <= stop:
+            raise DamagedStoreError(path, f"tensor {name!r} has invalid data offsets {[start, stop]}")
+        if 8 + header_size + stop > size:
+            raise DamagedStoreError(path, f"tensor {name!r} ends at byte {8 + header_size + stop} but the file "
+                                          f"holds {size} bytes (truncated)")
+        itemsize = SAFETENSORS_ITEMSIZES.get(dtype)
+        if itemsize is not None and stop - start != count * itemsize:
+            raise DamagedStoreError(path, f"tensor {name!r} of shape {meta['shape']} {dtype} spans "
+                                          f"{stop - start} bytes, not {count * itemsize}")
+    return header_size, header
+
+
+SAFETENSORS_ITEMSIZES = {"F32": 4, "F64": 8, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U8": 1, "BOOL": 1}
+
+
+def load_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file, read into memory (`load_file`), after checking its header against its
+    size: `DamagedStoreError` naming ``path`` when it is missing, truncated or not safetensors."""
+    try:
+        with open(path, "rb") as handle:
+            safetensors_header(handle, path)
+        return load_file(str(path))
+    except FileNotFoundError:
+        raise DamagedStoreError(path, "the file is missing") from None
+    except DamagedStoreError:
+        raise
+    except Exception as error:  # safetensors raises its own error types
+        raise DamagedStoreError(path, f"safetensors cannot read it ({error})") from None
+
+
 def open_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors file, memory-mapped, not copied: a private (copy-on-write) mapping, its pages
     mapped at once where the OS can (`populate_for_reading`). Files with a dtype numpy lacks (bfloat16) are read
-    with `load_file` instead."""
-    with open(path, "rb") as handle:
-        header_size = int.from_bytes(handle.read(8), "little")
-        header = json.loads(handle.read(header_size))
-        header.pop("__metadata__", None)
+    with `load_file` instead. Raises `DamagedStoreError` naming ``path`` when it is missing, truncated or not a
+    safetensors file."""
+    try:
+        handle = open(path, "rb")  # noqa: SIM115
+    except FileNotFoundError:
+        raise DamagedStoreError(path, "the file is missing") from None
+    with handle:
+        header_size, header = safetensors_header(handle, path)
         if any(meta["dtype"] not in SAFETENSORS_NUMPY_DTYPES for meta in header.values()):
-            return load_file(str(path))
+            try:
+                return load_file(str(path))
+            except Exception as error:  # safetensors raises its own error types
+                raise DamagedStoreError(path, f"safetensors cannot read it ({error})") from None
         size = os.fstat(handle.fileno()).st_size
         if size <= 8 + header_size:
             mapped = b""
@@ -354,23 +456,44 @@ def is_video_store(directory: str | os.PathLike) -> bool:
     return (Path(directory) / STORE_INFO_FILE).is_file()
 
 
+STORE_FIELDS = {"num_videos": int, "shards": list, "videos": list, "failures": list, "token_dtype": str}
+SHARD_FIELDS = ("shard", "start", "stop", "num_rows")
+
+
 def store_metadata(directory: str | os.PathLike) -> dict[str, Any]:
     """What ``video_store.json`` of a finalised store says, without reading any tensor: ``videos`` (names, in store
     order), ``failures`` (``{"index", "video", "reason"}``), ``info`` (how it was built), ``shards`` (``{"shard",
     "start", "stop", "num_rows"}``), ``num_videos``, ``num_tokens``, ``hidden_size``, ``token_dtype``, ...
 
-    Raises `FileNotFoundError` / `ValueError` naming ``directory`` when it is not a (finalised) store."""
+    Raises `FileNotFoundError` naming ``directory`` when it is not a (finalised) store, and `DamagedStoreError`
+    (a `ValueError`) naming ``video_store.json`` and what is wrong when it cannot be read or is inconsistent."""
     path = Path(directory) / STORE_INFO_FILE
     if not path.is_file():
         raise FileNotFoundError(f"No video store in {str(directory)!r}: {STORE_INFO_FILE} is missing.")
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{str(path)!r} is not valid JSON ({error}): not a video store.") from None
+    meta = read_json_file(path)
     if not isinstance(meta, dict) or meta.get("format") != STORE_FORMAT or meta.get("version") != STORE_VERSION:
         got = (meta.get("format"), meta.get("version")) if isinstance(meta, dict) else (type(meta).__name__, None)
-        raise ValueError(f"{str(path)!r} is not a version-{STORE_VERSION} {STORE_FORMAT} (got {got[0]!r} version "
-                         f"{got[1]!r}).")
+        raise DamagedStoreError(path, f"it is not a version-{STORE_VERSION} {STORE_FORMAT} (got {got[0]!r} version "
+                                      f"{got[1]!r})")
+    for key, kind in STORE_FIELDS.items():
+        if not isinstance(meta.get(key), kind):
+            raise DamagedStoreError(path, f"field {key!r} should be a {kind.__name__}, got {meta.get(key)!r:.80}")
+    if meta["token_dtype"] not in TOKEN_DTYPES:
+        raise DamagedStoreError(path, f"field 'token_dtype' is {meta['token_dtype']!r}, not one of "
+                                      f"{sorted(TOKEN_DTYPES)}")
+    if len(meta["videos"]) != meta["num_videos"]:
+        raise DamagedStoreError(path, f"it names {len(meta['videos'])} videos but says num_videos "
+                                      f"{meta['num_videos']}")
+    position = 0
+    for shard in sorted(meta["shards"], key=lambda s: s.get("start", -1) if isinstance(s, dict) else -1):
+        if not isinstance(shard, dict) or not all(isinstance(shard.get(k), int) for k in SHARD_FIELDS):
+            raise DamagedStoreError(path, f"a shard entry lacks integer {SHARD_FIELDS}: {shard!r:.120}")
+        if shard["start"] != position or shard["stop"] < shard["start"]:
+            raise DamagedStoreError(path, f"its shards do not cover videos {position}..{shard['start'] - 1} "
+                                          f"(shard {shard['shard']}: [{shard['start']}, {shard['stop']}))")
+        position = shard["stop"]
+    if position != meta["num_videos"]:
+        raise DamagedStoreError(path, f"its shards cover {position} videos, not num_videos {meta['num_videos']}")
     return meta
 
 
@@ -396,6 +519,148 @@ def journaled_failures(directory: str | os.PathLike) -> list[dict[str, Any]]:
     failures = [{"index": entry["failed"], "video": entry["video"], "reason": entry["reason"]}
                 for entry in _journal_entries(Path(directory)) if "failed" in entry]
     return sorted(failures, key=lambda failure: failure["index"])
+
+
+def open_shard(directory: Path, shard: dict[str, Any], meta: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The ``rows`` and ``embeddings`` of one shard of a finalised store, after checking (without reading any token)
+    that its files are whole and that every row belongs to its video (see the module's docstring). Raises
+    `DamagedStoreError` naming the file and what is wrong."""
+    number, start, stop, num_rows = (int(shard[key]) for key in SHARD_FIELDS)
+    count = stop - start
+    path = directory / _shard_name("shard", number, "safetensors")
+    tensors = open_safetensors(path)
+    rows, embeddings = tensors.get("rows"), tensors.get("embeddings")
+    if rows is None or embeddings is None or rows.shape != (count,) or embeddings.ndim != 2 or \
+            embeddings.shape[0] != count:
+        shapes = {name: tuple(tensor.shape) for name, tensor in tensors.items()}
+        raise DamagedStoreError(path, f"it should hold `rows` ({count},) and `embeddings` ({count}, dim) for videos "
+                                      f"[{start}, {stop}), holds {shapes}")
+    check_row_map(path, rows, num_rows)
+    dim = int(embeddings.shape[1])
+    token_bytes = (meta.get("num_tokens") or 0) * (meta.get("hidden_size") or 0) * \
+        TOKEN_DTYPES[meta["token_dtype"]].itemsize
+    row_bytes = {"tokens": token_bytes, "embeddings": dim * 4,
+                 "token_sizes": (meta.get("num_tokens") or 0) * 4 if meta.get("has_token_sizes") else 0}
+    for kind, size in row_bytes.items():
+        check_data_file(directory / _shard_name(kind, number, "bin"), num_rows, size)
+    journal = directory / _shard_name("journal", number, "jsonl")
+    if journal.is_file():  # a store copied without its journals is read without this check
+        check_journal(journal, rows, number, start, stop)
+    if num_rows and dim:
+        check_row_embeddings(directory / _shard_name("embeddings", number, "bin"), path, rows, embeddings, start)
+    return tensors
+
+
+def check_row_map(path: Path, rows: torch.Tensor, num_rows: int) -> None:
+    """A shard's row map gives every encoded video its own row of ``[0, num_rows)``, and failed videos -1."""
+    values = rows.numpy()
+    outside = (values < -1) | (values >= num_rows)
+    if outside.any():
+        bad = int(np.flatnonzero(outside)[0])
+        raise DamagedStoreError(path, f"its row map gives video {bad} of the shard row {int(values[bad])}, outside "
+                                      f"[0, {num_rows}) (-1: failed)")
+    valid = values[values >= 0]
+    if valid.size != num_rows or (valid.size and np.bincount(valid, minlength=num_rows).max() > 1):
+        raise DamagedStoreError(path, f"its row map gives {valid.size} encoded videos {np.unique(valid).size} "
+                                      f"distinct rows, but the shard has {num_rows} rows")
+
+
+def check_data_file(path: Path, num_rows: int, row_bytes: int) -> None:
+    """A ``.bin`` file holds exactly ``num_rows`` rows of ``row_bytes``: fewer is a truncated file, more is rows
+    that no video owns (e.g. appended by a second writer)."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        if num_rows * row_bytes == 0:
+            return
+        raise DamagedStoreError(path, f"the file is missing (it should hold {num_rows} rows)") from None
+    expected = num_rows * row_bytes
+    if size != expected:
+        what = "truncated" if size < expected else "rows that no video owns (two writers at once)"
+        raise DamagedStoreError(path, f"it holds {size} bytes, but its shard has {num_rows} rows of {row_bytes} "
+                                      f"bytes ({expected}): {what}")
+
+
+def check_journal(path: Path, rows: torch.Tensor, shard: int, start: int, stop: int) -> None:
+    """The journal of a closed shard names each of its videos once, in row order: the k-th encoded video is at row
+    k of the row map, and failed videos are failed there."""
+    try:
+        lines = path.read_bytes().decode("utf-8").split("\n")
+    except UnicodeDecodeError as error:
+        raise DamagedStoreError(path, f"it is not UTF-8 text (byte {error.start})") from None
+    if lines and lines[-1] == "":
+        lines.pop()
+    entries = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise DamagedStoreError(path, f"line {number} of {len(lines)} is not valid JSON ({error.msg}; "
+                                          f"{line[:60]!r}): truncated?") from None
+        if not isinstance(entry, dict) or (number > 1 and not ("encoded" in entry or "failed" in entry)):
+            raise DamagedStoreError(path, f"line {number} is not a journal entry: {line[:60]!r}")
+        entries.append(entry)
+    if not entries or (entries[0].get("shard"), entries[0].get("start"), entries[0].get("stop")) != \
+            (shard, start, stop):
+        raise DamagedStoreError(path, f"its header {entries[:1]} is not that of shard {shard} [{start}, {stop})")
+    encoded = [int(i) for entry in entries[1:] for i in entry.get("encoded", [])]
+    failed = [int(entry["failed"]) for entry in entries[1:] if "failed" in entry]
+    local = np.asarray(encoded + failed, dtype=np.int64) - start
+    if local.size and (local.min() < 0 or local.max() >= stop - start):
+        raise DamagedStoreError(path, f"it names videos outside its shard's range [{start}, {stop})")
+    counts = np.bincount(local, minlength=stop - start)
+    if (counts > 1).any():
+        twice = start + int(np.flatnonzero(counts > 1)[0])
+        where = [n for n, entry in enumerate(entries, start=1) if twice in entry.get("encoded", [])
+                 or entry.get("failed") == twice]
+        raise DamagedStoreError(path, f"video {twice} appears {int(counts[twice - start])} times (lines "
+                                      f"{where}): the shard was written by two writers at once")
+    if (counts == 0).any():
+        raise DamagedStoreError(path, f"it names {int((counts > 0).sum())} of the {stop - start} videos of its shard")
+    row_map = rows.numpy()
+    encoded_at = np.asarray(encoded, dtype=np.int64) - start
+    wrong = np.flatnonzero(row_map[encoded_at] != np.arange(len(encoded))) if encoded else np.empty(0, np.int64)
+    if wrong.size:
+        k = int(wrong[0])
+        raise DamagedStoreError(path, f"it wrote video {encoded[k]} as row {k}, but the shard's row map says row "
+                                      f"{int(row_map[encoded_at[k]])}: rows and videos do not match")
+    if failed and (row_map[np.asarray(failed) - start] != -1).any():
+        raise DamagedStoreError(path, "videos it marks failed have rows in the shard's row map")
+
+
+# Rows compared at a time by `check_row_embeddings` (32 MB of 256-d fp32 embeddings per side): bounded memory.
+CHECK_CHUNK_ROWS = 32_768
+
+
+def contiguous_rows(array: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``array[rows]``, as a view (no copy, no gather) when ``rows`` are consecutive, as they mostly are."""
+    if rows.size and int(rows[-1]) - int(rows[0]) == rows.size - 1 and (np.diff(rows) == 1).all():
+        return array[int(rows[0]) : int(rows[-1]) + 1]
+    return array[rows]
+
+
+def check_row_embeddings(path: Path, shard_path: Path, rows: torch.Tensor, embeddings: torch.Tensor,
+                         start: int) -> None:
+    """Each row of ``embeddings-NNNNN.bin`` (written with the row's tokens, in row order) equals, bit for bit, the
+    embedding the writer kept for the video the row map gives it: a row written by another writer does not. Read
+    in chunks of `CHECK_CHUNK_ROWS`, so memory stays bounded whatever the shard's size."""
+    dim = embeddings.shape[1]
+    row_order = np.memmap(path, dtype=np.float32, mode="r").reshape(-1, dim)
+    row_map, kept_all = rows.numpy(), embeddings.numpy()
+    videos = np.flatnonzero(row_map >= 0)
+    mismatched, first = 0, None
+    for begin in range(0, len(videos), CHECK_CHUNK_ROWS):
+        chunk = videos[begin : begin + CHECK_CHUNK_ROWS]
+        kept, in_rows = contiguous_rows(kept_all, chunk), contiguous_rows(row_order, row_map[chunk])
+        same = (kept.view(np.uint32) == in_rows.view(np.uint32)).all(axis=1)  # bit for bit (NaN included)
+        if not same.all():
+            mismatched += int((~same).sum())
+            first = first if first is not None else int(chunk[np.flatnonzero(~same)[0]])
+    del row_order
+    if mismatched:
+        raise DamagedStoreError(path, f"{mismatched} of its {len(videos)} rows do not hold the embedding "
+                                      f"{shard_path.name} keeps for their video (first: row {int(row_map[first])}, "
+                                      f"video {start + first}): their tokens belong to other videos")
 
 
 class VideoTokenStore:
@@ -425,7 +690,7 @@ class VideoTokenStore:
         self._row_of = torch.empty(n, dtype=torch.long)
         embeddings = []
         for shard in meta["shards"]:
-            tensors = open_safetensors(directory / _shard_name("shard", shard["shard"], "safetensors"))
+            tensors = open_shard(directory, shard, meta)
             self._shard_of[shard["start"] : shard["stop"]] = shard["shard"]
             self._row_of[shard["start"] : shard["stop"]] = tensors["rows"]
             embeddings.append(tensors["embeddings"])
@@ -457,7 +722,11 @@ class VideoTokenStore:
     def _fd(self, kind: str, shard: int) -> int:
         key = (kind, shard)
         if key not in self._files:
-            self._files[key] = os.open(self.directory / _shard_name(kind, shard, "bin"), os.O_RDONLY)
+            path = self.directory / _shard_name(kind, shard, "bin")
+            try:
+                self._files[key] = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                raise DamagedStoreError(path, "the file is missing (it was there when the store was opened)") from None
         return self._files[key]
 
     def _read(self, kind: str, indices: torch.Tensor, row_shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -475,8 +744,9 @@ class VideoTokenStore:
             while done < row_bytes:
                 got = os.preadv(fd, [memoryview(flat[j])[done:]], offset + done)
                 if got <= 0:
-                    raise OSError(f"{_shard_name(kind, shard, 'bin')} in {str(self.directory)!r} is truncated "
-                                  f"(video {video}, row {row}).")
+                    raise DamagedStoreError(self.directory / _shard_name(kind, shard, "bin"),
+                                            f"it is truncated: row {row} (video {video}) ends at byte "
+                                            f"{offset + row_bytes}, after the end of the file")
                 done += got
         return out
 

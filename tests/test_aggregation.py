@@ -1,6 +1,8 @@
 """The matching and merging functions against plain-Python float64 references written from the paper's text."""
 
+import itertools
 import math
+from collections import Counter
 
 import pytest
 import torch
@@ -265,3 +267,145 @@ def test_several_sources_into_one_target_and_gradients():
     frames = torch.randn(2, 6, 3, 2, dtype=torch.float64, requires_grad=True)
     frame_size = torch.randint(1, 4, (2, 6, 3)).double()
     assert torch.autograd.gradcheck(lambda t: merge_tokens(t, frame_size, frame_matching)[0], (frames,))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The bipartite merge (geometry matchings are applied in the coordinates of their two sets)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _loop_merge(x, size, matching):
+    """float64 loop reference of a whole batch (`reference_merge` per sample and, for frames, per patch position):
+    every output slot is the size-weighted mean of its members."""
+    batch_shape = matching.kept.shape[:-1]
+    outs, sizes = [], []
+    for pick in itertools.product(*map(range, batch_shape)):
+        rows, weights = x[pick].double(), size[pick].double()
+        per_position = weights.ndim > 1  # frames (T, L, D): every patch position has its own sizes
+        if not per_position:
+            rows, weights = rows.unsqueeze(1), weights.unsqueeze(1)
+        kept, sources, targets = (t[pick].tolist() for t in (matching.kept, matching.sources, matching.targets))
+        columns = [reference_merge(rows[:, p].tolist(), weights[:, p].tolist(), kept, sources, targets)
+                   for p in range(rows.shape[1])]
+        out = torch.tensor([c[0] for c in columns], dtype=torch.float64).transpose(0, 1)
+        out_size = torch.tensor([c[1] for c in columns], dtype=torch.float64).transpose(0, 1)
+        outs.append(out if per_position else out.squeeze(1))
+        sizes.append(out_size if per_position else out_size.squeeze(1))
+    return torch.stack(outs).view(*batch_shape, *outs[0].shape), torch.stack(sizes).view(*batch_shape, *sizes[0].shape)
+
+
+def test_static_video_ties_merge_the_lowest_a_tokens_first_and_keep_exact_copies():
+    """Eight identical frames (a static video, batch 1): every A frame ties at similarity 1 with every B frame, so the
+    stable order merges A frames 0, 2, 4 (in that order) into B frame 0, three sources into one target."""
+    frame = torch.randn(5, dtype=torch.float64)
+    metric = frame.expand(1, 8, 5).clone()
+    m = geometry_matching(metric, 3)
+    assert m.sources.tolist() == [[0, 2, 4]] and m.kept.tolist() == [[6, 1, 3, 5, 7]]
+    assert m.targets.tolist() == [[1, 1, 1]]
+    x = torch.randn(1, 8, 3, 4, dtype=torch.float64)  # (batch, frames, positions, hidden)
+    size = torch.randint(1, 6, (1, 8, 3)).double()
+    merged, new_size = merge_tokens(x, size, m)
+    ref_x, ref_size = _loop_merge(x, size, m)
+    torch.testing.assert_close(merged, ref_x, rtol=1e-12, atol=1e-12)
+    assert torch.equal(new_size, ref_size)
+    for slot, frame_index in ((0, 6), (2, 3), (3, 5), (4, 7)):  # rows that receive nothing are exact copies
+        assert torch.equal(merged[0, slot], x[0, frame_index])
+
+
+@pytest.mark.parametrize("protect_first", [False, True])
+def test_bipartite_merge_equals_the_loop_reference_with_several_targets_and_sources(protect_first):
+    """Batch 1, patches of two frames: duplicated tokens make several targets receive several sources, with ties;
+    the fast merge (and the same matching applied through explicit indices) equal the float64 loop."""
+    from modeling_testa.aggregation import Matching
+
+    generator = torch.Generator().manual_seed(3)
+    base = torch.randn(1, 2, 4, 6, generator=generator, dtype=torch.float64)
+    metric = base[:, :, [0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 0], :]  # 11 tokens, exact duplicates of 4 vectors
+    r = capped_reduction(5, 11, protected=int(protect_first))
+    m = geometry_matching(metric, r, protect_first=protect_first)
+    for t in range(2):
+        assert (m.kept[0, t].tolist(), m.sources[0, t].tolist(), m.targets[0, t].tolist()) == reference_geometry(
+            metric[0, t].tolist(), r, protect_first)
+    assert max(Counter(row.tolist()).most_common(1)[0][1] for row in m.targets[0]) >= 2  # fan-in > 1 somewhere
+    x = torch.randn(1, 2, 11, 3, generator=generator, dtype=torch.float64)
+    size = torch.randint(1, 9, (1, 2, 11), generator=generator).double()
+    merged, new_size = merge_tokens(x, size, m)
+    ref_x, ref_size = _loop_merge(x, size, m)
+    torch.testing.assert_close(merged, ref_x, rtol=1e-12, atol=1e-12)
+    assert torch.equal(new_size, ref_size)
+    explicit = Matching(kept=m.kept, sources=m.sources, targets=m.targets)
+    merged_explicit, size_explicit = merge_tokens(x, size, explicit)
+    torch.testing.assert_close(merged_explicit, ref_x, rtol=1e-12, atol=1e-12)
+    assert torch.equal(size_explicit, ref_size)
+    if protect_first:  # the patch tensor without the CLS, as the block merges it
+        shifted = shift_protected(m)
+        merged_patches, patch_sizes = merge_tokens(x[:, :, 1:], size[:, :, 1:], shifted)
+        torch.testing.assert_close(merged_patches, merged[:, :, 1:], rtol=0, atol=0)
+        assert torch.equal(patch_sizes, new_size[:, :, 1:])
+        explicit_shifted = shift_protected(explicit)
+        assert torch.equal(shifted.kept, explicit_shifted.kept) and torch.equal(shifted.targets, explicit_shifted.targets)
+
+
+def test_fp32_merge_is_within_rounding_of_the_float64_loop():
+    generator = torch.Generator().manual_seed(4)
+    metric = torch.randn(1, 3, 197, 8, generator=generator)
+    x = torch.randn(1, 3, 196, 16, generator=generator)
+    size = torch.randint(1, 20, (1, 3, 196), generator=generator).float()
+    m = shift_protected(geometry_matching(metric, 12, protect_first=True))
+    merged, new_size = merge_tokens(x, size, m)
+    assert merged.dtype == torch.float32 and new_size.dtype == torch.float32
+    ref_x, ref_size = _loop_merge(x, size, m)
+    torch.testing.assert_close(merged.double(), ref_x, rtol=1e-6, atol=1e-6)
+    assert torch.equal(new_size.double(), ref_size)
+
+
+def test_pruning_a_single_video_keeps_exact_rows_and_sizes():
+    importance = torch.tensor([[0.4, 0.1, 0.9, 0.05, 0.7, 0.3, 0.2]], dtype=torch.float64)
+    m = importance_matching(torch.randn(1, 7, 4, dtype=torch.float64), importance, r=3, prune=True)
+    x, size = torch.randn(1, 7, 5, dtype=torch.float64), torch.tensor([[1.0, 2, 3, 4, 5, 6, 7]], dtype=torch.float64)
+    out, new_size = merge_tokens(x, size, m)
+    assert m.kept.tolist() == [[0, 2, 4, 5]]
+    assert torch.equal(out, x[:, [0, 2, 4, 5]]) and new_size.tolist() == [[1.0, 3.0, 5.0, 6.0]]
+
+
+def test_a_matching_applied_to_the_wrong_number_of_tokens_is_refused():
+    m = geometry_matching(torch.randn(2, 9, 4), 3)
+    with pytest.raises(ValueError, match="over 9 tokens"):
+        merge_tokens(torch.randn(2, 8, 3), torch.ones(2, 8), m)
+
+
+@pytest.mark.parametrize("protect_first", [False, True])
+def test_bipartite_merge_backward_is_the_gradient_of_the_forward(protect_first):
+    """The hand-written backward against float64 finite differences (gradcheck) and against autograd through the
+    plain forward ops, for frames (per-position sizes) and for tokens with a protected CLS kept in the tensor."""
+    from modeling_testa.aggregation import _merge_bipartite
+
+    generator = torch.Generator().manual_seed(5)
+    if protect_first:  # joint mode: [CLS, tokens] merged as one tensor, CLS protected and kept first
+        m = geometry_matching(torch.randn(2, 9, 4, generator=generator, dtype=torch.float64), 3, protect_first=True)
+        x = torch.randn(2, 9, 3, generator=generator, dtype=torch.float64, requires_grad=True)
+        size = torch.randint(1, 5, (2, 9), generator=generator).double()
+    else:  # frames: (B, T, L, D) with a (B, K) matching
+        frame_metric = torch.randn(1, 7, 4, generator=generator, dtype=torch.float64)
+        frame_metric[:, 4] = frame_metric[:, 1]  # an exact tie
+        m = geometry_matching(frame_metric, 3)
+        x = torch.randn(1, 7, 2, 3, generator=generator, dtype=torch.float64, requires_grad=True)
+        size = torch.randint(1, 5, (1, 7, 2), generator=generator).double()
+    assert torch.autograd.gradcheck(lambda t: merge_tokens(t, size, m)[0], (x,))
+    upstream = torch.randn_like(merge_tokens(x, size, m)[0])
+    (custom,) = torch.autograd.grad(merge_tokens(x, size, m)[0], x, upstream)
+    (plain,) = torch.autograd.grad(_merge_bipartite(x, size, m.bipartite)[0], x, upstream)
+    torch.testing.assert_close(custom, plain, rtol=1e-12, atol=1e-12)
+
+
+def test_identical_tokens_stay_bitwise_identical_after_merging():
+    """A target and its sources that are the same vector (duplicated frames) give that vector exactly, whatever their
+    sizes, so ties between duplicates stay exact ties in the next block (fp32, odd sizes that round; the merge of
+    d257ac3 changed such rows by rounding in 50 of 50 random draws)."""
+    row = torch.randn(16)
+    x = row.expand(1, 9, 16).clone()
+    size = torch.tensor([[1.0, 3.0, 7.0, 2.0, 5.0, 1.0, 6.0, 3.0, 11.0]])
+    m = geometry_matching(torch.randn(1, 1, 4).expand(1, 9, 4), 4)  # every pair ties: the first 4 A tokens merge
+    assert m.sources.tolist() == [[0, 2, 4, 6]]
+    merged, new_size = merge_tokens(x, size, m)
+    assert torch.equal(merged, row.expand_as(merged)) and new_size.sum() == size.sum()

@@ -261,3 +261,103 @@ def test_the_runtime_is_picked_by_name_and_an_engine_runs_isolated(served):
     bad = module.load_state(str(root / "model"), None, None, "fp32", "tensorrt")
     assert "backend='tensorrt' is not supported; allowed values are 'torch', 'openvino'" in bad.model_error
     assert module.parse_args(["--backend", "openvino", "--precision", "int8"]).backend == "openvino"
+
+
+# ------------------------------------------------------------------------------------------------ moments
+
+
+@pytest.fixture(scope="module")
+def served_moments(tmp_path_factory):
+    """The app started as `app.py --window 20` does: a folder of two one-minute videos indexed at start-up as
+    moments (windows of 20 s every 10 s)."""
+    from helpers.videos import write_long_video
+
+    os.environ.setdefault("GRADIO_TEMP_DIR", str(tmp_path_factory.mktemp("gradio")))
+    root = tmp_path_factory.mktemp("app_moments")
+    model = save_folder(build_retrieval(), tiny_processor(), root / "model")
+    (root / "videos").mkdir()
+    for i, seconds in enumerate((60, 45)):
+        write_long_video(root / "videos" / f"long{i}.mp4", seconds * 4, fps=4, width=160, height=96)
+    module = load_app_module()
+    state = module.load_state(str(model), str(root / "videos"), None)
+    state.window = 20.0
+    message = module.startup_index(state, str(root / "videos"))
+    demo = module.build_app(state)
+    _, url, _ = demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True, show_error=True,
+                            theme=module.THEME, allowed_paths=[str(root / "videos")])
+    client = gradio_client.Client(url, verbose=False)
+    yield module, state, client, root, url, message
+    demo.close()
+
+
+def test_moments_through_the_api(served_moments):
+    module, state, client, root, _, message = served_moments
+    # 60 s: (0, 20) ... (40, 60) every 10 s = 5 windows; 45 s: 0, 10, 20 and (25, 45) = 4 windows
+    assert message == state.index_status and message.startswith("Indexed 2 videos as 9 moments (windows of 20 s "
+                                                                "every 10 s)")
+    _, table, best = client.predict(QUERY, 4, True, api_name="/search")
+    expected = state.retrieval.search(QUERY, state.index, top_k=4)
+    assert table["headers"] == ["rank", "video", "score", "re-ranked", "start", "end"]
+    assert [row[4:] for row in table["data"]] == [[module.format_time(h["start"]), module.format_time(h["end"])]
+                                                   for h in expected]
+    strip, video, start, caption = client.predict(2, api_name="/moment")
+    assert start == expected[1]["start"] and Path(video).name == Path(expected[1]["video"]).name
+    assert f"from {module.format_time(expected[1]['start'])} to {module.format_time(expected[1]['end'])}" in caption
+    width, height = png_size(strip)
+    assert height == 96 and width == 6 * (160 + 4)  # six frames of the moment, 160x96 each
+    with pytest.raises(gradio_client.exceptions.AppError, match="Rank 9 is not among the 4 results"):
+        client.predict(9, api_name="/moment")
+    # new R_T/R_S rebuild the index as moments again, each video once
+    keys = state.index.row_keys()
+    panel = client.predict(0, 0, api_name="/aggregation")
+    assert "Re-indexed 2 videos with these settings" in panel and "moments/s" in panel
+    assert state.index.row_keys() == keys
+    client.predict(1, 3, api_name="/aggregation")  # back to the model's own settings
+
+
+def test_a_browser_sees_the_start_up_index_and_a_moment_playing_from_its_start(served_moments, tmp_path):
+    _, state, client, root, url, message = served_moments
+    executable = chromium()
+    sync_api = require("playwright.sync_api")
+    expected = state.retrieval.search(QUERY, state.index, top_k=5)
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=executable, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
+            "--disable-component-update", "--no-first-run", "--autoplay-policy=no-user-gesture-required"])
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 1400})
+            page.goto(url)
+            # the Index box says what the start-up indexing did, before any click
+            sync_api.expect(page.get_by_label("Index", exact=True)).to_have_value(message, timeout=30_000)
+            page.get_by_label("Paragraph").fill(QUERY)
+            page.get_by_role("button", name="Search", exact=True).click()
+            rows = page.get_by_role("row").filter(has_text=".mp4")
+            sync_api.expect(rows).to_have_count(5, timeout=60_000)
+            first = rows.nth(0).inner_text()
+            assert f"{state.hits[0]['video'].rsplit('/', 1)[1]}" in first
+            from modeling_testa.moments import format_time
+
+            assert format_time(expected[0]["start"]) in first and format_time(expected[0]["end"]) in first
+            strip = page.locator("img[src*='moment_1_']")  # the strip of the best moment
+            sync_api.expect(strip).to_have_count(1, timeout=60_000)
+            page.wait_for_function("i => i.complete && i.naturalWidth > 0", arg=strip.element_handle())
+            video = page.locator("#moment-video video")
+            sync_api.expect(video).to_have_count(1, timeout=60_000)
+            # the player seeks to the moment's start once the video's metadata is loaded
+            page.wait_for_function(
+                "([v, s]) => v.readyState >= 1 && v.dataset.momentStart == String(s) && Math.abs(v.currentTime - s) "
+                "< 0.5", arg=[video.element_handle(), expected[0]["start"]], timeout=30_000)
+            # clicking the second result shows its moment and plays it from its start
+            page.get_by_role("button", name="Thumbnail 2 of 5").click()
+            strip = page.locator("img[src*='moment_2_']")
+            sync_api.expect(strip).to_have_count(1, timeout=60_000)
+            sync_api.expect(page.get_by_text("(rank 2)")).to_have_count(1, timeout=30_000)
+            page.wait_for_function(
+                "([s]) => { const v = document.querySelector('#moment-video video'); return v && v.readyState >= 1 "
+                "&& v.dataset.momentStart == String(s) && Math.abs(v.currentTime - s) < 0.5; }",
+                arg=[expected[1]["start"]], timeout=30_000)
+            page.screenshot(path=str(tmp_path / "moment.png"), full_page=True)
+            if os.environ.get("TESTA_KEEP_SCREENSHOT"):
+                shutil.copy(tmp_path / "moment.png", os.environ["TESTA_KEEP_SCREENSHOT"])
+        finally:
+            browser.close()

@@ -258,3 +258,40 @@ def test_batch_scaling_dry_run_reports_both_encoders_at_every_batch(dry_run):
     first = next(line for line in table if line.startswith(f"| {gpu.DRY_SCALE.scaling_batches[0]} |"))
     testa, none = entries[("testa", 1)], entries[("testa-none", 1)]
     assert f"{(1 / testa['eager_seconds']) / (1 / none['eager_seconds']):.2f}x" in first
+
+
+def test_same_mode_dry_run_compares_both_encoders_in_every_mode(dry_run):
+    """Every (encoder, frames, batch, mode) is measured or says why not; the ratios and targets are recomputed."""
+    report, _ = dry_run
+    results = report["sections"]["same_mode"]["results"]
+    scale = gpu.DRY_SCALE
+    entries = {(e["variant"], e["frames"], e["batch"], e["mode"]): e for e in results["entries"]}
+    assert len(entries) == len(results["entries"]) == 2 * 3 * len(scale.same_mode_batches) * 3
+    assert {key[1] for key in entries} == set(scale.frames) and {key[3] for key in entries} == set(gpu.EXECUTION_MODES)
+    for (variant, frames, batch, mode), entry in entries.items():
+        if mode == "eager" or (mode == "compile" and frames == scale.headline_frames):
+            assert entry["seconds"] > 0 and entry["videos_per_second"] == pytest.approx(batch / entry["seconds"])
+        elif mode == "cuda_graph":
+            assert entry["unavailable"] == "CUDA graphs need a CUDA device"
+        else:
+            assert "compiled at" in entry["unavailable"]
+        if mode == "compile" and "seconds" in entry:  # the eager backend in a dry run: the same ops as eager
+            assert entry["compile_seconds"] > 0 and entry["max_abs_output_difference"] < 0.1
+    ratios = {(r["frames"], r["batch"], r["mode"]): r["ratio"] for r in results["ratios"]}
+    assert len(ratios) == 3 * len(scale.same_mode_batches) + len(scale.same_mode_batches)  # eager + compile
+    for (frames, batch, mode), ratio in ratios.items():
+        expected = entries[("testa-none", frames, batch, mode)]["seconds"] / entries[("testa", frames, batch, mode)]["seconds"]
+        assert ratio == pytest.approx(expected)
+    headline = [t for t in results["targets"] if t["frames"] == scale.headline_frames]
+    assert [t["batch"] for t in headline] == [scale.headline_batch, scale.same_mode_batches[0]]
+    for target in headline:
+        best = max(ratio for (f, b, _), ratio in ratios.items() if f == target["frames"] and b == target["batch"])
+        assert target["value"] == pytest.approx(best) and target["met"] == (best >= target["target"])
+    shortest = next(t for t in results["targets"] if t["batch"] is None)
+    worst = min(max(ratio for (f, b, _), ratio in ratios.items() if f == scale.frames[0] and b == batch)
+                for batch in scale.same_mode_batches)
+    assert shortest["value"] == pytest.approx(worst)
+    table = "\n".join(gpu.render_same_mode(results))
+    key = (scale.headline_frames, scale.headline_batch, "eager")
+    assert f"| {key[0]} | {key[1]} | eager |" in table and f"{ratios[key]:.2f}x |" in table
+    assert "| target | required | measured (best mode) | met |" in table

@@ -2,6 +2,7 @@
 
     accelerate launch -m train.index --model FOLDER_OR_HUB_ID --videos DIR_OR_LIST_OR_DATASET --store OUT \
         [--precision fp32|bf16|int8|auto] [--backend torch|openvino|onnxruntime|...] [--num-frames N] [--shard-size 256] [--batch-size 8] [--num-workers 2]
+        [--window SECONDS [--stride SECONDS]]
 
 (`python -m train.index ...` runs the same on one process.) The videos are sorted and cut into shards of
 ``--shard-size`` videos; process ``r`` of ``W`` encodes shards ``r, r + W, r + 2W, ...`` with the library's one encode
@@ -22,6 +23,17 @@ returned by search, and listed at the end. When every shard is closed, the main 
 store's index (`VideoIndex.load(OUT)` and `python -m train.search` read it) and its first stage, and reports the
 videos, the failures, the settings, and the time spent decoding and encoding (`index_report.json`).
 
+One writer per store: the main process takes the store's lock (``writer.lock``, `modeling_testa.store_lock`) before
+anything is written and the other processes of the launch check it; a second run on the same store is refused,
+naming the running one, and a lock left by a killed run is taken over (then the run resumes).
+
+**Moments.** With ``--window`` (and ``--stride``, default: the window) every video is cut into windows
+(`modeling_testa.moments.plan_windows`) and each window is one row of the store, with its start and end; search then
+returns moments (``python -m train.search`` prints them as ``h:mm:ss``). The rows are planned from each video's
+duration (read from its container, nothing decoded) when it joins the plan, a shard holds whole videos, and a video is
+decoded once for all its windows in a shard run (a resumed shard decodes a video again only for its rows not yet
+journaled). Resume and growth work as for whole videos; the window and stride are settings of the store.
+
 Inputs (``--videos``): a folder (searched recursively for video files; other files are listed as skipped), a text
 file with one path per line (relative paths are relative to the file), or a dataset written by the builders
 (a folder with ``<split>.jsonl``, or one jsonl/parquet file; ``--split`` picks the split, default ``test``).
@@ -39,14 +51,16 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import gather_object
+from accelerate.utils import broadcast_object_list, gather_object
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from modeling_testa.distributed import raise_on_every_rank
 from modeling_testa.indexing import SUMMARY_FAILURES, DecodeVideos, EncodingStats, encode_videos
 from modeling_testa.inference import BACKENDS, PRECISIONS, optimize_for_inference
+from modeling_testa.moments import DecodeWindowRows, check_window_options, plan_window_rows, rebatch, video_groups
 from modeling_testa.runtimes import auto_precision, embeddings_label, isolated_by_default
+from modeling_testa.store_lock import LOCK_FILE, StoreLock, StoreLockedError, check_lock_token
 from modeling_testa.video_index import VideoIndex
 from modeling_testa.video_inputs import VIDEO_SUFFIXES, find_video_files
 from modeling_testa.video_store import (
@@ -57,6 +71,7 @@ from modeling_testa.video_store import (
     journaled_count,
     journaled_failures,
     missing_shards,
+    read_json_file,
     store_metadata,
 )
 
@@ -129,8 +144,9 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
 
 
 def index_settings(model: Any, model_source: str, num_frames: int, precision: str, token_dtype: str,
-                   shard_size: int) -> dict[str, Any]:
-    """What a store is built with; a resume or an append must match it exactly."""
+                   shard_size: int, window: float | None = None, stride: float | None = None) -> dict[str, Any]:
+    """What a store is built with; a resume or an append must match it exactly (a store of whole videos has window
+    and stride None, as stores written before moments existed read)."""
     vision = model.config.vision_config
     return {
         "model": str(model_source),
@@ -141,6 +157,8 @@ def index_settings(model: Any, model_source: str, num_frames: int, precision: st
         "precision": precision,
         "token_dtype": token_dtype,
         "shard_size": int(shard_size),
+        "window": window,
+        "stride": stride,
     }
 
 
@@ -156,7 +174,7 @@ def check_or_write_settings(store: Path, settings: dict[str, Any]) -> bool:
     differs. Returns whether the store already existed (a resume or an append)."""
     path = store / SETTINGS_FILE
     if path.is_file():
-        saved = json.loads(path.read_text(encoding="utf-8"))
+        saved = read_json_file(path)  # DamagedStoreError naming it when damaged
         differences = [f"{key}: the store has {saved.get(key)!r}, this run {value!r}"
                        for key, value in settings.items() if saved.get(key) != value]
         if differences:
@@ -167,7 +185,7 @@ def check_or_write_settings(store: Path, settings: dict[str, Any]) -> bool:
         raise ValueError(f"--store {str(store)!r} is a video store that train.index did not build (no "
                          f"{SETTINGS_FILE}; e.g. written by `encode_videos(store_dir=...)` or the evaluation): its "
                          "settings are unknown, so it cannot be grown. Give a new folder.")
-    if store.exists() and any(store.iterdir()):
+    if store.exists() and any(path.name != LOCK_FILE for path in store.iterdir()):
         raise ValueError(f"--store {str(store)!r} is a non-empty folder that is not a video store being indexed "
                          f"(no {SETTINGS_FILE}); give a new or empty folder.")
     store.mkdir(parents=True, exist_ok=True)
@@ -180,7 +198,7 @@ def read_plan(store: Path) -> dict[str, Any]:
     A store finalised without a plan file (by an earlier version) gives them from its index."""
     path = store / PLAN_FILE
     if path.is_file():
-        return json.loads(path.read_text(encoding="utf-8"))
+        return read_json_file(path)
     if is_video_store(store):
         meta = store_metadata(store)
         shards = sorted(meta["shards"], key=lambda shard: shard["shard"])
@@ -188,14 +206,28 @@ def read_plan(store: Path) -> dict[str, Any]:
     return {"videos": [], "shards": []}
 
 
-def grow_plan(plan: dict[str, Any], videos: list[str], shard_size: int) -> tuple[dict[str, Any], list[str]]:
+def grow_plan(plan: dict[str, Any], videos: list[str], shard_size: int, window: float | None = None,
+              stride: float | None = None) -> tuple[dict[str, Any], list[str]]:
     """The plan with the videos it lacks appended (in the given order) as new shards of ``shard_size``, and those
-    videos. The shards already planned are left as they are."""
+    videos. The shards already planned are left as they are. With a ``window``, the plan's rows are the new videos'
+    windows (``plan["segments"]``: ``[start, end]`` per row, None for a whole video), and a shard holds whole
+    videos: it closes once it has ``shard_size`` rows or more."""
     known = set(plan["videos"])
-    new = [video for video in videos if video not in known]
+    new = [video for video in dict.fromkeys(videos) if video not in known]
     start = len(plan["videos"])
-    shards = [[start + i, start + min(i + shard_size, len(new))] for i in range(0, len(new), shard_size)]
-    return {"videos": plan["videos"] + new, "shards": plan["shards"] + shards}, new
+    if window is None:
+        shards = [[start + i, start + min(i + shard_size, len(new))] for i in range(0, len(new), shard_size)]
+        return {**plan, "videos": plan["videos"] + new, "shards": plan["shards"] + shards}, new
+    names, segments, _ = plan_window_rows(new, window, stride)
+    shards, first = [], start
+    for row in range(start, start + len(names)):
+        ends_video = row + 1 == start + len(names) or names[row + 1 - start] != names[row - start]
+        if ends_video and row + 1 - first >= shard_size or row + 1 == start + len(names):
+            shards.append([first, row + 1])
+            first = row + 1
+    grown = {**plan, "videos": plan["videos"] + names, "shards": plan["shards"] + shards,
+             "segments": plan.get("segments", []) + segments}
+    return grown, new
 
 
 def prepare_store(store: Path, settings: dict[str, Any], videos: list[str], shard_size: int
@@ -203,7 +235,7 @@ def prepare_store(store: Path, settings: dict[str, Any], videos: list[str], shar
     """Checks (or writes) the settings and appends the videos the store lacks to its plan. Returns the plan, the
     videos added to it, and whether the store existed. A refused store is left untouched."""
     existed = check_or_write_settings(store, settings)
-    plan, added = grow_plan(read_plan(store), videos, shard_size)
+    plan, added = grow_plan(read_plan(store), videos, shard_size, settings.get("window"), settings.get("stride"))
     if added or not (store / PLAN_FILE).is_file():
         write_json_atomically(store / PLAN_FILE, plan)
     return plan, added, existed
@@ -244,17 +276,24 @@ class JournalProgress:
 
 
 def encode_shard(model: Any, videos: list[str], shard: int, shard_range: tuple[int, int], store: Path,
-                 collate: DecodeVideos, batch_size: int, num_workers: int, token_dtype: torch.dtype
+                 collate: Any, batch_size: int, num_workers: int, token_dtype: torch.dtype
                  ) -> tuple[EncodingStats, int]:
     """Encodes what shard ``shard`` (videos ``[start, stop)``) still lacks; returns the loop's stats and how many
-    videos it already held. Videos that cannot be read are recorded in the shard (`DecodeVideos` skips them)."""
+    videos it already held. Videos that cannot be read are recorded in the shard (`DecodeVideos` skips them). With
+    moments (`DecodeWindowRows`), the rows are windows: each video is decoded once for its remaining rows, and the
+    windows are encoded ``batch_size`` at a time."""
     start, stop = shard_range
     with VideoStoreWriter(store, shard, start, stop, token_dtype=token_dtype, resume=True) as writer:
         already = writer.done
-        remaining = [(i, videos[i]) for i in range(start, stop) if i not in already]
-        loader = DataLoader(remaining, batch_size=batch_size, collate_fn=collate, num_workers=num_workers,
-                            prefetch_factor=1 if num_workers else None)
-        stats = encode_videos(model, loader, writer, num_workers=num_workers, summary=False)
+        remaining = [i for i in range(start, stop) if i not in already]
+        workers = dict(num_workers=num_workers, prefetch_factor=1 if num_workers else None)
+        if isinstance(collate, DecodeWindowRows):
+            loader = DataLoader(video_groups(remaining, videos), batch_size=1, collate_fn=collate, **workers)
+            batches = rebatch(loader, batch_size)
+        else:
+            batches = DataLoader([(i, videos[i]) for i in remaining], batch_size=batch_size, collate_fn=collate,
+                                 **workers)
+        stats = encode_videos(model, batches, writer, num_workers=num_workers, summary=False)
     return stats, len(already)
 
 
@@ -280,7 +319,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--shard-size", type=int, default=256, help="videos per shard (default: 256)")
     parser.add_argument("--batch-size", type=int, default=8, help="videos per encoder forward, per process")
     parser.add_argument("--num-workers", type=int, default=2, help="decoding worker processes per process")
+    parser.add_argument("--window", type=float, default=None,
+                        help="index moments: windows of this many seconds, one row each (default: whole videos)")
+    parser.add_argument("--stride", type=float, default=None, help="seconds between windows (default: --window)")
     args = parser.parse_args(argv)
+    try:
+        args.window, args.stride = check_window_options(args.window, args.stride)
+    except ValueError as error:
+        parser.error(str(error))
     for name in ("shard_size", "batch_size"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
@@ -306,10 +352,59 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     precision = auto_precision(args.backend, accelerator.device.type) if args.precision == "auto" else args.precision
     # an engine changes the embeddings as the precision does: a store records both (as "int8 (openvino)")
     recorded = embeddings_label(args.backend, precision, accelerator.device.type)
-    settings = index_settings(model, args.model, num_frames, recorded, args.token_dtype, args.shard_size)
+    settings = index_settings(model, args.model, num_frames, recorded, args.token_dtype, args.shard_size,
+                              args.window, args.stride)
     isolate = isolated_by_default(args.backend, accelerator.device.type) and not args.engine_in_process
     model = optimize_for_inference(model.to(accelerator.device), precision, backend=args.backend, isolate=isolate)
+    lock = StoreLock(store, command=writer_command(argv, accelerator.num_processes))
+    try:
+        return index_into_store(args, store, videos, skipped, model, settings,
+                                video_processor, num_frames, accelerator, lock)
+    finally:
+        lock.release()  # a killed run leaves it: the next run recognises it as stale and takes it over
+
+
+def writer_command(argv: list[str] | None, num_processes: int) -> str:
+    """How the lock names this run to a refused writer."""
+    arguments = sys.argv[1:] if argv is None else argv
+    return f"python -m train.index {' '.join(map(str, arguments))} ({num_processes} process(es))"
+
+
+def take_store_lock(lock: StoreLock, accelerator: Accelerator) -> None:
+    """Collective. One writer per store: the main process takes the store's lock before anything is written (a
+    store held by another run is refused, naming it; a lock left by a killed run is taken over), and the other
+    processes of this launch check that the lock they see is the one it took."""
+    error = None
+    if accelerator.is_main_process:
+        try:
+            lock.acquire()
+            if lock.taken_over:
+                print(f"Took over the lock of {str(lock.directory)!r} left by a run that is gone "
+                      f"({lock.taken_over['reason']}); resuming.", flush=True)
+        except (OSError, StoreLockedError) as caught:
+            error = caught
+    raise_on_every_rank(error, accelerator.device)
+    token = [lock.token]
+    if accelerator.num_processes > 1:
+        token = broadcast_object_list(token)
+        error = None
+        if not accelerator.is_main_process:
+            try:
+                check_lock_token(lock.directory, token[0])
+            except StoreLockedError as caught:
+                error = caught
+        raise_on_every_rank(error, accelerator.device)
+
+
+def index_into_store(args: argparse.Namespace, store: Path, videos: list[str], skipped: list[str], model: Any,
+                     settings: dict[str, Any], video_processor: Any, num_frames: int, accelerator: Accelerator,
+                     lock: StoreLock) -> dict[str, Any]:
+    """`main` once the model is ready: takes the store's lock, then plans, encodes, checks and finalises."""
     existed, added, error = False, [], None
+    try:
+        take_store_lock(lock, accelerator)
+    except (StoreLockedError, RuntimeError, OSError) as failure:
+        raise SystemExit(f"error: {failure}") from None
     if accelerator.is_main_process:
         try:
             _, added, existed = prepare_store(store, settings, videos, args.shard_size)
@@ -334,9 +429,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                          f"{len(added)} added")
         if skipped:
             notes.append(f"skipped {len(skipped)} files that are not videos")
-        print(f"Indexing {len(stored)} videos into {num_shards} shards of up to {args.shard_size} on "
+        rows = f"{len(stored)} videos" if args.window is None else f"{len(stored)} moments of {len(set(stored))} videos"
+        print(f"Indexing {rows} into {num_shards} shards of up to {args.shard_size} on "
               f"{accelerator.num_processes} process(es){'; ' if notes else ''}{'; '.join(notes)}.", flush=True)
-    collate = DecodeVideos(video_processor, num_frames)
+    if args.window is not None:  # rows are windows: each video decoded once for its rows
+        collate = DecodeWindowRows(video_processor, num_frames, plan["segments"])
+    else:
+        collate = DecodeVideos(video_processor, num_frames)
     totals = {"encoded": 0, "already": 0, "failed": 0, "decode_wait_seconds": 0.0, "encode_seconds": 0.0,
               "seconds": 0.0}
     begin = time.perf_counter()
@@ -361,13 +460,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if missing:  # only when processes on several machines do not share the store's filesystem
             raise SystemExit(f"error: shards {missing} of {str(store)!r} are not closed: every process must write to "
                              "the same folder (on several machines, a shared filesystem).")
+        try:
+            lock.verify()  # still this run's store (its lock was not taken over meanwhile)
+        except StoreLockedError as lost:
+            raise SystemExit(f"error: {lost}") from None
         failed = journaled_failures(store)
         if stored and len(failed) == len(stored):  # nothing to search: no store is published
             reasons = "\n  ".join(f"{f['video']}: {f['reason']}" for f in failed[:10])
             raise SystemExit(f"error: none of the {len(stored)} videos could be read, so {str(store)!r} was not "
                              f"finalised (its journals say why):\n  {reasons}")
-        finalize_store(store, stored, num_shards, info={**settings, "model_class": type(model).__name__,
-                                                         "projection_dim": int(model.config.projection_dim)})
+        info = {**settings, "model_class": type(model).__name__, "projection_dim": int(model.config.projection_dim)}
+        if args.window is not None:
+            info["segments"] = plan["segments"]  # every row's (start, end): VideoIndex.from_store reads them
+        finalize_store(store, stored, num_shards, info=info)
         # the first stage over every video of the (grown) store: saved when approximate, else rebuilt on load
         VideoIndex.load(store).save_first_stage(store)
         failures = store_metadata(store)["failures"]

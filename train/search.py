@@ -1,12 +1,14 @@
 """Search a video store built by `train.index` from the command line.
 
     python -m train.search --store OUT --model FOLDER_OR_HUB_ID "a paragraph" ["another query" ...] \
-        [--top-k 10] [--rerank-k K] [--no-rerank] [--json]
+        [--top-k 10] [--rerank-k K] [--no-rerank] [--group-by-video] [--json]
 
 Ranks in two stages through the retrieval pipeline's `search` (`modeling_testa.ranking`): the cosine of the
 contrastive embeddings picks the ``rerank_k`` nearest videos (default: the model's ``k_test``), the matching head
 re-scores them from the stored tokens; no video is decoded. Prints one ranked list per query (``--json``: a JSON list
-of lists of ``{"video", "score", "reranked"}``).
+of lists of ``{"video", "score", "reranked"}``). An index of moments (``encode_videos(..., window=)`` saved with
+``index.save(DIR)``) prints each result's start and end as ``h:mm:ss`` (``"start"``/``"end"`` seconds in JSON);
+``--group-by-video`` lists each video once, at its best moment.
 """
 
 import argparse
@@ -16,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from modeling_testa import TestaProcessor, VideoTextRetrievalPipeline
+from modeling_testa.moments import format_time
 from modeling_testa.video_index import VideoIndex
+from modeling_testa.video_store import read_json_file
 
 from .index import SETTINGS_FILE, load_retrieval_model
 
@@ -30,6 +34,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--top-k", type=int, default=10, help="results per query (default: 10)")
     parser.add_argument("--rerank-k", type=int, default=None, help="candidates re-ranked (default: the model's k_test)")
     parser.add_argument("--no-rerank", action="store_true", help="rank by cosine only")
+    parser.add_argument("--group-by-video", action="store_true",
+                        help="with an index of moments: each video once, at its best moment")
     parser.add_argument("--json", action="store_true", help="print JSON")
     args = parser.parse_args(argv)
     if args.top_k < 1 or (args.rerank_k is not None and args.rerank_k < 1):
@@ -40,24 +46,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def search(store: str, queries: list[str], model: str | None = None, top_k: int = 10, rerank_k: int | None = None,
-           rerank: bool = True) -> list[list[dict[str, Any]]]:
+           rerank: bool = True, group_by_video: bool = False) -> list[list[dict[str, Any]]]:
     """The ranked videos of every query in ``store`` (see the module docstring)."""
     index = VideoIndex.load(store)
     if model is None:
         settings = Path(store) / SETTINGS_FILE
         if not settings.is_file():
             raise ValueError(f"--store {store!r} does not say which model built it ({SETTINGS_FILE}): pass --model.")
-        model = json.loads(settings.read_text(encoding="utf-8"))["model"]
+        model = read_json_file(settings)["model"]  # DamagedStoreError naming it when damaged
     retrieval, _ = load_retrieval_model(model)
     pipe = VideoTextRetrievalPipeline(model=retrieval, processor=TestaProcessor.from_pretrained(model), device="cpu")
-    results = pipe.search(queries, index, top_k=top_k, rerank=None if rerank else False, rerank_k=rerank_k)
+    results = pipe.search(queries, index, top_k=top_k, rerank=None if rerank else False, rerank_k=rerank_k,
+                          group_by="video" if group_by_video else None)
     return [results] if isinstance(results[0], dict) else results
+
+
+def moment_text(item: dict[str, Any]) -> str:
+    """``"  0:01:30-0:02:00"`` for a moment, ``""`` for a whole video."""
+    if item.get("start") is None:
+        return ""
+    return f"  {format_time(item['start'])}-{format_time(item['end'])}"
 
 
 def main(argv: list[str] | None = None) -> list[list[dict[str, Any]]]:
     args = parse_args(argv)
     try:
-        results = search(args.store, args.queries, args.model, args.top_k, args.rerank_k, not args.no_rerank)
+        results = search(args.store, args.queries, args.model, args.top_k, args.rerank_k, not args.no_rerank,
+                         args.group_by_video)
     except (OSError, ValueError) as error:
         raise SystemExit(f"error: {error}") from None
     if args.json:
@@ -66,7 +81,8 @@ def main(argv: list[str] | None = None) -> list[list[dict[str, Any]]]:
         for query, ranked in zip(args.queries, results):
             print(f"{query}")
             for rank, item in enumerate(ranked, 1):
-                print(f"  {rank:3d}. {item['score']:9.4f}{' *' if item['reranked'] else '  '}  {item['video']}")
+                print(f"  {rank:3d}. {item['score']:9.4f}{' *' if item['reranked'] else '  '}  {item['video']}"
+                      + moment_text(item))
         print("(* re-ranked by the matching head)")
     return results
 

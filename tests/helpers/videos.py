@@ -189,3 +189,34 @@ def write_bad_videos(folder: Path, good: Path, prefix: str = "") -> dict[str, Pa
         "empty": write_empty_mp4(folder / f"{prefix}empty.mp4"),
         "no_frames": zero_media_data(good, folder / f"{prefix}no_frames.mp4"),
     }
+
+
+LONG_BITS, LONG_BLOCK = 14, 8  # frame indices up to 16383 in 8-pixel blocks: 112 pixels wide
+
+
+def write_long_video(path: Path, num_frames: int, fps: int = 2, width: int = 112, height: int = 16) -> Path:
+    """A small, long H.264 mp4 (e.g. an hour at 2 fps, 112x16) whose frames carry their index in `LONG_BITS` 8-pixel
+    blocks (white = 1); `read_long_index` reads it back. Everything else is black, so it encodes fast and small."""
+    assert width >= LONG_BITS * LONG_BLOCK and num_frames < 2**LONG_BITS
+    with av.open(str(path), mode="w") as container:
+        stream = container.add_stream("libx264", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.options = {"crf": "18", "preset": "ultrafast", "g": str(10 * fps)}
+        img = np.zeros((height, width, 3), dtype=np.uint8)
+        for i in range(num_frames):
+            img[:LONG_BLOCK] = 0
+            for b in range(LONG_BITS):
+                if (i >> b) & 1:
+                    img[:LONG_BLOCK, b * LONG_BLOCK : (b + 1) * LONG_BLOCK] = 255
+            for packet in stream.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return path
+
+
+def read_long_index(frame: np.ndarray) -> int:
+    """The index written by `write_long_video` into an (H, W, 3) frame with values in [0, 255]."""
+    gray = np.asarray(frame, dtype=np.float32).mean(-1)
+    centre = LONG_BLOCK // 2
+    return sum(int(gray[centre, b * LONG_BLOCK + centre] > 127) << b for b in range(LONG_BITS))
