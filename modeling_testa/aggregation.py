@@ -288,7 +288,7 @@ def _as(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return weight if weight.dtype == x.dtype else weight.to(x.dtype)
 
 
-def _merge_bipartite(
+def merge_bipartite(
     x: torch.Tensor, size: torch.Tensor, pairs: Bipartite
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`merge_tokens` for a geometry matching, in the coordinates of its two sets: about a dozen kernels whatever
@@ -325,7 +325,7 @@ def _merge_bipartite(
 
 
 class _BipartiteMerge(torch.autograd.Function):
-    """`_merge_bipartite` with a hand-written backward of seven kernels, where autograd would run about a dozen
+    """`merge_bipartite` with a hand-written backward of seven kernels, where autograd would run about a dozen
     (a slice backward per view of the two sets, a gather backward per gather, the accumulations between them).
 
     The merge is linear in ``x``: an output row of set A is its input row; an output row of set B is
@@ -337,7 +337,7 @@ class _BipartiteMerge(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, size, unmerged, sources, partners, a_start, b_start, protected, num_tokens):
         pairs = Bipartite(unmerged, sources, partners, a_start, b_start, protected, num_tokens)
-        merged, new_size, weight, a_index = _merge_bipartite(x, size, pairs)
+        merged, new_size, weight, a_index = merge_bipartite(x, size, pairs)
         ctx.pairs, ctx.x_shape = pairs, x.shape
         ctx.save_for_backward(weight, a_index, size, new_size)
         ctx.mark_non_differentiable(new_size)
@@ -398,7 +398,7 @@ def merge_tokens(x: torch.Tensor, size: torch.Tensor, matching: Matching) -> tup
     if pairs is not None:
         if _differentiable(x):
             return _BipartiteMerge.apply(x, size, *pairs)
-        return _merge_bipartite(x, size, pairs)[:2]
+        return merge_bipartite(x, size, pairs)[:2]
     kept, sources, targets = matching.kept, matching.sources, matching.targets
     merged = _take(x, kept)
     new_size = _take(size, kept)
