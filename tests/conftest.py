@@ -27,8 +27,8 @@ def _seed():
 # tests moved last, at interpreter exit after every test had passed: the OpenVINO runtime that ran in-process and
 # the state of the other tests do not mix (neither alone crashes; faulthandler printed nothing, so a native library
 # had replaced its handler). Alone, or with any one other test file, it passes and exits cleanly. Within a run that
-# does include it, it still goes last.
-LAST = ("test_engines.py",)
+# does include it, it still goes last. tests/test_runtime_agreement.py runs OpenVINO too: it goes with it.
+LAST = ("test_engines.py", "test_runtime_agreement.py")
 
 
 def pytest_collection_modifyitems(config, items):
