@@ -25,8 +25,10 @@ PyTorch), ``compile-fp32`` / ``compile-bf16`` (`optimize_for_inference(..., comp
 compiled by TorchInductor). Each grid exports into its own cache folder under ``--cache-dir``: the export cache's key
 does not include the grid.
 
-``--retrieval`` also runs the demo's own test-split evaluation (`train.demo.evaluate_variant`, the code path of the
-demo table) once per grid and prints R@1/5/10 in both directions.
+``--retrieval`` also runs the demo's own test-split evaluation (the code path of the demo table,
+`train.evaluation.evaluate_retrieval` with the demo's recipe) once per grid and prints R@1/5/10 in both directions;
+``--noise-draws N`` repeats it on pixels scaled by 1 + k * 1e-6 (k = 1..N), which shows how much of a difference is
+fp32's own noise.
 """
 
 from __future__ import annotations
@@ -93,6 +95,39 @@ def encode(model: TestaForVideoTextRetrieval, pixel_values: torch.Tensor, batch_
     return {name: torch.cat(values) for name, values in parts.items()}
 
 
+@torch.no_grad()
+def boundary_margins(model: TestaForVideoTextRetrieval, pixel_values: torch.Tensor, batch_size: int = 16
+                     ) -> torch.Tensor:
+    """For every video, how close PyTorch eager's deciding scores come to a boundary between grid cells: the
+    minimum, over every row of scores the matcher snaps (an A token against all B tokens, every block, frames and
+    patches), of the distance of the row's best and second-best score to the nearest boundary. A runtime can only
+    flip a decision by moving one of those scores across a boundary, so a video whose margin exceeds the runtimes'
+    score differences keeps its decisions; an upper bound on the flips, since a flip also needs the two best to
+    share or neighbour a cell."""
+    grid = aggregation.SCORE_GRID
+    margins = []
+    recorded: list[torch.Tensor] = []
+    snap = aggregation.snap_scores
+
+    def recording_snap(scores: torch.Tensor, grid_: float | None = None) -> torch.Tensor:
+        top = scores.topk(min(2, scores.shape[-1]), dim=-1).values if scores.ndim > 2 else scores.unsqueeze(-1)
+        top = top.double() / grid
+        distance = ((top - top.floor()) - 0.5).abs() * grid  # 0.5 - |...| from the centre = distance to a boundary
+        distance = torch.where(torch.isfinite(top), distance, torch.inf)
+        recorded.append(distance.flatten(1).amin(1))
+        return snap(scores, grid_)
+
+    aggregation.snap_scores = recording_snap
+    try:
+        for start in range(0, len(pixel_values), batch_size):
+            recorded.clear()
+            model.get_video_tokens(pixel_values[start : start + batch_size])
+            margins.append(torch.stack(recorded).amin(0))
+    finally:
+        aggregation.snap_scores = snap
+    return torch.cat(margins).float()
+
+
 def runtime_model(model, runtime: str, cache_dir: Path, calibration: torch.Tensor):
     """A copy of ``model`` prepared for ``runtime``."""
     model = copy.deepcopy(model)
@@ -136,17 +171,36 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def retrieval(model_dir: Path, data_dir: Path, grids: list[str]) -> list[dict]:
-    """The demo's test-split evaluation (`train.demo.evaluate_variant`) at every grid."""
-    from train.demo import evaluate_variant
+def evaluate(model_dir: Path, data_dir: Path, pixel_factor: float = 1.0) -> dict:
+    """The demo's test-split evaluation (`train.demo.evaluate_variant`'s code path: `train.evaluation`), with the
+    pixels scaled by ``pixel_factor`` before the encoder (1 + 1e-6: fp32's own noise)."""
+    from accelerate import Accelerator
 
+    from benchmarks.fast_inference import _perturb_pixels
+    from train.demo import load_recipe
+    from train.evaluation import evaluate_retrieval
+
+    recipe = load_recipe()
+    recipe["data"]["dataset"] = str(data_dir)
+    model = TestaForVideoTextRetrieval.from_pretrained(str(model_dir)).eval()
+    processor = TestaProcessor.from_pretrained(str(model_dir))
+    recipe["data"]["num_frames"] = processor.video_processor.num_frames
+    if pixel_factor != 1.0:
+        model.vision_model.register_forward_pre_hook(_perturb_pixels(pixel_factor), with_kwargs=True)
+    return evaluate_retrieval(model, processor, recipe, Accelerator(cpu=True))
+
+
+def retrieval(model_dir: Path, data_dir: Path, grids: list[str], noise_draws: int = 0) -> list[dict]:
+    """The demo's test-split R@k at every grid, and on pixels scaled by 1 + k * 1e-6 for k = 1..``noise_draws``."""
     rows = []
     for grid in grids:
         aggregation.SCORE_GRID = grid_value(grid)
-        metrics = evaluate_variant(model_dir, data_dir)
-        rows.append({"grid": grid, **{key: metrics[key] for key in metrics if "_R@" in key}})
-        print(f"grid {grid}: " + ", ".join(f"{key} {metrics[key]:.1f}" for key in sorted(metrics) if "_R@" in key),
-              flush=True)
+        for k in range(noise_draws + 1):
+            metrics = evaluate(model_dir, data_dir, 1 + k * 1e-6)
+            recall = {key: metrics[key] for key in sorted(metrics) if "_R@" in key and "chance" not in key}
+            rows.append({"grid": grid, "pixels": f"x (1 + {k}e-6)" if k else "as decoded", **recall})
+            print(f"grid {grid}, pixels {rows[-1]['pixels']}: " + ", ".join(f"{key} {value:.1f}"
+                                                                         for key, value in recall.items()), flush=True)
     return rows
 
 
@@ -164,6 +218,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--cache-dir", type=Path, default=Path("outputs/runtime_agreement/engines"))
     parser.add_argument("--retrieval", action="store_true", help="also the demo's test-split R@k at every grid")
+    parser.add_argument("--noise-draws", type=int, default=0,
+                        help="with --retrieval, also evaluate on pixels scaled by 1 + k * 1e-6, k = 1..N")
     parser.add_argument("--no-agreement", action="store_true", help="only --retrieval")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -187,6 +243,13 @@ def main(argv: list[str] | None = None) -> dict:
         for grid in args.grids:
             aggregation.SCORE_GRID = grid_value(grid)
             reference = encode(model, pixel_values)
+            if grid != "off":
+                margin = boundary_margins(model, pixel_values)
+                counts = {f"{bound:g}": int((margin < bound).sum()) for bound in (1e-7, 1e-6, 1e-5, 1e-4)}
+                report.setdefault("boundary_margins", {})[grid] = {"min": float(margin.min()), "videos_below": counts}
+                print(f"grid 2^-{grid}: smallest distance of a deciding score to a cell boundary {margin.min():.2e}; "
+                      f"videos with one closer than 1e-7 / 1e-6 / 1e-5 / 1e-4: {' / '.join(map(str, counts.values()))}"
+                      f" of {len(margin)}", flush=True)
             for runtime in args.runtimes:
                 start = time.perf_counter()
                 prepared = runtime_model(model, runtime, args.cache_dir / f"grid-{grid}", calibration)
@@ -198,7 +261,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(table(report["results"]))
     aggregation.SCORE_GRID = default_grid
     if args.retrieval:
-        report["retrieval"] = retrieval(args.model, args.data, args.grids)
+        report["retrieval"] = retrieval(args.model, args.data, args.grids, args.noise_draws)
     aggregation.SCORE_GRID = default_grid
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
