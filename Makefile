@@ -23,8 +23,7 @@ demo: install
 
 test: install
 	$(PY) tests/helpers/transformers_common.py  # transformers' own common test mixins, from its sdist (pip)
-	$(PY) -m pytest -q -m "not slow" --ignore=tests/test_engines.py
-	$(PY) -m pytest -q -m "not slow" tests/test_engines.py  # own process: see tests/conftest.py
+	$(PY) -m pytest -q -m "not slow"
 
 # The Gradio app on the demo's model (b) over the demo's test videos, at http://127.0.0.1:7860 (ranking by cosine, as
 # the demo evaluates: its short training leaves the matching head too weak to re-rank; the page can switch it on)

@@ -66,13 +66,20 @@ class AppState:
         return self.retrieval
 
 
-def load_state(model: str, videos_dir: str | None, qa_model: str | None) -> AppState:
-    """Loads the pipelines; a model that cannot be loaded is reported on the page, not fatal."""
+def load_state(model: str, videos_dir: str | None, qa_model: str | None, precision: str | None = None,
+               backend: str = "torch") -> AppState:
+    """Loads the pipelines; a model that cannot be loaded is reported on the page, not fatal. ``precision`` and
+    ``backend`` pick the video encoder's runtime (`optimize_for_inference`); an exported engine runs in a worker
+    process of its own, so that a crash of the engine cannot take the app down."""
     from transformers import pipeline
+
+    from modeling_testa.runtimes import isolated_by_default
 
     state = AppState(videos_dir=videos_dir)
     try:
-        state.retrieval = pipeline("video-text-retrieval", model=model, trust_remote_code=True)
+        runtime = {} if precision is None else {"precision": precision, "backend": backend,
+                                                "isolate": isolated_by_default(backend)}
+        state.retrieval = pipeline("video-text-retrieval", model=model, trust_remote_code=True, **runtime)
         state.classifier = pipeline("zero-shot-video-classification", model=state.retrieval.model,
                                     processor=state.retrieval.processor, trust_remote_code=True)
     except (OSError, ValueError, TypeError, KeyError) as error:
@@ -473,6 +480,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "videos; env TESTA_WINDOW)")
     parser.add_argument("--no-rerank", action="store_true",
                         help="rank by cosine by default (e.g. a model whose matching head is barely trained)")
+    parser.add_argument("--precision", default=os.environ.get("TESTA_PRECISION"),
+                        choices=("fp32", "bf16", "int8", "auto"),
+                        help="the video encoder's precision (env TESTA_PRECISION; default: the model as saved)")
+    parser.add_argument("--backend", default=os.environ.get("TESTA_BACKEND", "torch"),
+                        help="the video encoder's runtime with --precision: torch, openvino, onnxruntime, ... "
+                             "(env TESTA_BACKEND; an engine runs in a worker process of its own)")
     parser.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"))
     parser.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", 7860)))
     return parser.parse_args(argv)
@@ -480,7 +493,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    state = load_state(args.model, args.videos, args.qa_model)
+    state = load_state(args.model, args.videos, args.qa_model, args.precision, args.backend)
     state.rerank = not args.no_rerank
     if args.milvus and not args.index:
         raise SystemExit("error: --milvus needs --index (the store whose settings and tokens it uses)")

@@ -113,13 +113,14 @@ def sdpa_attention(module, hidden_states, output_attentions: bool = False):
 
 def available_engines() -> list[str]:
     """The exported variants this machine can run: the backends installed, bf16 only where the CPU has it."""
-    from modeling_testa.engines import cpu_has_bf16, require_backend
+    from modeling_testa.engines import cpu_has_bf16
+    from modeling_testa.runtimes import RUNTIMES
 
     found = []
     for variant in ENGINE_VARIANTS:
         backend, precision = variant.split("-")
         try:
-            require_backend(backend)
+            RUNTIMES[backend].require_packages()
         except ImportError as error:
             print(f"skipping {variant}: {error}")
             continue

@@ -127,11 +127,41 @@ def _cosine_scores(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a @ b.transpose(-1, -2)
 
 
+SCORE_GRID = 2.0**-10
+"""The grid that similarity scores are snapped to before any merge decision (:func:`snap_scores`).
+
+Runtimes round differently (PyTorch eager or compiled, OpenVINO, ONNX Runtime, CUDA), so the scores of near-identical
+tokens (repeated frames, static backgrounds), which differ only by that rounding, would otherwise pick their partner
+and their rank by rounding noise: a different merge on every runtime. At 2^-10 the fp32 exports took PyTorch's
+decisions on all 512 videos of the demo's trained model, where raw scores gave other merges on 508 (docs/inference.md,
+"Agreement between runtimes", which also gives the effect on recall); only pairs whose cosines differ by less than
+about 0.001 are equated. Set it to 0 to decide on raw scores (what the benchmarks call "before")."""
+
+
+def snap_scores(scores: torch.Tensor, grid: float | None = None) -> torch.Tensor:
+    """Rounds similarity scores to the nearest multiple of ``grid`` (default :data:`SCORE_GRID`, read at call time; a
+    power of two, so the scaling is exact), so that scores that differ only by rounding become equal and their ties go
+    to the lowest index, on every runtime. A grid of 0 returns the scores unchanged (the benchmarks' "before").
+
+    Cosines of identical tokens (1.0) and of orthogonal ones (0.0) sit at the centre of a grid cell, not on a boundary
+    between cells. ``torch.round`` (ties to even) exports as ``Round`` to OpenVINO and ONNX, which round the same way.
+    ``-inf`` (a protected token) stays ``-inf``.
+    """
+    grid = SCORE_GRID if grid is None else grid
+    if grid == 0:
+        return scores
+    scale = 1.0 / grid
+    return torch.round(scores * scale) / scale
+
+
 # How per-position frame scores become one decision per frame (``vote_dim`` given):
 #   "vote":     destination = majority vote over positions; pair score = mean similarity to the voted frame.
 #   "original": the released TESTA code's rule as it runs on CPU: destination = ``mode`` of the positions' best
 #               partners, pair score = ``mode`` of the positions' best similarities. Those are distinct floats, so
 #               their mode is their minimum: a frame scores as its worst position's best similarity.
+# Every rule but "original" decides on snapped scores (:func:`snap_scores`), so that near-ties break the same way on
+# every runtime. "original" keeps the raw scores, patches included (`match_tokens` passes it for them): it must
+# reproduce the released code on the CPU, which decides near-ties by its own rounding.
 FRAME_VOTES = ("vote", "original")
 
 
@@ -166,18 +196,22 @@ def _best_partner(
     every position picks its best partner and ``vote`` (one of :data:`FRAME_VOTES`) turns those picks into one
     partner and one score per frame. Ties go to the lowest frame index in both rules, so the result is deterministic
     and the same on every device.
+
+    Scores are snapped to :data:`SCORE_GRID` (:func:`snap_scores`), and the returned scores are snapped too, so the
+    caller's ranking of the pairs (a stable sort) also sends near-ties to the lowest index. ``vote="original"`` (the
+    released code's rule, for frames and, passed by `match_tokens`, for patches) decides on the raw scores.
     """
     if vote_dim is None:
-        return first_max(scores, dim=-1)
+        return first_max(scores if vote == "original" else snap_scores(scores), dim=-1)
     if vote not in FRAME_VOTES:
         raise ValueError(f"Unknown frame vote {vote!r}; use one of {FRAME_VOTES}.")
     if vote == "original":
         best_scores, best_partners = first_max(scores, dim=-1)  # per position; the position axis is now vote_dim + 1
         position_dim = vote_dim + 1 if vote_dim < 0 else vote_dim
         return mode(best_scores, position_dim), mode(best_partners, position_dim)
-    votes = F.one_hot(scores.argmax(dim=-1), scores.shape[-1]).sum(dim=vote_dim)
+    votes = F.one_hot(snap_scores(scores).argmax(dim=-1), scores.shape[-1]).sum(dim=vote_dim)
     partner = votes.argmax(dim=-1)  # first maximum: lowest index wins ties
-    mean_scores = scores.mean(dim=vote_dim)
+    mean_scores = snap_scores(scores.mean(dim=vote_dim))  # a mean's rounding depends on the runtime's summation order
     return mean_scores.gather(-1, partner.unsqueeze(-1)).squeeze(-1), partner
 
 
@@ -288,7 +322,7 @@ def _as(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return weight if weight.dtype == x.dtype else weight.to(x.dtype)
 
 
-def _merge_bipartite(
+def merge_bipartite(
     x: torch.Tensor, size: torch.Tensor, pairs: Bipartite
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`merge_tokens` for a geometry matching, in the coordinates of its two sets: about a dozen kernels whatever
@@ -325,7 +359,7 @@ def _merge_bipartite(
 
 
 class _BipartiteMerge(torch.autograd.Function):
-    """`_merge_bipartite` with a hand-written backward of seven kernels, where autograd would run about a dozen
+    """`merge_bipartite` with a hand-written backward of seven kernels, where autograd would run about a dozen
     (a slice backward per view of the two sets, a gather backward per gather, the accumulations between them).
 
     The merge is linear in ``x``: an output row of set A is its input row; an output row of set B is
@@ -337,7 +371,7 @@ class _BipartiteMerge(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, size, unmerged, sources, partners, a_start, b_start, protected, num_tokens):
         pairs = Bipartite(unmerged, sources, partners, a_start, b_start, protected, num_tokens)
-        merged, new_size, weight, a_index = _merge_bipartite(x, size, pairs)
+        merged, new_size, weight, a_index = merge_bipartite(x, size, pairs)
         ctx.pairs, ctx.x_shape = pairs, x.shape
         ctx.save_for_backward(weight, a_index, size, new_size)
         ctx.mark_non_differentiable(new_size)
@@ -398,7 +432,7 @@ def merge_tokens(x: torch.Tensor, size: torch.Tensor, matching: Matching) -> tup
     if pairs is not None:
         if _differentiable(x):
             return _BipartiteMerge.apply(x, size, *pairs)
-        return _merge_bipartite(x, size, pairs)[:2]
+        return merge_bipartite(x, size, pairs)[:2]
     kept, sources, targets = matching.kept, matching.sources, matching.targets
     merged = _take(x, kept)
     new_size = _take(size, kept)
@@ -512,4 +546,6 @@ __all__ = [
     "mode",
     "output_slot_of_inputs",
     "shift_protected",
+    "snap_scores",
+    "SCORE_GRID",
 ]

@@ -148,8 +148,10 @@ def match_tokens(
     vote_dim: int | None = None,
 ) -> Matching:
     """The matching of the configured strategy (geometry, importance or pruning). ``vote_dim`` marks per-position
-    frame scores, which are decided by ``settings.frame_matching``."""
-    vote = settings.frame_matching if vote_dim is not None else "vote"
+    frame scores, which are decided by ``settings.frame_matching``. The released rule (``"original"``) is passed for
+    patches too: it decides on raw scores, the others on snapped ones (`aggregation.FRAME_VOTES`)."""
+    released = settings.frame_matching == "original"
+    vote = settings.frame_matching if vote_dim is not None or released else "vote"
     if not settings.uses_importance:
         return geometry_matching(metric, r, protect_first=protect_first, vote_dim=vote_dim, vote=vote)
     prune = settings.reduction_mode == "prune"

@@ -1,7 +1,8 @@
 """The TESTA video encoder exported with its merging, run by OpenVINO or ONNX Runtime.
 
-`optimize_for_inference(model, backend="openvino" | "onnxruntime", precision=...)` (in `inference.py`) swaps the
-forward of a model's `TestaVisionModel` for an `ExportedEncoder`: the whole encoder (embeddings, every block with its
+`optimize_for_inference(model, backend="openvino" | "onnxruntime", precision=...)` (in `inference.py`) gives a model's
+`TestaVisionModel` a runtime (`runtimes.OpenVINORuntime`, `runtimes.OnnxRuntimeRuntime`) that runs an
+`ExportedEncoder`: the whole encoder (embeddings, every block with its
 frame and patch matching and merging, the final LayerNorm) is one graph, exported once per input shape (frames,
 height, width; the batch is dynamic) and kept on disk.
 
@@ -32,8 +33,8 @@ Exported fp32 equals PyTorch fp32: same merge decisions (the source map), same o
 precision, the calibration videos' SHA-256 (int8) and the library versions. A change of any of them exports again;
 `set_aggregation` after `optimize_for_inference` is picked up at the next call.
 
-What an export cannot express is refused by name (`check_exportable`): ``output_hidden_states``,
-``output_attentions``, and the settings listed in `UNSUPPORTED_SETTINGS`.
+What an export cannot express is refused by name: ``output_hidden_states`` and ``output_attentions`` by the runtime
+(`runtimes.ExportedRuntime`), the settings listed in `UNSUPPORTED_SETTINGS` by `check_exportable`.
 
 This file is Hub remote code (the pipelines import `inference`, which imports it): flat relative imports only.
 """
@@ -43,6 +44,7 @@ import json
 import logging
 import os
 import platform
+import threading
 from collections import deque
 from pathlib import Path
 from typing import Any, Iterable
@@ -57,16 +59,10 @@ from .modeling_testa_vision import TestaVisionModelOutput
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("torch", "openvino", "onnxruntime")
-"""The values `optimize_for_inference` accepts for `backend`."""
-
-BACKEND_PRECISIONS = {"torch": ("fp32", "bf16", "int8"), "openvino": ("fp32", "bf16", "int8"),
-                      "onnxruntime": ("fp32", "int8")}
-"""The precisions each backend offers."""
-
 EXTRAS = {"openvino": ("openvino", ("openvino", "nncf")), "onnxruntime": ("onnxruntime", ("onnxruntime", "onnx",
                                                                                           "onnxscript"))}
-"""backend -> (the package extra that installs it, the modules it needs)."""
+"""exported backend -> (the package extra that installs it, the modules it needs); `runtimes.py`'s runtime classes
+declare these as theirs."""
 
 UNSUPPORTED_SETTINGS: dict[str, tuple[str, ...]] = {}
 """backend -> config settings ``"name=value"`` that its exporter cannot express (refused by `check_exportable`)."""
@@ -104,47 +100,6 @@ def cpu_has_vnni(flags: set[str] | None = None) -> bool:
     return any(flag in flags for flag in INT8_FLAGS)
 
 
-def require_backend(backend: str) -> None:
-    """Raises `ImportError` naming the extra to install when a module the backend needs is missing."""
-    extra, modules = EXTRAS[backend]
-    for module in modules:
-        try:
-            __import__(module)
-        except ImportError as error:
-            raise ImportError(
-                f"backend={backend!r} needs the `{module}` package, which is not installed: "
-                f'pip install "testa-hf[{extra}]" (or, from a clone, pip install ".[{extra}]").'
-            ) from error
-
-
-def check_precision(backend: str, precision: str, flags: set[str] | None = None) -> None:
-    """Raises `ValueError` for a precision the backend does not offer, or bf16 on a CPU without bf16 instructions
-    (emulated bf16 is slower than fp32 there)."""
-    if backend not in BACKEND_PRECISIONS:
-        raise ValueError(f"backend={backend!r} is not supported; allowed values are {', '.join(map(repr, BACKENDS))}.")
-    allowed = BACKEND_PRECISIONS[backend]
-    if precision not in allowed:
-        raise ValueError(f"precision={precision!r} is not offered by backend={backend!r}; allowed values are "
-                         f"{', '.join(map(repr, allowed))} (and 'auto').")
-    if precision == "bf16" and backend != "torch" and not cpu_has_bf16(flags):
-        raise ValueError(f"precision='bf16' with backend={backend!r} needs a CPU with bf16 instructions "
-                         f"({' or '.join(BF16_FLAGS)}); this CPU has neither, and emulated bf16 is slower than fp32. "
-                         "Use precision='int8' or 'fp32'.")
-
-
-def auto_precision(backend: str, device: str = "cpu") -> str:
-    """The rule behind ``precision="auto"``: the fastest precision within the quality contract, as measured by
-    `benchmarks/fast_inference.py` (docs/inference.md):
-
-    - on the CPU, int8 for every backend: OpenVINO int8 was the fastest variant within the contract on AVX-512 VNNI
-      (then bf16, then fp32), and PyTorch's int8 beat its bf16 and fp32 with and without VNNI;
-    - on a GPU (``backend="torch"`` only; the int8 kernels are CPU kernels), bf16.
-    """
-    if backend not in BACKEND_PRECISIONS:
-        raise ValueError(f"backend={backend!r} is not supported; allowed values are {', '.join(map(repr, BACKENDS))}.")
-    return "int8" if device == "cpu" else "bf16"
-
-
 # ----------------------------------------------------------------------------------------------------------------------
 # The graph
 # ----------------------------------------------------------------------------------------------------------------------
@@ -160,7 +115,7 @@ class EncoderGraph(nn.Module):
         self.trace_source = trace_source
 
     def forward(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        model = self.vision_model  # its blocks, not its forward (which an `ExportedEncoder` may stand in for)
+        model = self.vision_model  # its blocks, not its forward (which hands calls to the model's runtime)
         state = model.run_blocks(pixel_values, model.aggregation_settings(self.trace_source))
         outputs = (model.post_layernorm(sequence(state)), token_sizes_with_cls(state))
         return outputs + ((state.source_map,) if self.trace_source else ())
@@ -315,7 +270,7 @@ def quantize_openvino(path: Path, calibration: torch.Tensor, folder: Path) -> Pa
     import nncf
     import openvino as ov
 
-    model = ov.Core().read_model(str(path))
+    model = openvino_core().read_model(str(path))
     ignored = matching_matmuls(openvino_nodes(model))
     dataset = nncf.Dataset([video[None].numpy() for video in calibration])
     quantized = nncf.quantize(model, dataset, model_type=nncf.ModelType.TRANSFORMER, subset_size=len(calibration),
@@ -369,15 +324,36 @@ def quantize_onnx(path: Path, calibration: torch.Tensor, folder: Path) -> Path:
     return out
 
 
+_OPENVINO_CORE: list = []
+_OPENVINO_CORE_LOCK = threading.Lock()
+
+
+def openvino_core() -> Any:
+    """The one `openvino.Core` of this process, created at first use and never destroyed before exit.
+
+    Why one: OpenVINO's CPU plugin gives the thread that compiles or runs a model an alternate signal stack
+    (``sigaltstack``) of its own, saving the thread's previous one, and puts the saved one back when its `Core` is
+    destroyed. With a `Core` per graph, destroyed in another order than created (as garbage collection does), a
+    thread is left with an alternate stack that was freed: the next signal with a Python handler (CPython installs
+    them with ``SA_ONSTACK``; e.g. the SIGCHLD of a DataLoader worker or of a helper process) cannot be delivered, and
+    the kernel kills the process with SIGSEGV, without a traceback (faulthandler runs on that stack too). That was the
+    segfault of long pytest runs, mid-run and at exit (`tests/test_engines.py`
+    `test_openvino_graphs_freed_in_any_order_leave_signals_deliverable`, docs/inference.md)."""
+    with _OPENVINO_CORE_LOCK:
+        if not _OPENVINO_CORE:
+            import openvino as ov
+
+            _OPENVINO_CORE.append(ov.Core())
+        return _OPENVINO_CORE[0]
+
+
 class CompiledGraph:
     """One exported graph loaded by its runtime: ``numpy pixel_values -> list of numpy outputs``."""
 
     def __init__(self, backend: str, path: Path, precision: str) -> None:
         self.backend = backend
         if backend == "openvino":
-            import openvino as ov
-
-            core = ov.Core()
+            core = openvino_core()
             hint = "bf16" if precision == "bf16" else "f32"  # int8 graphs keep their fp32 parts in fp32
             # as many threads as PyTorch uses (`torch.set_num_threads`), so that comparisons are like for like
             self.compiled = core.compile_model(str(path), "CPU", {"INFERENCE_PRECISION_HINT": hint,
@@ -423,7 +399,7 @@ class ExportedEncoder:
     Args:
         vision_model: the `TestaVisionModel` (kept to export new shapes or settings).
         backend: ``"openvino"`` or ``"onnxruntime"``.
-        precision: one of ``BACKEND_PRECISIONS[backend]``.
+        precision: ``"fp32"``, ``"bf16"`` (OpenVINO) or ``"int8"`` (the runtime checked it).
         cache_dir: where exports are kept (default `default_cache_dir`).
         calibration: ``(videos, frames, channels, height, width)`` normalised pixel values for int8 calibration
             (default: `default_calibration_videos` at each exported shape).
@@ -498,16 +474,11 @@ class ExportedEncoder:
             self.graphs[folder.name] = CompiledGraph(self.backend, path, self.precision)
         return self.graphs[folder.name]
 
-    def __call__(self, pixel_values: torch.Tensor, output_hidden_states: bool | None = None,
-                 output_attentions: bool | None = None, trace_source: bool | None = None, return_dict: bool | None = None,
-                 **kwargs: Any):
+    def __call__(self, pixel_values: torch.Tensor, trace_source: bool | None = None, return_dict: bool | None = None):
+        """Runs the graph of this input shape and the model's settings; the optional outputs an export cannot give
+        (hidden states, attentions) are refused by the runtime (`runtimes.ExportedRuntime`)."""
         model = self.vision_model
         config = model.config
-        for name, value in (("output_hidden_states", output_hidden_states), ("output_attentions", output_attentions)):
-            if value if value is not None else getattr(config, name):
-                raise ValueError(f"{name}=True is not available from an encoder exported to {self.backend}: the graph "
-                                 "returns the last hidden state, the token sizes and the source map. Use "
-                                 "backend='torch' for it.")
         model.check_pixel_values(pixel_values)
         trace = bool(config.trace_source if trace_source is None else trace_source)
         shape = tuple(int(s) for s in pixel_values.shape[1:])
@@ -522,22 +493,18 @@ class ExportedEncoder:
 
 
 __all__ = [
-    "BACKENDS",
-    "BACKEND_PRECISIONS",
     "EXTRAS",
     "EncoderGraph",
     "ExportedEncoder",
     "UNSUPPORTED_SETTINGS",
-    "auto_precision",
     "cache_key",
     "check_exportable",
-    "check_precision",
     "cpu_flags",
     "cpu_has_bf16",
     "cpu_has_vnni",
     "default_cache_dir",
     "default_calibration_videos",
     "matching_matmuls",
-    "require_backend",
+    "openvino_core",
     "tensor_fingerprint",
 ]

@@ -44,22 +44,13 @@ This file is Hub remote code (the pipelines import it): flat relative imports on
 
 import logging
 import os
-import shutil
-import warnings
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .engines import (
-    BACKENDS,
-    ExportedEncoder,
-    auto_precision,
-    check_exportable,
-    check_precision,
-    require_backend,
-)
+from .linear_layers import Bf16Linear, Int8DynamicLinear
+from .runtimes import BACKENDS, INT8_DEPRECATION, RUNTIMES, choose
 from .saving import INFERENCE_ATTRIBUTE
 
 
@@ -72,136 +63,6 @@ PRECISIONS = ("fp32", "bf16", "int8")
 MODEL_CLASSES = ("TestaVisionModel", "TestaForVideoTextRetrieval", "TestaForVideoQA", "TestaForPreTraining")
 """The models `optimize_for_inference` accepts (by class name, so that Hub remote-code copies work too)."""
 
-TEXT_MODULES = ("text_encoder", "text_decoder")
-"""The text modules of the heads converted with ``include_text=True`` (their transformer layers; never the momentum
-copies, nor the decoder's LM head)."""
-
-INT8_DEPRECATION = (
-    "optimize_for_inference(precision='int8', backend='torch') uses PyTorch's legacy quantized kernels "
-    "(torch.ops.quantized.linear_prepack / linear_dynamic), whose eager quantization workflow PyTorch has deprecated; "
-    "it will be removed when PyTorch removes them. backend='openvino' gives int8 on a maintained engine (and is "
-    "faster: docs/inference.md)."
-)
-"""The warning of the legacy torch int8 path."""
-
-INT8_ENGINE = "x86"
-"""The quantized engine of the int8 kernels: PyTorch's recommended x86 engine, which dispatches to FBGEMM or oneDNN
-per shape. (The engine is a process-wide setting; it is set when weights are packed and before every int8 call.)"""
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Linear layers
-# ----------------------------------------------------------------------------------------------------------------------
-
-
-def _quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-output-channel int8: ``(qweight int8 (out, in), scale fp32 (out,))``, ``weight ~= q * scale``.
-    The range is [-127, 127] (no -128), so that negating a weight is exact."""
-    weight = weight.detach().float()
-    scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-    qweight = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
-    return qweight, scale
-
-
-class _SampleContext:
-    """Shared by the int8 layers of one video encoder: how many videos the current forward holds, so that the
-    activations are quantized per video (a forward pre-hook of the encoder sets it)."""
-
-    def __init__(self) -> None:
-        self.samples: int | None = None
-
-
-class Int8DynamicLinear(nn.Module):
-    r"""A `nn.Linear` with int8 weights and dynamically quantized activations, for CPU inference.
-
-    - weights: symmetric int8, one scale per output channel (`_quantize_weight`), packed once for the kernel;
-    - activations: quantized on every call to uint8 with one scale and zero point per tensor (the range of the
-      input, widened to include 0) by the kernel itself. The engine reduces the activation range to 7 bits
-      (`reduce_range=True`): on CPUs without VNNI the u8 x s8 multiply-add pairs would saturate int16 otherwise;
-    - products accumulate in int32, and the output is dequantized and the fp32 bias added.
-
-    With a `_SampleContext` that says the call holds ``n`` samples (the leading dimension is sample-major), the input
-    is split into ``n`` equal parts quantized on their own, so every sample's result is what it would be alone.
-
-    Args:
-        linear (`nn.Linear`): the layer to convert (on the CPU).
-    """
-
-    def __init__(self, linear: nn.Linear, context: _SampleContext | None = None) -> None:
-        super().__init__()
-        if linear.weight.device.type != "cpu":
-            raise ValueError(f"int8 inference runs on the CPU; this layer is on {linear.weight.device}.")
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        qweight, scale = _quantize_weight(linear.weight)
-        bias = None if linear.bias is None else linear.bias.detach().float().clone()
-        self.register_buffer("qweight", qweight)
-        self.register_buffer("weight_scale", scale)
-        self.register_buffer("bias", bias)
-        self.context = context
-        self._pack()
-
-    def _pack(self) -> None:
-        torch.backends.quantized.engine = INT8_ENGINE
-        with warnings.catch_warnings():  # quantized tensors are only the packing's input format here
-            warnings.simplefilter("ignore")
-            quantized = torch._make_per_channel_quantized_tensor(
-                self.qweight, self.weight_scale.double(), torch.zeros_like(self.weight_scale, dtype=torch.long), 0
-            )
-            self._packed = torch.ops.quantized.linear_prepack(quantized, self.bias)
-
-    def _apply(self, fn, recurse=True):
-        result = super()._apply(fn, recurse)
-        if self.qweight.device.type != "cpu":
-            raise ValueError("Int8DynamicLinear runs on the CPU only (PyTorch's quantized kernels are CPU kernels).")
-        return result
-
-    def _linear(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.quantized.linear_dynamic(x, self._packed, True)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype, shape = x.dtype, x.shape
-        x = x.reshape(-1, self.in_features).float()
-        if torch.backends.quantized.engine != INT8_ENGINE:
-            torch.backends.quantized.engine = INT8_ENGINE
-        samples = self.context.samples if self.context is not None else None
-        if samples and samples > 1 and shape[0] % samples == 0 and x.shape[0]:
-            y = torch.cat([self._linear(part.contiguous()) for part in x.view(samples, -1, self.in_features)])
-        else:
-            y = self._linear(x.contiguous())
-        return y.view(*shape[:-1], self.out_features).to(dtype)
-
-    def dequantized_weight(self) -> torch.Tensor:
-        """The fp32 weight the kernel multiplies by: ``qweight * weight_scale``."""
-        return self.qweight.float() * self.weight_scale[:, None]
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, " \
-               "weights=int8 per channel, activations=uint8 per tensor (dynamic)"
-
-
-class Bf16Linear(nn.Module):
-    """A `nn.Linear` whose weights are stored in bfloat16 and that computes in bfloat16; the output is cast back to
-    the input's dtype, so the rest of the model (residuals, LayerNorms, attention softmax, matching) stays fp32."""
-
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("weight", linear.weight.detach().to(torch.bfloat16).clone())
-        bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16).clone()
-        self.register_buffer("bias", bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, " \
-               "dtype=bfloat16"
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# optimize_for_inference
-# ----------------------------------------------------------------------------------------------------------------------
-
 
 def _class_names(model: Any) -> set[str]:
     return {cls.__name__ for cls in type(model).__mro__}
@@ -209,31 +70,6 @@ def _class_names(model: Any) -> set[str]:
 
 def _vision_model(model: nn.Module) -> nn.Module:
     return model if "TestaVisionModel" in _class_names(model) else model.vision_model
-
-
-def _replace_linears(root: nn.Module, convert) -> int:
-    """Replaces every `nn.Linear` below `root` by ``convert(linear)``; returns how many were replaced."""
-    count = 0
-    for name, child in list(root.named_children()):
-        if type(child) is nn.Linear:
-            setattr(root, name, convert(child))
-            count += 1
-        else:
-            count += _replace_linears(child, convert)
-    return count
-
-
-def _has_cxx_compiler() -> bool:
-    candidates = [os.environ.get("CXX"), "c++", "g++", "clang++"]
-    return any(c and shutil.which(c) for c in candidates)
-
-
-def _set_samples(context: _SampleContext):
-    def hook(module, args, kwargs):
-        pixel_values = args[0] if args else kwargs.get("pixel_values")
-        context.samples = int(pixel_values.shape[0]) if isinstance(pixel_values, torch.Tensor) else None
-
-    return hook
 
 
 def optimize_for_inference(
@@ -245,104 +81,85 @@ def optimize_for_inference(
     include_text: bool = False,
     cache_dir: str | os.PathLike | None = None,
     calibration: torch.Tensor | None = None,
+    isolate: bool = False,
 ) -> nn.Module:
     r"""Prepares a TESTA model for fast inference, in place, and returns it (the same object, in `eval()` mode).
+
+    The video encoder is then run by a runtime (`runtimes.py`), picked by ``backend`` and held by the vision model's
+    ``runtime`` attribute; `TestaVisionModel.forward` hands every call to it.
 
     Args:
         model: a `TestaVisionModel` or a TESTA head (`TestaForVideoTextRetrieval`, `TestaForVideoQA`,
             `TestaForPreTraining`).
-        precision (`str`, defaults to `"fp32"`): one of `PRECISIONS`, or `"auto"`: the fastest precision within the
-            quality contract on this CPU for the backend (`engines.auto_precision`, logged):
+        precision (`str`, defaults to `"fp32"`): one of `PRECISIONS` the runtime offers, or `"auto"`: the fastest
+            precision within the quality contract for the runtime and device (`EncoderRuntime.auto_precision`: int8
+            on the CPU, bf16 on a GPU; logged):
 
             - `"fp32"`: numerically the model as it is (with `compile=True`: compiled encoder blocks);
             - `"bf16"`: the encoder blocks' linear layers in bfloat16, everything else (matching and merging
               included) in fp32. Fast only with bf16 hardware (AVX-512 BF16 / AMX CPUs, GPUs);
-            - `"int8"`: the encoder blocks' linear layers as `Int8DynamicLinear` (int8 weights per channel,
-              activations quantized per call and per video); CPU only.
-        backend (`str`, defaults to `"torch"`): one of `BACKENDS`. `"openvino"` / `"onnxruntime"` run the video
-            encoder, merging included, as one exported graph (`engines.ExportedEncoder`; fp32, bf16 (OpenVINO, CPUs
-            with bf16 instructions) or int8 by the engine's own post-training quantization); the text modules stay
-            PyTorch fp32. Needs the `openvino` / `onnxruntime` extra. The graph of each input shape is exported on
-            first use (minutes for ViT-B) and cached in `cache_dir`.
+            - `"int8"`: on the CPU; with `backend="torch"` the encoder blocks' linear layers as `Int8DynamicLinear`
+              (deprecated PyTorch kernels), with the engines their own post-training quantization.
+        backend (`str`, defaults to `"torch"`): one of `BACKENDS`, the name of a runtime (`runtimes.RUNTIMES`):
+
+            - `"torch"`: PyTorch; on a CUDA model the encoder is captured as a CUDA graph per input shape
+              (`"cuda-graphs"`, falling back to eager where a graph cannot serve, logged), elsewhere (or with
+              `compile=True`) eager (`"torch-eager"`);
+            - `"openvino"` / `"onnxruntime"`: the video encoder, merging included, as one exported graph
+              (`engines.ExportedEncoder`; CPU; fp32, bf16 (OpenVINO, CPUs with bf16 instructions) or int8); the text
+              modules stay PyTorch fp32. Needs the `openvino` / `onnxruntime` extra. The graph of each input shape is
+              exported on first use (minutes for ViT-B) and cached in `cache_dir`.
         cache_dir (`str`, *optional*): where exported graphs are kept (default `$HF_HOME/testa/engines`); engine
             backends only.
         calibration (`torch.Tensor`, *optional*): `(videos, frames, channels, height, width)` normalised pixel values
             that calibrate int8 for the engine backends (a few videos of the target domain; default: synthetic
             videos, `engines.default_calibration_videos`).
-        compile (`bool`, defaults to `False`): also `torch.compile` every encoder block (weights frozen). The first
-            forward of each input shape compiles (minutes for ViT-B on a small CPU). Skipped with a warning when
-            no C++ compiler is found. Tested with `"fp32"`.
-        include_text (`bool`, defaults to `False`): also convert the linear layers of the text encoder/decoder.
+        compile (`bool`, defaults to `False`): also `torch.compile` every encoder block (weights frozen; eager
+            runtime). The first forward of each input shape compiles (minutes for ViT-B on a small CPU). Skipped with
+            a warning when no C++ compiler is found. Tested with `"fp32"`.
+        include_text (`bool`, defaults to `False`): also convert the linear layers of the text encoder/decoder
+            (PyTorch runtimes).
+        isolate (`bool`, defaults to `False`): run the engine (`"openvino"`, `"onnxruntime"`) in a worker process
+            of its own (`runtimes.EngineProcess`): a native crash of the engine then raises `EngineProcessError` in
+            the caller instead of killing it, and the next call starts a new worker. For processes that live long
+            (the app and `train.index` do it by default); a call costs the pipe transfer of its pixels.
 
     Returns:
         The same model. Its outputs API is unchanged. Its `save_pretrained` raises: an optimized model is for
         inference only (save the original one, and optimize after loading).
 
     Raises:
-        `ValueError`: `precision` is not one of `PRECISIONS`, the model was already optimized, or int8 was asked
-            for a model that is not on the CPU.
+        `ValueError`: `backend` or `precision` is not one the runtime offers on the model's device, an option the
+            runtime does not take was given, or the model was already optimized (each message names the allowed
+            values).
+        `ImportError`: the runtime's package is missing (the message names the extra to install).
         `TypeError`: `model` is not a TESTA model.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not supported; allowed values are {', '.join(map(repr, BACKENDS))}.")
-    if precision == "auto":
-        precision = auto_precision(backend, next(_vision_model(model).parameters()).device.type)
-        logger.info("optimize_for_inference(precision='auto', backend=%r): %s on this CPU.", backend, precision)
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r} is not supported; allowed values are "
-                         f"{', '.join(map(repr, PRECISIONS))} and 'auto'.")
     names = _class_names(model)
     if not isinstance(model, nn.Module) or not names & set(MODEL_CLASSES):
         raise TypeError(
             f"optimize_for_inference takes a TESTA model ({', '.join(MODEL_CLASSES)}), got {type(model).__name__}."
         )
+    vision = _vision_model(model)
+    runtime_class, precision = choose(backend, precision, vision, compile)
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is not supported; allowed values are "
+                         f"{', '.join(map(repr, PRECISIONS))} and 'auto'.")
     previous = getattr(model, INFERENCE_ATTRIBUTE, None)
     if previous is not None:
         raise ValueError(
             f"This {type(model).__name__} was already prepared with optimize_for_inference ({previous}); load the "
             "original model again to choose other settings."
         )
-    vision = _vision_model(model)
-    device = next(vision.parameters()).device
-    if precision == "int8" and device.type != "cpu":
-        raise ValueError(f"precision='int8' runs on the CPU (PyTorch's quantized kernels); the model is on {device}. "
-                         "Use precision='bf16' on GPUs.")
-    if backend != "torch":
-        return _use_engine(model, vision, backend, precision, compile, include_text, cache_dir, calibration)
-    if cache_dir is not None or calibration is not None:
-        raise ValueError("`cache_dir` and `calibration` are for the exported encoders (backend='openvino' or "
-                         "'onnxruntime'); backend='torch' takes neither.")
-    if precision == "int8":
-        warnings.warn(INT8_DEPRECATION, FutureWarning, stacklevel=2)
+    options = {"compile": compile, "include_text": include_text, "cache_dir": cache_dir, "calibration": calibration,
+               "isolate": isolate}
+    runtime_class.check(vision, precision, options, backend)
     model.eval()
-    targets = [vision.layers]
-    if include_text:  # the text transformers; the decoder's LM head (tied to the word embeddings) stays as it is
-        for name in TEXT_MODULES:
-            module = getattr(model, name, None)
-            module = getattr(module, "bert", module)
-            if isinstance(module, nn.Module):
-                targets.append(module)
-    converted = 0
-    if precision == "bf16":
-        for target in targets:
-            converted += _replace_linears(target, Bf16Linear)
-    elif precision == "int8":
-        context = _SampleContext()
-        converted += _replace_linears(vision.layers, lambda linear: Int8DynamicLinear(linear, context))
-        for target in targets[1:]:
-            converted += _replace_linears(target, Int8DynamicLinear)
-        vision.register_forward_pre_hook(_set_samples(context), with_kwargs=True)
-    compiled = False
-    if compile:
-        if _has_cxx_compiler() or device.type != "cpu":
-            for layer in vision.layers:
-                layer.compile(options={"freezing": True})
-            compiled = True
-        else:
-            warnings.warn("optimize_for_inference(compile=True): no C++ compiler found (TorchInductor needs one on "
-                          "the CPU); the model is left uncompiled.", stacklevel=2)
-    settings = {"precision": precision, "backend": "torch", "compile": compiled, "include_text": include_text,
-                "converted_linears": converted}
+    runtime = runtime_class(vision, precision, **{name: options[name] for name in runtime_class.options})
+    settings = {"precision": precision, "backend": backend, "runtime": runtime_class.name, "compile": False,
+                "include_text": False, "converted_linears": 0}
+    settings.update(runtime.prepare(model))
+    vision.runtime = runtime
     _mark_optimized(model, settings)
     return model
 
@@ -353,27 +170,5 @@ def _mark_optimized(model: nn.Module, settings: dict) -> None:
             setattr(module, INFERENCE_ATTRIBUTE, dict(settings))
 
 
-def _use_engine(model: nn.Module, vision: nn.Module, backend: str, precision: str, compile: bool, include_text: bool,
-                cache_dir, calibration) -> nn.Module:
-    """`optimize_for_inference` for the exported backends: the vision model's forward becomes an `ExportedEncoder`."""
-    if compile or include_text:
-        raise ValueError(f"`compile` and `include_text` are options of backend='torch'; backend={backend!r} exports "
-                         "the video encoder only (the text modules stay PyTorch fp32).")
-    require_backend(backend)
-    check_precision(backend, precision)
-    device = next(vision.parameters()).device
-    if device.type != "cpu":
-        raise ValueError(f"backend={backend!r} runs on the CPU; the model is on {device}.")
-    if calibration is not None and (not isinstance(calibration, torch.Tensor) or calibration.ndim != 5):
-        raise ValueError("`calibration` must be a tensor of normalised videos (videos, frames, channels, height, "
-                         f"width); got {getattr(calibration, 'shape', type(calibration).__name__)}.")
-    check_exportable(vision, backend)
-    model.eval()
-    vision.forward = ExportedEncoder(vision, backend, precision, cache_dir=cache_dir, calibration=calibration)
-    _mark_optimized(model, {"precision": precision, "backend": backend, "compile": False, "include_text": False,
-                            "converted_linears": 0})
-    return model
-
-
-__all__ = ["BACKENDS", "Bf16Linear", "INT8_DEPRECATION", "Int8DynamicLinear", "MODEL_CLASSES", "PRECISIONS",
+__all__ = ["BACKENDS", "Bf16Linear", "INT8_DEPRECATION", "Int8DynamicLinear", "MODEL_CLASSES", "PRECISIONS", "RUNTIMES",
            "optimize_for_inference"]

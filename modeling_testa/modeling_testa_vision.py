@@ -334,6 +334,8 @@ class TestaVisionModel(TestaPreTrainedModel):
 
     config: TestaVisionConfig
     input_modalities = ("video",)
+    runtime = None
+    """What runs `forward` (`runtimes.EncoderRuntime`), set by `optimize_for_inference`; `None`: `eager_forward`."""
 
     def __init__(self, config: TestaVisionConfig):
         super().__init__(config)
@@ -425,11 +427,21 @@ class TestaVisionModel(TestaPreTrainedModel):
             output_attentions (`bool`, *optional*): return every block's attention probabilities (see
                 `TestaVisionModelOutput` for their shapes); they are computed by the eager attention.
             trace_source (`bool`, *optional*): return `source_map` (defaults to `config.trace_source`).
+
+        After `optimize_for_inference`, the call goes to the model's `runtime` (OpenVINO, CUDA graphs, ...).
         """
         if output_hidden_states is None:
             output_hidden_states = self.config.output_hidden_states
         if output_attentions is None:
             output_attentions = self.config.output_attentions
+        if self.runtime is not None:
+            return self.runtime(pixel_values, output_hidden_states=bool(output_hidden_states),
+                                output_attentions=bool(output_attentions), trace_source=trace_source)
+        return self.eager_forward(pixel_values, output_hidden_states, output_attentions, trace_source)
+
+    def eager_forward(self, pixel_values: torch.Tensor, output_hidden_states: bool = False,
+                      output_attentions: bool = False, trace_source: bool | None = None) -> TestaVisionModelOutput:
+        """The forward as PyTorch runs it, module by module (what `forward` does without a `runtime`)."""
         all_hidden_states = [] if output_hidden_states else None
         attentions = [] if output_attentions else None
         state = self.run_blocks(pixel_values, self.aggregation_settings(trace_source), hidden_states=all_hidden_states,

@@ -173,7 +173,7 @@ class _TestaPipeline(Pipeline):
 
     def __init__(self, model: Any, processor: Any = None, tokenizer: Any = None, video_processor: Any = None,
                  trust_remote_code: bool | None = None, precision: str | None = None, compile: bool = False,
-                 include_text: bool = False, backend: str = "torch", **kwargs: Any) -> None:
+                 include_text: bool = False, backend: str = "torch", isolate: bool = False, **kwargs: Any) -> None:
         """
         Args:
             model: a TESTA model of the head the task needs.
@@ -190,8 +190,11 @@ class _TestaPipeline(Pipeline):
                 after it is moved to the pipeline's device). `None` (default) leaves the model as it is. An
                 optimized pipeline cannot be saved (`save_pretrained` raises).
             compile, include_text (`bool`, defaults to `False`): passed to `optimize_for_inference` with `precision`.
-            backend (`str`, defaults to `"torch"`): passed to `optimize_for_inference` with `precision`: `"openvino"`
-                or `"onnxruntime"` run the video encoder as an exported graph (see `engines.py`).
+            backend (`str`, defaults to `"torch"`): passed to `optimize_for_inference` with `precision`: the runtime
+                of the video encoder by name (`runtimes.py`): `"torch"` (eager; CUDA graphs on a GPU), `"openvino"`
+                or `"onnxruntime"` (an exported graph, see `engines.py`), `"torch-eager"`, `"cuda-graphs"`.
+            isolate (`bool`, defaults to `False`): passed to `optimize_for_inference`: an exported engine runs in a
+                worker process of its own (for long-lived processes).
             **kwargs: `device`, `batch_size`, and call arguments that become defaults (e.g. `top_k`).
         """
         source = getattr(model, "name_or_path", None) or getattr(model.config, "_name_or_path", None)
@@ -227,10 +230,11 @@ class _TestaPipeline(Pipeline):
             model=model, processor=processor, tokenizer=tokenizer, video_processor=video_processor, **kwargs
         )
         if precision is not None:
-            optimize_for_inference(self.model, precision, backend=backend, compile=compile, include_text=include_text)
-        elif compile or include_text or backend != "torch":
-            raise ValueError("`compile`, `include_text` and `backend` go with `precision` (e.g. precision='fp32', "
-                             "compile=True, or precision='int8', backend='openvino').")
+            optimize_for_inference(self.model, precision, backend=backend, compile=compile, include_text=include_text,
+                                   isolate=isolate)
+        elif compile or include_text or isolate or backend != "torch":
+            raise ValueError("`compile`, `include_text`, `isolate` and `backend` go with `precision` (e.g. "
+                             "precision='fp32', compile=True, or precision='int8', backend='openvino').")
 
     # -- inputs -----------------------------------------------------------------------------------------------------
 

@@ -20,16 +20,3 @@ def pytest_configure(config):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
-
-
-# tests/test_engines.py runs in its own pytest process (`make test` runs it second). In one process with the rest of
-# the suite, the process once died of a segmentation fault in a later test (tests/test_loop.py), and, with the engine
-# tests moved last, at interpreter exit after every test had passed: the OpenVINO runtime that ran in-process and
-# the state of the other tests do not mix (neither alone crashes; faulthandler printed nothing, so a native library
-# had replaced its handler). Alone, or with any one other test file, it passes and exits cleanly. Within a run that
-# does include it, it still goes last.
-LAST = ("test_engines.py",)
-
-
-def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: item.path.name in LAST)  # stable: the order within each group is kept

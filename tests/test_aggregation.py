@@ -378,7 +378,7 @@ def test_a_matching_applied_to_the_wrong_number_of_tokens_is_refused():
 def test_bipartite_merge_backward_is_the_gradient_of_the_forward(protect_first):
     """The hand-written backward against float64 finite differences (gradcheck) and against autograd through the
     plain forward ops, for frames (per-position sizes) and for tokens with a protected CLS kept in the tensor."""
-    from modeling_testa.aggregation import _merge_bipartite
+    from modeling_testa.aggregation import merge_bipartite
 
     generator = torch.Generator().manual_seed(5)
     if protect_first:  # joint mode: [CLS, tokens] merged as one tensor, CLS protected and kept first
@@ -394,7 +394,7 @@ def test_bipartite_merge_backward_is_the_gradient_of_the_forward(protect_first):
     assert torch.autograd.gradcheck(lambda t: merge_tokens(t, size, m)[0], (x,))
     upstream = torch.randn_like(merge_tokens(x, size, m)[0])
     (custom,) = torch.autograd.grad(merge_tokens(x, size, m)[0], x, upstream)
-    (plain,) = torch.autograd.grad(_merge_bipartite(x, size, m.bipartite)[0], x, upstream)
+    (plain,) = torch.autograd.grad(merge_bipartite(x, size, m.bipartite)[0], x, upstream)
     torch.testing.assert_close(custom, plain, rtol=1e-12, atol=1e-12)
 
 

@@ -249,6 +249,20 @@ def test_searches_wait_while_the_index_changes(served, monkeypatch):
     assert all(earlier[1] <= later[0] for earlier, later in zip(spans, spans[1:])), spans
 
 
+def test_the_runtime_is_picked_by_name_and_an_engine_runs_isolated(served):
+    module, _, _, root, _ = served
+    state = module.load_state(str(root / "model"), None, None, "fp32", "openvino")
+    assert state.model_error is None
+    settings = state.retrieval.model.inference_settings
+    assert (settings["runtime"], settings["precision"], settings["isolate"]) == ("openvino", "fp32", True)
+    assert state.retrieval.model.vision_model.runtime.process.process is None  # the worker starts at the first call
+    plain = module.load_state(str(root / "model"), None, None, "fp32", "torch")
+    assert plain.retrieval.model.inference_settings["runtime"] == "torch-eager"
+    bad = module.load_state(str(root / "model"), None, None, "fp32", "tensorrt")
+    assert "backend='tensorrt' is not supported; allowed values are 'torch', 'openvino'" in bad.model_error
+    assert module.parse_args(["--backend", "openvino", "--precision", "int8"]).backend == "openvino"
+
+
 # ------------------------------------------------------------------------------------------------ moments
 
 

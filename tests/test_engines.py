@@ -16,18 +16,13 @@ from helpers.requirements import skip_or_fail, under_ci
 
 import modeling_testa.engines as engines
 from modeling_testa import TestaVisionModel, optimize_for_inference
-from modeling_testa.engines import (
-    ExportedEncoder,
-    cache_key,
-    check_precision,
-    matching_matmuls,
-    require_backend,
-)
+from modeling_testa.engines import ExportedEncoder, cache_key, matching_matmuls
+from modeling_testa.runtimes import OnnxRuntimeRuntime, OpenVINORuntime, auto_precision
 
 
 def _installed(backend: str) -> bool:
     """Whether the backend's package is there, without importing it at collection (the engines load only when
-    their tests run, last: see tests/conftest.py)."""
+    their tests run)."""
     return importlib.util.find_spec(backend) is not None
 
 
@@ -62,7 +57,7 @@ def _compare(model: TestaVisionModel, backend: str, precision: str, cache_dir, c
                                       calibration=calibration)
     with torch.no_grad():
         out = exported(video, trace_source=True)
-    return reference, out, exported.forward
+    return reference, out, exported.runtime.encoder
 
 
 def _assert_equal_to_fp32(reference, out) -> None:
@@ -81,7 +76,7 @@ def _assert_equal_to_fp32(reference, out) -> None:
 def test_a_missing_backend_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "openvino", None)  # `import openvino` raises ImportError
     with pytest.raises(ImportError, match=r'pip install ".\[openvino\]"'):
-        require_backend("openvino")
+        OpenVINORuntime.require_packages()
     with pytest.raises(ImportError, match="openvino"):
         optimize_for_inference(_vision_model(), "fp32", backend="openvino")
 
@@ -90,26 +85,30 @@ def test_bad_backend_and_precision_are_refused_naming_the_allowed_values():
     with pytest.raises(ValueError, match=r"backend='tensorrt'.*'torch', 'openvino', 'onnxruntime'"):
         optimize_for_inference(_vision_model(), "fp32", backend="tensorrt")
     with pytest.raises(ValueError, match=r"precision='bf16' is not offered by backend='onnxruntime'.*'fp32', 'int8'"):
-        check_precision("onnxruntime", "bf16")
-    with pytest.raises(ValueError, match="`cache_dir` and `calibration`"):
+        OnnxRuntimeRuntime.check_precision("bf16")
+    with pytest.raises(ValueError, match=r"`cache_dir` is not an option of backend='torch' \(runtime 'torch-eager'\)"
+                                         r".*backends that take it: 'openvino', 'onnxruntime'"):
         optimize_for_inference(_vision_model(), "fp32", cache_dir="x")
 
 
 def test_bf16_on_a_cpu_without_bf16_is_refused_with_the_reason(monkeypatch):
+    monkeypatch.setattr(engines, "cpu_flags", lambda: {"avx2", "avx512f"})
     with pytest.raises(ValueError, match="avx512_bf16 or amx_bf16.*slower than fp32"):
-        check_precision("openvino", "bf16", flags={"avx2", "avx512f"})
-    check_precision("openvino", "bf16", flags={"avx512_bf16"})  # accepted where the CPU has it
+        OpenVINORuntime.check_model(_vision_model(), "bf16", {})
+    monkeypatch.setattr(engines, "cpu_flags", lambda: {"avx512_bf16"})
+    OpenVINORuntime.check_model(_vision_model(), "bf16", {})  # accepted where the CPU has it
     if _installed("openvino"):
         monkeypatch.setattr(engines, "cpu_flags", lambda: {"avx2"})
         model = _vision_model()
         with pytest.raises(ValueError, match="bf16 instructions"):
             optimize_for_inference(model, "bf16", backend="openvino")
         assert not hasattr(model, "inference_settings") or model.inference_settings is None
+        assert model.runtime is None
 
 
 def test_auto_precision_rule():
-    assert [engines.auto_precision(b) for b in ("torch", "openvino", "onnxruntime")] == ["int8"] * 3
-    assert engines.auto_precision("torch", device="cuda") == "bf16"
+    assert [auto_precision(b) for b in ("torch", "openvino", "onnxruntime")] == ["int8"] * 3
+    assert auto_precision("torch", device="cuda") == "bf16"
     model = optimize_for_inference(_vision_model(), "auto")
     assert model.inference_settings["precision"] == "int8"
 
@@ -282,3 +281,107 @@ def test_pipeline_and_train_index_take_the_backend(tmp_path, monkeypatch):
     bad = subprocess.run([sys.executable, "-m", "train.index", "--model", folder, "--videos", tmp_path / "videos",
                           "--store", tmp_path / "s", "--backend", "tensorrt"], env=env, capture_output=True, text=True)
     assert bad.returncode != 0 and "tensorrt" in bad.stderr and "openvino" in bad.stderr
+
+
+# ------------------------------------------------------------------------------------- an engine in its own process
+
+
+@needs["openvino"]
+def test_an_isolated_engine_equals_in_process_and_outlives_its_worker(cache_dir, monkeypatch):
+    import os
+    import signal
+
+    import modeling_testa.runtimes as runtimes
+    from modeling_testa.runtimes import EngineProcessError
+
+    model = _vision_model()
+    in_process = optimize_for_inference(copy.deepcopy(model), "fp32", backend="openvino", cache_dir=cache_dir)
+    isolated = optimize_for_inference(copy.deepcopy(model), "fp32", backend="openvino", cache_dir=cache_dir,
+                                      isolate=True)
+    assert isolated.inference_settings["isolate"] is True
+    video = _video()
+    with torch.no_grad():
+        expected, got = in_process(video, trace_source=True), isolated(video, trace_source=True)
+    assert torch.equal(got.last_hidden_state, expected.last_hidden_state)
+    assert torch.equal(got.source_map, expected.source_map) and torch.equal(got.token_sizes, expected.token_sizes)
+    worker = isolated.runtime.process
+    assert worker.process.pid != os.getpid() and worker.starts == 1
+    with pytest.raises(ValueError, match="`pixel_values` must have shape"):  # refused here, before the worker
+        isolated(torch.zeros(8, 3, 32, 32))
+
+    # the worker dies during a call (as a segfaulting engine would): this process gets an error naming the signal
+    write = runtimes.write_message
+
+    def crash_then_write(fd, message):
+        if message[0] == "encode":
+            os.kill(worker.process.pid, signal.SIGSEGV)
+            worker.process.wait()
+        write(fd, message)
+
+    monkeypatch.setattr(runtimes, "write_message", crash_then_write)
+    with pytest.raises(EngineProcessError, match=r"died while encoding a batch of shape \(3, 8, 3, 32, 32\) "
+                                                 r"\(killed by SIGSEGV\); this process is unharmed"):
+        isolated(video, trace_source=True)
+    monkeypatch.setattr(runtimes, "write_message", write)
+    with torch.no_grad():  # the next call starts a new worker
+        assert torch.equal(isolated(video, trace_source=True).last_hidden_state, expected.last_hidden_state)
+    assert worker.starts == 2
+    worker.stop()
+
+
+@pytest.mark.slow
+@needs["openvino"]
+def test_a_worker_killed_between_calls_is_replaced_and_said(cache_dir, caplog):
+    import logging
+
+    model = optimize_for_inference(_vision_model(), "fp32", backend="openvino", cache_dir=cache_dir, isolate=True)
+    video = _video()
+    with torch.no_grad():
+        expected = model(video, trace_source=True)
+        worker = model.runtime.process
+        worker.process.kill()
+        worker.process.wait()
+        caplog.set_level(logging.WARNING, logger="modeling_testa.runtimes")
+        assert torch.equal(model(video, trace_source=True).last_hidden_state, expected.last_hidden_state)
+    assert worker.starts == 2 and "died while idle (killed by SIGKILL)" in caplog.text
+    worker.stop()
+
+
+# ------------------------------------------------------------------------------- signals after graphs are freed
+
+SIGNAL_SCRIPT = """
+import gc, os, signal, sys
+import numpy as np
+import openvino as ov
+import openvino.opset13 as ops
+from modeling_testa.engines import CompiledGraph
+
+parameter = ops.parameter([2, 4], np.float32)
+ov.save_model(ov.Model([ops.relu(parameter)], [parameter]), sys.argv[1])
+graphs = []
+for _ in range(2):  # as two encoders (or two input shapes) load their graphs, each run once
+    graphs.append(CompiledGraph("openvino", sys.argv[1], "fp32"))
+    graphs[-1](np.ones((2, 4), np.float32))
+for index in (0, 1):  # freed first in, first out (garbage collection may free them in any order)
+    graphs[index] = None
+    gc.collect()
+signal.signal(signal.SIGUSR1, lambda *args: print("handled", flush=True))  # CPython: SA_ONSTACK
+os.kill(os.getpid(), signal.SIGUSR1)
+print("alive", flush=True)
+"""
+
+
+@needs["openvino"]
+def test_openvino_graphs_freed_in_any_order_leave_signals_deliverable(tmp_path):
+    # With one openvino.Core per graph, the CPU plugin left the thread's alternate signal stack pointing at freed
+    # memory, and the next signal handled by Python killed the process with SIGSEGV (engines.openvino_core).
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-c", SIGNAL_SCRIPT, str(tmp_path / "relu.xml")], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
+    assert result.stdout.split() == ["handled", "alive"]

@@ -17,7 +17,7 @@ from torch import nn
 from transformers import pipeline
 
 import modeling_testa.aggregation_block as aggregation_block
-import modeling_testa.inference as inference
+import modeling_testa.linear_layers as linear_layers
 import modeling_testa.video_decoding as video_decoding
 from modeling_testa import (
     PRECISIONS,
@@ -90,7 +90,7 @@ def test_optimizing_twice_or_int8_off_cpu_raises():
 
 
 def test_compile_without_a_compiler_warns_and_leaves_the_model_eager(monkeypatch):
-    monkeypatch.setattr(inference.shutil, "which", lambda name: None)
+    monkeypatch.setattr(linear_layers.shutil, "which", lambda name: None)
     monkeypatch.delenv("CXX", raising=False)
     model = _vision_model()
     with pytest.warns(UserWarning, match="no C\\+\\+ compiler"):

@@ -1,7 +1,7 @@
 """Index a video collection into an on-disk video store, on 1 to N processes, resumably; grow it later.
 
     accelerate launch -m train.index --model FOLDER_OR_HUB_ID --videos DIR_OR_LIST_OR_DATASET --store OUT \
-        [--precision fp32|bf16|int8|auto] [--backend torch|openvino|onnxruntime] [--num-frames N] [--shard-size 256] [--batch-size 8] [--num-workers 2]
+        [--precision fp32|bf16|int8|auto] [--backend torch|openvino|onnxruntime|...] [--num-frames N] [--shard-size 256] [--batch-size 8] [--num-workers 2]
         [--window SECONDS [--stride SECONDS]]
 
 (`python -m train.index ...` runs the same on one process.) The videos are sorted and cut into shards of
@@ -54,7 +54,6 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from modeling_testa.distributed import raise_on_every_rank
-from modeling_testa.engines import auto_precision
 from modeling_testa.index_homes import (
     IndexEntry,
     StoreHome,
@@ -65,6 +64,7 @@ from modeling_testa.index_homes import (
 from modeling_testa.indexing import SUMMARY_FAILURES, DecodeVideos, EncodingStats
 from modeling_testa.inference import BACKENDS, PRECISIONS, optimize_for_inference
 from modeling_testa.moments import DecodeWindowRows, check_window_options, plan_window_rows, rebatch, video_groups
+from modeling_testa.runtimes import auto_precision, embeddings_label, isolated_by_default
 from modeling_testa.store_lock import LOCK_FILE, StoreLock, StoreLockedError, check_lock_token
 from modeling_testa.video_index import IndexInfo
 from modeling_testa.video_inputs import VIDEO_SUFFIXES, find_video_files
@@ -271,6 +271,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--backend", default="torch", choices=BACKENDS,
                         help="what runs the video encoder (default: torch; openvino/onnxruntime: the exported encoder, "
                              "merging included, cached in $HF_HOME/testa/engines)")
+    parser.add_argument("--engine-in-process", action="store_true",
+                        help="run the openvino/onnxruntime engine in this process (default: in a worker process of "
+                             "its own, which a crash of the engine cannot take down with the indexing)")
     parser.add_argument("--num-frames", type=int, default=None, help="frames per video (default: the model's)")
     parser.add_argument("--token-dtype", default="float16", choices=sorted(TOKEN_DTYPES),
                         help="dtype of the stored tokens (default: float16)")
@@ -308,14 +311,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     except (OSError, ValueError) as error:
         raise SystemExit(f"error: {error}") from None
     num_frames = args.num_frames or video_processor.num_frames
-    precision = auto_precision(args.backend) if args.precision == "auto" else args.precision
-    # the backend changes the embeddings as the precision does: a store records both (as "int8 (openvino)")
-    recorded = precision if args.backend == "torch" else f"{precision} ({args.backend})"
-    settings = index_settings(model, args.model, num_frames, recorded, args.token_dtype, args.shard_size,
-                              args.window, args.stride)
     # without cpu=True, CPU processes under `--multi_gpu` would not join one group
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
-    model = optimize_for_inference(model.to(accelerator.device), precision, backend=args.backend)
+    # auto: the runtime's choice on this device (a GPU: bf16, captured as CUDA graphs by backend "torch")
+    precision = auto_precision(args.backend, accelerator.device.type) if args.precision == "auto" else args.precision
+    # an engine changes the embeddings as the precision does: a store records both (as "int8 (openvino)")
+    recorded = embeddings_label(args.backend, precision, accelerator.device.type)
+    settings = index_settings(model, args.model, num_frames, recorded, args.token_dtype, args.shard_size,
+                              args.window, args.stride)
+    isolate = isolated_by_default(args.backend, accelerator.device.type) and not args.engine_in_process
+    model = optimize_for_inference(model.to(accelerator.device), precision, backend=args.backend, isolate=isolate)
     lock = StoreLock(store, command=writer_command(argv, accelerator.num_processes))
     try:
         return index_into_store(args, store, videos, skipped, model, settings,
