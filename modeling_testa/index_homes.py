@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from .indexing import SUMMARY_FAILURES, DecodedBatch, EncodingStats, Failure, InMemorySink, encode_videos
+from .moments import plan_window_rows
 from .video_index import ROW_FIELDS, IndexInfo, VideoIndex, segments_tensor, video_name
 from .video_store import (
     VideoStoreWriter,
@@ -76,6 +77,16 @@ def row_fields_of(entries: list[IndexEntry]) -> dict[str, list[Any]]:
     """The per-row fields (`ROW_FIELDS`) the entries set, one list per field any entry sets (None where unset)."""
     return {key: [getattr(entry, key) for entry in entries] for key in ROW_FIELDS
             if any(getattr(entry, key) is not None for entry in entries)}
+
+
+def window_entries(videos: list[str], window: float, stride: float | None,
+                   datasets: dict[str, str | None] | None = None) -> list[IndexEntry]:
+    """The rows of an index of moments over the video files `videos`: every video's windows, planned from its
+    duration (`moments.plan_window_rows`; a video whose duration cannot be read is one whole-video row, whose decoding
+    then fails and says why), each with the video's `dataset` (``datasets[video]``)."""
+    names, segments, _ = plan_window_rows(list(videos), window, stride)
+    return [IndexEntry(name, *(segment or (None, None)), dataset=(datasets or {}).get(name))
+            for name, segment in zip(names, segments)]
 
 
 def segments_of(entries: list[IndexEntry]) -> list[list[float] | None] | None:
@@ -323,4 +334,4 @@ class VideoIndexBuilder:
 
 
 __all__ = ["PLAN_FILE", "IndexEntry", "InMemoryHome", "StoreHome", "VideoIndexBuilder", "as_entries",
-           "row_fields_of", "segments_of", "shard_ranges", "write_json_atomically"]
+           "row_fields_of", "segments_of", "shard_ranges", "window_entries", "write_json_atomically"]

@@ -42,14 +42,13 @@ from transformers.pipelines import PIPELINE_REGISTRY
 from transformers.pipelines.base import Pipeline
 from transformers.utils import logging
 
-from .index_homes import IndexEntry, InMemoryHome, StoreHome, VideoIndexBuilder
+from .index_homes import IndexEntry, InMemoryHome, StoreHome, VideoIndexBuilder, window_entries
 from .indexing import SUMMARY_FAILURES, DecodeAhead, check_on_error
 from .inference import optimize_for_inference
 from .moments import (
     DecodeWindowRows,
     best_moment_per_video,
     check_window_options,
-    plan_window_rows,
     rebatch,
     video_groups,
 )
@@ -584,7 +583,7 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
                         index: VideoIndex | None, info: dict[str, Any], video_kwargs: dict[str, Any]
                         ) -> tuple[list[IndexEntry], dict[str, Any]]:
         """`encode_videos` with `window`: the rows (`IndexEntry` per window of every video file not yet in `index`,
-        planned from the files' durations by `moments.plan_window_rows`, with each video's `dataset`) and the
+        planned from the files' durations by `index_homes.window_entries`, with each video's `dataset`) and the
         index's info (with the window and stride)."""
         if store_dir is not None:
             raise ValueError("`window=` builds the moments in memory (save them with `index.save(DIR)`, either "
@@ -605,9 +604,7 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
                                  f"window={window}, stride={stride}.")
             known = set(index.names) | {failure.video for failure in index.failures}
             paths = [path for path in paths if path not in known]
-        names, segments, _ = plan_window_rows(paths, window, stride)
-        return [IndexEntry(name, *(segment or (None, None)), dataset=datasets[name])
-                for name, segment in zip(names, segments)], info
+        return window_entries(paths, window, stride, datasets), info
 
     def _moment_decoder(self, batch_size: int, num_workers: int, on_error: str, num_frames: int) -> Any:
         """The builder's `decode(entries, positions)` for rows that are moments (`IndexEntry.start`/`end`; None: the

@@ -59,11 +59,12 @@ from modeling_testa.index_homes import (
     StoreHome,
     VideoIndexBuilder,
     as_entries,
+    window_entries,
     write_json_atomically,
 )
 from modeling_testa.indexing import SUMMARY_FAILURES, DecodeVideos, EncodingStats
 from modeling_testa.inference import BACKENDS, PRECISIONS, optimize_for_inference
-from modeling_testa.moments import DecodeWindowRows, check_window_options, plan_window_rows, rebatch, video_groups
+from modeling_testa.moments import DecodeWindowRows, check_window_options, rebatch, video_groups
 from modeling_testa.runtimes import auto_precision, embeddings_label, isolated_by_default
 from modeling_testa.store_lock import LOCK_FILE, StoreLock, StoreLockedError, check_lock_token
 from modeling_testa.video_index import IndexInfo
@@ -178,14 +179,10 @@ def read_plan(store: Path) -> dict[str, Any]:
 def planned_entries(plan: dict[str, Any], videos: list[str], window: float | None = None,
                     stride: float | None = None) -> list[IndexEntry]:
     """The rows to plan for ``videos`` (those the plan lacks, in order): whole videos, or with a ``window`` every
-    new video's windows from its duration (`moments.plan_window_rows`; a video whose duration cannot be read is one
-    whole-video row, whose decoding then fails and says why)."""
+    new video's windows (`index_homes.window_entries`)."""
     known = set(plan["videos"])
     new = [video for video in dict.fromkeys(videos) if video not in known]
-    if window is None:
-        return as_entries(new)
-    names, segments, _ = plan_window_rows(new, window, stride)
-    return [IndexEntry(name, *(segment or (None, None))) for name, segment in zip(names, segments)]
+    return as_entries(new) if window is None else window_entries(new, window, stride)
 
 
 def prepare_store(store: Path, settings: dict[str, Any], videos: list[str], shard_size: int
