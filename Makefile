@@ -13,7 +13,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --disable-pip-version-check torch torchvision
-	$(VENV)/bin/pip install -q --disable-pip-version-check -e ".[test,faiss,st,mteb,app,openvino,onnxruntime]"
+	$(VENV)/bin/pip install -q --disable-pip-version-check -e ".[test,faiss,milvus,st,mteb,app,openvino,onnxruntime]"
 	touch $@
 
 # The main job: the short-event task -> (a) 8 frames and (b) 16 frames + TESTA at the GMAC of (a), trained on CPU ->

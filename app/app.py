@@ -53,6 +53,7 @@ class AppState:
     index: Any = None
     indexed: list[str] = field(default_factory=list)
     indexed_folder: str | None = None  # the folder the index was built from (indexing it again grows the index)
+    folder_filter: str = ""  # search only the videos under this folder ("": all)
     window: float = 0.0  # seconds per indexed window (moments); 0 indexes whole videos
     index_status: str = ""  # what the last indexing said (shown in the Index box, also after the start-up index)
     hits: list[dict] = field(default_factory=list)  # the last search's results, for /moment
@@ -135,7 +136,7 @@ def index_videos(state: AppState, folder: str, uploads: list[str] | None, progre
         encoded_now = not grow or len(index) + len(index.failures) > known
         state.index, state.indexed, state.indexed_folder = index, [str(v) for v in index.videos], folder_key
     requested = set(paths)
-    failed = [(video, reason) for video, reason in index.failures.items() if video in requested]
+    failed = [(failure.video, str(failure)) for failure in index.failures if failure.video in requested]
     stats = index.stats or {}
     seconds = stats.get("seconds") or 0.0
     waiting = 100 * stats.get("decode_wait_seconds", 0.0) / seconds if seconds else 0.0
@@ -167,7 +168,11 @@ def search_videos(state: AppState, query: str, top_k: float, rerank: bool = True
         raise gr.Error("Type a sentence or a paragraph to search for.")
     if state.index is None:
         raise gr.Error("Index a folder first.")
-    hits = retrieval.search(query.strip(), state.index, top_k=max(1, int(top_k)), rerank=None if rerank else False)
+    filters = {"folder": state.folder_filter.strip()} if state.folder_filter.strip() else None
+    hits = retrieval.search(query.strip(), state.index, top_k=max(1, int(top_k)), rerank=None if rerank else False,
+                            filters=filters)
+    if not hits:
+        raise gr.Error(f"No indexed video lies under {state.folder_filter.strip()!r}.")
     state.hits = hits
     gallery = [(hit["video"], f"{Path(hit['video']).name}  {hit['score']:.3f}" + moment_label(hit)) for hit in hits]
     rows = [[rank, Path(hit["video"]).name, round(float(hit["score"]), 4), bool(hit["reranked"])]
@@ -331,12 +336,12 @@ def change_aggregation(state: AppState, temporal: float, spatial: float) -> str:
     panel = model_panel(state)
     if state.indexed:
         with state.lock:
-            failures = dict(state.index.failures)  # known bad files are not decoded again
+            failures = list(state.index.failures)  # known bad files are not decoded again
             info = state.index.info  # an index of moments is rebuilt as moments, each video once
             moments = {"window": info["window"], "stride": info["stride"]} if info.get("window") else {}
             state.index = retrieval.encode_videos(list(dict.fromkeys(state.indexed)), batch_size=8,
                                                   progress_bar=False, **moments)
-            state.index.failures.update(failures)
+            state.index.failures += [failure for failure in failures if failure not in state.index.failures]
         panel += (f"\n\nRe-indexed {len(set(state.indexed))} videos with these settings: "
                   f"{state.index.stats['videos_per_second']:.1f} {'moments' if moments else 'videos'}/s.")
     return panel
@@ -379,6 +384,7 @@ def build_app(state: AppState) -> gr.Blocks:
                 top_k = gr.Slider(1, 20, value=5, step=1, label="Results")
                 rerank = gr.Checkbox(value=state.rerank, label="Re-rank with the matching head")
                 search_button = gr.Button("Search", variant="primary")
+            folder_filter = gr.Textbox(label="Only videos under this folder (empty: all)", value="")
             gr.Examples(EXAMPLES, inputs=query)
             gallery = gr.Gallery(label="Results", columns=5, height=220)
             table = gr.Dataframe(headers=HEADERS, label="Ranking", interactive=False)
@@ -434,6 +440,7 @@ def build_app(state: AppState) -> gr.Blocks:
                             api_name="answer", **ONE_MODEL)
         apply_button.click(lambda t, s: change_aggregation(state, t, s), [temporal, spatial], panel,
                            api_name="aggregation", **ONE_MODEL)
+        folder_filter.change(lambda f: setattr(state, "folder_filter", f or ""), folder_filter, None, api_name=False)
         gallery.select(chosen_video, None, result, api_name=False)
         gallery.select(chosen_rank, None, moment_rank, api_name=False).then(
             lambda r: show_moment(state, r), moment_rank, moment_outputs, api_name=False, **ONE_MODEL).then(
@@ -463,6 +470,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the folder indexed at start (env TESTA_VIDEOS)")
     parser.add_argument("--qa-model", default=os.environ.get("TESTA_QA_MODEL"),
                         help="a VideoQA model folder or Hub id for the Ask tab (env TESTA_QA_MODEL)")
+    parser.add_argument("--index", default=None,
+                        help="search this index instead of indexing --videos: a store or saved index folder")
+    parser.add_argument("--milvus", default=None,
+                        help="with --index (a store written by train.index --milvus): search this Milvus file or URI")
+    parser.add_argument("--collection", default="videos", help="the Milvus collection (default: videos)")
     parser.add_argument("--window", type=float, default=float(os.environ.get("TESTA_WINDOW", 0)),
                         help="index moments: windows of this many seconds, half-overlapping (0, the default: whole "
                              "videos; env TESTA_WINDOW)")
@@ -483,8 +495,17 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     state = load_state(args.model, args.videos, args.qa_model, args.precision, args.backend)
     state.rerank = not args.no_rerank
+    if args.milvus and not args.index:
+        raise SystemExit("error: --milvus needs --index (the store whose settings and tokens it uses)")
     state.window = args.window
-    print(startup_index(state, args.videos), flush=True)
+    if args.index:
+        from train.search import open_index
+
+        state.index = open_index(args.index, args.milvus, args.collection)
+        state.index_status = f"Searching {len(state.index)} rows of {args.milvus or args.index}."
+        print(state.index_status, flush=True)
+    else:
+        print(startup_index(state, args.videos), flush=True)
     demo = build_app(state)
     demo.launch(server_name=args.host, server_port=args.port, theme=THEME, show_error=True,
                 allowed_paths=[str(Path(args.videos).resolve())] if args.videos else None)

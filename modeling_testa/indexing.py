@@ -9,9 +9,10 @@ videos and how long the encoder took, so a user knows which of the two to scale.
 
 **Bad files are data.** A video that cannot be read (`is_media_error`: a missing file, or the decoder's
 `VideoDecodingError`) is a failure, not an exception: both decoders here (`DecodeAhead.batches`, `DecodeVideos`) turn
-it into ``(index, video, reason)`` and go on, the sink records it, the progress bar counts it, and a warning at the
-end lists the first `SUMMARY_FAILURES`. ``on_error="raise"`` (`ON_ERROR`) raises the decoder's own error instead. A
-reason is ``"<code>: <ErrorType>: <message>"`` with a stable code of `FAILURE_CODES` (`failure_reason`).
+it into a `Failure` record and go on, the sink records it, the progress bar counts it, and a warning at the end lists
+the first `SUMMARY_FAILURES`. ``on_error="raise"`` (`ON_ERROR`) raises the decoder's own error instead. A failure's
+`code` (`FAILURE_CODES`) is set where the error was raised (`VideoDecodingError.code`) or told by the file's first
+bytes (`failure_code`); it is never read from a message.
 
 This file is Hub remote code: flat relative imports only, absolute imports of installed packages only.
 """
@@ -43,6 +44,7 @@ FAILURE_CODES = {
     "decoder_crash": "the decoder process crashed or stopped",
     "timeout": "decoding took longer than decode_timeout; the decoder process was killed",
     "unreadable": "any other reason the decoders give (corrupt data, no video stream, no permission)",
+    "unknown": "recorded by an earlier version, which kept the reason but not its code",
 }
 """The stable first word of every failure reason, and what it means."""
 
@@ -110,13 +112,15 @@ def mp4_is_truncated(path: str | os.PathLike) -> bool:
 
 
 def failure_code(error: BaseException, source: str | os.PathLike | None = None) -> str:
-    """The `FAILURE_CODES` code of why ``source`` could not be read, from the error and the file's first bytes."""
-    names = {c.__name__ for c in type(error).__mro__}
+    """The `FAILURE_CODES` code of why ``source`` could not be read: ``"missing"`` for a missing file, the `code`
+    the decoder set where it raised (`VideoDecodingError.code`), refined by the file's first bytes (``"empty"``,
+    ``"not_a_video"``, ``"truncated"``) unless the decoder timed out. Never read from the error's message."""
     if isinstance(error, FileNotFoundError):
         return "missing"
-    if "VideoDecodingTimeoutError" in names:
-        return "timeout"
-    message = str(getattr(error, "reason", error))
+    code = getattr(error, "code", None)
+    code = code if isinstance(code, str) and code in FAILURE_CODES else "unreadable"
+    if code == "timeout":
+        return code
     path = Path(source) if isinstance(source, (str, os.PathLike)) else None
     if path is not None and path.is_file():
         try:
@@ -130,31 +134,80 @@ def failure_code(error: BaseException, source: str | os.PathLike | None = None) 
                 return "truncated"
         except OSError:
             return "unreadable"
-    if "no decodable frames" in message or "contains no frames" in message:
-        return "no_frames"
-    if any(text in message for text in ("decoder crashed", "decoder process exited", "stopped responding",
-                                        "could not start the decoder process")):
-        return "decoder_crash"
-    return "unreadable"
+    return code
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A video (or a moment of one: `start`/`end` in seconds) that could not be encoded: the one record of a failure,
+    in memory (`VideoIndex.failures`), in a store (``video_store.json``, via `as_dict`) and in reports.
+
+    Attributes:
+        video: the video's name (its path, or ``videos[i]``).
+        code: a `FAILURE_CODES` word, set where the error was raised (`failure_code`).
+        reason: ``"<ErrorType>: <message>"``, for people.
+        index: the video's position in the collection being encoded, when known (a store's row).
+        start, end: the moment's bounds in seconds, None for a whole video.
+    """
+
+    video: str
+    code: str
+    reason: str
+    index: int | None = None
+    start: float | None = None
+    end: float | None = None
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.reason}"
+
+    @property
+    def key(self) -> tuple[str, float | None, float | None]:
+        """``(video, start, end)``: what tells two rows of an index apart."""
+        return (self.video, self.start, self.end)
+
+    def as_dict(self) -> dict[str, Any]:
+        """A json-ready dict (`start`/`end`/`index` only when set)."""
+        record = {"index": self.index, "video": self.video, "code": self.code, "reason": self.reason,
+                  "start": self.start, "end": self.end}
+        return {key: value for key, value in record.items() if value is not None}
+
+    @classmethod
+    def from_dict(cls, record: dict[str, Any]) -> "Failure":
+        """The record `as_dict` wrote; one written before codes were stored gets the code ``"unknown"``."""
+        return cls(str(record["video"]), str(record.get("code", "unknown")), str(record["reason"]),
+                   record.get("index"), record.get("start"), record.get("end"))
+
+    @classmethod
+    def from_error(cls, error: BaseException, video: str, index: int | None = None,
+                   source: str | os.PathLike | None = None, start: float | None = None,
+                   end: float | None = None) -> "Failure":
+        """The failure `error` says ``video`` (read from `source`, default: `video`) had."""
+        source = video if source is None else source
+        return cls(str(video), failure_code(error, source), f"{type(error).__name__}: {error}", index, start, end)
 
 
 def failure_reason(error: BaseException, source: str | os.PathLike | None = None) -> str:
     """``"<code>: <ErrorType>: <message>"``: the `failure_code` and the error that says why ``source`` failed."""
-    return f"{failure_code(error, source)}: {type(error).__name__}: {error}"
+    return str(Failure.from_error(error, str(source), source=source))
 
 
-DecodedBatch = tuple[list[int], "torch.Tensor | None", list[tuple[int, str, str]]]
-"""``(indices, pixel_values (batch, frames, 3, H, W) or None, failures [(index, video, reason)])``: the videos of a
-batch by their position in the collection, and the ones that could not be decoded."""
+DecodedBatch = tuple[list[int], "torch.Tensor | None", list[Failure]]
+"""``(indices, pixel_values (batch, frames, 3, H, W) or None, failures)``: the videos of a batch by their position in
+the collection, and the ones that could not be decoded (`Failure` records with their `index`)."""
 
 
 class Sink(Protocol):
-    """Where encoded videos go (`InMemorySink`, `video_store.VideoStoreWriter`)."""
+    """Where encoded videos go (`InMemorySink`, `video_store.VideoStoreWriter`, a Milvus writer).
+
+    `failures` holds what `add_failure` was given, in order: `Failure` records or, for a store writer, their
+    `Failure.as_dict` form."""
+
+    failures: list[Any]
 
     def add_batch(self, indices: Iterable[int], tokens: torch.Tensor, token_sizes: torch.Tensor | None,
                   embeddings: torch.Tensor) -> None: ...
 
-    def add_failure(self, index: int, video: str, reason: str) -> None: ...
+    def add_failure(self, index: int, video: str, reason: str, code: str | None = None) -> None: ...
 
 
 @dataclass
@@ -204,7 +257,7 @@ class InMemorySink:
         self.tokens: list[torch.Tensor] = []
         self.token_sizes: list[torch.Tensor] = []
         self.indices: list[int] = []
-        self.failures: dict[str, str] = {}
+        self.failures: list[Failure] = []
         self.next_index = 0
 
     def add_batch(self, indices: Iterable[int], tokens: torch.Tensor, token_sizes: torch.Tensor | None,
@@ -221,8 +274,8 @@ class InMemorySink:
             self.tokens.append(tokens.detach().to("cpu", dtype=self.token_dtype or tokens.dtype))
             self.token_sizes.append(token_sizes.detach().float().cpu())
 
-    def add_failure(self, index: int, video: str, reason: str) -> None:
-        self.failures[str(video)] = str(reason)
+    def add_failure(self, index: int, video: str, reason: str, code: str | None = None) -> None:
+        self.failures.append(Failure(str(video), code or "unknown", str(reason), int(index)))
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """``(embeddings, tokens or None, token_sizes or None)`` of every video encoded (`indices`), at least one."""
@@ -260,7 +313,7 @@ def encode_videos(
     begin = time.perf_counter()
     waited = encoding = 0.0
     count = 0
-    failed: list[tuple[str, str]] = []
+    failed: list[Failure] = []
     iterator = iter(batches)
     with logging.tqdm(total=total, desc=description, unit="video", disable=not progress_bar) as bar:
         while True:
@@ -271,9 +324,9 @@ def encode_videos(
                 break
             ready = time.perf_counter()
             waited += ready - started
-            for index, video, reason in failures:
-                sink.add_failure(index, video, reason)
-                failed.append((str(video), str(reason)))
+            for failure in failures:
+                sink.add_failure(failure.index, failure.video, failure.reason, code=failure.code)
+                failed.append(failure)
             if pixel_values is not None:
                 out = model.get_video_tokens(pixel_values.to(device, dtype=dtype))
                 features = model.get_video_features(
@@ -292,31 +345,32 @@ def encode_videos(
     return EncodingStats(count, time.perf_counter() - begin, waited, encoding, num_workers, len(failed))
 
 
-def failure_summary(failures: list[tuple[str, str]], total: int, limit: int = SUMMARY_FAILURES) -> str:
-    """``"F of N videos could not be read and were skipped:"`` and the first ``limit`` ``video: reason`` lines."""
-    lines = [f"  {video}: {reason[:300]}" for video, reason in failures[:limit]]
+def failure_summary(failures: list[Failure], total: int, limit: int = SUMMARY_FAILURES) -> str:
+    """``"F of N videos could not be read and were skipped:"`` and the first ``limit`` ``video: code: reason``
+    lines."""
+    lines = [f"  {failure.video}: {str(failure)[:300]}" for failure in failures[:limit]]
     if len(failures) > limit:
         lines.append(f"  ... and {len(failures) - limit} more")
     return f"{len(failures)} of {total} videos could not be read and were skipped:\n" + "\n".join(lines)
 
 
 def decode_or_failure(decode: Callable[[], torch.Tensor], index: int, video: str, on_error: str
-                      ) -> tuple[torch.Tensor | None, tuple[int, str, str] | None]:
-    """``(decode(), None)``, or ``(None, (index, video, reason))`` when it raises a media error (`is_media_error`)
-    and ``on_error`` is ``"skip"``; other errors, and every error with ``"raise"``, propagate unchanged."""
+                      ) -> tuple[torch.Tensor | None, Failure | None]:
+    """``(decode(), None)``, or ``(None, Failure)`` when it raises a media error (`is_media_error`) and ``on_error``
+    is ``"skip"``; other errors, and every error with ``"raise"``, propagate unchanged."""
     try:
         return decode(), None
     except Exception as error:
         if on_error == "raise" or not is_media_error(error):
             raise
-        return None, (index, str(video), failure_reason(error, video))
+        return None, Failure.from_error(error, str(video), index)
 
 
 class DecodeVideos:
     """DataLoader collation for indexing a collection (`train.index`, the training evaluation): decodes and samples
     each video on its own (``uniform`` sampling), so that a file that cannot be read fails alone. Takes
     ``[(index, path), ...]`` and returns a `DecodedBatch`: ``(indices, pixel_values or None, failures)``, failures as
-    ``(index, path, reason)`` (`failure_reason`); with ``on_error="raise"`` the decoder's error propagates."""
+    `Failure` records; with ``on_error="raise"`` the decoder's error propagates."""
 
     def __init__(self, video_processor: Any, num_frames: int, on_error: str = "skip"):
         self.video_processor, self.num_frames = video_processor, num_frames
@@ -410,6 +464,7 @@ class DecodeAhead:
 
 __all__ = [
     "FAILURE_CODES", "ON_ERROR", "SUMMARY_FAILURES", "DecodeAhead", "DecodeVideos", "DecodedBatch", "EncodingStats",
+    "Failure",
     "InMemorySink", "Sink", "check_on_error", "decode_or_failure", "encode_videos", "failure_code", "failure_reason",
     "failure_summary", "is_media_error", "looks_like_video", "mp4_is_truncated",
 ]

@@ -17,10 +17,11 @@ about 0.66 GB).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -205,56 +206,6 @@ def window_pixel_values(video_processor: Any, source: str | os.PathLike, window:
     return cut, pixel_values
 
 
-@dataclass
-class WindowRows:
-    """The rows `window_batches` handed out: the video, start and end of row `i`, in order."""
-
-    videos: list[str] = field(default_factory=list)
-    starts: list[float] = field(default_factory=list)
-    ends: list[float] = field(default_factory=list)
-
-    def segments(self, rows: Iterable[int]) -> torch.Tensor:
-        """`(len(rows), 2)` float64 `(start, end)` of the given rows."""
-        rows = list(rows)
-        return torch.tensor([[self.starts[i], self.ends[i]] for i in rows], dtype=torch.float64).reshape(len(rows), 2)
-
-
-def window_batches(
-    videos: list[str],
-    decode: Callable[[int], tuple[list[tuple[float, float]], torch.Tensor]],
-    batch_size: int,
-    on_error: str,
-    rows: WindowRows,
-) -> Iterator[tuple[list[int], torch.Tensor | None, list[tuple[int, str, str]]]]:
-    """Decoded batches of windows for `indexing.encode_videos`: every video is decoded once (``decode(i)`` gives the
-    windows of ``videos[i]`` and their `(windows, T, 3, H, W)` pixel values; e.g. `indexing.DecodeAhead.get`, which
-    decodes the next videos in threads), its windows become consecutive rows (recorded in `rows`), and the rows go out
-    in batches of at most `batch_size`. A video that cannot be read is one failure (``on_error="skip"``) or raises
-    (``"raise"``)."""
-    check_on_error(on_error)
-    pending: list[torch.Tensor] = []
-    pending_rows: list[int] = []
-    failures: list[tuple[int, str, str]] = []
-    for position, path in enumerate(videos):
-        decoded, failure = decode_or_failure(lambda: decode(position), len(rows.videos), str(path),  # noqa: B023
-                                             on_error)
-        if failure is not None:
-            failures.append(failure)
-            continue
-        windows, pixel_values = decoded
-        for (start, end), clip in zip(windows, pixel_values):
-            pending_rows.append(len(rows.videos))
-            rows.videos.append(path)
-            rows.starts.append(start)
-            rows.ends.append(end)
-            pending.append(clip)
-            if len(pending) == batch_size:
-                yield pending_rows, torch.stack(pending), failures
-                pending, pending_rows, failures = [], [], []
-    if pending or failures:
-        yield pending_rows, (torch.stack(pending) if pending else None), failures
-
-
 def frame_spans(start: float, end: float, num_frames: int) -> list[tuple[float, float]]:
     """The time each of a window's `num_frames` uniformly sampled frames stands for: equal shares of `[start, end)`."""
     step = (end - start) / num_frames
@@ -372,7 +323,7 @@ class DecodeWindowRows:
             decoded, failure = decode_or_failure(lambda: self.decode(video, rows), rows[0], video,  # noqa: B023
                                                  self.on_error)
             if failure is not None:
-                failures += [(row, video, failure[2]) for row in rows]
+                failures += [dataclasses.replace(failure, index=row) for row in rows]
                 continue
             indices += rows
             pixels.append(decoded)
@@ -426,8 +377,6 @@ __all__ = [
     "probe_duration",
     "rebatch",
     "video_groups",
-    "WindowRows",
-    "window_batches",
     "best_moment_per_video",
     "check_window_options",
     "decode_windows",

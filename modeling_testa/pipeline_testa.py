@@ -31,7 +31,7 @@ This file is Hub remote code: flat relative imports only, absolute imports of in
 optional and imported inside `try`).
 """
 
-import json
+import dataclasses
 import os
 import re
 import sys
@@ -42,16 +42,22 @@ from transformers.pipelines import PIPELINE_REGISTRY
 from transformers.pipelines.base import Pipeline
 from transformers.utils import logging
 
-from .indexing import SUMMARY_FAILURES, DecodeAhead, InMemorySink, check_on_error, encode_videos
+from .index_homes import IndexEntry, InMemoryHome, StoreHome, VideoIndexBuilder, window_entries
+from .indexing import SUMMARY_FAILURES, DecodeAhead, check_on_error
 from .inference import optimize_for_inference
-from .moments import WindowRows, best_moment_per_video, check_window_options, window_batches, window_pixel_values
+from .moments import (
+    DecodeWindowRows,
+    best_moment_per_video,
+    check_window_options,
+    rebatch,
+    video_groups,
+)
 from .processing_testa import TestaProcessor, load_testa_processor
 from .ranking import RankingOptions, ranked_order, two_stage_scores
 from .saving import check_savable, push_folder_to_hub
 from .store_lock import StoreLock
-from .video_index import SHARED_INFO_SETTINGS, VideoIndex, differing_settings, video_name
+from .video_index import IndexInfo, VideoIndex
 from .video_inputs import check_video, is_array, is_single_video, text_list, video_list
-from .video_store import VideoStoreWriter, finalize_store
 
 
 logger = logging.get_logger(__name__)
@@ -103,45 +109,40 @@ def _result_list(items: list[Any], scores: torch.Tensor, similarity: torch.Tenso
     return results
 
 
-def _candidate_results(items: list[Any], candidates: torch.Tensor, cosines: torch.Tensor,
-                       head_scores: torch.Tensor | None, top_k: int | None, moment: Any = None) -> list[dict]:
+def _describer(items: Any) -> Any:
+    """``row -> {"video", ...}``: an index's `entry` (the row's video and, when it has them, its `start`/`end`
+    (an index of moments) and `dataset`); for a plain list of videos, ``{"video": items[row]}``."""
+    entry = getattr(items, "entry", None)
+    if entry is not None:
+        videos = items.videos
+        return lambda row: {**entry(row), "video": videos[row]}
+    return lambda row: {"video": items[row]}
+
+
+def _candidate_results(items: Any, candidates: torch.Tensor, cosines: torch.Tensor,
+                       head_scores: torch.Tensor | None, top_k: int | None) -> list[dict]:
     """`_result_list` computed from one query's candidates only (O(candidates), not O(collection)): the first
     ``len(head_scores)`` candidates re-ranked (by decreasing two-stage score), then the other candidates by
-    decreasing cosine; ties by index, as `ranking.ranked_order` orders them. With ``moment`` (row -> (start, end)),
-    every result also has ``"start"`` and ``"end"``."""
+    decreasing cosine; ties by index, as `ranking.ranked_order` orders them. Every result says what `_describer`
+    says of its row."""
     rows, cosines = candidates.tolist(), cosines.tolist()
     reranked = 0 if head_scores is None else len(head_scores)
     head = sorted(zip(rows[:reranked], head_scores.tolist() if reranked else []), key=lambda pair: (-pair[1], pair[0]))
     rest = sorted(zip(rows[reranked:], cosines[reranked:]), key=lambda pair: (-pair[1], pair[0]))
-    results = [{"video": items[i], "score": score, "reranked": True, "row": i} for i, score in head]
-    results += [{"video": items[i], "score": score, "reranked": False, "row": i} for i, score in rest]
-    results = results if top_k is None else results[:top_k]
-    for result in results:
-        row = result.pop("row")
-        if moment is not None:
-            result["start"], result["end"] = moment(row)
-    return results
-
-
-# What `VideoIndex.info` records of the model that encoded it, and where the searching model's config holds it.
-INDEX_MODEL_SETTINGS = {
-    "projection_dim": lambda config: config.projection_dim,
-    "temporal_reduction": lambda config: config.vision_config.temporal_reduction_per_layer,
-    "spatial_reduction": lambda config: config.vision_config.spatial_reduction_per_layer,
-}
+    describe = _describer(items)
+    results = [{**describe(i), "score": score, "reranked": True} for i, score in head]
+    results += [{**describe(i), "score": score, "reranked": False} for i, score in rest]
+    return results if top_k is None else results[:top_k]
 
 
 def _check_index_settings(index: Any, config: Any) -> None:
-    """Refuses to search an index encoded by a model of another projection size or aggregation settings (an
-    index that does not record a setting is not checked for it), naming the setting and both values."""
-    info = getattr(index, "info", None) or {}
-    for key, read in INDEX_MODEL_SETTINGS.items():
-        if key not in info:
-            continue
-        mine = read(config)
-        if json.loads(json.dumps(info[key])) != json.loads(json.dumps(mine)):
-            raise ValueError(f"The index was encoded with {key} = {info[key]!r}, but this model has {key} = "
-                             f"{mine!r}: search it with the model that encoded it, or encode the videos again.")
+    """Refuses to search an index encoded by a model of another projection size or aggregation settings (the
+    `IndexInfo` settings read from a model's config; an index that does not record a setting is not checked for it),
+    naming the setting and both values."""
+    differing = IndexInfo.from_dict(getattr(index, "info", None) or {}).model_differences(config)
+    for key, (recorded, mine) in differing.items():
+        raise ValueError(f"The index was encoded with {key} = {recorded!r}, but this model has {key} = "
+                         f"{mine!r}: search it with the model that encoded it, or encode the videos again.")
 
 
 def _is_remote_code(obj: Any) -> bool:
@@ -457,7 +458,9 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         """Decodes and encodes every video once and returns a [`VideoIndex`].
 
         Args:
-            videos (`list`): paths, 4-D arrays/tensors or frame lists.
+            videos (`list`): paths, 4-D arrays/tensors or frame lists, or `index_homes.IndexEntry` rows (a video
+                with a `dataset` name, carried into the index and search results, to filter by; or a moment of a
+                video file, with `start`/`end`, decoded as `window=` decodes its windows; kept in memory).
             batch_size (`int`, defaults to 8): videos per encoder forward.
             store_tokens (`bool`, defaults to `True`): keep the aggregated tokens so that `search` can re-rank with
                 the matching head; `False` keeps only the embeddings (much smaller; not with `store_dir`).
@@ -481,13 +484,16 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
                 `indexing.FAILURE_CODES`); the progress bar counts the failures and a warning at the end lists them.
                 Search never returns a failed video. `"raise"`: the decoder's error (naming the file) is raised and
                 no index is returned. Bad arguments (e.g. an array of the wrong shape) always raise.
-            index (`VideoIndex`, *optional*): an index to grow. Videos already in it (by path; failed ones too) are
-                skipped, the others are encoded and appended to it in place (`VideoIndex.add`), and it is returned.
+            index (`VideoIndex`, *optional*): an index to grow, in memory or store-backed. Videos already in it (by
+                path and `start`/`end`; failed ones too) are skipped, the others are encoded and appended to it in
+                place (`VideoIndex.add`; a store gets a new shard, written and finished on disk), and it is
+                returned.
                 It must have been built with the same model settings (frames, R_T/R_S, projection size): another
                 setting is refused, naming the difference, before anything is encoded.
             window (`float`, *optional*): index moments instead of whole videos: every video file is cut into
-                windows of this many seconds (`moments.plan_windows`; a video shorter than one window is one entry),
-                decoded once for all its windows (`moments.decode_windows`), and each window is one row of the index
+                windows of this many seconds (planned from its duration, `moments.plan_window_rows`; a video shorter
+                than one window is one entry), the rows encoded by `index_homes.VideoIndexBuilder`, each video
+                decoded once for all its windows (`moments.DecodeWindowRows`), and each window is one row of the index
                 with its `start` and `end` (`VideoIndex.segments`); `search` then returns moments. Paths only, kept in
                 memory (not with `store_dir`); `num_frames` is the only video argument taken. With `num_workers`,
                 the next videos are decoded (each in one pass) in threads while the current windows are encoded.
@@ -500,7 +506,12 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         The returned index's `stats` say how fast it went: videos/s, the time the encoder waited for decoding, the
         encoder's own time (decoding is the bottleneck when the wait dominates) and the failures.
         """
-        videos = video_list(videos, "videos")
+        if isinstance(videos, (list, tuple)) and any(isinstance(item, IndexEntry) for item in videos):
+            entries = [item if isinstance(item, IndexEntry) else IndexEntry(item) for item in videos]
+            videos = video_list([entry.video for entry in entries], "videos")
+        else:
+            videos = video_list(videos, "videos")
+            entries = [IndexEntry(item) for item in videos]
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"`batch_size` must be a positive int, got {batch_size!r}.")
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
@@ -508,163 +519,205 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         check_on_error(on_error)
         if store_dir is not None and not store_tokens:
             raise ValueError("`store_dir` writes the tokens: it cannot be combined with store_tokens=False.")
+        with_weights = index is not None and "model_weights_sha256" in (getattr(index, "info", None) or {})
+        info = self._index_info(video_kwargs, with_weights=with_weights)
         window, stride = check_window_options(window, stride)
-        if window is not None:
-            return self._encode_windows(videos, window, stride, batch_size, store_tokens, token_dtype, progress_bar,
-                                        store_dir, on_error, index, video_kwargs, num_workers)
-        info = self._index_info(video_kwargs)
-        names = [video_name(item, i) for i, item in enumerate(videos)]
+        if window is not None:  # the rows are the videos' windows, planned from their durations
+            entries, info = self._window_entries(entries, window, stride, store_dir, index, info, video_kwargs)
+            if not entries:
+                logger.info("All %d videos are already in the index; nothing to encode.", len(videos))
+                return index
+        moments = any(entry.start is not None for entry in entries)
+        if moments and (store_dir is not None or getattr(index, "store", None) is not None):
+            raise ValueError("Moments (`window=`, or entries with start/end) are built in memory here (save them with "
+                             "`index.save(DIR)`, either format); `python -m train.index --window` writes a video "
+                             "store of moments as it goes.")
         if index is not None:
-            self._check_growable(index, videos, info, store_dir, store_tokens)
-            known = set(index.names) | set(getattr(index, "failures", None) or {})
+            self._check_growable(index, entries, info, store_dir, store_tokens)
+        stored = getattr(index, "store", None) if index is not None else None
+        if store_dir is not None or stored is not None:
+            return self._encode_into_store(entries, videos, index, store_dir, info, token_dtype, batch_size,
+                                           num_workers, on_error, progress_bar, video_kwargs)
+        if index is not None:
+            known = {index.row_key(i) for i in range(len(index))} | {f.key for f in index.failures}
             todo = []
-            for i, name in enumerate(names):  # new videos, each once (a set: linear in the collection)
-                if name not in known:
-                    known.add(name)
+            for i, entry in enumerate(entries):  # new rows, each once (a set: linear in the collection)
+                if entry.key(i) not in known:
+                    known.add(entry.key(i))
                     todo.append(i)
             if not todo:
                 logger.info("All %d videos are already in the index; nothing to encode.", len(videos))
                 return index
-            videos, names = [videos[i] for i in todo], [names[i] for i in todo]
-        if store_dir is not None:  # one writer per store: refused (StoreLockedError) while another writes it
-            lock = StoreLock(store_dir, command="VideoTextRetrievalPipeline.encode_videos").acquire()
-            try:
-                sink = VideoStoreWriter(store_dir, 0, 0, len(videos), token_dtype=token_dtype or torch.float16)
-            except BaseException:
-                lock.release()
-                raise
+            entries = [entries[i] for i in todo]
+        builder = VideoIndexBuilder(self.model, InMemoryHome(store_tokens, token_dtype), info)
+        if moments:  # each video decoded once for all its rows' windows
+            decode = self._moment_decoder(batch_size, num_workers, on_error, info["num_frames"])
         else:
-            sink = InMemorySink(store_tokens=store_tokens, token_dtype=token_dtype)
-        show = (len(videos) >= PROGRESS_BAR_MIN_VIDEOS) if progress_bar is None else bool(progress_bar)
-        decoded = DecodeAhead(lambda i: self._pixels(videos[i], f"videos[{i}]", video_kwargs), len(videos),
-                              num_workers, max(2 * batch_size, num_workers), self._decoder_for_thread)
-        try:
-            with decoded:
-                stats = encode_videos(self.model, decoded.batches(batch_size, on_error, names.__getitem__), sink,
-                                      total=len(videos), progress_bar=show, num_workers=num_workers)
-            failures = dict(sink.failures) if store_dir is None else {f["video"]: f["reason"] for f in sink.failures}
-            if len(failures) == len(videos) and index is None:
-                raise ValueError(f"None of the {len(videos)} videos could be read:\n" + "\n".join(
-                    f"  {video}: {reason[:300]}" for video, reason in list(failures.items())[:SUMMARY_FAILURES]))
-        except BaseException:
-            if store_dir is not None:
-                sink.abort()  # files closed; the store has no index, so it cannot be opened half-written
-                lock.release()
-            raise
-        logger.info("Encoded %d videos in %.1f s (%.2f videos/s; waited %.1f s for decoding, encoder %.1f s; %d "
-                    "failed).", len(videos), stats.seconds, stats.videos_per_second, stats.decode_wait_seconds,
-                    stats.encode_seconds, stats.failed)
-        if store_dir is not None:
-            try:
-                sink.close()
-                finalize_store(store_dir, names, 1, info)
-            finally:
-                lock.release()
-            stored = VideoIndex.from_store(store_dir)
-            stored.videos = list(videos)
-            stored.stats = stats.as_dict()
-            return stored
-        if not sink.indices:  # growing an index with videos that all failed
-            index.failures.update(failures)
+            decode = self._decoder(batch_size, num_workers, on_error, video_kwargs)
+        stats, _ = builder.encode(entries, decode, progress_bar=self._show_progress(len(entries), progress_bar),
+                                  num_workers=num_workers,
+                                  description="Encoding windows" if moments else "Encoding videos")
+        self._log_stats(len(entries), stats)
+        failures = builder.home.failures()
+        if len(failures) == len(entries):
+            if index is None:
+                raise ValueError(f"None of the {len(entries)} videos could be read:\n" + "\n".join(
+                    f"  {f.video}: {str(f)[:300]}" for f in failures[:SUMMARY_FAILURES]))
+            index.add(VideoIndex(videos=[], embeddings=index.embeddings[:0], failures=failures, info=index.info,
+                                 tokens=None if index.tokens is None else index.tokens[:0],
+                                 token_sizes=None if index.token_sizes is None else index.token_sizes[:0]))
             index.stats = stats.as_dict()
             return index
-        embeddings, tokens, sizes = sink.result()
-        encoded = VideoIndex(videos=[videos[i] for i in sink.indices], embeddings=embeddings, tokens=tokens,
-                             token_sizes=sizes, info=info, stats=stats.as_dict(), failures=failures)
+        encoded = builder.finish(entries, stats=stats)
         if index is None:
             return encoded
         index.add(encoded)
         index.stats = encoded.stats
         return index
 
-    def _encode_windows(self, videos: list[Any], window: float, stride: float, batch_size: int, store_tokens: bool,
-                        token_dtype: torch.dtype | None, progress_bar: bool | None, store_dir: Any, on_error: str,
-                        index: VideoIndex | None, video_kwargs: dict[str, Any], num_workers: int = 0) -> VideoIndex:
-        """`encode_videos` with `window`: one row per window of every video (see `encode_videos`)."""
+    @staticmethod
+    def _show_progress(count: int, progress_bar: bool | None) -> bool:
+        return (count >= PROGRESS_BAR_MIN_VIDEOS) if progress_bar is None else bool(progress_bar)
+
+    def _window_entries(self, entries: list[IndexEntry], window: float, stride: float, store_dir: Any,
+                        index: VideoIndex | None, info: dict[str, Any], video_kwargs: dict[str, Any]
+                        ) -> tuple[list[IndexEntry], dict[str, Any]]:
+        """`encode_videos` with `window`: the rows (`IndexEntry` per window of every video file not yet in `index`,
+        planned from the files' durations by `index_homes.window_entries`, with each video's `dataset`) and the
+        index's info (with the window and stride)."""
         if store_dir is not None:
             raise ValueError("`window=` builds the moments in memory (save them with `index.save(DIR)`, either "
                              "format); `python -m train.index --window` writes a video store of moments as it goes.")
         unsupported = sorted(set(video_kwargs) - {"num_frames"})
         if unsupported:
             raise ValueError(f"With `window=`, `num_frames` is the only video argument taken; got {unsupported}.")
-        arrays = [i for i, item in enumerate(videos) if not isinstance(item, (str, os.PathLike))]
+        arrays = [i for i, entry in enumerate(entries) if not isinstance(entry.video, (str, os.PathLike))]
         if arrays:
             raise ValueError(f"`window=` cuts video files by time; videos{arrays[:3]} are in-memory videos.")
-        info = {**self._index_info(video_kwargs), "window": window, "stride": stride}
-        paths = list(dict.fromkeys(os.fspath(item) for item in videos))
+        info = {**info, "window": window, "stride": stride}
+        datasets = {os.fspath(entry.video): entry.dataset for entry in entries}
+        paths = list(datasets)
         if index is not None:
-            self._check_growable(index, videos, info, None, store_tokens)
             if (index.info.get("window"), index.info.get("stride")) != (window, stride):
                 raise ValueError(f"The index holds windows of {index.info.get('window')} s every "
                                  f"{index.info.get('stride')} s; grow it with the same window and stride, got "
                                  f"window={window}, stride={stride}.")
-            known = set(index.names) | set(index.failures)
+            known = set(index.names) | {failure.video for failure in index.failures}
             paths = [path for path in paths if path not in known]
-            if not paths:
-                logger.info("All %d videos are already in the index; nothing to encode.", len(videos))
-                return index
-        rows = WindowRows()
+        return window_entries(paths, window, stride, datasets), info
 
-        def decode(i: int) -> tuple[list[tuple[float, float]], torch.Tensor]:
-            cut, pixel_values = window_pixel_values(self.video_processor, paths[i], window, stride, info["num_frames"])
-            return cut.windows, pixel_values
+    def _moment_decoder(self, batch_size: int, num_workers: int, on_error: str, num_frames: int) -> Any:
+        """The builder's `decode(entries, positions)` for rows that are moments (`IndexEntry.start`/`end`; None: the
+        whole video): `moments.DecodeWindowRows` decodes each video once for its consecutive rows, in `num_workers`
+        threads (`DecodeAhead`, each with its own decoder process), and the windows go out `batch_size` at a time."""
 
-        sink = InMemorySink(store_tokens=store_tokens, token_dtype=token_dtype)
-        show = (len(paths) >= PROGRESS_BAR_MIN_VIDEOS) if progress_bar is None else bool(progress_bar)
-        # with workers, the next videos are decoded (each in one pass) while the current windows are encoded
-        decoded = DecodeAhead(decode, len(paths), num_workers, max(2, num_workers), self._decoder_for_thread)
-        with decoded:
-            stats = encode_videos(self.model, window_batches(paths, decoded.get, batch_size, on_error, rows), sink,
-                                  progress_bar=show, description="Encoding windows", num_workers=num_workers)
-        failures = dict(sink.failures)
-        if not sink.indices:
-            if index is None:
-                raise ValueError(f"None of the {len(paths)} videos could be read:\n" + "\n".join(
-                    f"  {video}: {reason[:300]}" for video, reason in list(failures.items())[:SUMMARY_FAILURES]))
-            index.failures.update(failures)
-            return index
-        embeddings, tokens, sizes = sink.result()
-        encoded = VideoIndex(videos=[rows.videos[i] for i in sink.indices], embeddings=embeddings, tokens=tokens,
-                             token_sizes=sizes, info=info, stats=stats.as_dict(), failures=failures,
-                             segments=rows.segments(sink.indices))
-        if index is None:
-            return encoded
-        index.add(encoded)
-        index.stats = encoded.stats
-        return index
+        def decode(entries: list[IndexEntry], positions: list[int]):
+            segments = [None if entry.start is None else [entry.start, entry.end] for entry in entries]
+            collate = DecodeWindowRows(self.video_processor, num_frames, segments, on_error)
+            groups = video_groups(positions, [entry.name(i) for i, entry in enumerate(entries)])
+            ahead = DecodeAhead(lambda g: collate([groups[g]]), len(groups), num_workers, max(2, num_workers),
+                                self._decoder_for_thread)
+            with ahead:
+                for indices, pixel_values, failures in rebatch(map(ahead.get, range(len(groups))), batch_size):
+                    yield indices, pixel_values, [dataclasses.replace(f, start=entries[f.index].start,
+                                                                      end=entries[f.index].end) for f in failures]
 
-    def _index_info(self, video_kwargs: dict[str, Any]) -> dict[str, Any]:
-        """How an index encoded with this model and these video arguments is built (saved as its `info`)."""
-        vision = self.model.config.vision_config
-        return {
-            "model_class": type(self.model).__name__,
-            "name_or_path": getattr(self.model.config, "_name_or_path", None) or "",
-            "projection_dim": int(self.model.config.projection_dim),
-            "num_frames": int(video_kwargs.get("num_frames", self.video_processor.num_frames)),
-            "temporal_reduction": list(vision.temporal_reduction_per_layer),
-            "spatial_reduction": list(vision.spatial_reduction_per_layer),
-        }
+        return decode
 
     @staticmethod
-    def _check_growable(index: Any, videos: list[Any], info: dict[str, Any], store_dir: Any,
+    def _log_stats(count: int, stats: Any) -> None:
+        logger.info("Encoded %d videos in %.1f s (%.2f videos/s; waited %.1f s for decoding, encoder %.1f s; %d "
+                    "failed).", count, stats.seconds, stats.videos_per_second, stats.decode_wait_seconds,
+                    stats.encode_seconds, stats.failed)
+
+    def _decoder(self, batch_size: int, num_workers: int, on_error: str, video_kwargs: dict[str, Any]) -> Any:
+        """The builder's `decode(entries, positions)`: this pipeline's video processor in `num_workers` threads
+        (`DecodeAhead`), each with its own decoder process; batches and failures name collection positions."""
+
+        def decode(entries: list[IndexEntry], positions: list[int]):
+            def pixels(j: int) -> torch.Tensor:
+                return self._pixels(entries[positions[j]].video, f"videos[{positions[j]}]", video_kwargs)
+
+            names = [entries[p].name(p) for p in positions]
+            ahead = DecodeAhead(pixels, len(positions), num_workers, max(2 * batch_size, num_workers),
+                                self._decoder_for_thread)
+            with ahead:
+                for local, pixel_values, failures in ahead.batches(batch_size, on_error, names.__getitem__):
+                    failures = [dataclasses.replace(f, index=positions[f.index], start=entries[positions[f.index]].start,
+                                                    end=entries[positions[f.index]].end) for f in failures]
+                    yield [positions[j] for j in local], pixel_values, failures
+
+        return decode
+
+    def _encode_into_store(self, entries: list[IndexEntry], videos: list[Any], index: Any, store_dir: Any,
+                           info: dict[str, Any], token_dtype: torch.dtype | None, batch_size: int, num_workers: int,
+                           on_error: str, progress_bar: bool | None, video_kwargs: dict[str, Any]) -> VideoIndex:
+        """Encodes into a new store in `store_dir`, or appends the new rows to the store backing `index` (a new
+        shard; the store's own settings and token dtype), and returns the store-backed index (`index` itself,
+        reopened in place, when growing)."""
+        growing = index is not None
+        directory = index.store.directory if growing else store_dir
+        # one writer per store: refused (StoreLockedError, naming the writer) while another process writes it
+        lock = StoreLock(directory, command="VideoTextRetrievalPipeline.encode_videos").acquire()
+        try:
+            return self._encode_into_locked_store(entries, videos, index, directory, info, token_dtype, batch_size,
+                                                  num_workers, on_error, progress_bar, video_kwargs)
+        finally:
+            lock.release()
+
+    def _encode_into_locked_store(self, entries: list[IndexEntry], videos: list[Any], index: Any, directory: Any,
+                                  info: dict[str, Any], token_dtype: torch.dtype | None, batch_size: int,
+                                  num_workers: int, on_error: str, progress_bar: bool | None,
+                                  video_kwargs: dict[str, Any]) -> VideoIndex:
+        growing = index is not None
+        if growing:
+            home = StoreHome(directory, index.store.token_dtype)
+            info = {**index.info, **{key: value for key, value in info.items() if key not in index.info}}
+        else:
+            home = StoreHome(directory, token_dtype or torch.float16)
+            home.reset()
+        plan, new = home.append(entries)
+        if not new:
+            logger.info("All %d videos are already in the index; nothing to encode.", len(videos))
+            return index
+        first = plan["shards"][-1][0]
+        rows = StoreHome.entries(plan)
+        builder = VideoIndexBuilder(self.model, home, info)
+        stats, _ = builder.encode(rows, self._decoder(batch_size, num_workers, on_error, video_kwargs),
+                                  shard=len(plan["shards"]) - 1, start=first,
+                                  progress_bar=self._show_progress(len(new), progress_bar), num_workers=num_workers)
+        self._log_stats(len(new), stats)
+        stored = builder.finish(rows, stats=stats)
+        if not growing:
+            stored.videos = list(videos)
+            return stored
+        stored.videos = list(index.videos) + [entries[i].video for i in new]
+        index.__dict__.update(stored.__dict__)  # the caller's index object now reads the grown store
+        return index
+
+    def _index_info(self, video_kwargs: dict[str, Any], with_weights: bool = False) -> dict[str, Any]:
+        """How an index encoded with this model and these video arguments is built (`IndexInfo`, saved as its
+        `info`); `with_weights` also records the weights' hash (to grow an index that records one)."""
+        num_frames = int(video_kwargs.get("num_frames", self.video_processor.num_frames))
+        return IndexInfo.from_model(self.model, num_frames, with_weights=with_weights).as_dict()
+
+    @staticmethod
+    def _check_growable(index: Any, entries: list[IndexEntry], info: dict[str, Any], store_dir: Any,
                         store_tokens: bool) -> None:
         """Refuses, naming the difference, to grow ``index`` with videos it could not hold alongside its own."""
         if not all(hasattr(index, name) for name in ("names", "embeddings", "add", "info")):
             raise TypeError(f"`index` must be a VideoIndex to grow, got {type(index)}.")
-        if getattr(index, "store", None) is not None:  # refused before anything is decoded, not after
-            raise ValueError(f"The index is backed by the video store {str(index.store.directory)!r}, which grows "
-                             "on disk: `python -m train.index --store DIR --videos MORE` appends to it.")
         if store_dir is not None:
-            raise ValueError("`index=` grows an index in memory; grow a video store with `python -m train.index "
-                             "--store DIR --videos MORE` instead of passing `store_dir`.")
-        arrays = [i for i, item in enumerate(videos) if not isinstance(item, (str, os.PathLike))]
+            raise ValueError("`index=` grows that index where it lives (in memory, or its own store); do not pass "
+                             "`store_dir` with it.")
+        arrays = [i for i, entry in enumerate(entries) if not isinstance(entry.video, (str, os.PathLike))]
         if arrays:
             raise ValueError(f"`index=` tells the videos already in the index by their paths; videos{arrays[:3]} "
                              "are in-memory videos, which have none.")
         if store_tokens != index.has_tokens:
             raise ValueError(f"The index {'holds' if index.has_tokens else 'does not hold'} tokens; encode with "
                              f"store_tokens={index.has_tokens} to grow it.")
-        differing = differing_settings(index.info, info, SHARED_INFO_SETTINGS)
+        differing = IndexInfo.from_dict(index.info).differences(IndexInfo.from_dict(info))
         differences = [f"{key}: the index has {mine!r}, this call {theirs!r}" for key, (mine, theirs) in differing.items()]
         if differences:
             raise ValueError("The index was built with other settings; grow it with the same ones or build "
@@ -682,9 +735,12 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         add_cosine: bool = True,
         use_faiss: bool | None = None,
         text_kwargs: dict[str, Any] | None = None,
+        filters: dict[str, Any] | None = None,
         group_by: str | None = None,
     ) -> Any:
-        """Searches an encoded collection without decoding any video.
+        """Searches an encoded collection without decoding any video: a `VideoIndex` (in memory or store-backed) or
+        a `milvus_home.MilvusIndex`, with payload `filters` (``{"folder": DIR}``: the videos under DIR;
+        ``{"dataset": NAME or [NAMES]}``; ``{"video": PATH}``), applied before the first stage.
 
         The first stage takes the nearest videos by cosine (`VideoIndex.nearest`): with FAISS when installed
         (`use_faiss=None`; `True` requires it, `False` uses exact torch top-k), through the index's first stage,
@@ -701,7 +757,8 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         gives each video once, at its best moment (the whole ranking is scored, then grouped, then cut to `top_k`).
 
         Returns:
-            Like the pipeline call: `[{"video", "score", "reranked"}]` per query (with `"start"`, `"end"` for moments).
+            Like the pipeline call: `[{"video", "score", "reranked"}]` per query, with the row's `"start"`/`"end"`
+            (an index of moments) and `"dataset"` when it has them.
 
         Raises:
             ValueError: when the index was encoded by a model of another `projection_dim` or aggregation settings
@@ -720,13 +777,15 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         if group_by not in (None, "video"):
             raise ValueError(f"`group_by` must be None or 'video', got {group_by!r}.")
         _check_index_settings(index, self.model.config)
-        moments = getattr(index, "segments", None) is not None
         grouped_top_k = top_k if group_by == "video" else None
         if group_by == "video":
             top_k = None  # every row, so that grouping keeps each video's best moment
         texts, single = text_list(text, "text")
         if rerank and not index.has_tokens:
             raise ValueError("rerank=True needs an index built with store_tokens=True.")
+        if rerank is None and not index.has_tokens:
+            logger.warning_once("This index holds no re-ranking tokens (built with store_tokens=False, or a Milvus "
+                                "collection whose rows name no token store): search ranks by cosine only.")
         rerank = index.has_tokens if rerank is None else bool(rerank)
         encoded = self._tokenize(texts, text_kwargs)
         input_ids = encoded["input_ids"].to(self.device)
@@ -735,21 +794,26 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         num_videos = len(index)
         window = self._window(num_videos, top_k, rerank_k) if rerank else 0
         depth = num_videos if top_k is None else max(window, min(top_k, num_videos))
-        cosines, candidates = index.nearest(text_features, depth, use_faiss=use_faiss)
+        depth = min(depth, 16_384)  # Milvus' largest limit; no result list is longer in practice
+        if filters:
+            cosines, candidates = index.nearest(text_features, depth, use_faiss=use_faiss, filters=filters)
+        else:
+            cosines, candidates = index.nearest(text_features, depth, use_faiss=use_faiss)
         results = []
         for q in range(len(texts)):
             # only the candidates are scored: the work per query does not grow with the collection
-            head = candidates[q][:window]
+            found = candidates[q] >= 0  # a filtered search may find fewer rows than asked
+            rows, row_cosines = candidates[q][found], cosines[q][found].float()
+            head = rows[:window]
             head_scores = None
-            if window:
+            if head.numel():
                 head_scores = two_stage_scores(
                     self.model, queries_are_texts=True, input_ids=input_ids[q : q + 1],
                     attention_mask=attention_mask[q : q + 1], text_features=text_features[q : q + 1],
                     video_features=index.embeddings[head], read_tokens=lambda rows: index.tokens[head[rows]],
                     options=RankingOptions(k=len(head), itm_score=itm_score, add_cosine=add_cosine),
                 ).scores[0].float().cpu()
-            ranked = _candidate_results(index.videos, candidates[q], cosines[q].float(), head_scores, top_k,
-                                        index.moment if moments else None)
+            ranked = _candidate_results(index, rows, row_cosines, head_scores, top_k)
             if group_by == "video":
                 ranked = best_moment_per_video(ranked)[:grouped_top_k]
             results.append(ranked)

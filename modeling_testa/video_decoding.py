@@ -73,18 +73,26 @@ class VideoDecodingError(ValueError):
         reason (`str`): why it failed (the decoder's own message where there is one).
         backend (`str` or `None`): the decoder that failed (`"decord"`, `"pyav"`), or `None` when no decoder was run or
             when all decoders failed (the reason then lists each).
+        code (`str`): why, as a stable word set where the error is raised (`indexing.FAILURE_CODES`): `"empty"`,
+            `"no_frames"`, `"decoder_crash"`, `"timeout"`, or `"unreadable"` (the default: any other reason).
     """
 
-    def __init__(self, source: str, reason: str, backend: str | None = None) -> None:
+    code = "unreadable"
+
+    def __init__(self, source: str, reason: str, backend: str | None = None, code: str | None = None) -> None:
         self.source = str(source)
         self.reason = reason
         self.backend = backend
+        if code is not None:
+            self.code = code
         via = f" with {backend}" if backend else ""
         super().__init__(f"Could not decode video {self.source!r}{via}: {reason}")
 
 
 class VideoDecodingTimeoutError(VideoDecodingError, TimeoutError):
     """Decoding took longer than `decode_timeout` seconds; the decoder process was killed."""
+
+    code = "timeout"
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -216,7 +224,7 @@ def _check_source(source: str | os.PathLike) -> str:
     if os.path.isdir(source):
         raise IsADirectoryError(errno.EISDIR, "Expected a video file but got a directory", source)
     if os.path.getsize(source) == 0:
-        raise VideoDecodingError(source, "the file is empty (0 bytes), so no decoder can read it")
+        raise VideoDecodingError(source, "the file is empty (0 bytes), so no decoder can read it", code="empty")
     return source
 
 
@@ -291,7 +299,7 @@ def _sample_and_read(
     if total <= 0:
         close()
         what = "no decodable frames" if backend == "decord" else "no frames"
-        raise VideoDecodingError(source, f"the video stream contains {what}", backend)
+        raise VideoDecodingError(source, f"the video stream contains {what}", backend, code="no_frames")
     try:
         indices = check_frame_indices(sample_indices_fn(metadata), total, source)
     except BaseException:
@@ -328,7 +336,7 @@ def _decode_in_process(
         except (ImportError, TruncatedVideo):
             raise
         except DecodeFailure as exc:
-            raise VideoDecodingError(source, str(exc), backend) from exc
+            raise VideoDecodingError(source, str(exc), backend, code=exc.code) from exc
         except Exception as exc:  # DECORDError, av.FFmpegError, RuntimeError, ...
             raise VideoDecodingError(source, _clean_decoder_message(exc), backend) from exc
 
@@ -478,14 +486,14 @@ class DecoderProcess:
         return " | ".join([line for line in lines if line][-max_lines:])
 
     def _error(self, source: str, backend: str, message: tuple, log_offset: int) -> VideoDecodingError:
-        _, kind, text, final = message
+        _, kind, text, final, code = message
         reason = text if final else _clean_decoder_message(text)
         if kind == "ImportError":
             reason = f"the decoder process cannot import it: {reason}"
         tail = self._log_since(log_offset)
         if tail and tail not in reason:
             reason = f"{reason} (decoder log: {tail})"
-        return VideoDecodingError(source, reason, backend)
+        return VideoDecodingError(source, reason, backend, code=code)
 
     def decode(
         self,
@@ -511,7 +519,7 @@ class DecoderProcess:
                     description += f"; decoder log: {tail}" if tail else ""
                     self.stop()
                     raise VideoDecodingError(
-                        source, f"could not start the decoder process: {description}", backend
+                        source, f"could not start the decoder process: {description}", backend, code="decoder_crash"
                     ) from None
             log_offset = self._log_size()
 
@@ -544,7 +552,7 @@ class DecoderProcess:
                 tail = self._log_since(log_offset)
                 self.stop()
                 raise VideoDecodingError(
-                    source, description + (f"; decoder log: {tail}" if tail else ""), backend
+                    source, description + (f"; decoder log: {tail}" if tail else ""), backend, code="decoder_crash"
                 ) from None
             except TimeoutError:
                 self.stop()
@@ -676,7 +684,20 @@ def decode_video(
         if all(isinstance(exc, VideoDecodingTimeoutError) for _, exc in failures)
         else VideoDecodingError
     )
-    raise error_class(source, f"no decoder could read it ({reasons})") from failures[-1][1]
+    raise error_class(source, f"no decoder could read it ({reasons})",
+                      code=combined_code([exc.code for _, exc in failures])) from failures[-1][1]
+
+
+# When every decoder tried failed, the most specific of their codes names the failure.
+_CODE_PRECEDENCE = ("no_frames", "decoder_crash", "empty")
+
+
+def combined_code(codes: list[str]) -> str:
+    """The code of a failure of several decoders: ``"timeout"`` when all timed out, else the first of
+    `_CODE_PRECEDENCE` any of them gave, else ``"unreadable"``."""
+    if codes and all(code == "timeout" for code in codes):
+        return "timeout"
+    return next((code for code in _CODE_PRECEDENCE if code in codes), "unreadable")
 
 
 __all__ = [

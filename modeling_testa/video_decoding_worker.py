@@ -32,7 +32,12 @@ BACKENDS = ("decord", "pyav")
 
 
 class DecodeFailure(Exception):
-    """The video cannot be decoded; the message is the final, human-readable reason."""
+    """The video cannot be decoded; the message is the final, human-readable reason, `code` the stable word for it
+    (`indexing.FAILURE_CODES`: ``"no_frames"``, or ``"unreadable"`` for any other reason)."""
+
+    def __init__(self, reason: str, code: str = "unreadable") -> None:
+        super().__init__(reason)
+        self.code = code
 
 
 class TruncatedVideo(Exception):
@@ -269,7 +274,7 @@ class PyAVReader:
                 if self.truncated:
                     raise DecodeFailure(f"decoding is not reproducible{ffmpeg}")
                 if decoded == 0:
-                    raise DecodeFailure(f"the video stream contains no decodable frames{ffmpeg}")
+                    raise DecodeFailure(f"the video stream contains no decodable frames{ffmpeg}", code="no_frames")
                 self.truncated, self.sorted_pts, self.total = True, None, decoded
                 raise TruncatedVideo(decoded, error)
         return np.stack([frames[i] for i in wanted])
@@ -336,10 +341,10 @@ def serve(fd_in: int, fd_out: int) -> None:
             send(("truncated", exc.decoded, exc.error))
         except DecodeFailure as exc:
             reader = None
-            send(("error", "DecodeFailure", str(exc), True))
+            send(("error", "DecodeFailure", str(exc), True, exc.code))
         except Exception as exc:
             reader = None
-            send(("error", type(exc).__name__, str(exc), False))
+            send(("error", type(exc).__name__, str(exc), False, "unreadable"))
 
 
 def _exit_with_parent() -> None:

@@ -11,11 +11,12 @@ This file is Hub remote code: flat relative imports only, absolute imports of in
 optional and imported inside `try`).
 """
 
+import dataclasses
 import hashlib
 import json
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from .indexing import Failure
 from .store_lock import StoreLock
 from .video_store import (
     STORE_INFO_FILE,
@@ -76,6 +78,21 @@ DEFAULT_PARAMETERS = {
 # An approximate stage fetches this many times `k` candidates (at least `MIN_CANDIDATES`) and re-scores them exactly.
 CANDIDATE_MULTIPLE = 16
 MIN_CANDIDATES = 1024
+
+
+_warned_exact_fallback = False
+
+
+def warn_exact_fallback(count: int) -> None:
+    """Warns once per process when an index of more than `EXACT_MAX_VIDEOS` videos is searched without FAISS: exact
+    torch top-k reads every embedding per query (measured: 75 ms per query at 1M 256-d videos, against 5.8 ms with
+    FAISS; docs/inference.md)."""
+    global _warned_exact_fallback
+    if count > EXACT_MAX_VIDEOS and not _warned_exact_fallback:
+        _warned_exact_fallback = True
+        logger.warning("Searching %d videos without faiss: exact torch top-k reads every embedding for each query "
+                       "(about 75 ms per query at 1M 256-d videos, 13x the faiss first stage). Install it: "
+                       "pip install faiss-cpu (or the package's `faiss` extra).", count)
 
 
 def first_stage_kind(count: int, exact_max_videos: int = EXACT_MAX_VIDEOS) -> str:
@@ -332,10 +349,80 @@ class FirstStage:
         return cls(index, meta["kind"], meta.get("parameters", {}), rows, embeddings.shape[0], meta["fingerprint"])
 
 
-# Settings that must agree between indexes joined by `VideoIndex.add` (and, the ones the model defines, between an
-# index and the model that searches it).
-SHARED_INFO_SETTINGS = ("model_class", "name_or_path", "model", "model_weights_sha256", "projection_dim",
-                        "num_frames", "temporal_reduction", "spatial_reduction", "precision", "token_dtype")
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """SHA-256 of the model's parameters and buffers (names, shapes, dtypes and bytes)."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        tensor = tensor.detach().cpu().contiguous().reshape(-1)
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()
+
+
+def config_setting(read: Any) -> dict[str, Any]:
+    return {"config": read}
+
+
+@dataclass(frozen=True)
+class IndexInfo:
+    """The settings an index must share with another to be grown by it, and (those read from the model's config)
+    with the model that searches it: declared here once. Saved as an index's `info` (`as_dict`; a store may add its
+    own keys, e.g. `train.index`'s ``shard_size``).
+
+    A setting an index does not record (None) is not compared. ``model`` and ``name_or_path`` (where the weights came
+    from) are compared only when either side lacks ``model_weights_sha256``, which names the weights themselves.
+    """
+
+    model_class: str | None = None
+    name_or_path: str | None = None
+    model: str | None = None
+    model_weights_sha256: str | None = None
+    projection_dim: int | None = field(default=None, metadata=config_setting(lambda c: c.projection_dim))
+    num_frames: int | None = None
+    temporal_reduction: list[int] | None = field(
+        default=None, metadata=config_setting(lambda c: c.vision_config.temporal_reduction_per_layer))
+    spatial_reduction: list[int] | None = field(
+        default=None, metadata=config_setting(lambda c: c.vision_config.spatial_reduction_per_layer))
+    precision: str | None = None
+    token_dtype: str | None = None
+
+    @classmethod
+    def from_model(cls, encoder: Any, num_frames: int, with_weights: bool = False, **settings: Any) -> "IndexInfo":
+        """The settings of an index that the model `encoder` encodes at `num_frames` frames (`with_weights`: also
+        hash its weights, about a second for ViT-B); `settings` sets the others (``model``, ``precision``, ...)."""
+        config = encoder.config
+        read = {f.name: json_value(f.metadata["config"](config)) for f in fields(cls) if "config" in f.metadata}
+        return cls(model_class=type(encoder).__name__, name_or_path=getattr(config, "_name_or_path", None) or "",
+                   num_frames=int(num_frames),
+                   model_weights_sha256=weights_fingerprint(encoder) if with_weights else None, **read, **settings)
+
+    @classmethod
+    def from_dict(cls, info: dict[str, Any] | None) -> "IndexInfo":
+        """The settings recorded in an index's `info` (other keys are ignored)."""
+        info = info or {}
+        return cls(**{f.name: json_value(info[f.name]) for f in fields(cls) if info.get(f.name) is not None})
+
+    def as_dict(self) -> dict[str, Any]:
+        """The recorded settings, json-ready."""
+        return {f.name: json_value(getattr(self, f.name)) for f in fields(self) if getattr(self, f.name) is not None}
+
+    def differences(self, other: "IndexInfo") -> dict[str, tuple[Any, Any]]:
+        """``{setting: (mine, theirs)}`` for every setting both record with different values (see the class)."""
+        by_weights = self.model_weights_sha256 is not None and other.model_weights_sha256 is not None
+        skipped = ("model", "name_or_path") if by_weights else ()
+        return {f.name: (getattr(self, f.name), getattr(other, f.name)) for f in fields(self)
+                if f.name not in skipped and getattr(self, f.name) is not None and getattr(other, f.name) is not None
+                and json_value(getattr(self, f.name)) != json_value(getattr(other, f.name))}
+
+    def model_differences(self, config: Any) -> dict[str, tuple[Any, Any]]:
+        """``{setting: (recorded, the model's)}`` for the settings read from a model's config that differ."""
+        return {f.name: (getattr(self, f.name), json_value(f.metadata["config"](config))) for f in fields(self)
+                if "config" in f.metadata and getattr(self, f.name) is not None
+                and json_value(getattr(self, f.name)) != json_value(f.metadata["config"](config))}
+
+
+SHARED_INFO_SETTINGS = tuple(f.name for f in fields(IndexInfo))
+"""The settings `IndexInfo` declares (kept for code that named them)."""
 
 
 def json_value(value: Any) -> Any:
@@ -343,10 +430,43 @@ def json_value(value: Any) -> Any:
     return json.loads(json.dumps(value))
 
 
-def differing_settings(first: dict[str, Any], second: dict[str, Any], keys: tuple[str, ...]) -> dict[str, tuple]:
-    """The `keys` whose values differ between two settings dicts: ``{key: (first value, second value)}``."""
-    return {key: (first.get(key), second.get(key)) for key in keys
-            if json_value(first.get(key)) != json_value(second.get(key))}
+def differing_settings(first: dict[str, Any], second: dict[str, Any], keys: tuple[str, ...] = SHARED_INFO_SETTINGS
+                       ) -> dict[str, tuple]:
+    """The settings whose values differ between two `info` dicts (`IndexInfo.differences`; `keys` limits them)."""
+    differing = IndexInfo.from_dict(first).differences(IndexInfo.from_dict(second))
+    return {key: value for key, value in differing.items() if key in keys}
+
+
+ROW_FIELDS = ("dataset",)
+"""Optional per-row fields of an index (`VideoIndex.row_fields`), carried by every home and into search results. A
+row's `start`/`end` are not among them: they live in `VideoIndex.segments`."""
+
+
+def segments_tensor(segments: list[Any] | None) -> torch.Tensor | None:
+    """`VideoIndex.segments` from a list of ``[start, end]`` or None (a whole video) per row, as a store's info and
+    a store plan keep them; None for None."""
+    if segments is None:
+        return None
+    return torch.tensor([pair if pair is not None else [float("nan")] * 2 for pair in segments],
+                        dtype=torch.float64).reshape(-1, 2)
+
+
+def failure_moment(failure: Failure, segments: torch.Tensor) -> Failure:
+    """`failure` with the `start`/`end` of its row (`failure.index`) in `segments` (NaN: a whole video)."""
+    if failure.index is None or not 0 <= failure.index < segments.shape[0] or failure.start is not None:
+        return failure
+    start, end = segments[failure.index].tolist()
+    if start != start:  # NaN
+        return failure
+    return dataclasses.replace(failure, start=float(start), end=float(end))
+
+
+def as_failures(failures: Any) -> list[Failure]:
+    """`Failure` records from a list of records or of their dicts (`Failure.as_dict`), or from the
+    ``{video: reason}`` dict an earlier version kept (code ``"unknown"``)."""
+    if isinstance(failures, dict):
+        return [Failure(str(video), "unknown", str(reason)) for video, reason in failures.items()]
+    return [f if isinstance(f, Failure) else Failure.from_dict(f) for f in failures or []]
 
 
 @dataclass
@@ -376,8 +496,11 @@ class VideoIndex:
         token_sizes (`torch.FloatTensor` of shape `(num_videos, tokens)`, *optional*): input patches per token.
         info (`dict`): how the index was built (model class, frames, ...); saved with it.
         store (`VideoTokenStore`, *optional*): the on-disk store backing `tokens`, when there is one.
-        failures (`dict[str, str]`): video name -> why it could not be encoded, in the order met; saved with the
-            index.
+        failures (`list[Failure]`): the videos (or moments) that could not be encoded, each with its code and reason,
+            in the order met; saved with the index.
+        row_fields (`dict[str, list]`): optional per-row fields (`ROW_FIELDS`), each a list of `len(videos)`
+            values (None: absent): ``dataset`` (a name to filter by). Saved with the index; search results carry
+            them. A moment's `start`/`end` are in `segments`.
         stats (`dict`): how fast `encode_videos` built it (not saved): `videos`, `seconds` (wall time),
             `videos_per_second`, `decode_wait_seconds` (time the encoder waited for decoded videos; all the decoding
             time without workers), `encode_seconds` (encoder forwards) and `num_workers`.
@@ -386,7 +509,7 @@ class VideoIndex:
         segments (`torch.Tensor` of shape `(num_videos, 2)`, *optional*): for an index of moments
             (`encode_videos(..., window=)`), the `(start, end)` seconds of every row in its video (`videos[i]` names
             the video); NaN for a row that is a whole video; `None` when every row is a whole video. Saved with the
-            single-file index.
+            index (either format), and the one place a row's start and end live (`moment`, `row_key`, `entry`).
 
     Attributes:
         skipped (`list[str]`): the videos the last `add` left out because the index already held them.
@@ -398,7 +521,8 @@ class VideoIndex:
     token_sizes: Any = None
     info: dict[str, Any] = field(default_factory=dict)
     store: VideoTokenStore | None = None
-    failures: dict[str, str] = field(default_factory=dict)
+    failures: list[Failure] = field(default_factory=list)
+    row_fields: dict[str, list[Any]] = field(default_factory=dict)
     stats: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     exact_max_videos: int = field(default=EXACT_MAX_VIDEOS, compare=False, repr=False)
     segments: torch.Tensor | None = None
@@ -413,12 +537,17 @@ class VideoIndex:
             value = getattr(self, name)
             if value is not None and value.shape[0] != n:
                 raise ValueError(f"`{name}` has {value.shape[0]} rows for {n} videos.")
+        self.failures = as_failures(self.failures)
+        self.row_fields = {key: list(values) for key, values in (self.row_fields or {}).items()}
+        for key, values in self.row_fields.items():
+            if key not in ROW_FIELDS or len(values) != n:
+                raise ValueError(f"`row_fields[{key!r}]` must be one of {ROW_FIELDS} with {n} values, got "
+                                 f"{len(values)} values.")
         if self.segments is not None:
             self.segments = torch.as_tensor(self.segments, dtype=torch.float64)
             if tuple(self.segments.shape) != (n, 2):
                 raise ValueError(f"`segments` must be ({n}, 2) (start, end) seconds for {n} rows, got "
                                  f"{tuple(self.segments.shape)}.")
-        self.failures = dict(self.failures)
 
     def __len__(self) -> int:
         return len(self.videos)
@@ -432,12 +561,38 @@ class VideoIndex:
 
     def row_keys(self) -> list[tuple[str, float | None, float | None]]:
         """`(video name, start, end)` of every row: what tells two rows apart (a video's moments share its name)."""
-        return [(name, *self.moment(i)) for i, name in enumerate(self.names)]
+        return [self.row_key(i) for i in range(len(self))]
 
     @property
     def names(self) -> list[str]:
         """The videos' paths (or `videos[i]` for in-memory videos), as saved in the json file."""
         return [video_name(item, i) for i, item in enumerate(self.videos)]
+
+    def row_field(self, key: str, row: int) -> Any:
+        """The per-row field `key` (`ROW_FIELDS`) of `row`, None when absent."""
+        values = self.row_fields.get(key)
+        return None if values is None else values[row]
+
+    def entry(self, row: int) -> dict[str, Any]:
+        """What a search result says of `row`: ``{"video"}``, ``start`` and ``end`` in an index of moments (None for
+        a whole video among them, `moment`), and ``dataset`` when set."""
+        found = {"video": self.videos[row]}
+        if self.segments is not None:
+            found["start"], found["end"] = self.moment(row)
+        for key in ROW_FIELDS:
+            value = self.row_field(key, row)
+            if value is not None:
+                found[key] = value
+        return found
+
+    def row_key(self, row: int) -> tuple[str, float | None, float | None]:
+        """``(name, start, end)``: what tells two rows apart (the windows of one video are distinct rows)."""
+        return (video_name(self.videos[row], row), *self.moment(row))
+
+    @property
+    def index_info(self) -> IndexInfo:
+        """The settings recorded in `info`."""
+        return IndexInfo.from_dict(self.info)
 
     @property
     def dim(self) -> int:
@@ -472,13 +627,13 @@ class VideoIndex:
             store = VideoTokenStore(store)
         info = dict(store.info)
         # an index of moments (train.index --window) keeps its rows' (start, end) in the store's info
-        segments = info.pop("segments", None)
-        if segments is not None:
-            segments = torch.tensor([pair if pair is not None else [float("nan")] * 2 for pair in segments],
-                                    dtype=torch.float64).reshape(-1, 2)
+        segments = segments_tensor(info.pop("segments", None))
+        failures = [Failure.from_dict(f) for f in store.failures]
+        if segments is not None:  # a failed row's moment, from the row's segment
+            failures = [failure_moment(f, segments) for f in failures]
         index = cls(videos=list(store.videos), embeddings=store.embeddings, tokens=store.tokens,
-                    token_sizes=store.token_sizes, info=info, store=store,
-                    failures={f["video"]: f["reason"] for f in store.failures}, segments=segments)
+                    token_sizes=store.token_sizes, info=info, store=store, failures=failures,
+                    row_fields=dict(store.meta.get("row_fields") or {}), segments=segments)
         if first_stage:
             index.load_first_stage(store.directory)
         return index
@@ -542,22 +697,23 @@ class VideoIndex:
     # -- growing an in-memory index ----------------------------------------------------------------------------------
 
     def add(self, other: "VideoIndex") -> "VideoIndex":
-        """Appends the videos of `other` (in place; returns `self`). A video whose name (path) the index already
-        holds is skipped and listed in `skipped`; in-memory videos (arrays) are always appended. `other`'s
-        failures are merged, and a video that failed before and is now encoded leaves `failures`. The first stage,
-        when built, grows with the new vectors (or is rebuilt on the next search when the collection crosses
-        `exact_max_videos`).
+        """Appends the rows of `other` (in place; returns `self`). A row whose key (`row_key`: the video's path
+        and its `start`/`end`) the index already holds is skipped and listed in `skipped`; in-memory videos
+        (arrays) are always appended. `other`'s failures are merged, and a row that failed before and is now encoded
+        leaves `failures`. The first stage, when built, grows with the new vectors (or is rebuilt on the next search
+        when the collection crosses `exact_max_videos`).
 
         Raises:
             ValueError: when the two indexes disagree on the embedding size, on having tokens or token sizes, on
-                the token shape or dtypes, or on a setting of `info` (`SHARED_INFO_SETTINGS`); the message names the
-                field and both values. Also for a store-backed index: grow a store with
-                ``python -m train.index --store DIR --videos MORE`` instead.
+                the token shape or dtypes, or on a setting of `info` (`IndexInfo`); the message names the field and
+                both values. Also for a store-backed index, which grows on disk:
+                ``pipe.encode_videos(more, index=index)`` or ``python -m train.index --store DIR --videos MORE``.
         """
         if self.store is not None:
             raise ValueError(
-                f"This index is backed by the video store {str(self.store.directory)!r}; add videos to a store with "
-                f"`python -m train.index --store {self.store.directory} --videos MORE` and load it again."
+                f"This index is backed by the video store {str(self.store.directory)!r}, which grows on disk: "
+                f"`pipe.encode_videos(more, index=index)` or `python -m train.index --store "
+                f"{self.store.directory} --videos MORE`."
             )
         self.check_compatible(other)
         known = {key for item, key in zip(self.videos, self.row_keys()) if isinstance(item, (str, os.PathLike))}
@@ -572,6 +728,9 @@ class VideoIndex:
             known.add(key)
         rows = torch.tensor(take, dtype=torch.long)
         first_new = len(self)
+        for key in set(self.row_fields) | set(other.row_fields):
+            self.row_fields[key] = ([self.row_field(key, i) for i in range(first_new)]
+                                    + [other.row_field(key, i) for i in take])
         if self.segments is not None or other.segments is not None:  # whole videos are NaN rows among moments
             whole = lambda count: torch.full((count, 2), float("nan"), dtype=torch.float64)  # noqa: E731
             mine = self.segments if self.segments is not None else whole(len(self))
@@ -584,9 +743,12 @@ class VideoIndex:
             self.tokens = torch.cat([self.tokens, other.tokens[rows].to(self.tokens.dtype)])
         if self.token_sizes is not None:
             self.token_sizes = torch.cat([self.token_sizes, other.token_sizes[rows].to(self.token_sizes.dtype)])
-        encoded = {video_name(item, 0) for item in self.videos if isinstance(item, (str, os.PathLike))}
-        merged = {**self.failures, **other.failures}
-        self.failures = {name: reason for name, reason in merged.items() if name not in encoded}
+        encoded = {self.row_key(i) for i, item in enumerate(self.videos) if isinstance(item, (str, os.PathLike))}
+        merged: dict[tuple, Failure] = {}
+        for failure in [*self.failures, *other.failures]:
+            merged.pop(failure.key, None)  # the later record of a key wins, in the order met
+            merged[failure.key] = failure
+        self.failures = [failure for key, failure in merged.items() if key not in encoded]
         self.skipped = skipped
         self.grow_first_stage(new_embeddings, first_new)
         return self
@@ -605,7 +767,7 @@ class VideoIndex:
         for name, (mine, theirs) in fields.items():
             if mine != theirs:
                 raise ValueError(f"Cannot add an index with {name} {theirs} to one with {name} {mine}.")
-        differing = differing_settings(self.info, other.info, SHARED_INFO_SETTINGS)
+        differing = self.index_info.differences(other.index_info)
         if differing:
             key, (mine, theirs) = next(iter(differing.items()))
             raise ValueError(f"Cannot add an index built with info[{key!r}] = {theirs!r} to one built with "
@@ -670,7 +832,11 @@ class VideoIndex:
                 tensors[name] = value.detach().cpu().contiguous()
         save_file(tensors, str(directory / INDEX_TENSORS_FILE), metadata={"format": "pt"})
         names = self.names if rows is None else [self.names[int(i)] for i in rows]
-        info = {"format_version": 1, "videos": names, "info": self.info, "failures": self.failures}
+        info = {"format_version": 1, "videos": names, "info": self.info,
+                "failures": [failure.as_dict() for failure in self.failures]}
+        if self.row_fields:
+            info["row_fields"] = {key: values if rows is None else [values[int(i)] for i in rows]
+                                  for key, values in self.row_fields.items()}
         (directory / INDEX_INFO_FILE).write_text(json.dumps(info, indent=2), encoding="utf-8")
         if rows is None:
             self.save_first_stage(directory)
@@ -681,27 +847,29 @@ class VideoIndex:
     def _write_store(self, directory: Path, chunk: int = 64) -> None:
         valid = self.valid
         dtype = self.tokens.dtype if self.tokens.dtype in (torch.float16, torch.bfloat16) else torch.float32
-        extra = [name for name in self.failures if self.store is None]  # failed rows after the videos
+        extra = self.failures if self.store is None else []  # failed rows after the videos
         total = len(self) + len(extra)
         writer = VideoStoreWriter(directory, 0, 0, total, token_dtype=dtype)
-        failures = {f["index"]: f for f in (self.store.failures if self.store is not None else [])}
+        failures = {failure.index: failure for failure in self.failures} if self.store is not None else {}
         for start in range(0, len(self), chunk):
             rows = [i for i in range(start, min(start + chunk, len(self))) if valid[i]]
             for i in range(start, min(start + chunk, len(self))):
                 if not valid[i]:
-                    writer.add_failure(i, failures[i]["video"], failures[i]["reason"])
+                    writer.add_failure(i, failures[i].video, failures[i].reason, code=failures[i].code)
             if rows:
                 index = torch.tensor(rows)
                 sizes = self.token_sizes[index] if self.token_sizes is not None else None
                 writer.add_batch(rows, self.tokens[index], sizes, self.embeddings[index])
-        for j, name in enumerate(extra):
-            writer.add_failure(len(self) + j, name, self.failures[name])
+        for j, failure in enumerate(extra):
+            writer.add_failure(len(self) + j, failure.video, failure.reason, code=failure.code)
         writer.close()
+        row_fields = {key: values + [getattr(failure, key, None) for failure in extra]
+                      for key, values in self.row_fields.items()}
         info = dict(self.info)
-        if self.segments is not None:  # rows' (start, end), None for whole videos and the failed rows after them
-            info["segments"] = [list(self.moment(i)) if self.moment(i)[0] is not None else None
-                                for i in range(len(self))] + [None] * len(extra)
-        finalize_store(directory, self.names + extra, 1, info)
+        keys = self.row_keys() + [failure.key for failure in extra]
+        if any(start is not None for _, start, _ in keys):  # rows' (start, end), None for whole videos
+            info["segments"] = [None if start is None else [start, end] for _, start, end in keys]
+        finalize_store(directory, [key[0] for key in keys], 1, info, row_fields=row_fields or None)
 
     @classmethod
     def load(cls, directory: str | os.PathLike, first_stage: bool = True) -> "VideoIndex":
@@ -730,7 +898,8 @@ class VideoIndex:
             tokens=tensors.get("tokens"),
             token_sizes=tensors.get("token_sizes"),
             info=dict(info.get("info", {})),
-            failures=dict(info.get("failures", {})),
+            failures=info.get("failures", []),
+            row_fields=info.get("row_fields") or {},
             segments=tensors.get("segments"),
         )
         if first_stage:
@@ -739,8 +908,19 @@ class VideoIndex:
 
     # -- search ------------------------------------------------------------------------------------------------------
 
+    def filtered_rows(self, filters: dict[str, Any]) -> torch.Tensor:
+        """The encoded rows whose payload passes `filters` (`milvus_home.matches`: ``video``, ``folder``,
+        ``dataset``)."""
+        from .milvus_home import matches  # a sibling with no import of its own optional package at module level
+
+        valid = self.valid
+        keep = [i for i in range(len(self)) if bool(valid[i]) and matches({**self.entry(i), "video": self.names[i]},
+                                                                            filters)]
+        return torch.tensor(keep, dtype=torch.long)
+
     def nearest(
-        self, query_embeddings: torch.Tensor, k: int, use_faiss: bool | None = None
+        self, query_embeddings: torch.Tensor, k: int, use_faiss: bool | None = None,
+        filters: dict[str, Any] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """First-stage search: the `k` videos of highest cosine similarity for each query.
 
@@ -753,6 +933,8 @@ class VideoIndex:
             query_embeddings (`torch.FloatTensor` of shape `(num_queries, projection_dim)`): normalised text features.
             k (`int`): candidates per query (capped at the number of encoded videos).
             use_faiss (`bool`, *optional*): force (`True`, raises if missing) or avoid (`False`) FAISS.
+            filters (`dict`, *optional*): only rows whose payload passes them (see `filtered_rows`), searched exactly;
+                rows are ``-1`` (scores ``-inf``) past the matching ones.
 
         Returns:
             `(scores, indices)`, both `(num_queries, k)`, by decreasing similarity.
@@ -766,6 +948,14 @@ class VideoIndex:
                 f"The queries have shape {tuple(queries.shape)}, but this index holds {self.dim}-d embeddings: "
                 f"search it with the model that encoded it (projection_dim {self.dim}, got {queries.shape[-1]})."
             )
+        if filters:
+            rows = self.filtered_rows(filters)
+            scores = torch.full((queries.shape[0], int(k)), float("-inf"))
+            found = torch.full((queries.shape[0], int(k)), -1, dtype=torch.long)
+            if rows.numel():
+                top, at = exact_nearest(queries, self.embeddings, rows, min(int(k), rows.numel()))
+                scores[:, : top.shape[1]], found[:, : at.shape[1]] = top, at
+            return scores, found
         count = self.num_encoded
         k = min(int(k), count)
         faiss = faiss_module() if use_faiss in (None, True) else None
@@ -774,6 +964,8 @@ class VideoIndex:
         if k == 0:
             return torch.zeros(queries.shape[0], 0), torch.zeros(queries.shape[0], 0, dtype=torch.long)
         if faiss is None:
+            if use_faiss is None:
+                warn_exact_fallback(count)
             return exact_nearest(queries, self.embeddings, self.encoded_rows(), k)
         stage = self.current_first_stage() or self.build_first_stage()
         if stage.kind != "flat" and candidate_count(k, count) >= count:

@@ -47,10 +47,22 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from .int8_tokens import SCALE_BYTES, pack, unpack
+
 STORE_INFO_FILE = "video_store.json"
+JOINED_EMBEDDINGS_FILE = "embeddings.f32"
+"""Every shard's embeddings in row order, ``(num_videos, dim)`` raw float32, written by `finalize_store`: a store of
+several shards opens memory-mapped, without joining them into one copy."""
 STORE_FORMAT = "testa-video-store"
 STORE_VERSION = 1
-TOKEN_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+TOKEN_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.int8}
+
+
+def token_row_shape(num_tokens: int, hidden_size: int, dtype: torch.dtype) -> tuple[tuple[int, int], torch.dtype]:
+    """The on-disk shape and dtype of one video's tokens: int8 tokens carry their scale (`int8_tokens.pack`)."""
+    if dtype == torch.int8:
+        return (num_tokens, hidden_size + SCALE_BYTES), torch.uint8
+    return (num_tokens, hidden_size), dtype
 
 
 class DamagedStoreError(ValueError):
@@ -175,7 +187,8 @@ class VideoStoreWriter:
         rows_per_video = None
         for entry in entries[1:]:
             if "failed" in entry:
-                self.add_failure(entry["failed"], entry["video"], entry["reason"], journal=False)
+                self.add_failure(entry["failed"], entry["video"], entry["reason"], journal=False,
+                                 code=entry.get("code"))
                 continue
             if self.num_tokens is None:
                 self.num_tokens, self.hidden_size = entry["num_tokens"], entry["hidden_size"]
@@ -188,7 +201,8 @@ class VideoStoreWriter:
                 self.rows[self._local(index)] = self._written
                 self._written += 1
         if self.num_tokens is not None:
-            rows_per_video = {"tokens": self.num_tokens * self.hidden_size * self.token_dtype.itemsize,
+            shape, stored = token_row_shape(self.num_tokens, self.hidden_size, self.token_dtype)
+            rows_per_video = {"tokens": shape[0] * shape[1] * stored.itemsize,
                               "token_sizes": self.num_tokens * 4 if self.has_token_sizes else 0,
                               "embeddings": self.embeddings.shape[1] * 4}
         for kind, path in paths.items():
@@ -238,7 +252,10 @@ class VideoStoreWriter:
         locals_ = [self._local(i) for i in indices]
         if len(set(locals_)) != len(locals_):
             raise ValueError(f"A batch names a video twice: {indices}.")
-        cpu_tokens = tokens.detach().to("cpu", self.token_dtype).contiguous()
+        if self.token_dtype == torch.int8:  # codes and one scale per token
+            cpu_tokens = pack(tokens.detach().cpu())
+        else:
+            cpu_tokens = tokens.detach().to("cpu", self.token_dtype).contiguous()
         self._tokens_file.write(cpu_tokens.view(torch.uint8).numpy().tobytes())
         if token_sizes is not None:
             cpu_sizes = token_sizes.detach().to("cpu", torch.float32).contiguous()
@@ -254,12 +271,14 @@ class VideoStoreWriter:
         self._written += len(indices)
         self.embeddings[locals_] = cpu_embeddings
 
-    def add_failure(self, index: int, video: str, reason: str, journal: bool = True) -> None:
-        """Marks a video that could not be encoded; it is never a candidate, and a query about it is a miss."""
+    def add_failure(self, index: int, video: str, reason: str, journal: bool = True, code: str | None = None) -> None:
+        """Marks a video that could not be encoded; it is never a candidate, and a query about it is a miss.
+        `code` (`indexing.FAILURE_CODES`) is recorded beside the reason when given."""
         self.rows[self._local(int(index))] = -1
-        self.failures.append({"index": int(index), "video": str(video), "reason": str(reason)})
+        coded = {"code": str(code)} if code is not None else {}
+        self.failures.append({"index": int(index), "video": str(video), **coded, "reason": str(reason)})
         if journal:
-            self._log({"failed": int(index), "video": str(video), "reason": str(reason)})
+            self._log({"failed": int(index), "video": str(video), **coded, "reason": str(reason)})
 
     def _log(self, entry: dict[str, Any]) -> None:
         self._journal.write(json.dumps(entry) + "\n")
@@ -305,7 +324,7 @@ def missing_shards(directory: str | os.PathLike, num_shards: int) -> list[int]:
 
 
 def finalize_store(directory: str | os.PathLike, videos: list[str], num_shards: int,
-                   info: dict[str, Any] | None = None) -> Path:
+                   info: dict[str, Any] | None = None, row_fields: dict[str, list[Any]] | None = None) -> Path:
     """Writes ``video_store.json`` once every shard is closed (call it on one process, after a barrier). Raises
     `FileNotFoundError` naming the missing shards when the directory does not hold them all, e.g. when processes on
     different machines wrote to directories that are not one shared filesystem."""
@@ -336,11 +355,49 @@ def finalize_store(directory: str | os.PathLike, videos: list[str], num_shards: 
         "failures": sorted((f for m in shards for f in m["failures"]), key=lambda f: f["index"]),
         "videos": [str(v) for v in videos], "info": dict(info or {}),
     }
+    if row_fields:  # optional per-row fields (`start`/`end` of a moment, `dataset`), one value per video
+        meta["row_fields"] = {key: list(values) for key, values in row_fields.items()}
+    write_joined_embeddings(directory, meta)
     # written whole and then renamed: a reader sees the old index (e.g. of a store being grown) or the new one
     temporary = directory / (STORE_INFO_FILE + ".tmp")
     temporary.write_text(json.dumps(meta, indent=1), encoding="utf-8")
     temporary.replace(directory / STORE_INFO_FILE)
     return directory
+
+
+def check_joined_embeddings(path: Path, joined: torch.Tensor, shards: list[dict[str, Any]],
+                            embeddings: list[torch.Tensor], samples: int = 8) -> None:
+    """Raises `DamagedStoreError` naming `path` when up to `samples` evenly spaced rows of each shard differ from the
+    shard's own embeddings (a joined file written for other shards, or overwritten)."""
+    for shard, own in zip(shards, embeddings):
+        count = shard["stop"] - shard["start"]
+        if not count or own.shape[1] != joined.shape[1]:
+            continue
+        rows = sorted({count * j // samples for j in range(samples)})
+        if not torch.equal(joined[[shard["start"] + r for r in rows]], own[rows]):
+            raise DamagedStoreError(path, f"its rows of shard {shard['shard']} differ from that shard's embeddings")
+
+
+def write_joined_embeddings(directory: Path, meta: dict[str, Any]) -> None:
+    """Writes `JOINED_EMBEDDINGS_FILE` from the shards' embeddings, one shard at a time (memory-mapped), beside and
+    renamed into place (a reader of the old index keeps its own mapping)."""
+    if len(meta["shards"]) < 2:  # one shard's embeddings are mapped as they are
+        (directory / JOINED_EMBEDDINGS_FILE).unlink(missing_ok=True)
+        return
+    shards = sorted(meta["shards"], key=lambda shard: shard["start"])
+    paths = [directory / _shard_name("shard", shard["shard"], "safetensors") for shard in shards]
+    dims = {open_safetensors(path)["embeddings"].shape[1] for path in paths} - {0}
+    if len(dims) != 1:
+        return
+    dim = dims.pop()
+    partial = directory / f".{JOINED_EMBEDDINGS_FILE}.partial"
+    with open(partial, "wb") as handle:
+        for path in paths:
+            embeddings = open_safetensors(path)["embeddings"].numpy()
+            if embeddings.shape[1] != dim:  # a shard whose videos all failed: zero rows
+                embeddings = np.zeros((embeddings.shape[0], dim), dtype=np.float32)
+            handle.write(np.ascontiguousarray(embeddings, dtype=np.float32).tobytes())
+    os.replace(partial, directory / JOINED_EMBEDDINGS_FILE)
 
 
 SAFETENSORS_NUMPY_DTYPES = {"F32": np.float32, "F64": np.float64, "F16": np.float16, "I64": np.int64,
@@ -516,7 +573,8 @@ def journaled_count(directory: str | os.PathLike) -> int:
 def journaled_failures(directory: str | os.PathLike) -> list[dict[str, Any]]:
     """``{"index", "video", "reason"}`` of every video marked failed in the shard journals of ``directory``, by
     index (for a store still being written; a finalised one has them in `store_metadata`)."""
-    failures = [{"index": entry["failed"], "video": entry["video"], "reason": entry["reason"]}
+    failures = [{"index": entry["failed"], "video": entry["video"],
+                 **({"code": entry["code"]} if "code" in entry else {}), "reason": entry["reason"]}
                 for entry in _journal_entries(Path(directory)) if "failed" in entry]
     return sorted(failures, key=lambda failure: failure["index"])
 
@@ -537,8 +595,9 @@ def open_shard(directory: Path, shard: dict[str, Any], meta: dict[str, Any]) -> 
                                       f"[{start}, {stop}), holds {shapes}")
     check_row_map(path, rows, num_rows)
     dim = int(embeddings.shape[1])
-    token_bytes = (meta.get("num_tokens") or 0) * (meta.get("hidden_size") or 0) * \
-        TOKEN_DTYPES[meta["token_dtype"]].itemsize
+    shape, stored = token_row_shape(meta.get("num_tokens") or 0, meta.get("hidden_size") or 0,
+                                    TOKEN_DTYPES[meta["token_dtype"]])
+    token_bytes = shape[0] * shape[1] * stored.itemsize
     row_bytes = {"tokens": token_bytes, "embeddings": dim * 4,
                  "token_sizes": (meta.get("num_tokens") or 0) * 4 if meta.get("has_token_sizes") else 0}
     for kind, size in row_bytes.items():
@@ -696,9 +755,15 @@ class VideoTokenStore:
             embeddings.append(tensors["embeddings"])
         dims = {e.shape[1] for e in embeddings if e.shape[0] and e.shape[1]}
         dim = dims.pop() if dims else 0
-        embeddings = [e if e.shape[1] == dim else torch.zeros(e.shape[0], dim) for e in embeddings]
-        self.embeddings = embeddings[0] if len(embeddings) == 1 else \
-            torch.cat(embeddings) if embeddings else torch.zeros(0, dim)
+        joined = directory / JOINED_EMBEDDINGS_FILE
+        if len(embeddings) > 1 and dim and joined.is_file() and joined.stat().st_size == n * dim * 4:
+            # mapped, not joined: no copy of the collection's embeddings in this process
+            self.embeddings = torch.from_numpy(np.memmap(joined, dtype=np.float32, mode="c", shape=(n, dim)))
+            check_joined_embeddings(joined, self.embeddings, meta["shards"], embeddings)
+        else:  # one shard is mapped already; a store written before the joined file existed is joined here
+            embeddings = [e if e.shape[1] == dim else torch.zeros(e.shape[0], dim) for e in embeddings]
+            self.embeddings = embeddings[0] if len(embeddings) == 1 else \
+                torch.cat(embeddings) if embeddings else torch.zeros(0, dim)
         self.valid = self._row_of >= 0
         self.num_valid = int(self.valid.sum())
         self._files: dict[tuple[str, int], int] = {}
@@ -717,7 +782,8 @@ class VideoTokenStore:
     @property
     def token_bytes(self) -> int:
         """Bytes of one video's tokens on disk."""
-        return (self.num_tokens or 0) * (self.hidden_size or 0) * torch.empty(0, dtype=self.token_dtype).element_size()
+        shape, stored = token_row_shape(self.num_tokens or 0, self.hidden_size or 0, self.token_dtype)
+        return shape[0] * shape[1] * stored.itemsize if self.num_tokens and self.hidden_size else 0
 
     def _fd(self, kind: str, shard: int) -> int:
         key = (kind, shard)
@@ -765,7 +831,9 @@ class VideoTokenStore:
     def read_tokens(self, indices: Any) -> torch.Tensor:
         """``(len(indices), num_tokens, hidden_size)`` tokens of the given videos, in the store's dtype."""
         indices = self._indices(indices)
-        return self._read("tokens", indices, (self.num_tokens, self.hidden_size), self.token_dtype)
+        shape, stored = token_row_shape(self.num_tokens, self.hidden_size, self.token_dtype)
+        tokens = self._read("tokens", indices, shape, stored)
+        return unpack(tokens) if self.token_dtype == torch.int8 else tokens
 
     def read_token_sizes(self, indices: Any) -> torch.Tensor | None:
         """``(len(indices), num_tokens)`` fp32 token sizes, or None when the store has none."""
@@ -798,7 +866,9 @@ class StoredTensor:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.store.token_dtype if self.kind == "tokens" else torch.float32
+        if self.kind == "tokens" and self.store.token_dtype != torch.int8:
+            return self.store.token_dtype
+        return torch.float32  # token sizes, and int8 tokens (read dequantized)
 
     @property
     def ndim(self) -> int:

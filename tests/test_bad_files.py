@@ -78,13 +78,36 @@ def test_each_kind_of_bad_file_gets_its_code(files):
 
 def test_decoder_crash_and_timeout_codes_come_from_the_decoder_client_errors(files):
     good, _, _ = files
-    # the messages `video_decoding.DecoderProcess` gives when its helper dies or exceeds decode_timeout
-    crashed = VideoDecodingError(good[0], "the pyav decoder crashed (SIGSEGV)", "pyav")
-    gone = VideoDecodingError(good[0], "the decoder process exited unexpectedly (exit code 1)", "pyav")
+    # the codes `video_decoding.DecoderProcess` sets when its helper dies or exceeds decode_timeout
+    crashed = VideoDecodingError(good[0], "the pyav decoder crashed (SIGSEGV)", "pyav", code="decoder_crash")
     slow = VideoDecodingTimeoutError(good[0], "decoding took longer than decode_timeout=1 s", "pyav")
-    assert [failure_code(e, good[0]) for e in (crashed, gone, slow)] == ["decoder_crash", "decoder_crash", "timeout"]
+    assert [failure_code(e, good[0]) for e in (crashed, slow)] == ["decoder_crash", "timeout"]
+    # the code is never read from the message: the same words without a code are "unreadable"
+    worded = VideoDecodingError(good[0], "the pyav decoder crashed (SIGSEGV); no decodable frames", "pyav")
+    assert failure_code(worded, good[0]) == "unreadable"
     assert failure_code(VideoDecodingError(good[0], "no video stream"), good[0]) == "unreadable"
     assert failure_code(PermissionError(13, "Permission denied", good[0]), good[0]) == "unreadable"
+
+
+def test_a_real_decoder_crash_sets_its_code_where_it_is_raised(files, monkeypatch):
+    """The helper process really dies (SIGKILL from inside) and the client's error carries the code."""
+    import os
+    import signal
+
+    from modeling_testa import video_decoding
+
+    good, _, _ = files
+    worker = video_decoding.DecoderProcess()
+    try:
+        def die(metadata):
+            os.kill(worker.process.pid, signal.SIGKILL)
+            return [0]
+
+        with pytest.raises(VideoDecodingError) as error:
+            worker.decode("pyav", good[0], die, None, 30)
+        assert error.value.code == "decoder_crash" and failure_code(error.value, good[0]) == "decoder_crash"
+    finally:
+        worker.stop()
 
 
 def test_container_signatures():
@@ -106,7 +129,7 @@ def test_on_error_is_checked_and_names_the_allowed_values(pipe, files):
 
 
 def test_summary_counts_and_lists_up_to_the_limit():
-    failures = [(f"v{i}.mp4", f"truncated: VideoDecodingError: cut {i}") for i in range(13)]
+    failures = [indexing.Failure(f"v{i}.mp4", "truncated", f"VideoDecodingError: cut {i}") for i in range(13)]
     text = failure_summary(failures, 40, limit=10)
     lines = text.splitlines()
     assert lines[0] == "13 of 40 videos could not be read and were skipped:"
@@ -125,8 +148,8 @@ def test_decode_videos_skips_each_bad_file_alone(files):
     reference = torch.cat([collate.decode(path) for path in good])
     assert torch.equal(pixels, reference)
     codes = {path: code for code, path in bad.items()}
-    assert [(i, path) for i, path, _ in failures] == [(i, p) for i, p in enumerate(mixed) if p in codes]
-    assert all(reason.startswith(codes[path] + ": ") for _, path, reason in failures)
+    assert [(f.index, f.video) for f in failures] == [(i, p) for i, p in enumerate(mixed) if p in codes]
+    assert all(f.code == codes[f.video] and str(f).startswith(codes[f.video] + ": ") for f in failures)
     raising = DecodeVideos(tiny_processor().video_processor, 4, on_error="raise")
     with pytest.raises(ValueError, match="notes.mp4"):
         raising(list(enumerate(mixed)))
@@ -140,7 +163,7 @@ def test_decode_ahead_skips_in_order_with_and_without_threads(files, workers):
     with DecodeAhead(decode, len(mixed), workers, window=4) as ahead:
         batches = list(ahead.batches(3, "skip", mixed.__getitem__))
     assert [i for b in batches for i in b[0]] == [i for i, p in enumerate(mixed) if p in good]
-    assert [f[1] for b in batches for f in b[2]] == [p for p in mixed if p not in good]
+    assert [f.video for b in batches for f in b[2]] == [p for p in mixed if p not in good]
     assert all(b[1] is None or b[1].shape[0] == len(b[0]) for b in batches)
     with DecodeAhead(decode, len(mixed), workers, window=4) as ahead, pytest.raises(ValueError, match="notes.mp4"):
         list(ahead.batches(3, "raise"))
@@ -168,9 +191,10 @@ def test_encode_videos_indexes_the_good_videos_and_records_the_bad_ones(pipe, fi
     assert index.videos == good
     for name in ("embeddings", "tokens", "token_sizes"):  # other batches: equal to float rounding
         torch.testing.assert_close(getattr(index, name), getattr(reference, name), rtol=0, atol=1e-5)
-    assert set(index.failures) == set(bad.values())
-    for code, path in bad.items():
-        assert index.failures[path].startswith(f"{code}: "), (code, index.failures[path][:200])
+    assert {f.video: f.code for f in index.failures} == {path: code for code, path in bad.items()}
+    assert all(str(f).startswith(f"{f.code}: ") and f.reason.split(":")[0] in ("VideoDecodingError",
+                                                                               "FileNotFoundError")
+               for f in index.failures)
     assert index.stats["failed"] == len(bad) and index.stats["videos"] == len(mixed)
     assert "failed 5" in capsys.readouterr().err  # the progress bar's postfix
     assert len(warnings) == 1 and warnings[0].startswith(f"{len(bad)} of {len(mixed)} videos could not be read")
@@ -190,8 +214,7 @@ def test_a_store_records_the_bad_videos_and_search_skips_them(pipe, files, tmp_p
     stored = pipe.encode_videos(mixed, batch_size=3, store_dir=tmp_path / "store", token_dtype=torch.float32)
     reopened = VideoIndex.load(tmp_path / "store")
     for index in (stored, reopened):
-        assert {video: reason.split(":")[0] for video, reason in index.failures.items()} == {
-            path: code for code, path in bad.items()}
+        assert {f.video: f.code for f in index.failures} == {path: code for code, path in bad.items()}
         for top_k in (None, 3):
             got = pipe.search(QUERIES, index, top_k=top_k, use_faiss=False)
             same_results(got, pipe.search(QUERIES, reference, top_k=top_k, use_faiss=False))
@@ -252,11 +275,24 @@ def test_growing_with_other_settings_or_in_memory_videos_is_refused_before_encod
     assert calls == [] and index.videos == good[:2]
 
 
-def test_growing_a_store_backed_index_is_refused_before_encoding(pipe, files, monkeypatch, tmp_path):
-    good, _, _ = files
-    pipe.encode_videos(good[:2], store_dir=tmp_path / "store")
-    stored = VideoIndex.load(tmp_path / "store")
+def test_the_pipeline_grows_a_store_backed_index_like_one_built_at_once(pipe, files, monkeypatch, tmp_path):
+    good, bad, mixed = files
+    at_once = pipe.encode_videos(mixed, store_dir=tmp_path / "once", token_dtype=torch.float32)
+    pipe.encode_videos(mixed[:6], store_dir=tmp_path / "grown", token_dtype=torch.float32)
+    stored = VideoIndex.load(tmp_path / "grown")
     calls = count_encoded(pipe.model, monkeypatch)
-    with pytest.raises(ValueError, match=r"backed by the video store .*train\.index --store DIR --videos MORE"):
-        pipe.encode_videos(good[2:4], index=stored)
-    assert calls == []
+    grown = pipe.encode_videos(mixed, index=stored)
+    assert grown is stored and sum(calls) == len([v for v in mixed[6:] if v in good])  # only the new ones
+    reopened = VideoIndex.load(tmp_path / "grown")  # the store on disk holds the grown index
+    for index in (grown, reopened):
+        assert index.names == at_once.names and torch.equal(index.valid, at_once.valid)
+        assert [(f.video, f.code) for f in index.failures] == [(f.video, f.code) for f in at_once.failures]
+        rows = at_once.valid.nonzero().flatten()
+        torch.testing.assert_close(index.embeddings[rows], at_once.embeddings[rows], rtol=0, atol=1e-5)
+        torch.testing.assert_close(index.tokens[rows], at_once.tokens[rows], rtol=0, atol=1e-5)
+        same_results(pipe.search(QUERIES, index, top_k=None, use_faiss=False),
+                     pipe.search(QUERIES, at_once, top_k=None, use_faiss=False))
+    calls.clear()
+    assert pipe.encode_videos(mixed, index=reopened) is reopened and calls == []  # nothing new: nothing encoded
+    with pytest.raises(ValueError, match="do not pass `store_dir`"):
+        pipe.encode_videos(good[:1], index=reopened, store_dir=tmp_path / "other")

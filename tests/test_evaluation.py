@@ -158,7 +158,7 @@ def test_store_rejects_bad_input(tmp_path):
     with pytest.raises(ValueError, match=r"\[1\] of shard 0 were never added"):
         writer.close()
     with pytest.raises(ValueError, match="Unsupported token dtype"):
-        VideoStoreWriter(tmp_path / "b", 0, 0, 1, token_dtype=torch.int8)
+        VideoStoreWriter(tmp_path / "b", 0, 0, 1, token_dtype=torch.int16)  # int8 is supported (per-token scales)
     with pytest.raises(FileNotFoundError, match=r"lacks shards \[0, 1\]"):
         finalize_store(tmp_path, ["a", "b", "c"], 2)
     with pytest.raises(FileNotFoundError, match="video_store.json"):
@@ -213,7 +213,8 @@ def test_undecodable_video_is_a_miss(model, reference, tmp_path, capsys):
     broken = 3  # texts 6, 7 and 17 describe it
     metrics = store_metrics(model, Accelerator(cpu=True), tmp_path, broken=(broken,), k_test=K,
                             batch_size=ENCODE_BATCH, rerank_batch_size=PAIRS)
-    assert metrics["failures"] == [{"index": broken, "video": f"video{broken}", "reason": "synthetic failure"}]
+    assert metrics["failures"] == [{"index": broken, "video": f"video{broken}", "code": "unreadable",
+                                    "reason": "synthetic failure"}]
     assert "'video3' could not be encoded" in capsys.readouterr().out
     # reference: the in-memory ranking over the other videos; the broken video's texts and itself are misses
     kept = [v for v in range(NUM_VIDEOS) if v != broken]

@@ -285,13 +285,13 @@ def test_a_folder_with_five_percent_bad_files_in_process(collection, tmp_path, m
                    "--token-dtype", "float32", "--shard-size", "32"])
     assert sum(encoded) == len(good)
     assert report["videos"] == 80 and report["failed"] == len(bad) == 4
-    assert {f["video"]: f["reason"].split(":")[0] for f in report["failures"]} == {p: c for c, p in bad.items()}
+    assert {f["video"]: f["code"] for f in report["failures"]} == {p: c for c, p in bad.items()}
     printed = capsys.readouterr().out
     assert all(f"  failed: {path}: {code}: " in printed for code, path in bad.items())
     metadata = store_metadata(store)
     assert metadata["failures"] == report["failures"] and metadata["videos"] == sorted(good + list(bad.values()))
     index = VideoIndex.load(store)
-    assert sorted(index.failures) == sorted(bad.values())
+    assert sorted(f.video for f in index.failures) == sorted(bad.values())
     monkeypatch.undo()
     pipe = VideoTextRetrievalPipeline(model=TestaForVideoTextRetrieval.from_pretrained(model),
                                       processor=TestaProcessor.from_pretrained(model), device="cpu")

@@ -101,6 +101,22 @@ def test_group_by_video_gives_each_video_once_at_its_best_moment(pipe, videos):
         pipe.search(QUERIES, index, group_by="moment")
 
 
+def test_moments_given_as_entries_are_the_rows_window_plans(pipe, videos):
+    """`IndexEntry` moments (with a dataset) go through the same builder and decoder as `window=`: the same rows,
+    the same embeddings, and the dataset carried into the results."""
+    from modeling_testa.index_homes import IndexEntry
+
+    planned = pipe.encode_videos(videos, window=25, stride=15)
+    entries = [IndexEntry(name, start, end, dataset="lectures") for name, start, end in planned.row_keys()]
+    given = pipe.encode_videos(entries, batch_size=3)
+    assert given.row_keys() == planned.row_keys() and given.row_fields == {"dataset": ["lectures"] * len(entries)}
+    torch.testing.assert_close(given.embeddings, planned.embeddings)
+    results = pipe.search(QUERIES[0], given, top_k=None)
+    assert [(r["video"], r["start"], r["end"]) for r in results] == [
+        (r["video"], r["start"], r["end"]) for r in pipe.search(QUERIES[0], planned, top_k=None)]
+    assert {r["dataset"] for r in results} == {"lectures"}
+
+
 def test_whole_video_indexes_are_unchanged(pipe, videos):
     index = pipe.encode_videos(videos)
     assert index.segments is None
@@ -145,7 +161,7 @@ def test_bad_input_for_windows(pipe, videos, tmp_path):
     broken = tmp_path / "broken.mp4"
     broken.write_bytes(b"not a video at all" * 50)
     index = pipe.encode_videos([str(broken)] + videos[2:], window=25)
-    assert index.names == [videos[2]] and str(broken) in index.failures
+    assert index.names == [videos[2]] and str(broken) in {f.video for f in index.failures}
     with pytest.raises(ValueError, match="None of the 1 videos could be read"):
         pipe.encode_videos([str(broken)], window=25)
     with pytest.raises(ValueError, match="train.index --window"):
@@ -184,7 +200,7 @@ def test_decoding_threads_give_the_same_moments(pipe, videos, tmp_path):
     paths = [videos[0], str(broken), *videos[1:]]
     alone = pipe.encode_videos(paths, window=25, stride=15, batch_size=3)
     threads = pipe.encode_videos(paths, window=25, stride=15, batch_size=3, num_workers=2)
-    assert threads.row_keys() == alone.row_keys() and threads.failures.keys() == {str(broken)}
+    assert threads.row_keys() == alone.row_keys() and {f.video for f in threads.failures} == {str(broken)}
     torch.testing.assert_close(threads.embeddings, alone.embeddings)
     assert threads.stats["num_workers"] == 2
 
@@ -221,7 +237,7 @@ def test_train_index_writes_a_store_of_moments_and_grows_it(pipe, videos, tmp_pa
     reference = pipe.encode_videos(ordered + sorted([videos[2], str(broken)]), window=25, stride=15)
     valid = grown.valid
     assert [key for key, ok in zip(grown.row_keys(), valid) if ok] == reference.row_keys()
-    assert set(grown.failures) == {str(broken)}
+    assert {f.video for f in grown.failures} == {str(broken)}
     for got, want in zip(pipe.search(QUERIES, grown, top_k=None), pipe.search(QUERIES, reference, top_k=None)):
         assert [(r["video"], r["start"], r["end"]) for r in got] == [(r["video"], r["start"], r["end"]) for r in want]
         np.testing.assert_allclose([r["score"] for r in got], [r["score"] for r in want], atol=1e-4)

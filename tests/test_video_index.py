@@ -3,9 +3,12 @@ re-scoring), growing an in-memory index with `add`, cheap opening of a store, an
 an index with another model. References: exact torch top-k (float32 matrix products), an index built at once, the
 files on disk."""
 
+import dataclasses
 import json
 import re
 import shutil
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +20,7 @@ from helpers.requirements import require
 import modeling_testa.video_index as video_index_module
 import modeling_testa.video_store as video_store_module
 from modeling_testa import VideoTextRetrievalPipeline
+from modeling_testa.indexing import Failure
 from modeling_testa.video_index import FIRST_STAGE_FILE, FIRST_STAGE_INFO_FILE, FirstStage, VideoIndex
 from modeling_testa.video_store import VideoStoreWriter, finalize_store
 
@@ -61,7 +65,7 @@ def write_store(directory, embeddings: torch.Tensor, failed: set[int], num_token
     with VideoStoreWriter(directory, 0, 0, len(embeddings), token_dtype=torch.float32) as writer:
         for i in range(len(embeddings)):
             if i in failed:
-                writer.add_failure(i, names[i], "cannot decode")
+                writer.add_failure(i, names[i], "VideoDecodingError: cannot decode", code="unreadable")
             else:
                 writer.add_batch([i], torch.randn(1, num_tokens, hidden), None, embeddings[i : i + 1])
     finalize_store(directory, names, 1, {"projection_dim": embeddings.shape[1]})
@@ -125,8 +129,9 @@ def test_failed_rows_of_a_store_are_never_returned(tmp_path):
     failed = set(range(0, 3000, 7))
     write_store(tmp_path / "store", embeddings, failed)
     index = VideoIndex.load(tmp_path / "store")
-    assert list(index.failures) == [f"clip{i}.mp4" for i in sorted(failed)]
-    assert set(index.failures.values()) == {"cannot decode"}
+    assert [f.video for f in index.failures] == [f"clip{i}.mp4" for i in sorted(failed)]
+    assert [f.index for f in index.failures] == sorted(failed)
+    assert {(f.code, f.reason) for f in index.failures} == {("unreadable", "VideoDecodingError: cannot decode")}
     kept = torch.tensor([i for i in range(3000) if i not in failed])
     queries = embeddings[sorted(failed)[:10]]  # the failed videos' own embeddings: they would come first
     for threshold, kind in ((10_000, "flat"), (10, "pq")):
@@ -269,20 +274,23 @@ def test_add_of_two_halves_equals_one_index_built_at_once(pipe, videos, builds):
 
 def test_add_merges_failures_and_a_video_encoded_later_leaves_them(pipe, videos):
     good = pipe.encode_videos(videos[:2], batch_size=2)
-    good.failures = {"broken.mp4": "no frames", videos[2]: "timeout"}
+    good.failures = [Failure("broken.mp4", "no_frames", "E: no frames"), Failure(videos[2], "timeout", "E: slow")]
     later = pipe.encode_videos(videos[2:3])
-    later.failures = {"other.mp4": "empty file"}
+    later.failures = [Failure("other.mp4", "empty", "E: empty file")]
     good.add(later)
-    assert good.failures == {"broken.mp4": "no frames", "other.mp4": "empty file"}
+    assert good.failures == [Failure("broken.mp4", "no_frames", "E: no frames"),
+                             Failure("other.mp4", "empty", "E: empty file")]
     assert good.videos == videos[:3]
 
 
 def test_failures_are_saved_by_both_formats(pipe, videos, tmp_path):
     index = pipe.encode_videos(videos[:2], token_dtype=torch.float32)
-    index.failures = {"broken.mp4": "no frames", "empty.mp4": "empty file"}
+    index.failures = [Failure("broken.mp4", "no_frames", "E: no frames"), Failure("empty.mp4", "empty", "E: empty")]
     for as_store in (False, True):
         loaded = VideoIndex.load(index.save(tmp_path / str(as_store), as_store=as_store))
-        assert loaded.failures == index.failures, as_store
+        # a store gives each failure its row (after the encoded videos)
+        expected = [dataclasses.replace(f, index=2 + i) if as_store else f for i, f in enumerate(index.failures)]
+        assert loaded.failures == expected, as_store
         assert [loaded.videos[i] for i in loaded.valid.nonzero().flatten()] == videos[:2]
         queries = index.embeddings[:2]
         assert torch.equal(loaded.nearest(queries, k=5)[1], exact(queries, index.embeddings, 2)[1])
@@ -329,3 +337,116 @@ def test_search_refuses_an_index_of_another_model_and_caps_top_k(pipe, videos):
                           info={"projection_dim": 24})
     with pytest.raises(ValueError, match="projection_dim = 24, but this model has projection_dim = 16"):
         pipe.search(QUERIES[0], recorded)
+
+
+def mapped_file(address: int) -> str:
+    """The file mapped at `address` in this process (Linux's /proc/self/maps), "" when none."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            span, *rest = line.split()
+            low, high = (int(part, 16) for part in span.split("-"))
+            if low <= address < high:
+                return rest[4] if len(rest) > 4 else ""
+    return ""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_a_sharded_store_opens_mapped_without_joining_its_shards(tmp_path):
+    embeddings = unit_vectors(300, 16, seed=5)
+    names = [f"clip{i}.mp4" for i in range(300)]
+    for shard, (start, stop) in enumerate([(0, 100), (100, 220), (220, 300)]):
+        with VideoStoreWriter(tmp_path, shard, start, stop, token_dtype=torch.float32) as writer:
+            for i in range(start, stop):
+                if i == 150:
+                    writer.add_failure(i, names[i], "E: broken", code="unreadable")
+                else:
+                    writer.add_batch([i], torch.randn(1, 3, 4), None, embeddings[i : i + 1])
+    finalize_store(tmp_path, names, 3)
+    index = VideoIndex.load(tmp_path)
+    assert mapped_file(index.embeddings.data_ptr()).endswith("embeddings.f32")  # the file mapped, not a copy
+    valid = index.valid.nonzero().flatten()
+    assert valid.numel() == 299 and torch.equal(index.embeddings[valid], embeddings[valid])
+    queries = embeddings[:5]
+    scores, rows = index.nearest(queries, k=10, use_faiss=False)
+    reference = exact(queries, embeddings[valid], 10)
+    assert torch.equal(rows, valid[reference[1]])
+
+
+def test_search_without_faiss_above_the_exact_limit_warns_once(monkeypatch, caplog):
+    monkeypatch.setattr(video_index_module, "faiss_module", lambda: None)
+    monkeypatch.setattr(video_index_module, "_warned_exact_fallback", False)
+    embeddings = unit_vectors(60, 8, seed=3)
+    small = VideoIndex(videos=[f"v{i}.mp4" for i in range(60)], embeddings=embeddings)
+    large = VideoIndex(videos=[f"v{i}.mp4" for i in range(60)], embeddings=embeddings)
+    monkeypatch.setattr(video_index_module, "EXACT_MAX_VIDEOS", 50)
+    with caplog.at_level("WARNING", logger=video_index_module.logger.name):
+        small.nearest(embeddings[:2], 5, use_faiss=False)  # asked for: no warning
+        for _ in range(3):
+            scores, rows = large.nearest(embeddings[:2], 5)
+    warnings = [r.getMessage() for r in caplog.records if "without faiss" in r.getMessage()]
+    assert len(warnings) == 1 and "pip install faiss-cpu" in warnings[0] and "60 videos" in warnings[0]
+    assert torch.equal(rows, exact(embeddings[:2], embeddings, 5)[1])
+
+
+def test_filters_keep_only_matching_rows_and_moments_reach_the_results(pipe, videos):
+    from modeling_testa.index_homes import IndexEntry
+
+    entries = [IndexEntry(videos[0], dataset="a"), IndexEntry(videos[1], dataset="b"),
+               IndexEntry(videos[2], dataset="a")]
+    encoded = pipe.encode_videos(entries, batch_size=2)
+    assert encoded.row_fields == {"dataset": ["a", "b", "a"]}
+    # an index of moments (two windows of videos[1], as a moment decoder would give them)
+    index = VideoIndex(videos=[videos[0], videos[1], videos[1], videos[2]], info=encoded.info,
+                       embeddings=encoded.embeddings[[0, 1, 1, 2]],
+                       tokens=encoded.tokens[[0, 1, 1, 2]], token_sizes=encoded.token_sizes[[0, 1, 1, 2]],
+                       segments=[[float("nan")] * 2, [0.0, 1.0], [1.0, 2.0], [float("nan")] * 2],
+                       row_fields={"dataset": ["a", "b", "b", "a"]})
+    results = pipe.search("a video", index, top_k=None, rerank=False)
+    assert sorted((r["video"], r["start"] if r["start"] is not None else -1) for r in results) == sorted(
+        [(videos[0], -1), (videos[1], 0.0), (videos[1], 1.0), (videos[2], -1)])
+    with pytest.raises(ValueError, match=r"one of \('dataset',\)"):  # a row's start/end live in `segments`
+        VideoIndex(videos=videos[:1], embeddings=encoded.embeddings[:1], row_fields={"start": [0.0]})
+    only_b = pipe.search("a video", index, top_k=None, rerank=False, filters={"dataset": "b"})
+    assert [r["dataset"] for r in only_b] == ["b", "b"] and {(r["start"], r["end"]) for r in only_b} == {
+        (0.0, 1.0), (1.0, 2.0)}
+    under = pipe.search("a video", index, top_k=2, rerank=False, filters={"folder": str(Path(videos[2]).parent)})
+    assert len(under) == 2  # every test video lies in that folder
+    # growing with the same rows adds nothing: rows are keyed by (video, start, end)
+    assert pipe.encode_videos(entries, index=encoded) is encoded and len(encoded) == 3
+
+
+def test_a_filter_matching_fewer_rows_than_the_rerank_window_reranks_only_those(pipe, tmp_path):
+    from helpers.videos import write_noise_video
+
+    paths = [str(write_noise_video(tmp_path / ("a" if i < 2 else "b") / f"v{i}.mp4", seed=i)) for i in range(6)]
+    index = pipe.encode_videos(paths, batch_size=3)
+    got = pipe.search("a video", index, top_k=None, rerank_k=5, filters={"folder": str(tmp_path / "a")})
+    reference = pipe.search("a video", pipe.encode_videos(paths[:2]), top_k=None, rerank_k=5)
+    assert [r["video"] for r in got] == [r["video"] for r in reference] and all(r["reranked"] for r in got)
+    assert [r["score"] for r in got] == pytest.approx([r["score"] for r in reference], abs=1e-5)
+
+
+def test_int8_tokens_round_trip_through_a_store_within_half_a_step_per_token(tmp_path):
+    from modeling_testa import int8_tokens
+    from modeling_testa.video_store import VideoTokenStore
+
+    generator = torch.Generator().manual_seed(11)
+    # tokens of very different norms (one scale per token keeps the small ones), one all-zero token
+    tokens = torch.randn(6, 5, 12, generator=generator) * torch.logspace(-3, 2, 5).view(1, 5, 1)
+    tokens[2, 3] = 0
+    embeddings = F.normalize(torch.randn(6, 8, generator=generator), dim=1)
+    with VideoStoreWriter(tmp_path, 0, 0, 6, token_dtype="int8") as writer:
+        writer.add_batch(range(6), tokens.half(), torch.ones(6, 5), embeddings)
+    finalize_store(tmp_path, [f"v{i}" for i in range(6)], 1)
+    store = VideoTokenStore(tmp_path)
+    read = store.read_tokens(torch.arange(6))
+    reference = tokens.half().double()  # the fp16 tokens given, re-quantized in float64
+    scales = reference.abs().amax(dim=-1, keepdim=True) / 127
+    expected = torch.where(scales > 0, torch.round(reference / scales.clamp(min=1e-300)) * scales, reference)
+    assert read.dtype == torch.float32 and store.tokens.dtype == torch.float32
+    # float32 arithmetic may round a value lying on a half step the other way than float64: one step, rarely
+    steps = ((read.double() - expected).abs() / scales.clamp(min=1e-300)).round()
+    assert int((steps > 0).sum()) <= 2 and float(steps.max()) <= 1
+    assert bool(((read.double() - reference).abs() <= scales / 2 * (1 + 1e-4)).all())
+    assert torch.equal(read[2, 3], torch.zeros(12))
+    assert store.token_bytes == 5 * (12 + int8_tokens.SCALE_BYTES)  # half of fp16's 5 * 12 * 2 plus the scales

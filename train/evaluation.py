@@ -31,15 +31,10 @@ from accelerate.utils import broadcast_object_list, gather_object
 from torch.utils.data import DataLoader
 
 from modeling_testa.distributed import raise_on_every_rank
-from modeling_testa.indexing import DecodeVideos, encode_videos
+from modeling_testa.index_homes import IndexEntry, StoreHome, VideoIndexBuilder
+from modeling_testa.indexing import DecodeVideos
 from modeling_testa.ranking import RankingOptions, ranked_order, two_stage_scores
-from modeling_testa.video_store import (
-    VideoStoreWriter,
-    VideoTokenStore,
-    finalize_store,
-    missing_shards,
-    shard_range,
-)
+from modeling_testa.video_store import VideoTokenStore, missing_shards, shard_range
 
 from .loop import load_rows
 from .recipe import Recipe, as_recipe
@@ -89,16 +84,19 @@ def encode_to_store(model, items: list, collate: Callable, accelerator: Accelera
     rank, world = accelerator.process_index, accelerator.num_processes
     start, stop = shard_range(len(items), rank, world)
     accelerator.wait_for_everyone()
-    # (the writer removes a reused directory's stale index and closed-shard marker before writing)
-    writer = VideoStoreWriter(directory, rank, start, stop, token_dtype=token_dtype)
-    # one decoded batch in flight per worker (the default is 2): decoded pixels are the largest host buffers
-    loader = DataLoader(_Items([(i, items[i]) for i in range(start, stop)]),
-                        batch_size=per_process_batch_size(batch_size, world), collate_fn=collate,
-                        num_workers=num_workers, prefetch_factor=1 if num_workers else None)
+    names = [str(item) for item in items] if names is None else names
+    builder = VideoIndexBuilder(model, StoreHome(directory, token_dtype), info or {})
+
+    def decode(entries: list[IndexEntry], positions: list[int]) -> DataLoader:
+        # one decoded batch in flight per worker (the default is 2): decoded pixels are the largest host buffers
+        return DataLoader(_Items([(i, entries[i].video) for i in positions]),
+                          batch_size=per_process_batch_size(batch_size, world), collate_fn=collate,
+                          num_workers=num_workers, prefetch_factor=1 if num_workers else None)
+
     encoder_seconds, error = 0.0, None
-    try:
-        with writer:
-            encoder_seconds = encode_videos(model, loader, writer).encode_seconds
+    try:  # (the writer removes a reused directory's stale index and closed-shard marker before writing)
+        stats, _ = builder.encode([IndexEntry(item) for item in items], decode, shard=rank, start=start, stop=stop)
+        encoder_seconds = stats.encode_seconds
     except Exception as caught:  # shared below: no process may be left waiting at the barrier
         error = caught
     raise_on_every_rank(error, accelerator.device)
@@ -109,9 +107,8 @@ def encode_to_store(model, items: list, collate: Callable, accelerator: Accelera
             f"The evaluation store {os.fspath(directory)!r} lacks the shards of processes {missing}: with several "
             "machines, set eval.store_dir (or pass store_dir) to a directory on a filesystem every process sees."
         )
-    names = [str(item) for item in items] if names is None else names
-    if accelerator.is_main_process:
-        finalize_store(directory, names, world, info)
+    if accelerator.is_main_process:  # the evaluation ranks from the store's embeddings: no first stage is saved
+        builder.finish([IndexEntry(name) for name in names], world, first_stage=False, require_encoded=False)
     accelerator.wait_for_everyone()
     store = VideoTokenStore(directory)
     if accelerator.is_main_process:

@@ -40,8 +40,6 @@ file with one path per line (relative paths are relative to the file), or a data
 """
 
 import argparse
-import hashlib
-import json
 import os
 import sys
 import threading
@@ -56,17 +54,23 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from modeling_testa.distributed import raise_on_every_rank
-from modeling_testa.indexing import SUMMARY_FAILURES, DecodeVideos, EncodingStats, encode_videos
+from modeling_testa.index_homes import (
+    IndexEntry,
+    StoreHome,
+    VideoIndexBuilder,
+    as_entries,
+    window_entries,
+    write_json_atomically,
+)
+from modeling_testa.indexing import SUMMARY_FAILURES, DecodeVideos, EncodingStats
 from modeling_testa.inference import BACKENDS, PRECISIONS, optimize_for_inference
-from modeling_testa.moments import DecodeWindowRows, check_window_options, plan_window_rows, rebatch, video_groups
+from modeling_testa.moments import DecodeWindowRows, check_window_options, rebatch, video_groups
 from modeling_testa.runtimes import auto_precision, embeddings_label, isolated_by_default
 from modeling_testa.store_lock import LOCK_FILE, StoreLock, StoreLockedError, check_lock_token
-from modeling_testa.video_index import VideoIndex
+from modeling_testa.video_index import IndexInfo
 from modeling_testa.video_inputs import VIDEO_SUFFIXES, find_video_files
 from modeling_testa.video_store import (
     TOKEN_DTYPES,
-    VideoStoreWriter,
-    finalize_store,
     is_video_store,
     journaled_count,
     journaled_failures,
@@ -76,7 +80,6 @@ from modeling_testa.video_store import (
 )
 
 SETTINGS_FILE = "index_settings.json"
-PLAN_FILE = "index_plan.json"
 REPORT_FILE = "index_report.json"
 RETRIEVAL_HEADS = ("TestaForVideoTextRetrieval", "TestaForPreTraining")
 
@@ -133,40 +136,14 @@ def load_retrieval_model(source: str) -> tuple[Any, Any]:
     return model_class.from_pretrained(source).eval(), TestaVideoProcessor.from_pretrained(source)
 
 
-def weights_fingerprint(model: torch.nn.Module) -> str:
-    """SHA-256 of the model's parameters and buffers (names, shapes, dtypes and bytes)."""
-    digest = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        tensor = tensor.detach().cpu().contiguous().reshape(-1)
-        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
-        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
-    return digest.hexdigest()
-
-
 def index_settings(model: Any, model_source: str, num_frames: int, precision: str, token_dtype: str,
                    shard_size: int, window: float | None = None, stride: float | None = None) -> dict[str, Any]:
-    """What a store is built with; a resume or an append must match it exactly (a store of whole videos has window
-    and stride None, as stores written before moments existed read)."""
-    vision = model.config.vision_config
-    return {
-        "model": str(model_source),
-        "model_weights_sha256": weights_fingerprint(model),
-        "num_frames": int(num_frames),
-        "temporal_reduction": list(vision.temporal_reduction_per_layer),
-        "spatial_reduction": list(vision.spatial_reduction_per_layer),
-        "precision": precision,
-        "token_dtype": token_dtype,
-        "shard_size": int(shard_size),
-        "window": window,
-        "stride": stride,
-    }
-
-
-def write_json_atomically(path: Path, value: Any) -> None:
-    """Writes ``value`` to a temporary file and renames it: a reader sees the old file or the new one."""
-    temporary = path.with_suffix(".tmp")
-    temporary.write_text(json.dumps(value, indent=1), encoding="utf-8")
-    temporary.replace(path)
+    """What a store is built with (`IndexInfo`, weights hashed, the shard size, and the window and stride of an
+    index of moments); a resume or an append must match it exactly (a store of whole videos has window and stride
+    None, as stores written before moments existed read)."""
+    info = IndexInfo.from_model(model, num_frames, with_weights=True, model=str(model_source), precision=precision,
+                                token_dtype=token_dtype)
+    return {**info.as_dict(), "shard_size": int(shard_size), "window": window, "stride": stride}
 
 
 def check_or_write_settings(store: Path, settings: dict[str, Any]) -> bool:
@@ -194,51 +171,29 @@ def check_or_write_settings(store: Path, settings: dict[str, Any]) -> bool:
 
 
 def read_plan(store: Path) -> dict[str, Any]:
-    """``{"videos": [...], "shards": [[start, stop], ...]}``: the store's videos in order and its shards' ranges.
-    A store finalised without a plan file (by an earlier version) gives them from its index."""
-    path = store / PLAN_FILE
-    if path.is_file():
-        return read_json_file(path)
-    if is_video_store(store):
-        meta = store_metadata(store)
-        shards = sorted(meta["shards"], key=lambda shard: shard["shard"])
-        return {"videos": list(meta["videos"]), "shards": [[shard["start"], shard["stop"]] for shard in shards]}
-    return {"videos": [], "shards": []}
+    """``{"videos": [...], "shards": [[start, stop], ...], "segments": ...}``: the store's rows in order, its shards'
+    ranges and, for moments, every row's ``[start, end]`` (`StoreHome.plan`)."""
+    return StoreHome(store).plan()
 
 
-def grow_plan(plan: dict[str, Any], videos: list[str], shard_size: int, window: float | None = None,
-              stride: float | None = None) -> tuple[dict[str, Any], list[str]]:
-    """The plan with the videos it lacks appended (in the given order) as new shards of ``shard_size``, and those
-    videos. The shards already planned are left as they are. With a ``window``, the plan's rows are the new videos'
-    windows (``plan["segments"]``: ``[start, end]`` per row, None for a whole video), and a shard holds whole
-    videos: it closes once it has ``shard_size`` rows or more."""
+def planned_entries(plan: dict[str, Any], videos: list[str], window: float | None = None,
+                    stride: float | None = None) -> list[IndexEntry]:
+    """The rows to plan for ``videos`` (those the plan lacks, in order): whole videos, or with a ``window`` every
+    new video's windows (`index_homes.window_entries`)."""
     known = set(plan["videos"])
     new = [video for video in dict.fromkeys(videos) if video not in known]
-    start = len(plan["videos"])
-    if window is None:
-        shards = [[start + i, start + min(i + shard_size, len(new))] for i in range(0, len(new), shard_size)]
-        return {**plan, "videos": plan["videos"] + new, "shards": plan["shards"] + shards}, new
-    names, segments, _ = plan_window_rows(new, window, stride)
-    shards, first = [], start
-    for row in range(start, start + len(names)):
-        ends_video = row + 1 == start + len(names) or names[row + 1 - start] != names[row - start]
-        if ends_video and row + 1 - first >= shard_size or row + 1 == start + len(names):
-            shards.append([first, row + 1])
-            first = row + 1
-    grown = {**plan, "videos": plan["videos"] + names, "shards": plan["shards"] + shards,
-             "segments": plan.get("segments", []) + segments}
-    return grown, new
+    return as_entries(new) if window is None else window_entries(new, window, stride)
 
 
 def prepare_store(store: Path, settings: dict[str, Any], videos: list[str], shard_size: int
                   ) -> tuple[dict[str, Any], list[str], bool]:
-    """Checks (or writes) the settings and appends the videos the store lacks to its plan. Returns the plan, the
-    videos added to it, and whether the store existed. A refused store is left untouched."""
+    """Checks (or writes) the settings and appends the videos the store lacks to its plan (`StoreHome.append`).
+    Returns the plan, the videos added to it, and whether the store existed. A refused store is left untouched."""
     existed = check_or_write_settings(store, settings)
-    plan, added = grow_plan(read_plan(store), videos, shard_size, settings.get("window"), settings.get("stride"))
-    if added or not (store / PLAN_FILE).is_file():
-        write_json_atomically(store / PLAN_FILE, plan)
-    return plan, added, existed
+    home = StoreHome(store)
+    entries = planned_entries(home.plan(), videos, settings.get("window"), settings.get("stride"))
+    plan, added = home.append(entries, shard_size)
+    return plan, list(dict.fromkeys(entries[i].name(i) for i in added)), existed
 
 
 class JournalProgress:
@@ -275,26 +230,29 @@ class JournalProgress:
         self.bar.close()
 
 
-def encode_shard(model: Any, videos: list[str], shard: int, shard_range: tuple[int, int], store: Path,
-                 collate: Any, batch_size: int, num_workers: int, token_dtype: torch.dtype
-                 ) -> tuple[EncodingStats, int]:
-    """Encodes what shard ``shard`` (videos ``[start, stop)``) still lacks; returns the loop's stats and how many
-    videos it already held. Videos that cannot be read are recorded in the shard (`DecodeVideos` skips them). With
-    moments (`DecodeWindowRows`), the rows are windows: each video is decoded once for its remaining rows, and the
-    windows are encoded ``batch_size`` at a time."""
-    start, stop = shard_range
-    with VideoStoreWriter(store, shard, start, stop, token_dtype=token_dtype, resume=True) as writer:
-        already = writer.done
-        remaining = [i for i in range(start, stop) if i not in already]
+def decode_with_workers(collate: DecodeVideos | DecodeWindowRows, batch_size: int, num_workers: int):
+    """The builder's ``decode(entries, positions)``: `DecodeVideos` in a `DataLoader` of `num_workers` processes;
+    for moments (`DecodeWindowRows`), each video decoded once for its rows, the windows regrouped into batches of
+    ``batch_size``."""
+
+    def decode(entries: list[IndexEntry], positions: list[int]):
         workers = dict(num_workers=num_workers, prefetch_factor=1 if num_workers else None)
         if isinstance(collate, DecodeWindowRows):
-            loader = DataLoader(video_groups(remaining, videos), batch_size=1, collate_fn=collate, **workers)
-            batches = rebatch(loader, batch_size)
-        else:
-            batches = DataLoader([(i, videos[i]) for i in remaining], batch_size=batch_size, collate_fn=collate,
-                                 **workers)
-        stats = encode_videos(model, batches, writer, num_workers=num_workers, summary=False)
-    return stats, len(already)
+            groups = video_groups(positions, [entry.name(i) for i, entry in enumerate(entries)])
+            return rebatch(DataLoader(groups, batch_size=1, collate_fn=collate, **workers), batch_size)
+        items = [(i, entries[i].video) for i in positions]
+        return DataLoader(items, batch_size=batch_size, collate_fn=collate, **workers)
+
+    return decode
+
+
+def encode_shard(builder: VideoIndexBuilder, entries: list[IndexEntry], shard: int, shard_range: tuple[int, int],
+                 decode: Any, num_workers: int) -> tuple[EncodingStats, int]:
+    """Encodes what shard ``shard`` (rows ``[start, stop)``) still lacks, resuming after its last journaled batch;
+    returns the loop's stats and how many rows it already held. Unreadable videos are recorded as failures."""
+    start, stop = shard_range
+    return builder.encode(entries, decode, shard=shard, start=start, stop=stop, resume=True, num_workers=num_workers,
+                          summary=False)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -319,6 +277,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--shard-size", type=int, default=256, help="videos per shard (default: 256)")
     parser.add_argument("--batch-size", type=int, default=8, help="videos per encoder forward, per process")
     parser.add_argument("--num-workers", type=int, default=2, help="decoding worker processes per process")
+    parser.add_argument("--milvus", default=None,
+                        help="also upsert every encoded video into Milvus: a Milvus Lite file (videos.db) or a server "
+                             "or cluster URI (http://host:19530); the tokens stay in --store")
+    parser.add_argument("--collection", default="videos", help="the Milvus collection (default: videos)")
     parser.add_argument("--window", type=float, default=None,
                         help="index moments: windows of this many seconds, one row each (default: whole videos)")
     parser.add_argument("--stride", type=float, default=None, help="seconds between windows (default: --window)")
@@ -418,9 +380,18 @@ def index_into_store(args: argparse.Namespace, store: Path, videos: list[str], s
     plan = read_plan(store)  # what the main process wrote (every process sees the store's folder)
 
     stored = plan["videos"]
+    entries = StoreHome.entries(plan)  # every row: a video, or a moment of it
     num_shards = len(plan["shards"])
-    closed = set(range(num_shards)) - set(missing_shards(store, num_shards))
-    mine = [s for s in range(accelerator.process_index, num_shards, accelerator.num_processes) if s not in closed]
+    home = StoreHome(store, TOKEN_DTYPES[args.token_dtype])
+    builder = VideoIndexBuilder(model, home, settings)
+    closed = home.closed_shards(num_shards)
+    assigned = list(range(accelerator.process_index, num_shards, accelerator.num_processes))
+    mine = [s for s in assigned if s not in closed]
+    milvus = None
+    if args.milvus:
+        from modeling_testa.milvus_home import MilvusHome
+
+        milvus = MilvusHome(args.milvus, args.collection, dim=int(settings["projection_dim"]))
     if accelerator.is_main_process:
         notes = []
         if existed:
@@ -433,16 +404,17 @@ def index_into_store(args: argparse.Namespace, store: Path, videos: list[str], s
         print(f"Indexing {rows} into {num_shards} shards of up to {args.shard_size} on "
               f"{accelerator.num_processes} process(es){'; ' if notes else ''}{'; '.join(notes)}.", flush=True)
     if args.window is not None:  # rows are windows: each video decoded once for its rows
-        collate = DecodeWindowRows(video_processor, num_frames, plan["segments"])
+        collate = DecodeWindowRows(video_processor, num_frames, plan.get("segments") or [None] * len(stored))
     else:
         collate = DecodeVideos(video_processor, num_frames)
+    decode = decode_with_workers(collate, args.batch_size, args.num_workers)
     totals = {"encoded": 0, "already": 0, "failed": 0, "decode_wait_seconds": 0.0, "encode_seconds": 0.0,
               "seconds": 0.0}
     begin = time.perf_counter()
     with JournalProgress(store, len(stored), enabled=accelerator.is_main_process):
         for shard in mine:
-            stats, already_there = encode_shard(model, stored, shard, tuple(plan["shards"][shard]), store, collate,
-                                                args.batch_size, args.num_workers, TOKEN_DTYPES[args.token_dtype])
+            stats, already_there = encode_shard(builder, entries, shard, tuple(plan["shards"][shard]), decode,
+                                                args.num_workers)
             totals["encoded"] += stats.videos
             totals["already"] += already_there
             totals["failed"] += stats.failed
@@ -450,6 +422,11 @@ def index_into_store(args: argparse.Namespace, store: Path, videos: list[str], s
             totals["encode_seconds"] += stats.encode_seconds
             print(f"[process {accelerator.process_index}] shard {shard}: {stats.videos} videos handled this run "
                   f"({stats.failed} could not be read), {already_there} already in the store", flush=True)
+        if milvus is not None:  # this process' shards, closed now or by an earlier run: upserts, so repeats are harmless
+            upserted = sum(milvus.upsert_store_shard(store, *plan["shards"][shard], shard, entries)
+                           for shard in assigned)
+            print(f"[process {accelerator.process_index}] upserted {upserted} videos into Milvus "
+                  f"{args.milvus} ({args.collection})", flush=True)
         totals["seconds"] = time.perf_counter() - begin
         all_totals = gather_object([totals]) if accelerator.num_processes > 1 else [totals]
         accelerator.wait_for_everyone()
@@ -469,12 +446,8 @@ def index_into_store(args: argparse.Namespace, store: Path, videos: list[str], s
             reasons = "\n  ".join(f"{f['video']}: {f['reason']}" for f in failed[:10])
             raise SystemExit(f"error: none of the {len(stored)} videos could be read, so {str(store)!r} was not "
                              f"finalised (its journals say why):\n  {reasons}")
-        info = {**settings, "model_class": type(model).__name__, "projection_dim": int(model.config.projection_dim)}
-        if args.window is not None:
-            info["segments"] = plan["segments"]  # every row's (start, end): VideoIndex.from_store reads them
-        finalize_store(store, stored, num_shards, info=info)
-        # the first stage over every video of the (grown) store: saved when approximate, else rebuilt on load
-        VideoIndex.load(store).save_first_stage(store)
+        # the store's index (with every row's moment) and its first stage over every video of the (grown) store
+        builder.finish(entries, num_shards)
         failures = store_metadata(store)["failures"]
         wall = max(t["seconds"] for t in all_totals)
         encoded_now = sum(t["encoded"] for t in all_totals)
@@ -493,7 +466,7 @@ def index_into_store(args: argparse.Namespace, store: Path, videos: list[str], s
         print(f"Indexed {len(stored)} videos into {store} ({encoded_now} handled this run, "
               f"{len(stored) - encoded_now} already there; {len(failures)} could not be decoded).")
         for failure in failures[:SUMMARY_FAILURES]:
-            print(f"  failed: {failure['video']}: {failure['reason']}")
+            print(f"  failed: {failure['video']}: {failure.get('code', 'unknown')}: {failure['reason']}")
         if len(failures) > SUMMARY_FAILURES:
             print(f"  ... and {len(failures) - SUMMARY_FAILURES} more failed videos (all are in {REPORT_FILE})")
         for file in skipped:

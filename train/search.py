@@ -1,7 +1,12 @@
 """Search a video store built by `train.index` from the command line.
 
     python -m train.search --store OUT --model FOLDER_OR_HUB_ID "a paragraph" ["another query" ...] \
-        [--top-k 10] [--rerank-k K] [--no-rerank] [--group-by-video] [--json]
+        [--top-k 10] [--rerank-k K] [--no-rerank] [--group-by-video] [--json] [--filter folder=DIR]
+        [--filter dataset=NAME] [--milvus URI [--collection videos]]
+
+With ``--milvus`` the first stage is the Milvus collection `train.index --milvus` wrote (an embedded Milvus Lite file,
+or a server or cluster URI), and the re-ranking tokens are read from the stores its rows name. ``--filter KEY=VALUE``
+(repeatable; ``folder``, ``dataset`` or ``video``) keeps only the matching videos.
 
 Ranks in two stages through the retrieval pipeline's `search` (`modeling_testa.ranking`): the cosine of the
 contrastive embeddings picks the ``rerank_k`` nearest videos (default: the model's ``k_test``), the matching head
@@ -37,7 +42,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--group-by-video", action="store_true",
                         help="with an index of moments: each video once, at its best moment")
     parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.add_argument("--filter", action="append", default=[], metavar="KEY=VALUE",
+                        help="only videos whose payload matches (folder=DIR, dataset=NAME, video=PATH; repeatable)")
+    parser.add_argument("--milvus", default=None, help="search this Milvus (file or URI) instead of the store's "
+                                                       "first stage")
+    parser.add_argument("--collection", default="videos", help="the Milvus collection (default: videos)")
     args = parser.parse_args(argv)
+    try:
+        args.filters = parse_filters(args.filter)
+    except ValueError as error:
+        parser.error(str(error))
     if args.top_k < 1 or (args.rerank_k is not None and args.rerank_k < 1):
         parser.error("--top-k and --rerank-k must be at least 1")
     if any(not query.strip() for query in args.queries):
@@ -45,10 +59,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def parse_filters(items: list[str]) -> dict[str, list[str]]:
+    """``["folder=DIR", "dataset=a", "dataset=b"]`` -> ``{"folder": ["DIR"], "dataset": ["a", "b"]}``; raises
+    ValueError naming a malformed item or an unknown key."""
+    from modeling_testa.milvus_home import FILTER_KEYS
+
+    filters: dict[str, list[str]] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in FILTER_KEYS or not value:
+            raise ValueError(f"--filter {item!r}: use KEY=VALUE with KEY one of {', '.join(FILTER_KEYS)}")
+        filters.setdefault(key, []).append(value)
+    return filters
+
+
+def open_index(store: str, milvus: str | None = None, collection: str = "videos") -> Any:
+    """The store's `VideoIndex`, or with `milvus` the `MilvusIndex` of that collection (settings from the store,
+    tokens from the stores its rows name)."""
+    index = VideoIndex.load(store, first_stage=milvus is None)
+    if milvus is None:
+        return index
+    from modeling_testa.milvus_home import MilvusHome
+
+    return MilvusHome(milvus, collection, dim=index.dim).open(index.info, tokens_from_stores=index.has_tokens)
+
+
 def search(store: str, queries: list[str], model: str | None = None, top_k: int = 10, rerank_k: int | None = None,
-           rerank: bool = True, group_by_video: bool = False) -> list[list[dict[str, Any]]]:
-    """The ranked videos of every query in ``store`` (see the module docstring)."""
-    index = VideoIndex.load(store)
+           rerank: bool = True, filters: dict[str, Any] | None = None, milvus: str | None = None,
+           collection: str = "videos", group_by_video: bool = False) -> list[list[dict[str, Any]]]:
+    """The ranked videos of every query in ``store`` (or in Milvus, see the module docstring)."""
+    index = open_index(store, milvus, collection)
     if model is None:
         settings = Path(store) / SETTINGS_FILE
         if not settings.is_file():
@@ -57,7 +97,7 @@ def search(store: str, queries: list[str], model: str | None = None, top_k: int 
     retrieval, _ = load_retrieval_model(model)
     pipe = VideoTextRetrievalPipeline(model=retrieval, processor=TestaProcessor.from_pretrained(model), device="cpu")
     results = pipe.search(queries, index, top_k=top_k, rerank=None if rerank else False, rerank_k=rerank_k,
-                          group_by="video" if group_by_video else None)
+                          filters=filters or None, group_by="video" if group_by_video else None)
     return [results] if isinstance(results[0], dict) else results
 
 
@@ -72,7 +112,7 @@ def main(argv: list[str] | None = None) -> list[list[dict[str, Any]]]:
     args = parse_args(argv)
     try:
         results = search(args.store, args.queries, args.model, args.top_k, args.rerank_k, not args.no_rerank,
-                         args.group_by_video)
+                         args.filters, args.milvus, args.collection, args.group_by_video)
     except (OSError, ValueError) as error:
         raise SystemExit(f"error: {error}") from None
     if args.json:

@@ -1,6 +1,6 @@
 """Optional test requirements: skipped with the command that installs them, or a failure under CI.
 
-`make test` installs every extra the README counts (`.[test,faiss,st,mteb,app]`) and fetches transformers' common
+`make test` installs every extra the README counts (`.[test,faiss,milvus,st,mteb,app]`) and fetches transformers' common
 tests. A fresh clone once skipped 240 of them silently (a broken cache link), so under `CI=true` a suite that cannot
 run fails instead of skipping; outside CI it is skipped with the command that makes it run.
 """
@@ -23,6 +23,8 @@ INSTALL = {
     "gradio": 'pip install -e ".[app]"',
     "gradio_client": 'pip install -e ".[app]"',
     "playwright.sync_api": 'pip install -e ".[app]"',
+    "pymilvus": 'pip install -e ".[milvus]"',
+    "milvus_lite": 'pip install -e ".[milvus]"',
 }
 
 
