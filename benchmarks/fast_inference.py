@@ -277,7 +277,7 @@ def throughput(args) -> dict:
     return result
 
 
-def _perturb_pixels(factor: float):
+def perturb_pixels(factor: float):
     def hook(module, args, kwargs):
         if args:
             return (args[0] * factor, *args[1:]), kwargs
@@ -329,7 +329,7 @@ def quality(args) -> dict:
                 model.double()
             elif name in noise_rows:
                 k = noise_rows.index(name) + 1
-                model.vision_model.register_forward_pre_hook(_perturb_pixels(1 + k * 1e-6), with_kwargs=True)
+                model.vision_model.register_forward_pre_hook(perturb_pixels(1 + k * 1e-6), with_kwargs=True)
             maps = []
             model.vision_model.register_forward_hook(lambda module, inputs, out: maps.append(out.source_map))
             store_dir = Path(tmp) / f"store{i}"

@@ -187,7 +187,7 @@ def first_max(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tenso
     return x.gather(dim, indices).squeeze(dim), indices.squeeze(dim)
 
 
-def _best_partner(
+def best_partner(
     scores: torch.Tensor, vote_dim: int | None, vote: str = "vote"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Best B partner of every A token: ``(score, index)``, each ``(*batch, nA)``.
@@ -234,7 +234,7 @@ def geometry_matching(
         vote: how the positions decide, one of :data:`FRAME_VOTES` (used only with ``vote_dim``).
     """
     scores = _cosine_scores(metric[..., ::2, :], metric[..., 1::2, :])
-    node_max, node_idx = _best_partner(scores, vote_dim, vote)
+    node_max, node_idx = best_partner(scores, vote_dim, vote)
     # The protected token (A token 0) is never a source: its row is left out of the order, and set A starts after it.
     first = int(protect_first)
     # Stable: among equal scores the lower A index merges first, on every device (ties are common: static frames).
@@ -291,7 +291,7 @@ def importance_matching(
     scores = _cosine_scores(gather(src), gather(kept))
     if protect_first:  # the protected token is the first kept one: nothing merges into it either
         scores[..., 0] = -torch.inf
-    _, partner = _best_partner(scores, vote_dim, vote)
+    _, partner = best_partner(scores, vote_dim, vote)
     return Matching(kept=kept, sources=src, targets=partner)
 
 
@@ -533,6 +533,7 @@ def attention_received(
 
 __all__ = [
     "Bipartite",
+    "best_partner",
     "first_max",
     "FRAME_VOTES",
     "Matching",

@@ -34,7 +34,12 @@ import argparse
 import json
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:  # torch is imported where it is used: generating videos needs only numpy and PyAV
+    import torch
 
 
 KINDS = ("static", "frozen", "pan", "fade", "slides", "colour_cuts")

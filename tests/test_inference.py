@@ -99,6 +99,25 @@ def test_compile_without_a_compiler_warns_and_leaves_the_model_eager(monkeypatch
     assert all(layer._compiled_call_impl is None for layer in model.layers)
 
 
+def test_compiled_bf16_is_refused_and_auto_never_picks_it(monkeypatch):
+    """Inductor's compiled bf16 encoder gave outputs unrelated to eager bf16's (cosine 0.11-0.19 on the demo model's
+    videos): refused before anything is converted, and ``precision="auto"`` with ``compile=True`` picks fp32."""
+    from modeling_testa.runtimes import TorchEagerRuntime, choose
+
+    model = _vision_model()
+    with pytest.raises(ValueError, match="compile=True with precision='bf16' is refused"):
+        optimize_for_inference(model, "bf16", compile=True)
+    assert getattr(model, "inference_settings", None) is None  # left as it was
+    assert all(layer._compiled_call_impl is None for layer in model.layers)
+    assert choose("torch", "auto", model, compile=True) == (TorchEagerRuntime, "int8")  # CPU: int8, as without compile
+    assert TorchEagerRuntime.auto_precision("cuda") == "bf16"
+    import modeling_testa.runtimes as runtimes
+
+    monkeypatch.setattr(runtimes, "device_type", lambda module: "cuda")  # what `choose` reads of the model
+    assert choose("torch", "auto", model, compile=True) == (TorchEagerRuntime, "fp32")
+    assert choose("torch", "auto", model, compile=False)[1] == "bf16"
+
+
 @pytest.mark.slow
 def test_compiled_fp32_matches_eager():
     reference = _vision_model()

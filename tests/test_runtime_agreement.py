@@ -22,7 +22,7 @@ from helpers.requirements import skip_or_fail
 
 import modeling_testa.aggregation as aggregation
 from modeling_testa import TestaVisionModel, optimize_for_inference
-from modeling_testa.aggregation import SCORE_GRID, _best_partner, first_max, geometry_matching, snap_scores
+from modeling_testa.aggregation import SCORE_GRID, best_partner, first_max, geometry_matching, snap_scores
 from processing.realistic_videos import (
     KINDS,
     normalise,
@@ -85,12 +85,12 @@ def test_a_near_tie_goes_to_the_lowest_index_and_the_released_rule_keeps_raw_sco
     # B token 2 beats B token 1 by rounding noise only: both score 0.7 to within 1e-7
     scores = torch.tensor([[0.5, 0.7, 0.7 + 6e-8]])
     assert first_max(scores)[1].item() == 2  # raw scores: the noise decides
-    score, partner = _best_partner(scores, None)
+    score, partner = best_partner(scores, None)
     assert partner.item() == 1 and score.item() == round(0.7 * 1024) / 1024
-    assert _best_partner(scores, None, "original")[1].item() == 2  # the released code decides on raw scores
+    assert best_partner(scores, None, "original")[1].item() == 2  # the released code decides on raw scores
     # frame votes: every position prefers frame 2 by noise only, so the vote goes to frame 1
     per_position = scores.expand(4, 3).unsqueeze(1)  # (positions, A frames, B frames)
-    assert _best_partner(per_position, -3, "vote")[1].tolist() == [1]
+    assert best_partner(per_position, -3, "vote")[1].tolist() == [1]
 
 
 def test_pairs_that_tie_after_snapping_merge_in_input_order(monkeypatch):
