@@ -171,11 +171,25 @@ def tensor_fingerprint(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     return digest.hexdigest()
 
 
+def graph_code_fingerprint() -> str:
+    """SHA-256 of the source of the modules that define the exported graph (the encoder, its blocks, the matching and
+    merging) and of the score grid the merge decisions are taken on: a graph exported by other code, or with another
+    `aggregation.SCORE_GRID`, is never reused (it would merge other tokens than the PyTorch model does)."""
+    from . import aggregation, aggregation_block, modeling_testa_vision
+
+    digest = hashlib.sha256(repr(aggregation.SCORE_GRID).encode())
+    for module in (aggregation, aggregation_block, modeling_testa_vision):
+        digest.update(Path(module.__file__).read_bytes())
+    return digest.hexdigest()
+
+
 def library_versions(backend: str) -> dict[str, str]:
-    """The versions an export depends on (torch, transformers, the backend's packages)."""
+    """The versions an export depends on (torch, transformers, the backend's packages) and the code that defines the
+    graph (`graph_code_fingerprint`)."""
     import transformers
 
-    versions = {"torch": torch.__version__, "transformers": transformers.__version__}
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__,
+                "graph_code": graph_code_fingerprint()}
     for module in EXTRAS.get(backend, (None, ()))[1]:
         versions[module] = getattr(__import__(module), "__version__", "?")
     return versions

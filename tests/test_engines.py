@@ -153,6 +153,17 @@ def test_cache_key_changes_with_every_setting():
         assert cache_key(**{**base, name: value}) != key, name
 
 
+
+def test_an_export_of_other_merge_code_or_another_score_grid_is_not_reused(monkeypatch):
+    """The cache key's versions include the graph's code and the score grid, so a graph exported before the merge
+    decisions changed (for example raw scores, before snapping) is exported again rather than silently reused."""
+    from modeling_testa import aggregation, engines
+
+    before = engines.library_versions("openvino")["graph_code"]
+    assert engines.library_versions("openvino")["graph_code"] == before  # stable
+    monkeypatch.setattr(aggregation, "SCORE_GRID", 0.0)
+    assert engines.library_versions("openvino")["graph_code"] != before
+
 def test_default_calibration_videos_are_deterministic_and_normalised_scale():
     a = engines.default_calibration_videos(8, 32, 32)
     assert a.shape == (4, 8, 3, 32, 32)
