@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.models import randomize, tiny_vision_config
+from helpers.models import random_vision_model, videos
 from helpers.requirements import skip_or_fail, under_ci
 
 import modeling_testa.engines as engines
@@ -33,14 +33,11 @@ needs = {b: pytest.mark.skipif(not _installed(b) and not under_ci(),
 
 
 def _vision_model(seed: int = 0, **overrides) -> TestaVisionModel:
-    torch.manual_seed(seed)
-    model = TestaVisionModel(tiny_vision_config(**overrides)).eval()
-    randomize(model, seed=seed)
-    return model
+    return random_vision_model(seed, **overrides)
 
 
 def _video(batch: int = 3, frames: int = 8, seed: int = 1) -> torch.Tensor:
-    return torch.randn(batch, frames, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
+    return videos(batch, frames, seed=seed)
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.models import tiny_vision_config
-from helpers.models import randomize
+from helpers.models import random_vision_model, videos as random_videos
 from helpers.pipelines import build_qa, build_retrieval, tiny_processor, write_bad_files, write_videos
 from helpers.requirements import require
 from torch import nn
@@ -33,14 +32,11 @@ LINEARS_PER_LAYER = 7  # temporal qkv, projection and temporal_fc; spatial qkv a
 
 
 def _vision_model(seed: int = 0, **overrides) -> TestaVisionModel:
-    torch.manual_seed(seed)
-    model = TestaVisionModel(tiny_vision_config(**overrides)).eval()
-    randomize(model, seed=seed)
-    return model
+    return random_vision_model(seed, **overrides)
 
 
 def _video(batch: int = 2, frames: int = 8, seed: int = 1) -> torch.Tensor:
-    return torch.randn(batch, frames, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
+    return random_videos(batch, frames, seed=seed)
 
 
 # ------------------------------------------------------------------------------------------------ the API contract

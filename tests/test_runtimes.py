@@ -12,7 +12,7 @@ import threading
 
 import pytest
 import torch
-from helpers.models import randomize, tiny_vision_config
+from helpers.models import random_vision_model, videos
 
 import modeling_testa.runtimes as runtimes
 from modeling_testa import Bf16Linear, TestaVisionModel, optimize_for_inference
@@ -30,14 +30,11 @@ from modeling_testa.runtimes import (
 
 
 def _vision_model(seed: int = 0, **overrides) -> TestaVisionModel:
-    torch.manual_seed(seed)
-    model = TestaVisionModel(tiny_vision_config(**overrides)).eval()
-    randomize(model, seed=seed)
-    return model
+    return random_vision_model(seed, **overrides)
 
 
 def _video(batch: int = 2, frames: int = 8, seed: int = 1) -> torch.Tensor:
-    return torch.randn(batch, frames, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
+    return videos(batch, frames, seed=seed)
 
 
 class ReplayOnCpu:

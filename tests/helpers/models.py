@@ -3,7 +3,7 @@
 import torch
 from transformers import BlipConfig
 
-from modeling_testa import TestaConfig, TestaVisionConfig
+from modeling_testa import TestaConfig, TestaVisionConfig, TestaVisionModel
 
 
 def tiny_vision_config(**overrides) -> TestaVisionConfig:
@@ -89,3 +89,11 @@ def text_ids(batch: int, length: int, seed: int = 0, first: int = CLS, pad_to: i
 
 def videos(batch: int, frames: int = 8, size: int = 32, seed: int = 0) -> torch.Tensor:
     return torch.randn(batch, frames, 3, size, size, generator=torch.Generator().manual_seed(seed))
+
+
+def random_vision_model(seed: int = 0, **overrides) -> TestaVisionModel:
+    """A tiny `TestaVisionModel` (`tiny_vision_config` with ``overrides``) in eval mode, with randomized weights."""
+    torch.manual_seed(seed)
+    model = TestaVisionModel(tiny_vision_config(**overrides)).eval()
+    randomize(model, seed=seed)
+    return model
