@@ -44,6 +44,7 @@ import json
 import logging
 import os
 import platform
+import sys
 import threading
 from collections import deque
 from pathlib import Path
@@ -53,6 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import aggregation
 from .aggregation_block import sequence, token_sizes_with_cls
 from .modeling_testa_vision import TestaVisionModelOutput
 
@@ -173,12 +175,12 @@ def tensor_fingerprint(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
 
 def graph_code_fingerprint() -> str:
     """SHA-256 of the source of the modules that define the exported graph (the encoder, its blocks, the matching and
-    merging) and of the score grid the merge decisions are taken on: a graph exported by other code, or with another
-    `aggregation.SCORE_GRID`, is never reused (it would merge other tokens than the PyTorch model does)."""
+    merging, the export itself): a graph exported by other code is never reused (it could merge other tokens than the
+    PyTorch model does). The score grid the decisions are taken on is keyed separately, per export (`folder_for`)."""
     from . import aggregation, aggregation_block, modeling_testa_vision
 
-    digest = hashlib.sha256(repr(aggregation.SCORE_GRID).encode())
-    for module in (aggregation, aggregation_block, modeling_testa_vision):
+    digest = hashlib.sha256()
+    for module in (aggregation, aggregation_block, modeling_testa_vision, sys.modules[__name__]):
         digest.update(Path(module.__file__).read_bytes())
     return digest.hexdigest()
 
@@ -451,8 +453,9 @@ class ExportedEncoder:
         precision = "fp32" if precision == "bf16" else precision
         calibration = self.calibration_for(shape) if precision == "int8" else None
         calibration_sha = None if calibration is None else tensor_fingerprint([("calibration", calibration)])
+        versions = {**self.versions, "score_grid": repr(aggregation.SCORE_GRID)}  # read now: it may have changed
         key = cache_key(self.weights_sha256, config_settings(self.vision_model), self.backend, precision, shape,
-                        trace_source, calibration_sha, self.versions)
+                        trace_source, calibration_sha, versions)
         return self.cache_dir / f"{self.backend}-{precision}-{key[:24]}", calibration
 
     def exported_path(self, shape: tuple[int, ...], trace_source: bool, precision: str) -> Path:

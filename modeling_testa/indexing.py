@@ -234,6 +234,15 @@ class EncodingStats:
     def videos_per_second(self) -> float:
         return self.videos / self.seconds if self.seconds > 0 else float("inf")
 
+    def merged(self, other: "EncodingStats") -> "EncodingStats":
+        """The stats of this run followed by `other` (times and counts add up)."""
+        return EncodingStats(
+            videos=self.videos + other.videos, seconds=self.seconds + other.seconds,
+            decode_wait_seconds=self.decode_wait_seconds + other.decode_wait_seconds,
+            encode_seconds=self.encode_seconds + other.encode_seconds,
+            num_workers=max(self.num_workers, other.num_workers), failed=self.failed + other.failed,
+        )
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "videos": self.videos,

@@ -44,10 +44,10 @@ def milvus_filter(filters: dict[str, Any] | None) -> str:
             raise ValueError(f"Unknown search filter {key!r}; use one of {FILTER_KEYS}.")
         values = [value] if isinstance(value, str) else list(value)
         if key == "folder":
-            parts = [f"video like {json.dumps(folder_prefix(v) + '%')}" for v in values]
+            parts = [f"video like {json.dumps(folder_prefix(v) + '%', ensure_ascii=False)}" for v in values]
             clauses.append("(" + " or ".join(parts) + ")")
         else:
-            clauses.append(f"{key} in {json.dumps([str(v) for v in values])}")
+            clauses.append(f"{key} in {json.dumps([str(v) for v in values], ensure_ascii=False)}")
     return " and ".join(clauses)
 
 
@@ -270,6 +270,9 @@ class MilvusIndex:
     `tokens_from_stores` (rows written from a store, `MilvusHome.upsert_store_shard`), the tokens are read from the
     store each row names, so search re-ranks; otherwise it ranks by cosine."""
 
+    max_results = 16_384
+    """The most hits one Milvus search returns (its `limit` bound): `pipe.search` asks for no more."""
+
     def __init__(self, home: MilvusHome, info: dict[str, Any], failures: list[Failure],
                  tokens_from_stores: bool = False):
         self.home, self.info, self.failures = home, info, failures
@@ -341,6 +344,8 @@ class MilvusIndex:
         scores = torch.full((len(results), width), float("-inf"))
         rows = torch.full((len(results), width), -1, dtype=torch.long)
         for q, hits in enumerate(results):
+            # `like` treats `_` and `%` in a folder's name as wildcards: Milvus' hits are a superset, kept exact here
+            hits = [hit for hit in hits if matches(hit["entity"], filters)]
             for j, hit in enumerate(hits):
                 entity = hit["entity"]
                 rows[q, j] = len(self.hits)

@@ -677,21 +677,33 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
             home = StoreHome(directory, token_dtype or torch.float16)
             home.reset()
         plan, new = home.append(entries)
-        if not new:
+        # Every shard the plan holds and no run closed: a growth that was interrupted (its rows are planned, so
+        # `append` does not count them as new) and this one's. Each is resumed, keeping the rows it already wrote.
+        unclosed = sorted(set(range(len(plan["shards"]))) - home.closed_shards(len(plan["shards"])))
+        if not unclosed:
             logger.info("All %d videos are already in the index; nothing to encode.", len(videos))
             return index
-        first = plan["shards"][-1][0]
         rows = StoreHome.entries(plan)
         builder = VideoIndexBuilder(self.model, home, info)
-        stats, _ = builder.encode(rows, self._decoder(batch_size, num_workers, on_error, video_kwargs),
-                                  shard=len(plan["shards"]) - 1, start=first,
-                                  progress_bar=self._show_progress(len(new), progress_bar), num_workers=num_workers)
-        self._log_stats(len(new), stats)
+        decode = self._decoder(batch_size, num_workers, on_error, video_kwargs)
+        todo = sum(plan["shards"][shard][1] - plan["shards"][shard][0] for shard in unclosed)
+        stats = None
+        for shard in unclosed:
+            start, stop = plan["shards"][shard]
+            shard_stats, _ = builder.encode(rows, decode, shard=shard, start=start, stop=stop, resume=True,
+                                            progress_bar=self._show_progress(todo, progress_bar),
+                                            num_workers=num_workers)
+            stats = shard_stats if stats is None else stats.merged(shard_stats)
+        self._log_stats(todo, stats)
         stored = builder.finish(rows, stats=stats)
+        # the rows' videos, as given where given here (a repeated video is one row: `append` keys rows by video
+        # and moment), as the store names them for rows planned by an earlier, interrupted growth
+        given = {entries[i].key(i): videos[i] for i in new}
+        names = [given.get(entry.key(i), entry.video) for i, entry in enumerate(rows)]
         if not growing:
-            stored.videos = list(videos)
+            stored.videos = names
             return stored
-        stored.videos = list(index.videos) + [entries[i].video for i in new]
+        stored.videos = list(index.videos) + names[len(index.videos):]
         index.__dict__.update(stored.__dict__)  # the caller's index object now reads the grown store
         return index
 
@@ -794,7 +806,11 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         num_videos = len(index)
         window = self._window(num_videos, top_k, rerank_k) if rerank else 0
         depth = num_videos if top_k is None else max(window, min(top_k, num_videos))
-        depth = min(depth, 16_384)  # Milvus' largest limit; no result list is longer in practice
+        max_results = getattr(index, "max_results", None)  # a Milvus collection's bound; none for other homes
+        if max_results is not None and depth > max_results:
+            logger.warning_once(f"This index returns at most {max_results} results per search: top_k and the "
+                                "re-ranking window are cut to that.")
+            depth = max_results
         if filters:
             cosines, candidates = index.nearest(text_features, depth, use_faiss=use_faiss, filters=filters)
         else:

@@ -52,6 +52,7 @@ from typing import Any, Callable, ClassVar
 import torch
 from torch import nn
 
+from . import aggregation
 from .aggregation_settings import AGGREGATION_FIELDS
 from .linear_layers import compile_blocks, convert_linears
 from .engines import (
@@ -326,7 +327,9 @@ class CudaGraphRuntime(EncoderRuntime):
         """What a graph is specific to: the input's shape, dtype and device, source tracing, and the aggregation
         settings (`set_aggregation` after `optimize_for_inference` gives other token counts: another graph)."""
         settings = self.vision_model.aggregation_settings(trace_source)
-        return (tuple(pixel_values.shape), pixel_values.dtype, str(pixel_values.device), repr(settings))
+        # the score grid is baked into a captured graph: another grid (set later) is another graph
+        return (tuple(pixel_values.shape), pixel_values.dtype, str(pixel_values.device), repr(settings),
+                aggregation.SCORE_GRID)
 
     def fallback_reason(self, key: tuple, output_hidden_states: bool, output_attentions: bool) -> str | None:
         """Why this call runs eager, or ``None`` when a graph serves it."""

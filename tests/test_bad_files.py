@@ -25,6 +25,7 @@ from modeling_testa.indexing import (
     looks_like_video,
 )
 from modeling_testa.video_decoding import VideoDecodingError, VideoDecodingTimeoutError
+from modeling_testa.index_homes import VideoIndexBuilder
 
 QUERIES = ["a red square on a blue screen", "green and yellow blocks", "first dark then bright"]
 
@@ -296,3 +297,46 @@ def test_the_pipeline_grows_a_store_backed_index_like_one_built_at_once(pipe, fi
     assert pipe.encode_videos(mixed, index=reopened) is reopened and calls == []  # nothing new: nothing encoded
     with pytest.raises(ValueError, match="do not pass `store_dir`"):
         pipe.encode_videos(good[:1], index=reopened, store_dir=tmp_path / "other")
+
+
+def test_a_store_names_each_row_by_its_own_video_when_a_video_is_given_twice(pipe, files, tmp_path):
+    """A video listed twice (several captions of one video) is one row of a store: every row keeps its own name and
+    embedding (the names once came from the inputs, shifted by the repeat)."""
+    good, _, _ = files
+    stored = pipe.encode_videos([good[0], good[0], good[1]], store_dir=tmp_path / "store", token_dtype=torch.float32)
+    alone = pipe.encode_videos([good[0], good[1]], token_dtype=torch.float32)
+    for index in (stored, VideoIndex.load(tmp_path / "store")):
+        assert index.names == [good[0], good[1]] and len(index) == 2
+        torch.testing.assert_close(index.embeddings[:], alone.embeddings, rtol=0, atol=1e-5)
+
+
+def test_an_interrupted_growth_of_a_store_is_completed_by_the_next_one(pipe, files, monkeypatch, tmp_path):
+    """A growth that fails after planning its rows leaves them planned and unwritten; growing again with the same
+    videos encodes them (rather than saying they are already there) and gives the store built at once."""
+    good, _, _ = files
+    at_once = pipe.encode_videos(good[:4], store_dir=tmp_path / "once", token_dtype=torch.float32)
+    pipe.encode_videos(good[:2], store_dir=tmp_path / "grown", token_dtype=torch.float32)
+    encode = VideoIndexBuilder.encode
+
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(VideoIndexBuilder, "encode", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        pipe.encode_videos(good[:4], index=VideoIndex.load(tmp_path / "grown"))
+    monkeypatch.setattr(VideoIndexBuilder, "encode", encode)
+    calls = count_encoded(pipe.model, monkeypatch)
+    grown = pipe.encode_videos(good[:4], index=VideoIndex.load(tmp_path / "grown"))
+    assert sum(calls) == 2  # the two planned by the interrupted run, once
+    for index in (grown, VideoIndex.load(tmp_path / "grown")):
+        assert index.names == at_once.names
+        torch.testing.assert_close(index.embeddings[:], at_once.embeddings[:], rtol=0, atol=1e-5)
+
+
+def test_search_with_top_k_none_returns_every_row_of_a_large_index(pipe):
+    """`top_k=None` is every video, however many (only a Milvus collection bounds one search's results)."""
+    count = 20_000
+    embeddings = torch.nn.functional.normalize(torch.randn(count, pipe.model.config.projection_dim), dim=-1)
+    index = VideoIndex(videos=[f"v{i}.mp4" for i in range(count)], embeddings=embeddings)
+    (results,) = pipe.search(QUERIES[:1], index, top_k=None, rerank=False, use_faiss=False)
+    assert len(results) == count and len({item["video"] for item in results}) == count
