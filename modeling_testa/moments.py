@@ -309,13 +309,20 @@ class DecodeWindowRows:
         self.on_error = check_on_error(on_error)
 
     def decode(self, video: str, rows: list[int]) -> torch.Tensor:
+        """One clip per row, in the rows' order: the whole video for a row without a segment, else its window (a
+        video may have both kinds of rows, given as entries)."""
         planned = [self.segments[row] for row in rows]
+        whole = None
         if any(segment is None for segment in planned):
-            return self.video_processor(videos=[video], num_frames=self.num_frames, frame_sampling="uniform",
-                                        return_tensors="pt")["pixel_values"]
-        windows = [(float(start), float(end)) for start, end in planned]
+            whole = self.video_processor(videos=[video], num_frames=self.num_frames, frame_sampling="uniform",
+                                         return_tensors="pt")["pixel_values"]
+            if all(segment is None for segment in planned):
+                return whole.expand(len(rows), *whole.shape[1:]).clone() if len(rows) > 1 else whole
+        windows = [(float(segment[0]), float(segment[1])) for segment in planned if segment is not None]
         window = max(end - start for start, end in windows)
-        return window_pixel_values(self.video_processor, video, window, window, self.num_frames, windows=windows)[1]
+        clips = iter(window_pixel_values(self.video_processor, video, window, window, self.num_frames,
+                                         windows=windows)[1])
+        return torch.stack([whole[0] if segment is None else next(clips) for segment in planned])
 
     def __call__(self, groups: list[tuple[str, list[int]]]):
         indices, pixels, failures = [], [], []
@@ -361,11 +368,13 @@ def format_time(seconds: float | None) -> str:
 def best_moment_per_video(results: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """A ranking (best first) of ``{"video", "start", "end", "score", ...}`` with each video once, at its first (best)
     moment, in the order of the ranking."""
-    seen: set[str] = set()
+    seen: set[Any] = set()
     grouped = []
     for result in results:
-        if result["video"] not in seen:
-            seen.add(result["video"])
+        video = result["video"]
+        key = video if isinstance(video, (str, os.PathLike)) else id(video)  # an in-memory array: its own object
+        if key not in seen:
+            seen.add(key)
             grouped.append(dict(result))
     return grouped
 

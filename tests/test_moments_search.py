@@ -117,6 +117,20 @@ def test_moments_given_as_entries_are_the_rows_window_plans(pipe, videos):
     assert {r["dataset"] for r in results} == {"lectures"}
 
 
+def test_a_video_given_whole_and_as_a_moment_gets_both_rows(pipe, videos):
+    """Entries of one video mixing the whole video and a window: each row gets its own clip, as when each is encoded
+    alone (they once shared one decoded clip, and the batch came up one clip short)."""
+    from modeling_testa.index_homes import IndexEntry
+
+    mixed = pipe.encode_videos([IndexEntry(videos[0]), IndexEntry(videos[0], 0.0, 25.0)], batch_size=2)
+    whole = pipe.encode_videos([IndexEntry(videos[0])])
+    window = pipe.encode_videos([IndexEntry(videos[0], 0.0, 25.0)])
+    assert mixed.row_keys() == [whole.row_keys()[0], window.row_keys()[0]]
+    torch.testing.assert_close(mixed.embeddings, torch.cat([whole.embeddings, window.embeddings]))
+    grouped = pipe.search(QUERIES[0], mixed, top_k=None, group_by="video")
+    assert len(grouped) == 1 and grouped[0]["video"] == videos[0]
+
+
 def test_whole_video_indexes_are_unchanged(pipe, videos):
     index = pipe.encode_videos(videos)
     assert index.segments is None
