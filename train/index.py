@@ -431,56 +431,74 @@ def index_into_store(args: argparse.Namespace, store: Path, videos: list[str], s
         all_totals = gather_object([totals]) if accelerator.num_processes > 1 else [totals]
         accelerator.wait_for_everyone()
 
-    report = None
+    report, error = None, None
     if accelerator.is_main_process:
-        missing = missing_shards(store, num_shards)
-        if missing:  # only when processes on several machines do not share the store's filesystem
-            raise SystemExit(f"error: shards {missing} of {str(store)!r} are not closed: every process must write to "
-                             "the same folder (on several machines, a shared filesystem).")
         try:
-            lock.verify()  # still this run's store (its lock was not taken over meanwhile)
-        except StoreLockedError as lost:
-            raise SystemExit(f"error: {lost}") from None
-        failed = journaled_failures(store)
-        if stored and len(failed) == len(stored):  # nothing to search: no store is published
-            reasons = "\n  ".join(f"{f['video']}: {f['reason']}" for f in failed[:10])
-            raise SystemExit(f"error: none of the {len(stored)} videos could be read, so {str(store)!r} was not "
-                             f"finalised (its journals say why):\n  {reasons}")
-        # the store's index (with every row's moment) and its first stage over every video of the (grown) store
-        builder.finish(entries, num_shards)
-        failures = store_metadata(store)["failures"]
-        wall = max(t["seconds"] for t in all_totals)
-        encoded_now = sum(t["encoded"] for t in all_totals)
-        report = {
-            "store": str(store), "videos": len(stored), "failed": len(failures), "failures": failures,
-            "skipped_files": skipped, "given": len(videos), "added_this_run": len(added),
-            "encoded_this_run": encoded_now, "already_in_store": len(stored) - encoded_now,
-            "failed_this_run": sum(t["failed"] for t in all_totals),
-            "processes": accelerator.num_processes, "seconds": wall,
-            "videos_per_second": encoded_now / wall if wall > 0 else None,
-            "decode_wait_seconds": sum(t["decode_wait_seconds"] for t in all_totals),
-            "encode_seconds": sum(t["encode_seconds"] for t in all_totals),
-            "settings": settings,
-        }
-        write_json_atomically(store / REPORT_FILE, report)
-        print(f"Indexed {len(stored)} videos into {store} ({encoded_now} handled this run, "
-              f"{len(stored) - encoded_now} already there; {len(failures)} could not be decoded).")
-        for failure in failures[:SUMMARY_FAILURES]:
-            print(f"  failed: {failure['video']}: {failure.get('code', 'unknown')}: {failure['reason']}")
-        if len(failures) > SUMMARY_FAILURES:
-            print(f"  ... and {len(failures) - SUMMARY_FAILURES} more failed videos (all are in {REPORT_FILE})")
-        for file in skipped:
-            print(f"  skipped (not a video file): {file}")
-        decoding_bound = report["decode_wait_seconds"] > report["encode_seconds"]
-        print(f"Time over all processes: waiting for decoding {report['decode_wait_seconds']:.1f} s, encoding "
-              f"{report['encode_seconds']:.1f} s ({'decoding' if decoding_bound else 'encoding'} is the bottleneck: "
-              f"scale {'--num-workers' if decoding_bound else 'processes or precision'}). "
-              f"Settings: frames {settings['num_frames']}, R_T {settings['temporal_reduction']}, "
-              f"R_S {settings['spatial_reduction']}, {settings['precision']}, tokens {settings['token_dtype']}.",
-              flush=True)
+            report = finalise_index(store, stored, num_shards, lock, builder, entries, all_totals, skipped, videos,
+                                    added, settings)
+        except (SystemExit, StoreLockedError, ValueError, OSError) as caught:
+            error = caught if isinstance(caught, Exception) else RuntimeError(str(caught))
+    try:  # collective: the other processes stop too rather than wait for the main one at the next barrier
+        raise_on_every_rank(error, accelerator.device)
+    except (RuntimeError, StoreLockedError, ValueError, OSError) as failure:
+        message = str(failure)
+        raise SystemExit(message if message.startswith("error: ") else f"error: {message}") from None
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return report or {}
+
+
+def finalise_index(store: Path, stored: list[str], num_shards: int, lock: StoreLock, builder: Any, entries: Any,
+                   all_totals: list[dict[str, Any]], skipped: list[str], videos: list[str], added: list[int],
+                   settings: dict[str, Any]) -> dict[str, Any]:
+    """The main process, once every shard is written: checks the shards and the lock, writes the store's index (with
+    every row's moment) and its first stage, and reports. Raises `SystemExit` naming what is wrong."""
+    missing = missing_shards(store, num_shards)
+    if missing:  # only when processes on several machines do not share the store's filesystem
+        raise SystemExit(f"error: shards {missing} of {str(store)!r} are not closed: every process must write to "
+                         "the same folder (on several machines, a shared filesystem).")
+    try:
+        lock.verify()  # still this run's store (its lock was not taken over meanwhile)
+    except StoreLockedError as lost:
+        raise SystemExit(f"error: {lost}") from None
+    failed = journaled_failures(store)
+    if stored and len(failed) == len(stored):  # nothing to search: no store is published
+        reasons = "\n  ".join(f"{f['video']}: {f['reason']}" for f in failed[:10])
+        raise SystemExit(f"error: none of the {len(stored)} videos could be read, so {str(store)!r} was not "
+                         f"finalised (its journals say why):\n  {reasons}")
+    # the store's index (with every row's moment) and its first stage over every video of the (grown) store
+    builder.finish(entries, num_shards)
+    failures = store_metadata(store)["failures"]
+    wall = max(t["seconds"] for t in all_totals)
+    encoded_now = sum(t["encoded"] for t in all_totals)
+    report = {
+        "store": str(store), "videos": len(stored), "failed": len(failures), "failures": failures,
+        "skipped_files": skipped, "given": len(videos), "added_this_run": len(added),
+        "encoded_this_run": encoded_now, "already_in_store": len(stored) - encoded_now,
+        "failed_this_run": sum(t["failed"] for t in all_totals),
+        "processes": len(all_totals), "seconds": wall,
+        "videos_per_second": encoded_now / wall if wall > 0 else None,
+        "decode_wait_seconds": sum(t["decode_wait_seconds"] for t in all_totals),
+        "encode_seconds": sum(t["encode_seconds"] for t in all_totals),
+        "settings": settings,
+    }
+    write_json_atomically(store / REPORT_FILE, report)
+    print(f"Indexed {len(stored)} videos into {store} ({encoded_now} handled this run, "
+          f"{len(stored) - encoded_now} already there; {len(failures)} could not be decoded).")
+    for failure in failures[:SUMMARY_FAILURES]:
+        print(f"  failed: {failure['video']}: {failure.get('code', 'unknown')}: {failure['reason']}")
+    if len(failures) > SUMMARY_FAILURES:
+        print(f"  ... and {len(failures) - SUMMARY_FAILURES} more failed videos (all are in {REPORT_FILE})")
+    for file in skipped:
+        print(f"  skipped (not a video file): {file}")
+    decoding_bound = report["decode_wait_seconds"] > report["encode_seconds"]
+    print(f"Time over all processes: waiting for decoding {report['decode_wait_seconds']:.1f} s, encoding "
+          f"{report['encode_seconds']:.1f} s ({'decoding' if decoding_bound else 'encoding'} is the bottleneck: "
+          f"scale {'--num-workers' if decoding_bound else 'processes or precision'}). "
+          f"Settings: frames {settings['num_frames']}, R_T {settings['temporal_reduction']}, "
+          f"R_S {settings['spatial_reduction']}, {settings['precision']}, tokens {settings['token_dtype']}.",
+          flush=True)
+    return report
 
 
 if __name__ == "__main__":
