@@ -138,6 +138,12 @@ decisions on all 512 videos of the demo's trained model, where raw scores gave o
 about 0.001 are equated. Set it to 0 to decide on raw scores (what the benchmarks call "before")."""
 
 
+def current_score_grid() -> float:
+    """:data:`SCORE_GRID` as it is now (it may be changed after import): what caches of compiled or exported graphs
+    key on."""
+    return SCORE_GRID
+
+
 def snap_scores(scores: torch.Tensor, grid: float | None = None) -> torch.Tensor:
     """Rounds similarity scores to the nearest multiple of ``grid`` (default :data:`SCORE_GRID`, read at call time; a
     power of two, so the scaling is exact), so that scores that differ only by rounding become equal and their ties go
@@ -534,6 +540,7 @@ def attention_received(
 __all__ = [
     "Bipartite",
     "best_partner",
+    "current_score_grid",
     "first_max",
     "FRAME_VOTES",
     "Matching",

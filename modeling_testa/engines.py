@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import aggregation
+from .aggregation import current_score_grid, snap_scores
 from .aggregation_block import sequence, token_sizes_with_cls
 from .modeling_testa_vision import TestaVisionModelOutput
 
@@ -177,10 +177,10 @@ def graph_code_fingerprint() -> str:
     """SHA-256 of the source of the modules that define the exported graph (the encoder, its blocks, the matching and
     merging, the export itself): a graph exported by other code is never reused (it could merge other tokens than the
     PyTorch model does). The score grid the decisions are taken on is keyed separately, per export (`folder_for`)."""
-    from . import aggregation, aggregation_block, modeling_testa_vision
-
+    defining = (snap_scores, sequence, TestaVisionModelOutput)  # aggregation, aggregation_block, the vision model
+    modules = [sys.modules[item.__module__] for item in defining] + [sys.modules[__name__]]
     digest = hashlib.sha256()
-    for module in (aggregation, aggregation_block, modeling_testa_vision, sys.modules[__name__]):
+    for module in modules:
         digest.update(Path(module.__file__).read_bytes())
     return digest.hexdigest()
 
@@ -453,7 +453,7 @@ class ExportedEncoder:
         precision = "fp32" if precision == "bf16" else precision
         calibration = self.calibration_for(shape) if precision == "int8" else None
         calibration_sha = None if calibration is None else tensor_fingerprint([("calibration", calibration)])
-        versions = {**self.versions, "score_grid": repr(aggregation.SCORE_GRID)}  # read now: it may have changed
+        versions = {**self.versions, "score_grid": repr(current_score_grid())}  # read now: it may have changed
         key = cache_key(self.weights_sha256, config_settings(self.vision_model), self.backend, precision, shape,
                         trace_source, calibration_sha, versions)
         return self.cache_dir / f"{self.backend}-{precision}-{key[:24]}", calibration

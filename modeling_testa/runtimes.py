@@ -52,7 +52,7 @@ from typing import Any, Callable, ClassVar
 import torch
 from torch import nn
 
-from . import aggregation
+from .aggregation import current_score_grid
 from .aggregation_settings import AGGREGATION_FIELDS
 from .linear_layers import compile_blocks, convert_linears
 from .engines import (
@@ -329,7 +329,7 @@ class CudaGraphRuntime(EncoderRuntime):
         settings = self.vision_model.aggregation_settings(trace_source)
         # the score grid is baked into a captured graph: another grid (set later) is another graph
         return (tuple(pixel_values.shape), pixel_values.dtype, str(pixel_values.device), repr(settings),
-                aggregation.SCORE_GRID)
+                current_score_grid())
 
     def fallback_reason(self, key: tuple, output_hidden_states: bool, output_attentions: bool) -> str | None:
         """Why this call runs eager, or ``None`` when a graph serves it."""
