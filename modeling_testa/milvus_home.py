@@ -161,7 +161,11 @@ class MilvusHome:
         schema.add_field("row", DataType.INT64)  # the row in that store
         index_params = self.client.prepare_index_params()
         index_params.add_index("embedding", metric_type="IP", **self.index_params)
-        self.client.create_collection(self.collection, schema=schema, index_params=index_params)
+        try:
+            self.client.create_collection(self.collection, schema=schema, index_params=index_params)
+        except Exception:  # noqa: BLE001  another writer (a process of the same launch) may have created it first
+            if not self.client.has_collection(self.collection):
+                raise
 
     def writer(self, shard: int, start: int, stop: int, resume: bool = False, entries: list[Any] | None = None
                ) -> MilvusWriter:

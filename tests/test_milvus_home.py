@@ -100,7 +100,9 @@ def test_two_writers_one_killed_and_resumed_give_the_rows_of_an_in_process_build
         deadline = time.monotonic() + 120  # kill the second writer once it has written some of its rows
         while len(home.existing_keys([row_key(e.name(i), e.start, e.end)
                                       for i, e in enumerate(entries[half:], half)])) < 20:
-            assert second.poll() is None and time.monotonic() < deadline, "the second writer ended too early"
+            ended = second.poll() is not None
+            assert not ended and time.monotonic() < deadline, "the second writer ended too early: " + (
+                second.stderr.read().decode()[-3000:] if ended else "timed out")
             time.sleep(0.2)
         second.send_signal(signal.SIGKILL)
         second.wait(timeout=30)
@@ -233,3 +235,13 @@ def test_train_index_of_moments_into_milvus_keeps_start_and_end_and_searches_as_
                                                                           for r in want]
             assert [r["score"] for r in got] == pytest.approx([r["score"] for r in want], abs=1e-5)
             assert len(got) == (2 if group_by_video else 5)
+
+
+def test_writers_starting_together_share_the_collection_one_of_them_created(tmp_path, monkeypatch):
+    """Two writers (processes of one launch) may both find no collection and both create it: Milvus refuses the
+    second creation ("already exists"), which must not stop that writer."""
+    first = MilvusHome(str(tmp_path / "videos.db"), dim=8)
+    first.ensure_collection(8)
+    monkeypatch.setattr(first.client, "has_collection", lambda name, seen=[]: bool(seen) or seen.append(1))
+    first.ensure_collection(8)  # looked absent, the creation failed: it exists, so this writer goes on
+    assert first.client.has_collection(first.collection)
