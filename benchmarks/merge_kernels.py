@@ -3,6 +3,7 @@
     python -m benchmarks.merge_kernels                  # one batch-1 forward, 32 frames, 224 px, ViT-B, 12 blocks
     python -m benchmarks.merge_kernels --backward       # forward + backward
     python -m benchmarks.merge_kernels --train-step     # CPU seconds of an fp32 training step, with and without
+    python -m benchmarks.merge_kernels --merge-variants # the library's merge against ToMe's premultiplied one
 
 **Calls.** The PyTorch profiler records one forward (``--backward``: forward and backward of the sum of the output)
 of the TESTA encoder (R_T=1, R_S=12 by default, the paper's setting) and of the same encoder with no aggregation
@@ -30,6 +31,12 @@ rows, not of the whole tensor). Bytes of int64 indices = the storage bytes of ev
 block's own glue (``cat`` of CLS and patches, the residual adds) runs in the encoder without aggregation too and is
 not attributed to the merge.
 
+``--merge-variants`` applies one block's two matchings (frames, then patches, ViT-B shapes at ``--frames``) with
+the library's merge (`aggregation.merge_bipartite`: the output copied once, the r merged rows updated) and with
+:func:`premultiplied_merge` (ToMe's ``merge_wavg``: ``[x * s, s]`` as one tensor, one gather, one scatter, one
+division), at batch 1 and ``--variant-batch``, in fp32 and bf16: calls, bytes written and the median CPU time of
+``--repeats`` runs, measured in the same process, with the outputs checked to agree.
+
 ``--train-step`` times one fp32 training step (forward, backward of the mean of the output, SGD step) of a small
 encoder (``--train-*`` options) on the CPU, TESTA against no aggregation, medians of ``--repeats`` steps after one
 warm-up, measured in the same process and printed as a ratio.
@@ -45,7 +52,7 @@ from contextlib import contextmanager
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from modeling_testa import TestaVisionConfig, TestaVisionModel, aggregation_block
+from modeling_testa import TestaVisionConfig, TestaVisionModel, aggregation, aggregation_block
 
 
 METADATA_ONLY = frozenset(
@@ -255,6 +262,86 @@ def run_train_step(args: argparse.Namespace) -> None:
     print(f"  TESTA speed-up: {seconds['no aggregation'] / seconds['TESTA']:.2f}x")
 
 
+# ------------------------------------------------------------------------------------------------- merge variants
+
+
+def premultiplied_merge(x: torch.Tensor, size: torch.Tensor, pairs: aggregation.Bipartite):
+    """ToMe's ``merge_wavg`` in the two sets' coordinates, the alternative `merge_bipartite` was measured against:
+    sizes travel with the features in one ``[x * s, s]`` tensor (at least fp32), every A token is scattered into the
+    B token it joins (unmerged ones into a spare row that is dropped), and one division ends the average."""
+    axis = pairs.sources.ndim - 1
+    column = size.unsqueeze(-1)
+    products = x * column
+    weighted = torch.cat([products, column.to(products.dtype)], dim=-1)
+    a_set = weighted[(slice(None),) * axis + (slice(pairs.a_start, None, 2),)]
+    b_set = weighted[(slice(None),) * axis + (slice(pairs.b_start, None, 2),)]
+    num_a, num_b, kept_a = a_set.shape[axis], b_set.shape[axis], pairs.unmerged.shape[-1]
+    destinations = torch.full(pairs.sources.shape[:-1] + (num_a,), num_b, dtype=torch.long, device=x.device)
+    destinations.scatter_(-1, pairs.sources, pairs.partners)
+    expand = lambda index, like: index.view(*index.shape, *(1,) * (like.ndim - index.ndim)).expand(  # noqa: E731
+        *index.shape, *like.shape[index.ndim:])
+    kept = a_set.gather(axis, expand(pairs.unmerged, a_set))
+    sums = torch.cat([weighted.narrow(axis, 0, pairs.protected), kept, b_set, b_set.narrow(axis, 0, 1)], dim=axis)
+    sums.narrow(axis, pairs.protected + kept_a, num_b + 1).scatter_add_(axis, expand(destinations, a_set), a_set)
+    sums = sums.narrow(axis, 0, sums.shape[axis] - 1)
+    return (sums[..., :-1] / sums[..., -1:]).to(x.dtype), sums[..., -1].contiguous()
+
+
+def one_block_of_merges(merge: Callable, x: torch.Tensor, frame_metric: torch.Tensor, patch_metric: torch.Tensor,
+                        spatial_reduction: int):
+    """A frame merge (R_T = 1) then a patch merge, as one TESTA block applies them."""
+    size = torch.ones(x.shape[:-1])
+    frames = aggregation.geometry_matching(frame_metric, 1).bipartite
+    x, size = merge(x, size, frames)[:2]
+    patches = aggregation.shift_protected(
+        aggregation.geometry_matching(patch_metric[:, : x.shape[1]], spatial_reduction, protect_first=True)).bipartite
+    return merge(x, size, patches)[:2]
+
+
+def run_merge_variants(args: argparse.Namespace) -> dict:
+    """The table of ``--merge-variants`` (see the module docstring)."""
+    results = {}
+    patches = (args.image_size // 16) ** 2
+    print(f"One block's frame and patch merges, {args.frames} frames, {patches} patches, hidden {args.hidden_size}, "
+          f"R_T=1, R_S={args.spatial_reduction}, CPU, {torch.get_num_threads()} threads, median of {args.repeats}:")
+    for dtype in (torch.float32, torch.bfloat16):
+        for batch in (1, args.variant_batch):
+            generator = torch.Generator().manual_seed(2)
+            x = torch.randn(batch, args.frames, patches, args.hidden_size, generator=generator).to(dtype)
+            frame_metric = torch.randn(batch, args.frames, 64, generator=generator)
+            patch_metric = torch.randn(batch, args.frames, patches + 1, 64, generator=generator)
+            row = {}
+            outputs = {}
+            for label, merge in (("library", aggregation.merge_bipartite), ("premultiplied", premultiplied_merge)):
+                run = lambda: one_block_of_merges(merge, x, frame_metric, patch_metric,  # noqa: E731
+                                                  args.spatial_reduction)
+                outputs[label] = run()
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+                    run()
+                traffic = MergeTraffic()
+                traffic.active = 1
+                with traffic:
+                    run()
+                times = []
+                for _ in range(args.repeats):
+                    start = time.perf_counter()
+                    run()
+                    times.append(time.perf_counter() - start)
+                row[label] = dict(calls=sum(count_calls(profile.events(), "kernels").values()),
+                                  bytes=sum(traffic.bytes_written.values()), seconds=statistics.median(times))
+            tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(outputs["premultiplied"][0], outputs["library"][0], rtol=tolerance,
+                                       atol=tolerance)
+            torch.testing.assert_close(outputs["premultiplied"][1], outputs["library"][1], rtol=0, atol=0)
+            lib, pre = row["library"], row["premultiplied"]
+            print(f"  {str(dtype).removeprefix('torch.'):9s} batch {batch:3d}: library {lib['calls']} calls, "
+                  f"{mib(lib['bytes'])}, {lib['seconds'] * 1e3:.1f} ms; premultiplied {pre['calls']} calls, "
+                  f"{mib(pre['bytes'])}, {pre['seconds'] * 1e3:.1f} ms; premultiplied / library: "
+                  f"{pre['seconds'] / lib['seconds']:.2f}x time, {pre['bytes'] / lib['bytes']:.2f}x bytes")
+            results[(str(dtype), batch)] = row
+    return results
+
+
 # ------------------------------------------------------------------------------------------------------- report
 
 
@@ -291,6 +378,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--train-heads", type=int, default=6)
     parser.add_argument("--train-spatial-reduction", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--merge-variants", action="store_true",
+                        help="time the library's merge against ToMe's premultiplied one instead of counting")
+    parser.add_argument("--variant-batch", type=int, default=8)
     return parser.parse_args(argv)
 
 
@@ -299,6 +389,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.train_step:
         run_train_step(args)
         return {}
+    if args.merge_variants:
+        return run_merge_variants(args)
     video = torch.randn(args.batch, args.frames, 3, args.image_size, args.image_size,
                         generator=torch.Generator().manual_seed(0), dtype=getattr(torch, args.dtype))
     testa = build_encoder(args, (args.temporal_reduction, args.spatial_reduction))

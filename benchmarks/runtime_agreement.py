@@ -108,24 +108,24 @@ def boundary_margins(model: TestaForVideoTextRetrieval, pixel_values: torch.Tens
     grid = aggregation.SCORE_GRID
     margins = []
     recorded: list[torch.Tensor] = []
-    snap = aggregation.snap_scores
+    round_to_grid = aggregation.round_to_grid
 
-    def recording_snap(scores: torch.Tensor, grid_: float | None = None) -> torch.Tensor:
-        top = scores.topk(min(2, scores.shape[-1]), dim=-1).values if scores.ndim > 2 else scores.unsqueeze(-1)
-        top = top.double() / grid
+    def recording_round(scaled: torch.Tensor) -> torch.Tensor:  # scores in grid steps: boundaries at k + 1/2
+        top = scaled.topk(min(2, scaled.shape[-1]), dim=-1).values if scaled.ndim > 2 else scaled.unsqueeze(-1)
+        top = top.double()
         distance = ((top - top.floor()) - 0.5).abs() * grid  # 0.5 - |...| from the centre = distance to a boundary
         distance = torch.where(torch.isfinite(top), distance, torch.inf)
         recorded.append(distance.flatten(1).amin(1))
-        return snap(scores, grid_)
+        return round_to_grid(scaled)
 
-    aggregation.snap_scores = recording_snap
+    aggregation.round_to_grid = recording_round
     try:
         for start in range(0, len(pixel_values), batch_size):
             recorded.clear()
             model.get_video_tokens(pixel_values[start : start + batch_size])
             margins.append(torch.stack(recorded).amin(0))
     finally:
-        aggregation.snap_scores = snap
+        aggregation.round_to_grid = round_to_grid
     return torch.cat(margins).float()
 
 

@@ -118,13 +118,30 @@ def capped_reduction(requested: int, num_tokens: int, protected: int) -> int:
 
 def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
     """Matching decisions are made in fp32 (or fp64) even when the model runs in half precision."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
+    if x.dtype in (torch.float32, torch.float64):
+        return x  # no `to` call at all: on a GPU every call costs a launch
+    return x.float()
+
+
+def _unit_vectors(x: torch.Tensor) -> torch.Tensor:
+    """``x / max(|x|, 1e-12)`` along the last axis, at least fp32: `F.normalize` in three kernels."""
+    x = _at_least_fp32(x)
+    return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(1e-12)
 
 
 def _cosine_scores(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    a = F.normalize(_at_least_fp32(a), dim=-1)
-    b = F.normalize(_at_least_fp32(b), dim=-1)
-    return a @ b.transpose(-1, -2)
+    return _unit_vectors(a) @ _unit_vectors(b).transpose(-1, -2)
+
+
+def _scaled_products(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """``scale * (a @ b^T)`` over any leading dimensions, the scale applied by the matrix multiply itself (one
+    kernel). A power-of-two scale is exact: the result is the product's own rounding, scaled."""
+    if scale == 1.0:
+        return a @ b.transpose(-1, -2)
+    a3, b3 = a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:])
+    # beta=0: the first argument (any broadcastable view, so that nothing is allocated for it) is ignored
+    out = torch.baddbmm(a3[:1, :1, :1], a3, b3.transpose(-1, -2), beta=0.0, alpha=scale)
+    return out.view(*a.shape[:-1], b.shape[-2])
 
 
 SCORE_GRID = 2.0**-10
@@ -193,6 +210,34 @@ def first_max(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tenso
     return x.gather(dim, indices).squeeze(dim), indices.squeeze(dim)
 
 
+def round_to_grid(scaled_scores: torch.Tensor) -> torch.Tensor:
+    """Scores already divided by the grid (``cosine / grid``) rounded to whole grid steps: the snapping of
+    :func:`snap_scores` without its two scalings (the matcher folds the first into its matrix multiply and never
+    needs the second: it only compares scores). One kernel."""
+    return torch.round(scaled_scores)
+
+
+def _decide(
+    scores: torch.Tensor, vote_dim: int | None, vote: str, snapped: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`best_partner` on scores in grid steps (``snapped``: rounded here) or raw (``snapped=False``)."""
+    if vote_dim is None:
+        return first_max(round_to_grid(scores) if snapped else scores, dim=-1)
+    if vote not in FRAME_VOTES:
+        raise ValueError(f"Unknown frame vote {vote!r}; use one of {FRAME_VOTES}.")
+    if vote == "original":
+        best_scores, best_partners = first_max(scores, dim=-1)  # per position; the position axis is now vote_dim + 1
+        position_dim = vote_dim + 1 if vote_dim < 0 else vote_dim
+        return mode(best_scores, position_dim), mode(best_partners, position_dim)
+    per_position = round_to_grid(scores) if snapped else scores
+    votes = F.one_hot(per_position.argmax(dim=-1), scores.shape[-1]).sum(dim=vote_dim)
+    partner = votes.argmax(dim=-1)  # first maximum: lowest index wins ties
+    mean_scores = scores.mean(dim=vote_dim)  # a mean's rounding depends on the runtime's summation order: snapped
+    if snapped:
+        mean_scores = round_to_grid(mean_scores)
+    return mean_scores.gather(-1, partner.unsqueeze(-1)).squeeze(-1), partner
+
+
 def best_partner(
     scores: torch.Tensor, vote_dim: int | None, vote: str = "vote"
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,19 +251,13 @@ def best_partner(
     Scores are snapped to :data:`SCORE_GRID` (:func:`snap_scores`), and the returned scores are snapped too, so the
     caller's ranking of the pairs (a stable sort) also sends near-ties to the lowest index. ``vote="original"`` (the
     released code's rule, for frames and, passed by `match_tokens`, for patches) decides on the raw scores.
+    (`geometry_matching` takes the same decisions on scores it computes in grid steps.)
     """
-    if vote_dim is None:
-        return first_max(scores if vote == "original" else snap_scores(scores), dim=-1)
-    if vote not in FRAME_VOTES:
-        raise ValueError(f"Unknown frame vote {vote!r}; use one of {FRAME_VOTES}.")
-    if vote == "original":
-        best_scores, best_partners = first_max(scores, dim=-1)  # per position; the position axis is now vote_dim + 1
-        position_dim = vote_dim + 1 if vote_dim < 0 else vote_dim
-        return mode(best_scores, position_dim), mode(best_partners, position_dim)
-    votes = F.one_hot(snap_scores(scores).argmax(dim=-1), scores.shape[-1]).sum(dim=vote_dim)
-    partner = votes.argmax(dim=-1)  # first maximum: lowest index wins ties
-    mean_scores = snap_scores(scores.mean(dim=vote_dim))  # a mean's rounding depends on the runtime's summation order
-    return mean_scores.gather(-1, partner.unsqueeze(-1)).squeeze(-1), partner
+    grid = 0.0 if vote == "original" else current_score_grid()
+    if not grid:
+        return _decide(scores, vote_dim, vote, snapped=False)
+    values, partner = _decide(scores * (1.0 / grid), vote_dim, vote, snapped=True)
+    return values * grid, partner
 
 
 def geometry_matching(
@@ -230,6 +269,10 @@ def geometry_matching(
     Tokens are split alternately into A (even positions) and B (odd positions); every A token finds its most similar B
     token (cosine of ``metric``), and the ``r`` best pairs are merged.
 
+    The decisions are those of :func:`best_partner` followed by a stable ranking, computed in about ten kernels: the
+    keys are normalised once, the cosines come out of one matrix multiply already divided by the grid (a power of
+    two, so exactly), and are rounded to whole grid steps, which are only ever compared.
+
     Args:
         metric: ``(*batch, N, C)`` similarity features (attention keys averaged over heads). With ``vote_dim``,
             ``(*batch, P, N, C)`` with one row per patch position P, and ``vote_dim`` = -3.
@@ -239,18 +282,19 @@ def geometry_matching(
             Callers skip the matcher when ``r == 0``: with ``r = 0`` it would still reorder the tokens.
         vote: how the positions decide, one of :data:`FRAME_VOTES` (used only with ``vote_dim``).
     """
-    scores = _cosine_scores(metric[..., ::2, :], metric[..., 1::2, :])
-    node_max, node_idx = best_partner(scores, vote_dim, vote)
+    grid = 0.0 if vote == "original" else current_score_grid()
+    unit = _unit_vectors(metric)
+    scores = _scaled_products(unit[..., ::2, :], unit[..., 1::2, :], 1.0 / grid if grid else 1.0)
+    node_max, node_idx = _decide(scores, vote_dim, vote, snapped=bool(grid))
     # The protected token (A token 0) is never a source: its row is left out of the order, and set A starts after it.
     first = int(protect_first)
     # Stable: among equal scores the lower A index merges first, on every device (ties are common: static frames).
     order = node_max[..., first:].argsort(dim=-1, descending=True, stable=True)
-    node_idx = node_idx[..., first:]
     sources = order[..., :r]
     pairs = Bipartite(
         unmerged=order[..., r:].sort(dim=-1).values,
         sources=sources,
-        partners=node_idx.gather(-1, sources),
+        partners=node_idx[..., first:].gather(-1, sources),
         a_start=2 * first,
         b_start=1,
         protected=first,
@@ -331,12 +375,17 @@ def _as(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 def merge_bipartite(
     x: torch.Tensor, size: torch.Tensor, pairs: Bipartite
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`merge_tokens` for a geometry matching, in the coordinates of its two sets: about a dozen kernels whatever
-    the shapes, indices only over tokens (r pairs and the A set), never over the hidden dimension.
+    """`merge_tokens` for a geometry matching, in the coordinates of its two sets: twelve kernels whatever the
+    shapes, indices only over tokens (r pairs and the A set), never over the hidden dimension, and only the r merged
+    rows computed beyond the one copy of the output.
 
     Set B is copied into the output as it is and every target row gets ``sum_j (x_j - x_t) * s_j / S_t`` over the
     sources j that join it (``S_t``: the target's new size), which is the size-weighted average of the target and
     its sources; rows that receive nothing are exact copies of the input, and identical tokens stay identical.
+
+    Why not ``[x * s, s]`` in one tensor, merged by one gather and one scatter and divided by the summed size (ToMe's
+    ``merge_wavg``)? It takes fewer kernels but writes every row about three more times, in fp32 even for a bf16
+    model: `python -m benchmarks.merge_kernels --merge-variants` measures both (docs/gpu.md).
 
     Returns the merged tokens and sizes, and for the backward the sources' weights and the A-set order.
     """
@@ -346,21 +395,22 @@ def merge_bipartite(
             f"The matching is over {pairs.num_tokens} tokens; got x {tuple(x.shape)} and size {tuple(size.shape)} "
             f"with the token axis {axis}."
         )
-    kept_a = pairs.unmerged.shape[-1]
+    kept_a, num_sources = pairs.unmerged.shape[-1], pairs.sources.shape[-1]
     a_index = torch.cat([pairs.unmerged, pairs.sources], dim=-1)
     a_rows = _take(_every_other(x, pairs.a_start, axis), a_index)  # [unmerged A, sources], one gather
     a_sizes = _take(_every_other(size, pairs.a_start, axis), a_index)
     x_b, size_b = _every_other(x, pairs.b_start, axis), _every_other(size, pairs.b_start, axis)
-    kept_rows, source_rows = a_rows.split([kept_a, pairs.sources.shape[-1]], dim=axis)
-    kept_sizes, source_sizes = a_sizes.split([kept_a, pairs.sources.shape[-1]], dim=axis)
-    targets = pairs.partners + (pairs.protected + kept_a)
+    kept_rows, source_rows = a_rows.split([kept_a, num_sources], dim=axis)
+    kept_sizes, source_sizes = a_sizes.split([kept_a, num_sources], dim=axis)
     merged = torch.cat([_leading(x, pairs.protected, axis), kept_rows, x_b], dim=axis)
     new_size = torch.cat([_leading(size, pairs.protected, axis), kept_sizes, size_b], dim=axis)
-    # Fresh tensors (cat outputs), so updating them in place costs no copy and autograd saves nothing of them.
-    new_size.scatter_add_(axis, _expand_index(targets, source_sizes), source_sizes)
-    weight = source_sizes / _take(new_size, targets)
+    # Fresh tensors (cat outputs), so updating their B part in place costs no copy and autograd saves nothing of them.
+    merged_b = merged.narrow(axis, pairs.protected + kept_a, x_b.shape[axis])
+    new_size_b = new_size.narrow(axis, pairs.protected + kept_a, x_b.shape[axis])
+    new_size_b.scatter_add_(axis, _expand_index(pairs.partners, source_sizes), source_sizes)
+    weight = source_sizes / _take(new_size_b, pairs.partners)
     update = (source_rows - _take(x_b, pairs.partners)) * _as(weight, x)
-    merged.scatter_add_(axis, _expand_index(targets, update), update)
+    merged_b.scatter_add_(axis, _expand_index(pairs.partners, update), update)
     return merged, new_size, weight, a_index
 
 
@@ -430,9 +480,11 @@ def merge_tokens(x: torch.Tensor, size: torch.Tensor, matching: Matching) -> tup
         The merged features ``(*batch, N - r, *rest, D)`` and sizes. Sizes are summed, so they keep adding up to the
         number of input patches; with pruning the dropped tokens' sizes are lost.
 
-    Rows that receive no source are exact copies of the input; only the merged rows are computed (work O(r) beyond
-    the copy of the kept tokens). Every target row becomes ``x_t + sum_j (x_j - x_t) s_j / S_t``, the size-weighted
-    mean of the target and its sources j (``S_t``: their summed size), with the sizes merged by the same indices.
+    Every target row becomes the size-weighted mean of the target and its sources j,
+    ``(s_t x_t + sum_j s_j x_j) / S_t`` (``S_t``: their summed size), with the sizes merged by the same indices.
+    A geometry matching is applied by :func:`merge_bipartite` (sizes and features in one tensor; rows that receive
+    nothing come back exactly in half precision, within an ulp in fp32); an explicit one (importance, pruning) as
+    ``x_t + sum_j (x_j - x_t) s_j / S_t``, whose untouched rows are exact copies.
     """
     pairs = matching.bipartite
     if pairs is not None:
