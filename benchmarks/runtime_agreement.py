@@ -46,12 +46,11 @@ import torch.nn.functional as F
 import modeling_testa.aggregation as aggregation
 from modeling_testa import TestaForVideoTextRetrieval, optimize_for_inference
 from modeling_testa.processing_testa import TestaProcessor
-from modeling_testa.linear_layers import compile_blocks
 
 RUNTIMES = ("openvino-fp32", "onnxruntime-fp32", "openvino-int8", "onnxruntime-int8", "openvino-bf16", "torch-bf16",
             "compile-fp32", "compile-bf16")
 DEFAULT_RUNTIMES = ("openvino-fp32", "onnxruntime-fp32", "openvino-int8", "openvino-bf16", "compile-fp32",
-                    "compile-bf16")  # compile-bf16: measured although refused (it is wrong), to see when it is fixed
+                    "compile-bf16")
 
 
 def grid_value(name: str) -> float:
@@ -132,10 +131,6 @@ def boundary_margins(model: TestaForVideoTextRetrieval, pixel_values: torch.Tens
 def runtime_model(model, runtime: str, cache_dir: Path, calibration: torch.Tensor):
     """A copy of ``model`` prepared for ``runtime``."""
     model = copy.deepcopy(model)
-    if runtime == "compile-bf16":  # refused by optimize_for_inference (runtimes.COMPILED_BF16_REFUSAL): built by hand
-        model = optimize_for_inference(model, "bf16")  # to keep measuring it
-        compile_blocks(model.vision_model)
-        return model
     if runtime.startswith("compile-"):
         return optimize_for_inference(model, runtime.split("-")[1], compile=True)
     if runtime == "torch-bf16":

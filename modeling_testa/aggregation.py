@@ -405,6 +405,8 @@ def merge_bipartite(
     merged = torch.cat([_leading(x, pairs.protected, axis), kept_rows, x_b], dim=axis)
     new_size = torch.cat([_leading(size, pairs.protected, axis), kept_sizes, size_b], dim=axis)
     # Fresh tensors (cat outputs), so updating their B part in place costs no copy and autograd saves nothing of them.
+    # Through views of the B part, not at offset indices into the whole output: TorchInductor (torch 2.14, CPU)
+    # compiled the offset form wrongly in an encoder with bf16 linears (tests/test_inference.py, compiled bf16).
     merged_b = merged.narrow(axis, pairs.protected + kept_a, x_b.shape[axis])
     new_size_b = new_size.narrow(axis, pairs.protected + kept_a, x_b.shape[axis])
     new_size_b.scatter_add_(axis, _expand_index(pairs.partners, source_sizes), source_sizes)

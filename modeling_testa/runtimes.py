@@ -226,14 +226,6 @@ class EncoderRuntime:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-COMPILED_BF16_REFUSAL = (
-    "compile=True with precision='bf16' is refused: the encoder compiled by TorchInductor in bf16 gave outputs "
-    "unrelated to eager bf16's (last hidden state cosine 0.11-0.19 on the demo model's videos on the CPU; on an H200 "
-    "its outputs differed from eager by up to 6.3, docs/gpu.md), a silent wrong answer. Use compile=True with "
-    "precision='fp32' (equal to eager), or precision='bf16' without compile."
-)
-
-
 class TorchEagerRuntime(EncoderRuntime):
     """PyTorch eager: the model's own forward, with its linear layers converted for the precision
     (`linear_layers.convert_linears`: bf16, or the legacy int8 kernels, CPU only), and ``compile=True``: every encoder
@@ -243,12 +235,6 @@ class TorchEagerRuntime(EncoderRuntime):
     devices = None
     precisions = ("fp32", "bf16", "int8")
     options = ("compile", "include_text")
-
-    @classmethod
-    def check_model(cls, vision_model: nn.Module, precision: str, options: dict[str, Any],
-                    backend: str | None = None) -> None:
-        if options.get("compile") and precision == "bf16":
-            raise ValueError(COMPILED_BF16_REFUSAL)
 
     def prepare(self, model: nn.Module) -> dict[str, Any]:
         if self.precision == "int8":
@@ -697,8 +683,6 @@ def choose(backend: str, precision: str, vision_model: nn.Module, compile: bool 
     runtime = resolve(backend, device, compile)
     if precision == "auto":
         precision = runtime.auto_precision(device)
-        if compile and precision == "bf16":  # compiled bf16 is refused (COMPILED_BF16_REFUSAL)
-            precision = "fp32"
         logger.info("precision='auto', backend=%r: %s on %s (runtime %r).", backend, precision, device, runtime.name)
     return runtime, precision
 
