@@ -249,6 +249,19 @@ def output_tokens_and_gmac(model: torch.nn.Module, frames: int, image_size: int)
     return tokens, gmac
 
 
+def budgeted_forward_times(ctx: Context, model: torch.nn.Module, video: torch.Tensor
+                           ) -> tuple[list[float] | None, str | None]:
+    """``--iterations`` timed forwards after ``--warmup``, the first of which also tells whether the rest fits in the
+    time budget: ``(seconds, None)``, or ``(None, why not)``."""
+    first = time_forward(model, video, ctx.device)
+    needed = first * (ctx.scale.warmup - 1 + ctx.scale.iterations)
+    if needed > ctx.budget.left():
+        return None, f"needs about {needed:.0f} s (first pass {first:.2f} s), {ctx.budget.left():.0f} s left"
+    for _ in range(ctx.scale.warmup - 1):
+        time_forward(model, video, ctx.device)
+    return [time_forward(model, video, ctx.device) for _ in range(ctx.scale.iterations)], None
+
+
 def measure_encoder(ctx: Context, model: torch.nn.Module, variant: str, frames: int, batch: int, dtype: str,
                     attention: str) -> dict:
     """Median seconds of ``--iterations`` forward passes after ``--warmup`` (the first of which also tells whether
@@ -258,14 +271,10 @@ def measure_encoder(ctx: Context, model: torch.nn.Module, variant: str, frames: 
                  attention=attention)
     entry["output_tokens"], entry["gmac_per_video"] = output_tokens_and_gmac(model, frames, size)
     video = torch.randn(batch, frames, 3, size, size, device=ctx.device, dtype=getattr(torch, DTYPES[dtype]))
-    first = time_forward(model, video, ctx.device)
-    needed = first * (ctx.scale.warmup - 1 + ctx.scale.iterations)
-    if needed > ctx.budget.left():
-        entry["skipped"] = f"needs about {needed:.0f} s (first pass {first:.2f} s), {ctx.budget.left():.0f} s left"
+    times, skipped = budgeted_forward_times(ctx, model, video)
+    if times is None:
+        entry["skipped"] = skipped
         return entry
-    for _ in range(ctx.scale.warmup - 1):
-        time_forward(model, video, ctx.device)
-    times = [time_forward(model, video, ctx.device) for _ in range(ctx.scale.iterations)]
     entry.update(seconds=statistics.median(times), all_seconds=times)
     entry["videos_per_second"] = batch / entry["seconds"]
     if attention == "sdpa":
@@ -762,15 +771,11 @@ def same_mode_entry(ctx: Context, model: torch.nn.Module, variant: str, frames: 
     video = torch.randn(batch, frames, 3, size, size, device=ctx.device, dtype=torch.bfloat16)
     try:
         if mode == "eager":
-            first = time_forward(model, video, ctx.device)
-            needed = first * (ctx.scale.warmup - 1 + ctx.scale.iterations)
-            if needed > ctx.budget.left():
-                entry["skipped"] = f"needs about {needed:.0f} s, {ctx.budget.left():.0f} s left"
+            times, skipped = budgeted_forward_times(ctx, model, video)
+            if times is None:
+                entry["skipped"] = skipped
                 return entry
-            for _ in range(ctx.scale.warmup - 1):
-                time_forward(model, video, ctx.device)
-            entry["seconds"] = statistics.median(time_forward(model, video, ctx.device)
-                                                 for _ in range(ctx.scale.iterations))
+            entry["seconds"] = statistics.median(times)
         elif mode == "cuda_graph":
             if not ctx.device.startswith("cuda"):
                 entry["unavailable"] = "CUDA graphs need a CUDA device"

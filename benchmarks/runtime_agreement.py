@@ -38,6 +38,8 @@ import copy
 import json
 import math
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -51,6 +53,17 @@ RUNTIMES = ("openvino-fp32", "onnxruntime-fp32", "openvino-int8", "onnxruntime-i
             "compile-fp32", "compile-bf16")
 DEFAULT_RUNTIMES = ("openvino-fp32", "onnxruntime-fp32", "openvino-int8", "openvino-bf16", "compile-fp32",
                     "compile-bf16")
+
+
+@contextmanager
+def score_grid(name: str) -> Iterator[None]:
+    """`aggregation.SCORE_GRID` set to the grid ``name`` (see `grid_value`) inside the block, restored after it."""
+    previous = aggregation.SCORE_GRID
+    aggregation.SCORE_GRID = grid_value(name)
+    try:
+        yield
+    finally:
+        aggregation.SCORE_GRID = previous
 
 
 def grid_value(name: str) -> float:
@@ -194,14 +207,38 @@ def retrieval(model_dir: Path, data_dir: Path, grids: list[str], noise_draws: in
     """The demo's test-split R@k at every grid, and on pixels scaled by 1 + k * 1e-6 for k = 1..``noise_draws``."""
     rows = []
     for grid in grids:
-        aggregation.SCORE_GRID = grid_value(grid)
         for k in range(noise_draws + 1):
-            metrics = evaluate(model_dir, data_dir, 1 + k * 1e-6)
+            with score_grid(grid):
+                metrics = evaluate(model_dir, data_dir, 1 + k * 1e-6)
             recall = {key: metrics[key] for key in sorted(metrics) if "_R@" in key and "chance" not in key}
             rows.append({"grid": grid, "pixels": f"x (1 + {k}e-6)" if k else "as decoded", **recall})
             print(f"grid {grid}, pixels {rows[-1]['pixels']}: " + ", ".join(f"{key} {value:.1f}"
                                                                          for key, value in recall.items()), flush=True)
     return rows
+
+
+def agreement_at_grid(args: argparse.Namespace, grid: str, model, pixel_values: torch.Tensor,
+                      calibration: torch.Tensor, queries: torch.Tensor, report: dict) -> list[dict]:
+    """Every runtime against PyTorch eager fp32 at the grid in force (`score_grid`); boundary margins into
+    ``report``."""
+    results = []
+    reference = encode(model, pixel_values)
+    if grid != "off":
+        margin = boundary_margins(model, pixel_values)
+        counts = {f"{bound:g}": int((margin < bound).sum()) for bound in (1e-7, 1e-6, 1e-5, 1e-4)}
+        report.setdefault("boundary_margins", {})[grid] = {"min": float(margin.min()), "videos_below": counts}
+        print(f"grid 2^-{grid}: smallest distance of a deciding score to a cell boundary {margin.min():.2e}; "
+              f"videos with one closer than 1e-7 / 1e-6 / 1e-5 / 1e-4: {' / '.join(map(str, counts.values()))}"
+              f" of {len(margin)}", flush=True)
+    for runtime in args.runtimes:
+        start = time.perf_counter()
+        prepared = runtime_model(model, runtime, args.cache_dir / f"grid-{grid}", calibration)
+        result = compare(reference, encode(prepared, pixel_values), queries)
+        result.update(runtime=runtime, grid=grid, seconds=round(time.perf_counter() - start, 1))
+        results.append(result)
+        print(table([result]).splitlines()[-1], f"({result['seconds']} s)", flush=True)
+        del prepared
+    return results
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -224,7 +261,6 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    default_grid = aggregation.SCORE_GRID
     report: dict = {"model": str(args.model), "data": str(args.data), "split": args.split, "results": []}
     if not args.no_agreement:
         model = TestaForVideoTextRetrieval.from_pretrained(str(args.model)).eval()
@@ -241,28 +277,11 @@ def main(argv: list[str] | None = None) -> dict:
             queries = model.get_text_features(text["input_ids"], text["attention_mask"]).pooler_output
         report["videos"], report["queries"] = len(rows), captions
         for grid in args.grids:
-            aggregation.SCORE_GRID = grid_value(grid)
-            reference = encode(model, pixel_values)
-            if grid != "off":
-                margin = boundary_margins(model, pixel_values)
-                counts = {f"{bound:g}": int((margin < bound).sum()) for bound in (1e-7, 1e-6, 1e-5, 1e-4)}
-                report.setdefault("boundary_margins", {})[grid] = {"min": float(margin.min()), "videos_below": counts}
-                print(f"grid 2^-{grid}: smallest distance of a deciding score to a cell boundary {margin.min():.2e}; "
-                      f"videos with one closer than 1e-7 / 1e-6 / 1e-5 / 1e-4: {' / '.join(map(str, counts.values()))}"
-                      f" of {len(margin)}", flush=True)
-            for runtime in args.runtimes:
-                start = time.perf_counter()
-                prepared = runtime_model(model, runtime, args.cache_dir / f"grid-{grid}", calibration)
-                result = compare(reference, encode(prepared, pixel_values), queries)
-                result.update(runtime=runtime, grid=grid, seconds=round(time.perf_counter() - start, 1))
-                report["results"].append(result)
-                print(table([result]).splitlines()[-1], f"({result['seconds']} s)", flush=True)
-                del prepared
+            with score_grid(grid):
+                report["results"] += agreement_at_grid(args, grid, model, pixel_values, calibration, queries, report)
         print(table(report["results"]))
-    aggregation.SCORE_GRID = default_grid
     if args.retrieval:
         report["retrieval"] = retrieval(args.model, args.data, args.grids, args.noise_draws)
-    aggregation.SCORE_GRID = default_grid
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1))
