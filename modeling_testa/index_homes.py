@@ -32,6 +32,7 @@ from .indexing import SUMMARY_FAILURES, DecodedBatch, EncodingStats, Failure, In
 from .moments import plan_window_rows
 from .video_index import ROW_FIELDS, IndexInfo, VideoIndex, segments_tensor, video_name
 from .video_store import (
+    PLAN_FILE,
     VideoStoreWriter,
     finalize_store,
     is_video_store,
@@ -40,8 +41,6 @@ from .video_store import (
     store_metadata,
 )
 
-PLAN_FILE = "index_plan.json"
-"""A store's rows in order and its shards' ranges (written by `StoreHome.append`)."""
 
 
 @dataclass(frozen=True)

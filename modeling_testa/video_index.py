@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 from .indexing import Failure
 from .store_lock import StoreLock
 from .video_store import (
+    PLAN_FILE,
     STORE_INFO_FILE,
     DamagedStoreError,
     VideoStoreWriter,
@@ -845,6 +846,8 @@ class VideoIndex:
         return directory
 
     def _write_store(self, directory: Path, chunk: int = 64) -> None:
+        # a store grown in this folder before left the plan of its rows: this store is written whole, with others
+        (directory / PLAN_FILE).unlink(missing_ok=True)
         valid = self.valid
         dtype = self.tokens.dtype if self.tokens.dtype in (torch.float16, torch.bfloat16) else torch.float32
         extra = self.failures if self.store is None else []  # failed rows after the videos

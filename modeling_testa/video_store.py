@@ -50,6 +50,9 @@ from safetensors.torch import load_file, save_file
 from .int8_tokens import SCALE_BYTES, pack, unpack
 
 STORE_INFO_FILE = "video_store.json"
+PLAN_FILE = "index_plan.json"
+"""A store's rows in order and its shards' ranges while it is written and grown (`index_homes.StoreHome`); a store
+written whole (`VideoIndex.save`) removes a stale one."""
 JOINED_EMBEDDINGS_FILE = "embeddings.f32"
 """Every shard's embeddings in row order, ``(num_videos, dim)`` raw float32, written by `finalize_store`: a store of
 several shards opens memory-mapped, without joining them into one copy."""

@@ -398,3 +398,22 @@ def test_no_hand_written_metric_outside_the_modules():
                     assert not any(word in node.name for word in forbidden), f"{path.name} defines {node.name}()"
     source = (REPO / "train" / "evaluation.py").read_text(encoding="utf-8")
     assert 'load_metric("video_text_retrieval", "ranked_lists")' in source and 'load_metric("video_qa_accuracy")' in source
+
+
+def test_an_evaluation_store_dir_reused_from_another_store_is_not_read_as_its_plan(dataset, tmp_path):
+    """``store_dir`` pointing at a folder where a store of other videos was grown (its row plan, `index_plan.json`,
+    still there): the evaluation writes its own store and ranks exactly as in a fresh folder."""
+    processor = tiny_processor()
+    model = tiny_model(vocab_size=len(processor.tokenizer))
+    fresh = evaluate_retrieval(model, processor, recipe_for(dataset), Accelerator(cpu=True),
+                               store_dir=tmp_path / "fresh", token_dtype=torch.float32)
+    reused = tmp_path / "reused"
+    reused.mkdir()
+    stale = {"videos": [f"/elsewhere/clip{i}.mp4" for i in range(9)], "shards": [[0, 9]], "row_fields": {},
+             "segments": None}
+    (reused / "index_plan.json").write_text(json.dumps(stale))
+    again = evaluate_retrieval(model, processor, recipe_for(dataset), Accelerator(cpu=True),
+                               store_dir=reused, token_dtype=torch.float32)
+    compared = [key for key in fresh if "_R@" in key or key in ("num_videos", "num_failed_videos", "failed_videos",
+                                                                 "video_tokens")]
+    assert len(compared) > 6 and {key: again[key] for key in compared} == {key: fresh[key] for key in compared}

@@ -345,3 +345,30 @@ def test_a_folder_where_no_video_can_be_read_publishes_no_store(collection, tmp_
     with pytest.raises(SystemExit, match=rf"none of the {len(bad)} videos could be read.*\n  .*bad_"):
         main(["--model", str(model), "--videos", str(folder), "--store", str(store), "--num-workers", "0"])
     assert not is_video_store(store)
+
+
+def test_an_index_saved_over_an_older_store_is_grown_from_its_own_rows(collection, tmp_path):
+    """A folder that held a store built by `train.index` (with its plan of rows), then gets another index saved over
+    it (`VideoIndex.save(as_store=True)`): a later append must start from the saved index's rows, not from the old
+    store's plan, and encode only what the saved index lacks."""
+    from train.index import main
+
+    root, model = collection
+    videos = sorted(str(p.resolve()) for p in (root / "videos").glob("*.mp4"))[:6]
+    lists = {}
+    for name, chosen in (("old", videos[:3]), ("other", videos[3:5]), ("grown", videos[3:6])):
+        lists[name] = tmp_path / f"{name}.txt"
+        lists[name].write_text("\n".join(chosen) + "\n")
+    store, other = tmp_path / "store", tmp_path / "other"
+    for listing, folder in ((lists["old"], store), (lists["other"], other)):
+        main(["--model", str(model), "--videos", str(listing), "--store", str(folder), "--num-workers", "0",
+              "--token-dtype", "float32"])
+    VideoIndex.load(other).save(store, as_store=True)
+    assert VideoIndex.load(store).videos == videos[3:5]
+    report = main(["--model", str(model), "--videos", str(lists["grown"]), "--store", str(store),
+                   "--num-workers", "0", "--token-dtype", "float32"])
+    assert report["already_in_store"] == 2 and report["added_this_run"] == 1
+    grown = VideoIndex.load(store)
+    assert grown.videos == videos[3:6]
+    reference = VideoIndex.load(other)
+    torch.testing.assert_close(grown.embeddings[:2], reference.embeddings, rtol=0, atol=1e-6)

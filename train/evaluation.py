@@ -83,9 +83,12 @@ def encode_to_store(model, items: list, collate: Callable, accelerator: Accelera
     and the encoder's wall time on this process. Failures are reported on the main process."""
     rank, world = accelerator.process_index, accelerator.num_processes
     start, stop = shard_range(len(items), rank, world)
+    home = StoreHome(directory, token_dtype)
+    if accelerator.is_main_process:  # a reused directory's row plan and index belong to another store
+        home.reset()
     accelerator.wait_for_everyone()
     names = [str(item) for item in items] if names is None else names
-    builder = VideoIndexBuilder(model, StoreHome(directory, token_dtype), info or {})
+    builder = VideoIndexBuilder(model, home, info or {})
 
     def decode(entries: list[IndexEntry], positions: list[int]) -> DataLoader:
         # one decoded batch in flight per worker (the default is 2): decoded pixels are the largest host buffers
