@@ -9,6 +9,7 @@ clients do not all honour, are not used; the tests run on a local file system). 
 
 **A lock left by a killed run.** A lock is stale when its writer is certainly gone: on the same host, when its pid
 is not running (or is a zombie, or was reused by a process started later); on another host (a shared file system),
+or in another process namespace of this one (containers can share a host name, not their pids),
 when its heartbeat is older than `STALE_AFTER_SECONDS` (so hosts' clocks must agree to well within that). A stale
 lock is taken over under a claim file (``writer.lock.takeover``, created by the same atomic link): only the
 process that holds the claim may replace the stale lock, and it does so only if the lock still names the writer it
@@ -95,10 +96,22 @@ def pid_is_running(pid: int) -> bool:
     return process_state(pid) != "Z"
 
 
+def pid_namespace() -> str | None:
+    """Which pids this process sees: the kernel's boot id and the inode of its pid namespace (Linux), or None where
+    unknown. Two containers may share a host name (``docker run --network host``) but not this, and a pid is only
+    probed where it means the same process."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return None
+
+
 def writer_identity(command: str | None = None) -> dict[str, Any]:
     """The payload of a lock taken by this process."""
     return {
         "host": socket.gethostname(),
+        "pid_namespace": pid_namespace(),
         "pid": os.getpid(),
         "pid_start": process_start_ticks(os.getpid()),
         "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -107,12 +120,21 @@ def writer_identity(command: str | None = None) -> dict[str, Any]:
     }
 
 
+def same_pids(holder: dict[str, Any]) -> bool:
+    """Whether the lock's pid can be probed here: the same host name and, when both sides know it (a lock written by
+    an older version does not), the same pid namespace."""
+    if holder.get("host") != socket.gethostname():
+        return False
+    theirs, ours = holder.get("pid_namespace"), pid_namespace()
+    return theirs is None or ours is None or theirs == ours
+
+
 def stale_reason(holder: dict[str, Any] | None, age_seconds: float,
                  stale_after: float = STALE_AFTER_SECONDS) -> str | None:
     """Why the writer of a lock is certainly gone, or None when it may be alive. `holder` is None for a payload that
     cannot be read (only damage makes one: it is written whole); `age_seconds` is the age of its heartbeat."""
     # on Windows no pid is probed: every lock goes stale by its heartbeat, as another host's does
-    if holder is not None and holder.get("host") == socket.gethostname() and os.name != "nt":
+    if holder is not None and same_pids(holder) and os.name != "nt":
         pid = holder.get("pid")
         if not isinstance(pid, int) or not pid_is_running(pid):
             return f"pid {pid} is not running on this host"
@@ -343,5 +365,7 @@ __all__ = [
     "StoreLockedError",
     "check_lock_token",
     "describe_holder",
+    "pid_namespace",
+    "same_pids",
     "stale_reason",
 ]

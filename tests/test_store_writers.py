@@ -24,7 +24,7 @@ from helpers.videos import write_noise_video
 
 from modeling_testa import StoreLock, StoreLockedError, TestaForVideoTextRetrieval, TestaProcessor
 from modeling_testa import VideoTextRetrievalPipeline
-from modeling_testa.store_lock import LOCK_FILE, check_lock_token, read_lock
+from modeling_testa.store_lock import LOCK_FILE, check_lock_token, pid_namespace, read_lock
 from modeling_testa.video_index import VideoIndex
 from modeling_testa.video_store import VideoTokenStore, journaled_count
 
@@ -209,8 +209,18 @@ def test_when_a_lock_is_stale(tmp_path):
     assert "heartbeat is 30 s old" in lock.taken_over["reason"]
     lock.release()
 
+    # a container with this host name but its own pids (docker --network host): its pid means nothing here, so a
+    # fresh heartbeat keeps the lock even though no process here has that pid; an old one lets it go
+    container = tmp_path / "container"
+    write_lock(container, age_seconds=30, pid_namespace="another-boot:4026531836")
+    with pytest.raises(StoreLockedError, match=f"host {socket.gethostname()}"):
+        StoreLock(container, stale_after=60).acquire()
+    lock = StoreLock(container, stale_after=20).acquire()
+    assert "heartbeat is 30 s old" in lock.taken_over["reason"]
+    lock.release()
+
     dead = tmp_path / "dead"
-    write_lock(dead)
+    write_lock(dead, pid_namespace=pid_namespace())  # same host, same pids: the pid decides
     lock = StoreLock(dead).acquire()
     assert lock.taken_over["reason"].endswith("is not running on this host")
     holder, _ = read_lock(dead / LOCK_FILE)
