@@ -79,11 +79,14 @@ def row_fields_of(entries: list[IndexEntry]) -> dict[str, list[Any]]:
 
 
 def window_entries(videos: list[str], window: float, stride: float | None,
-                   datasets: dict[str, str | None] | None = None) -> list[IndexEntry]:
+                   datasets: dict[str, str | None] | None = None,
+                   duration: Callable[[str], float] | None = None) -> list[IndexEntry]:
     """The rows of an index of moments over the video files `videos`: every video's windows, planned from its
     duration (`moments.plan_window_rows`; a video whose duration cannot be read is one whole-video row, whose decoding
-    then fails and says why), each with the video's `dataset` (``datasets[video]``)."""
-    names, segments, _ = plan_window_rows(list(videos), window, stride)
+    then fails and says why), each with the video's `dataset` (``datasets[video]``). ``duration`` (default: probe the
+    file, `moments.probe_duration`) gives a video's duration or raises why it cannot."""
+    kwargs = {} if duration is None else {"duration": duration}
+    names, segments, _ = plan_window_rows(list(videos), window, stride, **kwargs)
     return [IndexEntry(name, *(segment or (None, None)), dataset=(datasets or {}).get(name))
             for name, segment in zip(names, segments)]
 

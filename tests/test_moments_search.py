@@ -332,3 +332,37 @@ def test_a_killed_store_of_moments_resumes_and_decodes_only_what_it_lacks(pipe, 
     index = VideoIndex.load(store)
     assert index.row_keys() == reference.row_keys()
     torch.testing.assert_close(index.embeddings, reference.embeddings, atol=1e-5, rtol=1e-5)
+
+
+def test_each_process_of_an_index_launch_probes_only_its_share_of_the_durations(videos, tmp_path, monkeypatch):
+    """`train.index --window` on two processes: the second probes the second half of the videos the store lacks,
+    the first half's durations come from the other process (through the gather), and the planning function gives
+    the probed durations and raises a probe's error for an unreadable file, as probing it would."""
+    from types import SimpleNamespace
+
+    import train.index as index_command
+    from modeling_testa.moments import probe_duration
+
+    broken = tmp_path / "broken.mp4"
+    broken.write_bytes(b"not a video at all" * 50)
+    given = [*videos, str(broken)]
+    probed = []
+
+    def counting(video):
+        probed.append(video)
+        return probe_duration(video)
+
+    monkeypatch.setattr(index_command, "probe_duration", counting)
+    other_half = {video: probe_duration(video) for video in given[:2]}  # what process 0 would send
+    second = SimpleNamespace(process_index=1, num_processes=2, device=torch.device("cpu"))
+    duration = index_command.probe_new_durations(tmp_path / "store", given, second,
+                                                 gather=lambda parts: [other_half, *parts])
+    assert probed == given[2:]  # its contiguous share only
+    for video in videos:
+        assert duration(video) == probe_duration(video)
+    with pytest.raises(ValueError) as raised:
+        duration(str(broken))
+    with pytest.raises((ValueError, OSError)) as direct:
+        probe_duration(str(broken))
+    assert str(raised.value) == str(direct.value)
+    assert probed == given[2:]  # nothing probed again while planning

@@ -44,6 +44,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +65,7 @@ from modeling_testa.index_homes import (
 )
 from modeling_testa.indexing import SUMMARY_FAILURES, DecodeVideos, EncodingStats
 from modeling_testa.inference import BACKENDS, PRECISIONS, optimize_for_inference
-from modeling_testa.moments import DecodeWindowRows, check_window_options, rebatch, video_groups
+from modeling_testa.moments import DecodeWindowRows, check_window_options, probe_duration, rebatch, video_groups
 from modeling_testa.runtimes import auto_precision, embeddings_label, isolated_by_default
 from modeling_testa.store_lock import LOCK_FILE, StoreLock, StoreLockedError, check_lock_token
 from modeling_testa.video_index import IndexInfo
@@ -76,6 +77,7 @@ from modeling_testa.video_store import (
     journaled_failures,
     missing_shards,
     read_json_file,
+    shard_range,
     store_metadata,
 )
 
@@ -176,22 +178,61 @@ def read_plan(store: Path) -> dict[str, Any]:
     return StoreHome(store).plan()
 
 
-def planned_entries(plan: dict[str, Any], videos: list[str], window: float | None = None,
-                    stride: float | None = None) -> list[IndexEntry]:
-    """The rows to plan for ``videos`` (those the plan lacks, in order): whole videos, or with a ``window`` every
-    new video's windows (`index_homes.window_entries`)."""
+def new_videos(plan: dict[str, Any], videos: list[str]) -> list[str]:
+    """``videos`` the plan lacks, in order, each once."""
     known = set(plan["videos"])
-    new = [video for video in dict.fromkeys(videos) if video not in known]
-    return as_entries(new) if window is None else window_entries(new, window, stride)
+    return [video for video in dict.fromkeys(videos) if video not in known]
 
 
-def prepare_store(store: Path, settings: dict[str, Any], videos: list[str], shard_size: int
-                  ) -> tuple[dict[str, Any], list[str], bool]:
-    """Checks (or writes) the settings and appends the videos the store lacks to its plan (`StoreHome.append`).
-    Returns the plan, the videos added to it, and whether the store existed. A refused store is left untouched."""
+def planned_entries(plan: dict[str, Any], videos: list[str], window: float | None = None,
+                    stride: float | None = None, duration: Callable[[str], float] | None = None
+                    ) -> list[IndexEntry]:
+    """The rows to plan for ``videos`` (those the plan lacks, in order): whole videos, or with a ``window`` every
+    new video's windows (`index_homes.window_entries`, durations from ``duration``, default: probed here)."""
+    new = new_videos(plan, videos)
+    return as_entries(new) if window is None else window_entries(new, window, stride, duration=duration)
+
+
+def probe_new_durations(store: Path, videos: list[str], accelerator: Accelerator, gather: Callable = gather_object
+                        ) -> Callable[[str], float]:
+    """Collective. The durations of the videos the store's plan lacks, read from their containers by every process
+    for its contiguous share and gathered on all of them, so that planning the windows of a large folder does not
+    keep the other processes waiting at a collective (where they would time out) while one process reads every
+    file. Returns a `duration` function for the planning, which raises a probe's error as the probe did."""
+    rank, world = accelerator.process_index, accelerator.num_processes
+    mine: dict[str, float | str] = {}
+    error = None
+    try:
+        new = new_videos(StoreHome(store).plan(), videos)
+        start, stop = shard_range(len(new), rank, world)
+        for video in new[start:stop]:
+            try:
+                mine[video] = probe_duration(video)
+            except (ValueError, OSError) as failure:
+                mine[video] = str(failure)  # planned as one whole-video row, whose decoding says why
+    except (OSError, ValueError) as caught:
+        error = caught
+    raise_on_every_rank(error, accelerator.device)
+    parts = gather([mine]) if world > 1 else [mine]
+    durations = {video: value for part in parts for video, value in part.items()}
+
+    def duration(video: str) -> float:
+        value = durations[video] if video in durations else probe_duration(video)
+        if isinstance(value, str):
+            raise ValueError(value)
+        return value
+
+    return duration
+
+
+def prepare_store(store: Path, settings: dict[str, Any], videos: list[str], shard_size: int,
+                  duration: Callable[[str], float] | None = None) -> tuple[dict[str, Any], list[str], bool]:
+    """Checks (or writes) the settings and appends the videos the store lacks to its plan (`StoreHome.append`;
+    windows planned from ``duration``, default: probed here). Returns the plan, the videos added to it, and whether
+    the store existed. A refused store is left untouched."""
     existed = check_or_write_settings(store, settings)
     home = StoreHome(store)
-    entries = planned_entries(home.plan(), videos, settings.get("window"), settings.get("stride"))
+    entries = planned_entries(home.plan(), videos, settings.get("window"), settings.get("stride"), duration)
     plan, added = home.append(entries, shard_size)
     return plan, list(dict.fromkeys(entries[i].name(i) for i in added)), existed
 
@@ -365,11 +406,13 @@ def index_into_store(args: argparse.Namespace, store: Path, videos: list[str], s
     existed, added, error = False, [], None
     try:
         take_store_lock(lock, accelerator)
-    except (StoreLockedError, RuntimeError, OSError) as failure:
+        # moments: every process reads its share of the new videos' durations (a collective)
+        duration = probe_new_durations(store, videos, accelerator) if args.window is not None else None
+    except (StoreLockedError, RuntimeError, OSError, ValueError) as failure:
         raise SystemExit(f"error: {failure}") from None
     if accelerator.is_main_process:
         try:
-            _, added, existed = prepare_store(store, settings, videos, args.shard_size)
+            _, added, existed = prepare_store(store, settings, videos, args.shard_size, duration)
         except (OSError, ValueError) as caught:
             error = caught
     try:  # collective: a refused store stops every process, with the main process' message
