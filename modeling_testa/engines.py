@@ -28,7 +28,8 @@ Exported fp32 equals PyTorch fp32: same merge decisions (the source map), same o
   whose results decide the matching (`matching_matmuls`: the key similarities, and Eq. 1's attention for the
   importance strategy) are excluded from quantization and stay fp32, and so is the temporal attention's output
   branch (its projection and ``temporal_fc``: `attention_output_matmuls`), whose int8 error flipped merge decisions
-  on repeated frames; activation scales are static, so a video's embedding does not depend on the other videos of its batch.
+  on repeated frames; activation scales are static, so a video's embedding does not depend on the other videos of
+  its batch.
 
 **Cache.** An export is saved under ``cache_dir`` (default ``$HF_HOME/testa/engines``) in a folder named by
 `cache_key`: the weights' SHA-256, the full vision config (aggregation settings included), the input shape, backend,
