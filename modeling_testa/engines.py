@@ -18,15 +18,18 @@ Exported fp32 equals PyTorch fp32: same merge decisions (the source map), same o
 
 - ``"fp32"``: OpenVINO with ``INFERENCE_PRECISION_HINT=f32`` (set explicitly: on CPUs with bf16 instructions its
   default is bf16), ONNX Runtime as exported.
-- ``"bf16"`` (OpenVINO, CPUs with AVX-512 BF16 or AMX): ``INFERENCE_PRECISION_HINT=bf16``. OpenVINO then runs every
-  matrix multiply in bf16, the similarity scores of the matching included (its CPU plugin offers no per-node fp32
-  exception that the Python API can set); the sort, the merge weights and the sizes stay fp32.
+- ``"bf16"`` (OpenVINO, CPUs with AVX-512 BF16 or AMX): the linear layers compute in bf16 and everything else in
+  fp32, as PyTorch's bf16 does: `linear_layers_in_bf16` converts their inputs and weights to bf16 in the graph, which
+  is compiled with the f32 hint. (OpenVINO's own bf16 hint also rounds the key similarities of the matching to bf16,
+  and took none of fp32's merge decisions on the demo's videos.)
 - ``"int8"``: post-training static quantization by the engine's own tools, calibrated on a few videos
   (`calibration`, default `default_calibration_videos`): NNCF (`nncf.quantize`, transformer preset) for OpenVINO,
   `onnxruntime.quantization.quantize_static` (QDQ, weights per channel) for ONNX Runtime. The matrix multiplies
   whose results decide the matching (`matching_matmuls`: the key similarities, and Eq. 1's attention for the
-  importance strategy) are excluded from quantization and stay fp32; activation scales are static, so a video's
-  embedding does not depend on the other videos of its batch.
+  importance strategy) are excluded from quantization and stay fp32, and so is the temporal attention's output
+  branch (its projection and ``temporal_fc``: `attention_output_matmuls`), whose int8 error flipped merge decisions
+  on repeated frames; activation scales are static, so a video's embedding does not depend on the other videos of
+  its batch.
 
 **Cache.** An export is saved under ``cache_dir`` (default ``$HF_HOME/testa/engines``) in a folder named by
 `cache_key`: the weights' SHA-256, the full vision config (aggregation settings included), the input shape, backend,
@@ -246,6 +249,60 @@ def matching_matmuls(nodes: dict[str, tuple[str, list[str]]], matmul_types: tupl
     return sorted(found)
 
 
+def attention_output_matmuls(nodes: dict[str, tuple[str, list[str]]], matmul_types: tuple[str, ...] = ("MatMul",),
+                             attention_types: tuple[str, ...] = ("ScaledDotProductAttention",),
+                             shape_types: tuple[str, ...] = ("ShapeOf", "Shape"), min_chain: int = 1) -> list[str]:
+    """The matrix multiplies between an attention and its residual add: the attention's output projection and, in a
+    divided block's temporal branch, ``temporal_fc`` after it. With ``min_chain=2`` only the chains of two or more
+    (the temporal branches): the layers whose int8 error flipped merge decisions on the demo's videos.
+
+    Why those: on repeated or near-repeated frames, the temporal attention's output carries the small differences
+    between frames that the later blocks' frame matching decides on, and one per-tensor int8 scale for its
+    activations rounds them away. Keeping the temporal branch in fp32 fixed the demo's two videos whose embeddings
+    had moved (cosine 0.98); the spatial projections or every other layer group in fp32 did not (docs/inference.md,
+    "Agreement between runtimes").
+
+    An attention is a fused attention node (``attention_types``) or a matrix multiply fed by a ``Softmax`` (the
+    attention probabilities times the values, as an unfused export has it). From each, the walk goes down through
+    every consumer and stops at the residual add (an ``Add`` of two computed tensors; a bias add has a constant or
+    initializer input) and at shape reads. Selected by what the nodes compute, not by their names.
+
+    Args:
+        nodes: ``name -> (op type, names of the nodes producing its inputs)`` (`openvino_nodes`, `onnx_nodes`).
+    """
+    consumers: dict[str, list[str]] = {name: [] for name in nodes}
+    for name, (_, inputs) in nodes.items():
+        for producer in inputs:
+            if producer in consumers:
+                consumers[producer].append(name)
+
+    def computed(name: str) -> bool:
+        return name in nodes and nodes[name][0] != "Constant"
+
+    def is_attention(name: str) -> bool:
+        kind, inputs = nodes[name]
+        return kind in attention_types or (kind in matmul_types and any(nodes.get(i, ("",))[0] == "Softmax"
+                                                                         for i in inputs))
+
+    def chain(attention: str) -> set[str]:
+        found, seen, queue = set(), set(), deque(consumers[attention])
+        while queue:
+            name = queue.popleft()
+            if name in seen:
+                continue
+            seen.add(name)
+            kind, inputs = nodes[name]
+            if kind in shape_types or (kind == "Add" and sum(map(computed, inputs)) >= 2):
+                continue
+            if kind in matmul_types:
+                found.add(name)
+            queue.extend(consumers[name])
+        return found
+
+    chains = [chain(name) for name in nodes if is_attention(name)]
+    return sorted(set().union(*[c for c in chains if len(c) >= min_chain]))
+
+
 def openvino_nodes(model: Any) -> dict[str, tuple[str, list[str]]]:
     """`matching_matmuls`' view of an OpenVINO model (by friendly name)."""
     return {op.get_friendly_name(): (op.get_type_name(), [i.get_source_output().get_node().get_friendly_name()
@@ -287,7 +344,8 @@ def quantize_openvino(path: Path, calibration: torch.Tensor, folder: Path) -> Pa
     import openvino as ov
 
     model = openvino_core().read_model(str(path))
-    ignored = matching_matmuls(openvino_nodes(model))
+    nodes = openvino_nodes(model)
+    ignored = sorted(set(matching_matmuls(nodes)) | set(attention_output_matmuls(nodes, min_chain=2)))
     dataset = nncf.Dataset([video[None].numpy() for video in calibration])
     quantized = nncf.quantize(model, dataset, model_type=nncf.ModelType.TRANSFORMER, subset_size=len(calibration),
                               ignored_scope=nncf.IgnoredScope(names=ignored, validate=False))
@@ -323,8 +381,10 @@ def quantize_onnx(path: Path, calibration: torch.Tensor, folder: Path) -> Path:
     import onnx
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
 
-    ignored = matching_matmuls(onnx_nodes(onnx.load(str(path), load_external_data=False).graph),
-                               matmul_types=("MatMul", "Gemm"))
+    nodes = onnx_nodes(onnx.load(str(path), load_external_data=False).graph)
+    ignored = sorted(set(matching_matmuls(nodes, matmul_types=("MatMul", "Gemm")))
+                     | set(attention_output_matmuls(nodes, matmul_types=("MatMul", "Gemm"), attention_types=(),
+                                                  min_chain=2)))
 
     class Reader(CalibrationDataReader):
         def __init__(self) -> None:
@@ -363,6 +423,37 @@ def openvino_core() -> Any:
         return _OPENVINO_CORE[0]
 
 
+def linear_layers_in_bf16(model: Any) -> int:
+    """Makes every matrix multiply by a constant weight (the encoder's linear layers) compute in bf16 inside an
+    OpenVINO model: its input and weight are converted to bf16 and its output back to fp32, so the CPU plugin, compiled
+    with the f32 hint, runs these layers with bf16 kernels and everything else (LayerNorms, residuals, attention,
+    the matching's similarities and rounding, the merge) in fp32, as PyTorch's bf16 (`linear_layers.Bf16Linear`)
+    does. Returns how many layers were converted.
+
+    Why not the plugin's bf16 hint: it also runs the key normalisation, the similarity products and the score
+    rounding in bf16 (fused into one bf16 MatMul with the rounding as a post-op), so no merge decision matched
+    fp32's on the demo's videos. Marking those nodes to stay fp32 (the ``DisablePrecisionConversion`` runtime
+    attribute, which Python can only set through the IR's ``rt_info``) kept the nodes the plugin keeps, but its fusions
+    build new nodes without the mark; docs/inference.md, "Agreement between runtimes", has the numbers."""
+    from openvino import opset13 as ops
+
+    converted = 0
+    for node in list(model.get_ordered_ops()):
+        weight = node.input_value(1) if node.get_type_name() == "MatMul" else None
+        if weight is None or weight.get_node().get_type_name() != "Constant":
+            continue
+        attributes = node.get_attributes()
+        product = ops.matmul(ops.convert(node.input_value(0), "bf16"), ops.convert(weight, "bf16"),
+                             attributes["transpose_a"], attributes["transpose_b"])
+        product.set_friendly_name(node.get_friendly_name())
+        output = ops.convert(product, node.get_output_element_type(0))
+        for target in list(node.output(0).get_target_inputs()):
+            target.replace_source_output(output.output(0))
+        converted += 1
+    model.validate_nodes_and_infer_types()
+    return converted
+
+
 class CompiledGraph:
     """One exported graph loaded by its runtime: ``numpy pixel_values -> list of numpy outputs``."""
 
@@ -370,11 +461,15 @@ class CompiledGraph:
         self.backend = backend
         if backend == "openvino":
             core = openvino_core()
-            hint = "bf16" if precision == "bf16" else "f32"  # int8 graphs keep their fp32 parts in fp32
-            # as many threads as PyTorch uses (`torch.set_num_threads`), so that comparisons are like for like
-            self.compiled = core.compile_model(str(path), "CPU", {"INFERENCE_PRECISION_HINT": hint,
-                                                                  "PERFORMANCE_HINT": "LATENCY",
-                                                                  "INFERENCE_NUM_THREADS": torch.get_num_threads()})
+            model = core.read_model(str(path))
+            if precision == "bf16":
+                linear_layers_in_bf16(model)
+            # The hint is f32 for every precision: int8 graphs keep their other parts in fp32, and bf16 is in the
+            # graph itself (`linear_layers_in_bf16`), since the plugin's bf16 hint would round everything else too.
+            # As many threads as PyTorch uses (`torch.set_num_threads`), so that comparisons are like for like.
+            self.compiled = core.compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32",
+                                                              "PERFORMANCE_HINT": "LATENCY",
+                                                              "INFERENCE_NUM_THREADS": torch.get_num_threads()})
         else:
             import onnxruntime as ort
 
@@ -447,7 +542,8 @@ class ExportedEncoder:
     def folder_for(self, shape: tuple[int, ...], trace_source: bool, precision: str | None = None
                    ) -> tuple[Path, torch.Tensor | None]:
         """The cache folder of the graph for this input shape and the model's current settings, and the
-        calibration videos (int8). bf16 is the fp32 graph compiled with another hint: it shares fp32's folder."""
+        calibration videos (int8). bf16 is the fp32 graph with its linear layers made bf16 when compiled
+        (`linear_layers_in_bf16`): it shares fp32's folder."""
         check_exportable(self.vision_model, self.backend)
         precision = precision or self.precision
         precision = "fp32" if precision == "bf16" else precision
@@ -514,6 +610,7 @@ __all__ = [
     "EncoderGraph",
     "ExportedEncoder",
     "UNSUPPORTED_SETTINGS",
+    "attention_output_matmuls",
     "cache_key",
     "check_exportable",
     "cpu_flags",
@@ -521,6 +618,7 @@ __all__ = [
     "cpu_has_vnni",
     "default_cache_dir",
     "default_calibration_videos",
+    "linear_layers_in_bf16",
     "matching_matmuls",
     "openvino_core",
     "tensor_fingerprint",

@@ -139,6 +139,47 @@ def test_matching_matmuls_stop_at_the_first_matrix_multiply_above_a_sort():
     assert matching_matmuls({"a": ("Gemm", []), "s": ("TopK", ["a"])}, matmul_types=("MatMul", "Gemm")) == ["a"]
 
 
+def test_attention_output_matmuls_follow_an_attention_down_to_its_residual_add():
+    # temporal branch: attention -> projection -> temporal_fc -> residual add; spatial branch: attention ->
+    # projection -> residual add; an unfused attention (softmax @ v) -> projection; then the MLP, after the residual
+    nodes = {
+        "x": ("Parameter", []), "w": ("Constant", []), "b": ("Constant", []),
+        "t_attn": ("ScaledDotProductAttention", ["x", "x", "x"]), "t_proj": ("MatMul", ["t_attn", "w"]),
+        "t_bias": ("Add", ["t_proj", "b"]), "t_fc": ("MatMul", ["t_bias", "w"]), "t_shape": ("ShapeOf", ["t_fc"]),
+        "t_res": ("Add", ["x", "t_fc"]),
+        "s_attn": ("ScaledDotProductAttention", ["t_res", "t_res", "t_res"]), "s_proj": ("MatMul", ["s_attn", "w"]),
+        "s_res": ("Add", ["t_res", "s_proj"]), "mlp": ("MatMul", ["s_res", "w"]), "out": ("Add", ["s_res", "mlp"]),
+        "probs": ("Softmax", ["x"]), "e_attn": ("MatMul", ["probs", "x"]), "e_proj": ("MatMul", ["e_attn", "w"]),
+        "e_res": ("Add", ["x", "e_proj"]), "reshaped": ("Reshape", ["x", "t_shape"]),
+        "late": ("MatMul", ["reshaped", "w"]),  # reached only through a shape read: not an attention output
+    }
+    assert engines.attention_output_matmuls(nodes) == ["e_proj", "s_proj", "t_fc", "t_proj"]
+    assert engines.attention_output_matmuls(nodes, min_chain=2) == ["t_fc", "t_proj"]
+    # ONNX: no fused attention, and bias initializers are not nodes (one computed input: not a residual)
+    onnx_like = {"x": ("Input", []), "p": ("Softmax", ["x"]), "a": ("MatMul", ["p", "x"]), "proj": ("Gemm", ["a"]),
+                 "fc": ("MatMul", ["proj"]), "bias": ("Add", ["fc"]), "res": ("Add", ["x", "bias"]),
+                 "mlp": ("MatMul", ["res"])}
+    assert engines.attention_output_matmuls(onnx_like, matmul_types=("MatMul", "Gemm"), attention_types=(),
+                                            min_chain=2) == ["fc", "proj"]
+
+
+@needs["openvino"]
+def test_the_temporal_branch_is_found_by_what_it_computes():
+    """The layers int8 keeps in fp32 besides the matching are the temporal attention's projection and `temporal_fc`
+    of every block, read independently from the exported program's module stack (an OpenVINO node keeps the FX node
+    name). `test_int8_stays_within_the_contract_with_matching_in_fp32` checks that no quantization step feeds them."""
+    import openvino as ov
+
+    model = _vision_model()
+    program = engines.export_program(engines.EncoderGraph(model, True).eval(), torch.zeros(2, 8, 3, 32, 32))
+    expected = {node.name for node in program.graph.nodes if node.target == torch.ops.aten.linear.default
+                and list(node.meta["nn_module_stack"].values())[-1][0].endswith(("temporal_attention.projection",
+                                                                                  "temporal_fc"))}
+    assert len(expected) == 2 * model.config.num_hidden_layers
+    found = engines.attention_output_matmuls(engines.openvino_nodes(ov.convert_model(program)), min_chain=2)
+    assert {name.split("/")[0] for name in found} == expected
+
+
 def test_cache_key_changes_with_every_setting():
     base = dict(weights_sha256="w", config={"spatial_reduction": 3}, backend="openvino", precision="int8",
                 shape=(8, 3, 32, 32), trace_source=False, calibration_sha256="c", versions={"openvino": "1"})
@@ -234,21 +275,28 @@ def test_int8_stays_within_the_contract_with_matching_in_fp32(backend, cache_dir
     reference, out, encoder = _compare(_vision_model(), backend, "int8", cache_dir, calibration=_video(8, seed=7))
     cosine = F.cosine_similarity(out.last_hidden_state[:, 0], reference.last_hidden_state[:, 0])
     assert float(cosine.min()) >= 0.98  # the int8 quality contract (benchmarks/fast_inference.py)
-    # the graph is quantized, but no quantization step feeds the matrix multiplies that decide the matching
-    folder = encoder.folder_for((8, 3, 32, 32), True)[0]
+    # the graph is quantized, but no quantization step feeds the matrix multiplies that decide the matching, nor the
+    # temporal attention's output branch
+    int8, fp32 = (encoder.folder_for((8, 3, 32, 32), True, precision)[0] for precision in ("int8", "fp32"))
     if backend == "openvino":
         import openvino as ov
 
-        nodes = engines.openvino_nodes(ov.Core().read_model(str(folder / "encoder_int8.xml")))
-        quantizer, matmuls = "FakeQuantize", ("MatMul",)
+        nodes, exported = (engines.openvino_nodes(ov.Core().read_model(str(path)))
+                           for path in (int8 / "encoder_int8.xml", fp32 / "encoder.xml"))
+        quantizer, matmuls, attentions = "FakeQuantize", ("MatMul",), ("ScaledDotProductAttention",)
     else:
         import onnx
 
-        nodes = engines.onnx_nodes(onnx.load(str(folder / "encoder_int8.onnx")).graph)
-        quantizer, matmuls = "DequantizeLinear", ("MatMul", "Gemm")
+        nodes, exported = (engines.onnx_nodes(onnx.load(str(path)).graph)
+                           for path in (int8 / "encoder_int8.onnx", fp32 / "encoder.onnx"))
+        quantizer, matmuls, attentions = "DequantizeLinear", ("MatMul", "Gemm"), ()
     deciding = matching_matmuls(nodes, matmul_types=matmuls)
+    # found on the fp32 graph, as the quantizer does (in the int8 graph, quantize steps sit between the nodes)
+    temporal_branch = engines.attention_output_matmuls(exported, matmul_types=matmuls, attention_types=attentions,
+                                                       min_chain=2)
     assert deciding and sum(kind == quantizer for kind, _ in nodes.values()) > 0
-    for name in deciding:
+    assert len(temporal_branch) == 2 * 2 and set(temporal_branch) <= set(nodes)  # projection, temporal_fc; 2 blocks
+    for name in deciding + temporal_branch:
         assert all(nodes[i][0] != quantizer for i in nodes[name][1]), name
 
 
