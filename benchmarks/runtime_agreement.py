@@ -23,7 +23,8 @@ Runtimes: ``openvino-fp32``, ``onnxruntime-fp32`` and ``openvino-int8`` / ``onnx
 ``openvino-bf16`` (OpenVINO bf16: the linear layers in bf16, the rest in fp32, `engines.linear_layers_in_bf16`; needs
 AVX-512 BF16 or AMX), ``torch-bf16`` (bf16 linears in PyTorch), ``compile-fp32`` / ``compile-bf16``
 (`optimize_for_inference(..., compile=True)`: every encoder block compiled by TorchInductor). Each grid exports into
-its own cache folder under ``--cache-dir``: the export cache's key does not include the grid.
+its own cache folder under ``--cache-dir`` (the export cache's key includes the grid too; separate folders keep
+every grid's engines on disk for a rerun).
 
 ``--retrieval`` also runs the demo's own test-split evaluation (the code path of the demo table,
 `train.evaluation.evaluate_retrieval` with the demo's recipe) once per grid and prints R@1/5/10 in both directions;

@@ -94,8 +94,11 @@ def train(rule: str, data_dir: Path, output_dir: Path, seed: int) -> Path:
                str(REPO / "train" / "finetune_retrieval.py"), "--config", str(RECIPE), "--dataset", str(data_dir),
                "--output-dir", str(out), "--no-eval", "--set", f"train.seed={seed}", *VARIANTS["b"].overrides()]
     output_dir.mkdir(parents=True, exist_ok=True)
-    with open(output_dir / f"b_{rule}.log", "w") as log:
-        subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=True)
+    log_path = output_dir / f"b_{rule}.log"
+    with open(log_path, "w") as log:
+        result = subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=False)
+    if result.returncode:
+        raise RuntimeError(f"training with rule {rule} failed (exit code {result.returncode}); see {log_path}")
     return out / "final"
 
 
@@ -110,7 +113,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--rule", help=argparse.SUPPRESS)
     parser.add_argument("--worker-eval", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--worker-train", action="store_true", help=argparse.SUPPRESS)
-    args, rest = parser.parse_known_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # the training worker passes the training script's own arguments after the first "--"
+    split = argv.index("--") if "--" in argv else len(argv)
+    args = parser.parse_args(argv[:split])
+    rest = argv[split + 1:]
+    if rest and not args.worker_train:
+        parser.error(f"arguments after '--' are only for the training worker: {rest}")
 
     if args.worker_eval:  # one evaluation, printed as one JSON line
         from benchmarks.runtime_agreement import evaluate as demo_evaluation
@@ -123,7 +132,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         import runpy
 
         apply_rule(args.rule)
-        script, *script_args = [item for item in rest if item != "--"]
+        script, *script_args = rest
         sys.argv = [script, *script_args]
         runpy.run_path(script, run_name="__main__")
         return []

@@ -21,6 +21,7 @@ order. A protected first token (CLS) always stays first. Use ``trace_source`` (:
 """
 
 
+import math
 import sys
 from typing import NamedTuple
 
@@ -157,8 +158,13 @@ about 0.001 are equated. Set it to 0 to decide on raw scores (what the benchmark
 
 def current_score_grid() -> float:
     """:data:`SCORE_GRID` as it is now (it may be changed after import): what caches of compiled or exported graphs
-    key on."""
-    return SCORE_GRID
+    key on. Raises a ValueError naming the allowed values unless it is 0 or a power of two (2^-k), the grids whose
+    scaling is exact, so that the matcher's scaled scores are the snapped cosines exactly."""
+    grid = SCORE_GRID
+    if grid != 0 and not (isinstance(grid, (int, float)) and grid > 0 and math.frexp(grid)[0] == 0.5):
+        raise ValueError(f"aggregation.SCORE_GRID is {grid!r}; it must be 0 (raw scores) or a power of two such as "
+                         "2**-10 (the default), 2**-8 or 2**-12.")
+    return grid
 
 
 def snap_scores(scores: torch.Tensor, grid: float | None = None) -> torch.Tensor:

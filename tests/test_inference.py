@@ -352,3 +352,54 @@ def test_encode_videos_with_workers_names_a_bad_file(retrieval_pipe, videos, tmp
         assert isinstance(error.value, video_decoding.VideoDecodingError)
     with pytest.raises(ValueError, match="num_workers"):
         retrieval_pipe.encode_videos(videos, num_workers=-1)
+
+
+def _importance_model() -> TestaVisionModel:
+    from modeling_testa import TestaVisionConfig
+
+    torch.manual_seed(0)
+    config = TestaVisionConfig(num_frames=4, image_size=32, patch_size=16, hidden_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, intermediate_size=128, temporal_reduction=1, spatial_reduction=2,
+                               aggregation_strategy="importance")
+    return TestaVisionModel(config).eval()
+
+
+def test_compiling_the_importance_strategy_is_refused_before_and_after_set_aggregation(monkeypatch):
+    """TorchInductor compiles the importance strategy's merges wrongly (see the slow test below): refused when asked,
+    and a compiled model switched to it by `set_aggregation` refuses to run rather than answer (the compiler is
+    stubbed here: what is tested is the runtime's check, not TorchInductor)."""
+    import modeling_testa.runtimes as runtimes
+
+    model = _importance_model()
+    with pytest.raises(ValueError, match="aggregation_strategy='importance'"):
+        optimize_for_inference(model, "fp32", compile=True)
+    assert getattr(model, "inference_settings", None) is None
+    monkeypatch.setattr(runtimes, "compile_blocks", lambda vision: True)
+    pruning = _importance_model()
+    pruning.set_aggregation(reduction_mode="prune")  # compiles right: allowed
+    assert optimize_for_inference(pruning, "fp32", compile=True).inference_settings["compile"] is True
+    video = torch.randn(1, 4, 3, 32, 32)
+    pruning(video)
+    pruning.set_aggregation(reduction_mode="merge")
+    with pytest.raises(ValueError, match="aggregation_strategy='importance'"):
+        pruning(video)
+    uncompiled = optimize_for_inference(_importance_model(), "fp32")
+    uncompiled(video)  # eager importance merging runs
+
+
+@pytest.mark.slow
+def test_inductor_still_compiles_the_importance_merge_wrongly():
+    """Why the refusal above exists: the importance strategy compiled by TorchInductor (bypassing the refusal)
+    against eager, fp32. When this test fails, TorchInductor got it right: lift `COMPILED_IMPORTANCE_REFUSAL`."""
+    from modeling_testa.linear_layers import compile_blocks
+
+    reference = _importance_model()
+    compiled = copy.deepcopy(reference)
+    torch._dynamo.reset()
+    if not compile_blocks(compiled):
+        skip_or_fail("TorchInductor needs a C++ compiler on the CPU", "apt-get install g++")
+    video = torch.randn(2, 4, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        expected, got = reference(video).last_hidden_state, compiled(video).last_hidden_state
+    cosine = F.cosine_similarity(got.flatten(1), expected.flatten(1))
+    assert cosine.min() < 0.99, cosine

@@ -314,3 +314,16 @@ def test_on_raw_scores_compiled_matching_disagrees_so_the_compile_test_can_fail(
     torch._dynamo.reset()
     compiled = torch.compile(geometry_matching, backend="inductor", fullgraph=True)(metric, r=3)
     assert not torch.equal(compiled.sources, eager.sources)  # inductor's rounding picked other merges
+
+
+def test_a_grid_that_is_not_a_power_of_two_is_refused_naming_the_allowed_values(monkeypatch):
+    """The matcher scales the cosines by 1 / SCORE_GRID inside its matrix multiply, which is exact only for powers of
+    two: any other grid (0.001, a natural choice) would decide some boundary cases differently from `snap_scores`."""
+    metric = torch.randn(1, 8, 4)
+    for grid in (1e-3, 0.3, -(2.0**-10)):
+        monkeypatch.setattr(aggregation, "SCORE_GRID", grid)
+        with pytest.raises(ValueError, match=r"must be 0 \(raw scores\) or a power of two such as 2\*\*-10"):
+            geometry_matching(metric, 2)
+    for grid in (0.0, 2.0**-6, 2.0**-12):
+        monkeypatch.setattr(aggregation, "SCORE_GRID", grid)
+        geometry_matching(metric, 2)

@@ -29,3 +29,10 @@ def test_a_rule_breaks_ties_its_own_way_and_keeps_every_other_decision(monkeypat
     assert torch.equal(seeded[0].kept, lowest[0].kept) and torch.equal(seeded[0].targets, lowest[0].targets)
     assert lowest[1].sources.tolist() == [[0, 2, 4]] and lowest[1].targets.tolist() == [[3, 3, 3]]
     assert not torch.equal(seeded[1].targets, lowest[1].targets)  # the ties went elsewhere
+
+
+def test_a_mistyped_option_stops_before_any_training():
+    with pytest.raises(SystemExit):
+        tie_rules.main(["--evalonly", "somewhere"])
+    with pytest.raises(SystemExit):
+        tie_rules.main(["--rules", "lowest", "--", "train.py"])  # only the worker takes a script after "--"
