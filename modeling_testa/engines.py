@@ -28,8 +28,10 @@ Exported fp32 equals PyTorch fp32: same merge decisions (the source map), same o
   whose results decide the matching (`matching_matmuls`: the key similarities, and Eq. 1's attention for the
   importance strategy) are excluded from quantization and stay fp32, and so is the temporal attention's output
   branch (its projection and ``temporal_fc``: `attention_output_matmuls`), whose int8 error flipped merge decisions
-  on repeated frames; activation scales are static, so a video's embedding does not depend on the other videos of
-  its batch.
+  on repeated frames; for ONNX Runtime, whose export has the attention unfused, the attention's own products
+  (queries times keys, probabilities times values: `attention_product_matmuls`) stay fp32 too, as NNCF leaves
+  OpenVINO's fused attention; activation scales are static, so a video's embedding does not depend on the other
+  videos of its batch.
 
 **Cache.** An export is saved under ``cache_dir`` (default ``$HF_HOME/testa/engines``) in a folder named by
 `cache_key`: the weights' SHA-256, the full vision config (aggregation settings included), the input shape, backend,
@@ -303,6 +305,22 @@ def attention_output_matmuls(nodes: dict[str, tuple[str, list[str]]], matmul_typ
     return sorted(set().union(*[c for c in chains if len(c) >= min_chain]))
 
 
+def attention_product_matmuls(nodes: dict[str, tuple[str, list[str]]], matmul_types: tuple[str, ...] = ("MatMul",),
+                               softmax_types: tuple[str, ...] = ("Softmax",)) -> list[str]:
+    """The attention's own matrix products in an unfused graph: queries times keys (the first matrix multiply above
+    each ``Softmax``, as `matching_matmuls` walks up from a sort) and the probabilities times the values (a matrix
+    multiply fed by a ``Softmax``). NNCF leaves these to OpenVINO's fused attention in fp32; ONNX Runtime's static
+    QDQ quantization gives both operands one int8 scale per tensor (`quantize_onnx` keeps them in fp32).
+
+    Args:
+        nodes: ``name -> (op type, names of the nodes producing its inputs)`` (`onnx_nodes`).
+    """
+    scores = matching_matmuls(nodes, matmul_types=matmul_types, sort_types=softmax_types)
+    weighted = [name for name, (kind, inputs) in nodes.items()
+                if kind in matmul_types and any(nodes.get(i, ("",))[0] in softmax_types for i in inputs)]
+    return sorted(set(scores) | set(weighted))
+
+
 def openvino_nodes(model: Any) -> dict[str, tuple[str, list[str]]]:
     """`matching_matmuls`' view of an OpenVINO model (by friendly name)."""
     return {op.get_friendly_name(): (op.get_type_name(), [i.get_source_output().get_node().get_friendly_name()
@@ -377,14 +395,16 @@ def export_onnx(graph: EncoderGraph, example: torch.Tensor, folder: Path) -> Pat
 
 def quantize_onnx(path: Path, calibration: torch.Tensor, folder: Path) -> Path:
     """ONNX Runtime static int8 (QDQ, symmetric weights per channel, activations per tensor), calibrated on
-    ``calibration``, the matching's matrix multiplies excluded; returns the int8 ``.onnx`` path."""
+    ``calibration``; the matching's matrix multiplies, the temporal attention's output branch and the attention's own
+    products (`attention_product_matmuls`) are excluded; returns the int8 ``.onnx`` path."""
     import onnx
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
 
     nodes = onnx_nodes(onnx.load(str(path), load_external_data=False).graph)
     ignored = sorted(set(matching_matmuls(nodes, matmul_types=("MatMul", "Gemm")))
                      | set(attention_output_matmuls(nodes, matmul_types=("MatMul", "Gemm"), attention_types=(),
-                                                  min_chain=2)))
+                                                  min_chain=2))
+                     | set(attention_product_matmuls(nodes, matmul_types=("MatMul", "Gemm"))))
 
     class Reader(CalibrationDataReader):
         def __init__(self) -> None:
@@ -611,6 +631,7 @@ __all__ = [
     "ExportedEncoder",
     "UNSUPPORTED_SETTINGS",
     "attention_output_matmuls",
+    "attention_product_matmuls",
     "cache_key",
     "check_exportable",
     "cpu_flags",

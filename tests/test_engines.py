@@ -163,6 +163,26 @@ def test_attention_output_matmuls_follow_an_attention_down_to_its_residual_add()
                                             min_chain=2) == ["fc", "proj"]
 
 
+def test_attention_product_matmuls_are_the_two_products_around_each_softmax():
+    # an unfused attention as ONNX has it: q = x @ Wq, k = x @ Wk, v = x @ Wv (projections: constant weights), the
+    # scores (q * scale) @ k^T (+ mask) -> Softmax -> probabilities @ v -> output projection -> residual; a second
+    # attention whose scores go straight into the Softmax; and a similarity product feeding a sort, not a softmax
+    nodes = {
+        "x": ("Input", []), "q": ("MatMul", ["x"]), "k": ("MatMul", ["x"]), "v": ("MatMul", ["x"]),
+        "scaled": ("Mul", ["q"]), "kt": ("Transpose", ["k"]), "scores": ("MatMul", ["scaled", "kt"]),
+        "masked": ("Add", ["scores"]), "probs": ("Softmax", ["masked"]), "weighted": ("MatMul", ["probs", "v"]),
+        "proj": ("Gemm", ["weighted"]), "res": ("Add", ["x", "proj"]),
+        "scores2": ("MatMul", ["res", "res"]), "probs2": ("Softmax", ["scores2"]),
+        "weighted2": ("MatMul", ["res", "probs2"]), "mlp": ("MatMul", ["weighted2"]),
+        "similarity": ("MatMul", ["k", "kt"]), "sort": ("TopK", ["similarity"]),
+    }
+    assert engines.attention_product_matmuls(nodes, matmul_types=("MatMul", "Gemm")) == [
+        "scores", "scores2", "weighted", "weighted2"]
+    # a fused attention (OpenVINO's ScaledDotProductAttention) has no such products: nothing to select
+    assert engines.attention_product_matmuls({"x": ("Parameter", []), "a": ("ScaledDotProductAttention", ["x"]),
+                                              "proj": ("MatMul", ["a"])}) == []
+
+
 @needs["openvino"]
 def test_the_temporal_branch_is_found_by_what_it_computes():
     """The layers int8 keeps in fp32 besides the matching are the temporal attention's projection and `temporal_fc`
@@ -294,9 +314,13 @@ def test_int8_stays_within_the_contract_with_matching_in_fp32(backend, cache_dir
     # found on the fp32 graph, as the quantizer does (in the int8 graph, quantize steps sit between the nodes)
     temporal_branch = engines.attention_output_matmuls(exported, matmul_types=matmuls, attention_types=attentions,
                                                        min_chain=2)
+    # ONNX: the attention's own products (queries x keys, probabilities x values) of both branches of both blocks;
+    # OpenVINO fuses the attention, and NNCF leaves it in fp32
+    products = engines.attention_product_matmuls(exported, matmul_types=matmuls)
+    assert len(products) == (0 if backend == "openvino" else 2 * 2 * 2) and set(products) <= set(nodes)
     assert deciding and sum(kind == quantizer for kind, _ in nodes.values()) > 0
     assert len(temporal_branch) == 2 * 2 and set(temporal_branch) <= set(nodes)  # projection, temporal_fc; 2 blocks
-    for name in deciding + temporal_branch:
+    for name in deciding + temporal_branch + products:
         assert all(nodes[i][0] != quantizer for i in nodes[name][1]), name
 
 

@@ -274,6 +274,26 @@ def test_openvino_int8_and_bf16_meet_the_targets_on_every_video_of_the_demo_mode
         assert min(result["top10_overlap"]) >= 9, result
 
 
+@pytest.mark.slow
+def test_onnxruntime_int8_meets_the_targets_on_every_video_of_the_demo_model(tmp_path):
+    """The same targets for ONNX Runtime int8 (`engines.quantize_onnx`). Before the attention's own products
+    (`engines.attention_product_matmuls`) were kept out of its static QDQ quantization: one video at cosine 0.983."""
+    import os
+    from pathlib import Path
+
+    from benchmarks.runtime_agreement import main
+
+    _needs("onnxruntime")
+    demo = Path(os.environ.get("TESTA_DEMO", "outputs/demo"))
+    if not (demo / "runs" / "b" / "final").is_dir():
+        pytest.skip(f"no demo model in {demo} (run `make demo`, or set TESTA_DEMO)")
+    report = main(["--model", str(demo / "runs" / "b" / "final"), "--data", str(demo / "data"), "--runtimes",
+                   "onnxruntime-int8", "--grids", "10", "--threads", "1", "--cache-dir", str(tmp_path)])
+    (result,) = report["results"]
+    assert result["videos"] > 0 and result["below_0.99"] == 0, result
+    assert min(result["top10_overlap"]) >= 9, result
+
+
 # ------------------------------------------------------------------------------------- torch.compile (issue 36)
 
 
