@@ -53,7 +53,7 @@ import sys
 import threading
 from collections import deque
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -236,19 +236,28 @@ def matching_matmuls(nodes: dict[str, tuple[str, list[str]]], matmul_types: tupl
     Args:
         nodes: ``name -> (op type, names of the nodes producing its inputs)``.
     """
-    found, seen = set(), set()
-    queue = deque(name for name, (kind, _) in nodes.items() if kind in sort_types)
-    while queue:
-        name = queue.popleft()
-        if name in seen:
-            continue
-        seen.add(name)
+    found = set()
+
+    def upwards(name: str) -> Iterable[str]:
         kind, inputs = nodes[name]
         if kind in matmul_types:
             found.add(name)
-            continue
-        queue.extend(i for i in inputs if i in nodes)
+            return ()
+        return (i for i in inputs if i in nodes)
+
+    walk_graph((name for name, (kind, _) in nodes.items() if kind in sort_types), upwards)
     return sorted(found)
+
+
+def walk_graph(starts: Iterable[str], visit: Callable[[str], Iterable[str]]) -> None:
+    """Breadth-first over node names from ``starts``: ``visit(name)`` runs once per node and returns where to go
+    next."""
+    seen, queue = set(), deque(starts)
+    while queue:
+        name = queue.popleft()
+        if name not in seen:
+            seen.add(name)
+            queue.extend(visit(name))
 
 
 def attention_output_matmuls(nodes: dict[str, tuple[str, list[str]]], matmul_types: tuple[str, ...] = ("MatMul",),
@@ -287,18 +296,17 @@ def attention_output_matmuls(nodes: dict[str, tuple[str, list[str]]], matmul_typ
                                                                          for i in inputs))
 
     def chain(attention: str) -> set[str]:
-        found, seen, queue = set(), set(), deque(consumers[attention])
-        while queue:
-            name = queue.popleft()
-            if name in seen:
-                continue
-            seen.add(name)
+        found = set()
+
+        def downwards(name: str) -> Iterable[str]:
             kind, inputs = nodes[name]
             if kind in shape_types or (kind == "Add" and sum(map(computed, inputs)) >= 2):
-                continue
+                return ()
             if kind in matmul_types:
                 found.add(name)
-            queue.extend(consumers[name])
+            return consumers[name]
+
+        walk_graph(consumers[attention], downwards)
         return found
 
     chains = [chain(name) for name in nodes if is_attention(name)]
@@ -643,4 +651,5 @@ __all__ = [
     "matching_matmuls",
     "openvino_core",
     "tensor_fingerprint",
+    "walk_graph",
 ]
