@@ -15,7 +15,9 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from helpers.pipelines import build_qa, build_retrieval, save_folder, tiny_processor, write_bad_files
+from helpers.pipelines import INDEX_COMMAND as PLAIN
+from helpers.pipelines import INDEX_LAUNCH_2 as LAUNCH_2
+from helpers.pipelines import build_qa, index_collection, save_folder, tiny_processor, write_bad_files
 from helpers.videos import write_noise_video
 
 from modeling_testa import TestaForVideoTextRetrieval, TestaProcessor, VideoTextRetrievalPipeline
@@ -25,18 +27,11 @@ from modeling_testa.video_store import journaled_count
 NUM_VIDEOS = 200
 QUERIES = ["a red square on a blue screen", "green and yellow blocks", "first dark then bright", "a cat"]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-LAUNCH_2 = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "train.index"]
-PLAIN = [sys.executable, "-m", "train.index"]
 
 
 @pytest.fixture(scope="module")
 def collection(tmp_path_factory):
-    root = tmp_path_factory.mktemp("index")
-    model = save_folder(build_retrieval(), tiny_processor(), root / "model")
-    for i in range(NUM_VIDEOS):
-        write_noise_video(root / "videos" / f"clip{i:03d}.mp4", seed=i)
-    return root, model
+    return index_collection(tmp_path_factory.mktemp("index"), NUM_VIDEOS)
 
 
 def run(command: list[str], *args, check: bool = True) -> subprocess.CompletedProcess:

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from helpers.videos import read_long_index, write_long_video
+from helpers.videos import read_long_index, write_long_video, write_truncated_faststart_mp4
 
 from modeling_testa.moments import (
     best_moment_per_video,
@@ -277,19 +277,8 @@ def test_moment_frames_come_from_inside_the_moment(hour_video):
 def test_a_truncated_file_is_cut_into_the_windows_it_really_has(tmp_path, caplog):
     """An mp4 whose index survives but whose last frames' data is lost: the decoder finds fewer frames than declared
     and samples again; the windows are planned again over the frames that are there."""
-    import av
-
     source = write_long_video(tmp_path / "ten_minutes.mp4", 1200, fps=2)
-    faststart = tmp_path / "faststart.mp4"
-    with av.open(str(source)) as inp, av.open(str(faststart), "w", options={"movflags": "+faststart"}) as out:
-        stream = out.add_stream_from_template(inp.streams.video[0])
-        for packet in inp.demux(inp.streams.video[0]):
-            if packet.dts is not None:
-                packet.stream = stream
-                out.mux(packet)
-    data = faststart.read_bytes()
-    cut_file = tmp_path / "cut.mp4"
-    cut_file.write_bytes(data[: int(len(data) * 0.6)])
+    cut_file = write_truncated_faststart_mp4(source, tmp_path / "cut.mp4", 0.6)
     cut = decode_windows(cut_file, window=60, stride=60, num_frames=4, backend="pyav", isolate_decoder=False)
     assert 0 < cut.total_num_frames < 1200 and "could be decoded" in caplog.text
     assert cut.windows == plan_windows(cut.total_num_frames / 2, 60, 60)

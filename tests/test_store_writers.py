@@ -19,7 +19,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.pipelines import build_retrieval, save_folder, tiny_processor
+from helpers.pipelines import INDEX_COMMAND as PLAIN
+from helpers.pipelines import INDEX_LAUNCH_2 as LAUNCH_2
+from helpers.pipelines import index_collection
 from helpers.videos import write_noise_video
 
 from modeling_testa import StoreLock, StoreLockedError, TestaForVideoTextRetrieval, TestaProcessor
@@ -30,19 +32,12 @@ from modeling_testa.video_store import VideoTokenStore, journaled_count
 
 NUM_VIDEOS = 96
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-PLAIN = [sys.executable, "-m", "train.index"]
-LAUNCH_2 = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "train.index"]
 REFUSED = "is being written by another writer"
 
 
 @pytest.fixture(scope="module")
 def collection(tmp_path_factory):
-    root = tmp_path_factory.mktemp("writers")
-    model = save_folder(build_retrieval(), tiny_processor(), root / "model")
-    for i in range(NUM_VIDEOS):
-        write_noise_video(root / "videos" / f"clip{i:03d}.mp4", seed=i)
-    return root, model
+    return index_collection(tmp_path_factory.mktemp("writers"), NUM_VIDEOS)
 
 
 def command(root: Path, model: Path, store: Path, *extra, launcher: list[str] = PLAIN) -> list[str]:

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers.videos import RAW, mp4_boxes, read_index, uniform, write_test_videos
+from helpers.videos import RAW, mp4_boxes, read_index, uniform, write_test_videos, write_truncated_faststart_mp4
 
 import modeling_testa.video_decoding as decoding
 import modeling_testa.video_decoding_worker as worker
@@ -190,18 +190,7 @@ def test_pyav_skips_unneeded_non_reference_frames_without_changing_pixels(videos
 
 @pytest.mark.parametrize("isolate", [True, False])
 def test_truncated_faststart_file_decodes_the_frames_that_are_there(videos, tmp_path, caplog, isolate):
-    import av
-
-    src = tmp_path / "faststart.mp4"
-    with av.open(str(videos["long"])) as inp, av.open(str(src), "w", options={"movflags": "+faststart"}) as out:
-        stream = out.add_stream_from_template(inp.streams.video[0])
-        for packet in inp.demux(inp.streams.video[0]):
-            if packet.dts is not None:
-                packet.stream = stream
-                out.mux(packet)
-    data = src.read_bytes()
-    cut = tmp_path / "cut.mp4"
-    cut.write_bytes(data[: int(len(data) * 0.6)])  # the index survives, the last frames' data does not
+    cut = write_truncated_faststart_mp4(videos["long"], tmp_path / "cut.mp4", 0.6)
     out = TestaVideoProcessor(num_frames=4, video_backend="pyav", isolate_decoder=isolate)(cut, return_metadata=True,
                                                                                           **RAW)
     meta = out["video_metadata"][0]

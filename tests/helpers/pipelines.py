@@ -1,12 +1,13 @@
 """Tiny TESTA retrieval / QA models with the real TestaProcessor, saved as Hub folders, and a set of real mp4 files,
 shared by the pipeline and remote-code tests."""
 
+import sys
 from pathlib import Path
 
 import torch
 from .models import tiny_vision_config
 from .models import randomize
-from .videos import write_video, zero_media_data
+from .videos import write_noise_video, write_video, zero_media_data
 
 from modeling_testa import TestaConfig, TestaForVideoQA, TestaForVideoTextRetrieval, TestaProcessor, TestaVideoProcessor
 
@@ -112,3 +113,19 @@ def reference_ranking(model, processor: TestaProcessor, queries: list[str], vide
         video_token_sizes=torch.cat(sizes), k=len(videos),
     )
     return ranking.scores
+
+
+INDEX_COMMAND = [sys.executable, "-m", "train.index"]
+"""`train.index` in one process."""
+INDEX_LAUNCH_2 = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                  "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "train.index"]
+"""`train.index` on two CPU processes of one `accelerate launch`."""
+
+
+def index_collection(root: Path, num_videos: int) -> tuple[Path, Path]:
+    """A saved tiny retrieval model (``root/model``) and ``num_videos`` noise clips (``root/videos/clipNNN.mp4``):
+    what the `train.index` tests index. Returns ``(root, model folder)``."""
+    model = save_folder(build_retrieval(), tiny_processor(), root / "model")
+    for i in range(num_videos):
+        write_noise_video(root / "videos" / f"clip{i:03d}.mp4", seed=i)
+    return root, model

@@ -170,6 +170,19 @@ def write_truncated_mp4(good: Path, path: Path, fraction: float = 0.5) -> Path:
     return Path(path)
 
 
+def write_truncated_faststart_mp4(good: Path, path: Path, fraction: float = 0.6) -> Path:
+    """A good mp4 remuxed with its index first (``+faststart``) and cut to its first ``fraction`` of bytes: the index
+    survives, the last frames' data does not, so a decoder finds fewer frames than the index declares."""
+    faststart = Path(path).with_name(Path(path).stem + ".faststart.mp4")
+    with av.open(str(good)) as inp, av.open(str(faststart), "w", options={"movflags": "+faststart"}) as out:
+        stream = out.add_stream_from_template(inp.streams.video[0])
+        for packet in inp.demux(inp.streams.video[0]):
+            if packet.dts is not None:
+                packet.stream = stream
+                out.mux(packet)
+    return write_truncated_mp4(faststart, path, fraction)
+
+
 def write_empty_mp4(path: Path) -> Path:
     """A 0-byte file named .mp4."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
