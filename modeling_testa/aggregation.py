@@ -488,11 +488,11 @@ def merge_tokens(x: torch.Tensor, size: torch.Tensor, matching: Matching) -> tup
         The merged features ``(*batch, N - r, *rest, D)`` and sizes. Sizes are summed, so they keep adding up to the
         number of input patches; with pruning the dropped tokens' sizes are lost.
 
-    Every target row becomes the size-weighted mean of the target and its sources j,
-    ``(s_t x_t + sum_j s_j x_j) / S_t`` (``S_t``: their summed size), with the sizes merged by the same indices.
-    A geometry matching is applied by :func:`merge_bipartite` (sizes and features in one tensor; rows that receive
-    nothing come back exactly in half precision, within an ulp in fp32); an explicit one (importance, pruning) as
-    ``x_t + sum_j (x_j - x_t) s_j / S_t``, whose untouched rows are exact copies.
+    Rows that receive no source are exact copies of the input; only the merged rows are computed (work O(r) beyond
+    the copy of the kept tokens). Every target row becomes ``x_t + sum_j (x_j - x_t) s_j / S_t``, the size-weighted
+    mean of the target and its sources j (``S_t``: their summed size), with the sizes merged by the same indices. A
+    geometry matching is applied in the coordinates of its two sets (:func:`merge_bipartite`), an explicit one
+    (importance, pruning) through its ``kept``/``sources``/``targets``.
     """
     pairs = matching.bipartite
     if pairs is not None:
