@@ -260,6 +260,11 @@ def walk_graph(starts: Iterable[str], visit: Callable[[str], Iterable[str]]) -> 
             queue.extend(visit(name))
 
 
+def fed_by(nodes: dict[str, tuple[str, list[str]]], name: str, kinds: tuple[str, ...]) -> bool:
+    """Whether node ``name`` has an input produced by a node of one of ``kinds``."""
+    return any(nodes.get(i, ("",))[0] in kinds for i in nodes[name][1])
+
+
 def attention_output_matmuls(nodes: dict[str, tuple[str, list[str]]], matmul_types: tuple[str, ...] = ("MatMul",),
                              attention_types: tuple[str, ...] = ("ScaledDotProductAttention",),
                              shape_types: tuple[str, ...] = ("ShapeOf", "Shape"), min_chain: int = 1) -> list[str]:
@@ -291,9 +296,8 @@ def attention_output_matmuls(nodes: dict[str, tuple[str, list[str]]], matmul_typ
         return name in nodes and nodes[name][0] != "Constant"
 
     def is_attention(name: str) -> bool:
-        kind, inputs = nodes[name]
-        return kind in attention_types or (kind in matmul_types and any(nodes.get(i, ("",))[0] == "Softmax"
-                                                                         for i in inputs))
+        kind = nodes[name][0]
+        return kind in attention_types or (kind in matmul_types and fed_by(nodes, name, ("Softmax",)))
 
     def chain(attention: str) -> set[str]:
         found = set()
@@ -324,8 +328,7 @@ def attention_product_matmuls(nodes: dict[str, tuple[str, list[str]]], matmul_ty
         nodes: ``name -> (op type, names of the nodes producing its inputs)`` (`onnx_nodes`).
     """
     scores = matching_matmuls(nodes, matmul_types=matmul_types, sort_types=softmax_types)
-    weighted = [name for name, (kind, inputs) in nodes.items()
-                if kind in matmul_types and any(nodes.get(i, ("",))[0] in softmax_types for i in inputs)]
+    weighted = [name for name, (kind, _) in nodes.items() if kind in matmul_types and fed_by(nodes, name, softmax_types)]
     return sorted(set(scores) | set(weighted))
 
 
@@ -647,6 +650,7 @@ __all__ = [
     "cpu_has_vnni",
     "default_cache_dir",
     "default_calibration_videos",
+    "fed_by",
     "linear_layers_in_bf16",
     "matching_matmuls",
     "openvino_core",
