@@ -5,6 +5,8 @@ files are compared exactly (`torch.equal`, strings by equality).
     python -m benchmarks.golden_outputs --output before.pt      # at the old commit (PYTHONPATH pointing there)
     python -m benchmarks.golden_outputs --output after.pt       # at the new one
     python -m benchmarks.golden_outputs --compare before.pt after.pt
+    python -m benchmarks.golden_outputs --output fused.pt --fused-kernels interpret  # the GPU path's kernels, run
+                                                                                     # by Triton's interpreter
 
 What is recorded: forward losses and logits of each head (eval and training mode), `get_text_features` /
 `get_video_features`, `rank_videos` / `rank_texts` (options included), `rank_answers`, `generate` of the QA and
@@ -21,7 +23,7 @@ from typing import Any
 
 import torch
 
-from modeling_testa import TestaForPreTraining
+from modeling_testa import TestaForPreTraining, fused_aggregation
 from modeling_testa.pipeline_testa import (
     VideoQuestionAnsweringPipeline,
     VideoTextRetrievalPipeline,
@@ -195,10 +197,14 @@ def main() -> int:
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--output", type=Path, help="record the golden outputs into this file")
     group.add_argument("--compare", type=Path, nargs=2, metavar=("FIRST", "SECOND"), help="compare two files exactly")
+    parser.add_argument("--fused-kernels", choices=fused_aggregation.MODES, default="auto",
+                        help="fused_aggregation.MODE while recording: 'interpret' runs the fused merge kernels (the "
+                             "GPU path) through Triton's interpreter on the CPU")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.output is not None:
-        record(args.output)
+        with fused_aggregation.fused_kernels(args.fused_kernels):
+            record(args.output)
         return 0
     return compare(*args.compare)
 

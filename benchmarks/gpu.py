@@ -15,6 +15,8 @@ killed keeps what it finished:
 1b. ``same_mode`` (issue 36): TESTA against the encoder without aggregation at 8/32/96 frames and batch 1/8/64, bf16,
    both run the same way: eagerly, replayed as a captured CUDA graph, and ``torch.compile(mode="reduce-overhead")``
    (32 frames only, run last). Targets: >= 1.7x at 32 frames and batch 8, >= 1.5x at batch 1, >= 1x at 8 frames.
+1c. ``fused_merge`` (issue 36): TESTA with its merge as fused Triton kernels (the default on CUDA) against the same
+   encoder merging with PyTorch ops, 32 frames, batch 1 and 8, eager and CUDA graph; same merges, output difference.
 2. ``memory_96``: peak `torch.cuda.max_memory_allocated` of `TestaForVideoTextRetrieval` built from the QuerYD
    96-frame recipe (ViT-B/16 224 + BERT-base, random init), for inference (the matching head on one text per video)
    and for one training step, without aggregation and with R_T=4, R_S=8. The paper's ablation: 12.6 GB against
@@ -59,7 +61,13 @@ from typing import Any
 import torch
 import transformers
 
-from modeling_testa import TestaForVideoTextRetrieval, TestaVisionConfig, TestaVisionModel, estimate_encoder_gmac
+from modeling_testa import (
+    TestaForVideoTextRetrieval,
+    TestaVisionConfig,
+    TestaVisionModel,
+    estimate_encoder_gmac,
+    fused_aggregation,
+)
 from modeling_testa.aggregation import mode as deterministic_mode
 from benchmarks.encoder_args import encoder_settings
 from benchmarks.encoder_speed import build, synchronize, time_forward
@@ -889,9 +897,79 @@ def render_same_mode(results: dict) -> list[str]:
     return lines
 
 
+def run_fused_merge(ctx: Context, results: dict) -> None:
+    """TESTA with its merge as fused Triton kernels (`modeling_testa.fused_aggregation`, the default on CUDA) against
+    the same encoder merging with PyTorch ops (``fused_aggregation.MODE = "off"``), at the headline frame count, bf16,
+    SDPA, batch 1 and the headline batch, run eagerly and replayed as a CUDA graph; and whether both took the same
+    merges (source maps) and how far their outputs are apart."""
+    frames, size = ctx.scale.headline_frames, ctx.scale.encoder["image_size"]
+    results.update(frames=frames, dtype="bf16", attention="sdpa", entries=[])
+    model = build_encoder(ctx, "testa", frames, "bf16", "sdpa")
+    for batch in sorted({ctx.scale.same_mode_batches[0], ctx.scale.headline_batch}):
+        entry = dict(batch=batch)
+        video = torch.randn(batch, frames, 3, size, size, device=ctx.device, dtype=torch.bfloat16)
+        try:
+            with torch.inference_mode():
+                with fused_aggregation.fused_kernels("off"):
+                    reference = model(pixel_values=video, trace_source=True)
+                launches = fused_aggregation.launches
+                fused = model(pixel_values=video, trace_source=True)
+            entry["fused_launches"] = fused_aggregation.launches - launches  # 0: the kernels are not used here
+            entry["same_merges"] = torch.equal(fused.source_map, reference.source_map)
+            entry["max_abs_output_difference"] = (fused.last_hidden_state.float()
+                                                  - reference.last_hidden_state.float()).abs().max().item()
+            for kernels in ("auto", "off"):
+                with fused_aggregation.fused_kernels(kernels):
+                    times, skipped = budgeted_forward_times(ctx, model, video)
+                    if times is None:
+                        entry[f"eager_{kernels}_skipped"] = skipped
+                        continue
+                    entry[f"eager_{kernels}_seconds"] = statistics.median(times)
+                    if ctx.device.startswith("cuda"):
+                        entry[f"graph_{kernels}_seconds"] = graph_replay_seconds(ctx, model, video)
+        except torch.cuda.OutOfMemoryError as error:
+            entry["error"] = f"out of memory: {str(error)[:160]}"
+        except Exception as error:  # a forward that cannot be captured: say why, keep what was measured
+            entry["error"] = f"{type(error).__name__}: {str(error)[:160]}"
+        results["entries"].append(entry)
+        log(ctx.budget, f"fused_merge batch {batch}: {entry}")
+        ctx.save()
+        del video
+        ctx.free()
+    del model
+    ctx.free()
+
+
+def render_fused_merge(results: dict) -> list[str]:
+    lines = [f"{results.get('frames')} frames, bf16, SDPA, TESTA (R_T=1, R_S=12): the merge as fused Triton kernels "
+             "(the default on CUDA) against PyTorch ops (`fused_aggregation.MODE = \"off\"`), in ms per forward, run "
+             "eagerly and replayed as one captured CUDA graph; fused launches per forward (0: the kernels were not "
+             "used on this device), whether both took the same merges, and their largest output difference.", "",
+             "| batch | fused launches | same merges | max output difference | eager fused | eager PyTorch | "
+             "speed-up eager | graph fused | graph PyTorch | speed-up graph |", "|---|---|---|---|---|---|---|---|---|---|"]
+
+    def ms(entry, key):
+        return f"{entry[key] * 1e3:.2f}" if entry.get(key) else "–"
+
+    def ratio(entry, mode):
+        fused, plain = entry.get(f"{mode}_auto_seconds"), entry.get(f"{mode}_off_seconds")
+        return f"{plain / fused:.2f}x" if fused and plain else "–"
+
+    for entry in results.get("entries", []):
+        if "error" in entry:
+            lines.append(f"| {entry['batch']} | {entry['error']} | | | | | | | | |")
+            continue
+        lines.append(f"| {entry['batch']} | {entry.get('fused_launches', '–')} | {entry.get('same_merges', '–')} | "
+                     f"{entry.get('max_abs_output_difference', float('nan')):.3g} | {ms(entry, 'eager_auto_seconds')} | "
+                     f"{ms(entry, 'eager_off_seconds')} | {ratio(entry, 'eager')} | {ms(entry, 'graph_auto_seconds')} | "
+                     f"{ms(entry, 'graph_off_seconds')} | {ratio(entry, 'graph')} |")
+    return lines
+
+
 SECTIONS = (
     Section("headline", "Encoder speed: TESTA, no aggregation, TimesformerModel", run_headline, min_seconds=20),
     Section("same_mode", "TESTA against no aggregation in the same execution mode", run_same_mode, min_seconds=30),
+    Section("fused_merge", "The merge as fused kernels against PyTorch ops", run_fused_merge, min_seconds=20),
     Section("memory_96", "Peak memory of long clips: inference and one training step", run_memory_96, min_seconds=30),
     Section("train_step", "One bf16 training step", run_train_step, min_seconds=20),
     Section("cuda_vs_cpu", 'frame_matching="original" on CUDA against the CPU', run_cuda_vs_cpu, min_seconds=30),
@@ -1117,7 +1195,8 @@ def render_grid(results: dict) -> list[str]:
 
 RENDERERS = {"headline": render_headline, "memory_96": render_memory, "train_step": render_train_step,
              "cuda_vs_cpu": render_cuda_vs_cpu, "compile": render_compile, "speed_grid": render_grid,
-             "batch_scaling": render_batch_scaling, "same_mode": render_same_mode}
+             "batch_scaling": render_batch_scaling, "same_mode": render_same_mode,
+             "fused_merge": render_fused_merge}
 
 
 def render_markdown(report: dict) -> str:

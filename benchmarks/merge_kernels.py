@@ -4,6 +4,7 @@
     python -m benchmarks.merge_kernels --backward       # forward + backward
     python -m benchmarks.merge_kernels --train-step     # CPU seconds of an fp32 training step, with and without
     python -m benchmarks.merge_kernels --merge-variants # the library's merge against ToMe's premultiplied one
+    python -m benchmarks.merge_kernels --fused          # the fused Triton kernels (GPU path), interpreted on the CPU
 
 **Calls.** The PyTorch profiler records one forward (``--backward``: forward and backward of the sum of the output)
 of the TESTA encoder (R_T=1, R_S=12 by default, the paper's setting) and of the same encoder with no aggregation
@@ -19,6 +20,12 @@ tree (not called by another ATen op: an ``aten::linear`` counts once, not again 
   ``result_type`` (dtype arithmetic) and the like (:data:`METADATA_ONLY`);
 * ops that may return their input unchanged (``to``, ``contiguous``, ``reshape``, ``flatten``, ``dropout``, ...:
   :data:`PASS_THROUGH`), which count only when they did run a kernel below them (a copy, a cast, a mask).
+
+``--fused`` counts the GPU path of `modeling_testa.fused_aggregation`: the geometry matching and its merge as one
+Triton kernel each. Triton's interpreter runs the very same kernels on the CPU; every launch runs inside a profiler
+range named ``testa::<kernel>``, which counts as one call, and the ATen ops the interpreter itself runs inside it
+(copies to and from numpy) are not counted. Its bytes are the kernels' output tensors (merged tokens, sizes,
+indices). The decisions and outputs are checked against the PyTorch path in the same run.
 
 ``--rule issue`` is the rule of the count quoted in issue 36 (1,164 added calls on the code of d257ac3): the same
 top-level ops without the views, but with ``promote_types`` and every ``to`` counted even when it returns its input.
@@ -52,7 +59,7 @@ from contextlib import contextmanager
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from modeling_testa import TestaVisionConfig, TestaVisionModel, aggregation, aggregation_block
+from modeling_testa import TestaVisionConfig, TestaVisionModel, aggregation, aggregation_block, fused_aggregation
 
 
 METADATA_ONLY = frozenset(
@@ -94,19 +101,26 @@ def launches_kernel(event) -> bool:
     return True
 
 
+FUSED_LAUNCH = "testa::"  # the profiler range around a fused kernel's launch (`fused_aggregation`)
+
+
 def is_top_level(event) -> bool:
+    """Not called by another ATen op, nor inside a fused kernel's launch (the interpreter's own ops)."""
     parent = event.cpu_parent
     while parent is not None:
-        if parent.name.startswith("aten::"):
+        if parent.name.startswith(("aten::", FUSED_LAUNCH)):
             return False
         parent = parent.cpu_parent
     return True
 
 
 def count_calls(events, rule: str) -> Counter:
-    """Top-level ATen calls by op name under ``rule`` (``"kernels"`` or ``"issue"``)."""
+    """Top-level ATen calls by op name under ``rule`` (``"kernels"`` or ``"issue"``), and fused kernel launches."""
     counts = Counter()
     for event in events:
+        if event.name.startswith(FUSED_LAUNCH) and is_top_level(event):
+            counts[event.name] += 1
+            continue
         if not event.name.startswith("aten::") or not is_top_level(event):
             continue
         counted = launches_kernel(event) if rule == "kernels" else event.name not in ISSUE_RULE_EXCLUDED
@@ -135,8 +149,10 @@ def run_pass(model: TestaVisionModel, video: torch.Tensor, backward: bool) -> No
             model(pixel_values=video)
 
 
-def profile_calls(model: TestaVisionModel, video: torch.Tensor, backward: bool) -> dict[str, Counter]:
-    run_pass(model, video, backward)  # warm-up: lazy initialisations stay out of the count
+def profile_calls(model: TestaVisionModel, video: torch.Tensor, backward: bool, warm_up: bool = True
+                  ) -> dict[str, Counter]:
+    if warm_up:  # lazy initialisations stay out of the count
+        run_pass(model, video, backward)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         run_pass(model, video, backward)
     events = profile.events()
@@ -219,10 +235,43 @@ def attributed_to_merge(traffic: MergeTraffic):
 def merge_traffic(model: TestaVisionModel, video: torch.Tensor, backward: bool) -> MergeTraffic:
     """Forward traffic of the aggregation functions (their backward runs outside them and is not attributed)."""
     traffic = MergeTraffic()
-    with attributed_to_merge(traffic):
+    with attributed_to_merge(traffic), fused_kernel_traffic(traffic):
         with torch.inference_mode():
             model(pixel_values=video)
     return traffic
+
+
+@contextmanager
+def fused_kernel_traffic(traffic: MergeTraffic):
+    """Attributes every fused kernel's outputs to ``traffic`` as one call (what it writes), and hides the ops
+    Triton's interpreter runs inside the launch."""
+    originals = {name: getattr(aggregation, name) for name in ("geometry_pairs", "merge_pairs")}
+
+    def counted(name: str, function: Callable) -> Callable:
+        def wrapper(*args, **kwargs):
+            active, traffic.active = traffic.active, 0
+            try:
+                outputs = function(*args, **kwargs)
+            finally:
+                traffic.active = active
+            if active:
+                traffic.calls[FUSED_LAUNCH + name] += 1
+                traffic.bytes_written[FUSED_LAUNCH + name] += sum(t.numel() * t.element_size() for t in outputs)
+                for t in outputs:
+                    if t.dtype == torch.long:
+                        traffic.index_bytes += t.untyped_storage().nbytes()
+                        traffic.largest_index = max(traffic.largest_index, t.numel())
+            return outputs
+
+        return wrapper
+
+    try:
+        for name, function in originals.items():  # where `aggregation` calls them
+            setattr(aggregation, name, counted(name, function))
+        yield traffic
+    finally:
+        for name, function in originals.items():
+            setattr(aggregation, name, function)
 
 
 # ----------------------------------------------------------------------------------------------------- training
@@ -381,6 +430,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--merge-variants", action="store_true",
                         help="time the library's merge against ToMe's premultiplied one instead of counting")
     parser.add_argument("--variant-batch", type=int, default=8)
+    parser.add_argument("--fused", action="store_true",
+                        help="count the fused Triton kernels (the GPU path), run by Triton's interpreter")
     return parser.parse_args(argv)
 
 
@@ -395,14 +446,35 @@ def main(argv: list[str] | None = None) -> dict:
                         generator=torch.Generator().manual_seed(0), dtype=getattr(torch, args.dtype))
     testa = build_encoder(args, (args.temporal_reduction, args.spatial_reduction))
     plain = build_encoder(args, (0, 0))
-    calls_testa = profile_calls(testa, video, args.backward)
     calls_plain = profile_calls(plain, video, args.backward)
+    checked = None
+    if args.fused:
+        if args.backward:
+            raise SystemExit("--fused counts inference (the fused kernels have no backward: training merges in PyTorch)")
+        with torch.inference_mode():
+            reference = testa(pixel_values=video, trace_source=True)
+        with fused_aggregation.fused_kernels("interpret"):
+            with torch.inference_mode():  # also the warm-up: the interpreter's first launches are not counted
+                fused = testa(pixel_values=video, trace_source=True)
+            calls_testa = profile_calls(testa, video, args.backward, warm_up=False)
+            traffic = merge_traffic(testa, video, args.backward)
+        checked = dict(source_map=torch.equal(fused.source_map, reference.source_map),
+                       token_sizes=torch.equal(fused.token_sizes, reference.token_sizes),
+                       max_difference=(fused.last_hidden_state.double()
+                                       - reference.last_hidden_state.double()).abs().max().item())
+    else:
+        calls_testa = profile_calls(testa, video, args.backward)
+        traffic = merge_traffic(testa, video, args.backward)
     added = {rule: difference(calls_testa[rule], calls_plain[rule]) for rule in calls_testa}
-    traffic = merge_traffic(testa, video, args.backward)
 
     what = "forward + backward" if args.backward else "forward"
-    print(f"One batch-{args.batch} {what}, {args.frames} frames, {args.image_size} px, hidden {args.hidden_size}, "
-          f"{args.layers} blocks, {args.dtype}, R_T={args.temporal_reduction}, R_S={args.spatial_reduction}:")
+    path = " with the fused kernels (Triton's interpreter)" if args.fused else ""
+    print(f"One batch-{args.batch} {what}{path}, {args.frames} frames, {args.image_size} px, hidden "
+          f"{args.hidden_size}, {args.layers} blocks, {args.dtype}, R_T={args.temporal_reduction}, "
+          f"R_S={args.spatial_reduction}:")
+    if checked is not None:
+        print(f"  against the PyTorch path: same merges (source maps identical: {checked['source_map']}, token sizes "
+              f"identical: {checked['token_sizes']}), largest output difference {checked['max_difference']:.3g}")
     for rule in ("kernels", "issue"):
         print(f"  [{rule} rule] encoder without aggregation: {sum(calls_plain[rule].values())} calls; TESTA: "
               f"{sum(calls_testa[rule].values())}; added by the merge: {sum(added[rule].values())}")
@@ -415,7 +487,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"(the largest: {traffic.largest_index} elements)")
     for name, value in traffic.bytes_written.most_common(8):
         print(f"  {name:32s} {traffic.calls[name]:4d} calls {mib(value):>12s}")
-    return dict(plain=calls_plain, testa=calls_testa, added=added, traffic=traffic)
+    return dict(plain=calls_plain, testa=calls_testa, added=added, traffic=traffic, checked=checked)
 
 
 if __name__ == "__main__":

@@ -23,10 +23,16 @@ order. A protected first token (CLS) always stays first. Use ``trace_source`` (:
 
 import math
 import sys
+import warnings
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from .fused_aggregation import FLOAT_DTYPES as FUSED_DTYPES
+from .fused_aggregation import current_mode as fused_kernel_mode
+from .fused_aggregation import fits as fits_fused_kernel
+from .fused_aggregation import fused_kernels, geometry_pairs, merge_pairs, triton_available
 
 
 class Bipartite(NamedTuple):
@@ -277,7 +283,9 @@ def geometry_matching(
 
     The decisions are those of :func:`best_partner` followed by a stable ranking, computed in about ten kernels: the
     keys are normalised once, the cosines come out of one matrix multiply already divided by the grid (a power of
-    two, so exactly), and are rounded to whole grid steps, which are only ever compared.
+    two, so exactly), and are rounded to whole grid steps, which are only ever compared. Where
+    :func:`uses_fused_kernels` says so (CUDA, by default), the same decisions are one fused kernel
+    (:func:`.fused_aggregation.geometry_pairs`; not with ``vote_dim``).
 
     Args:
         metric: ``(*batch, N, C)`` similarity features (attention keys averaged over heads). With ``vote_dim``,
@@ -289,11 +297,16 @@ def geometry_matching(
         vote: how the positions decide, one of :data:`FRAME_VOTES` (used only with ``vote_dim``).
     """
     grid = 0.0 if vote == "original" else current_score_grid()
+    first = int(protect_first)
+    if vote_dim is None and 0 < r and uses_fused_kernels(metric) and fits_fused_kernel(metric.shape[-2]):
+        unmerged, sources, partners = geometry_pairs(
+            metric, r, first, 1.0 / grid if grid else 1.0, snap=bool(grid)
+        )
+        return Matching(bipartite=Bipartite(unmerged, sources, partners, 2 * first, 1, first, metric.shape[-2]))
     unit = _unit_vectors(metric)
     scores = _scaled_products(unit[..., ::2, :], unit[..., 1::2, :], 1.0 / grid if grid else 1.0)
     node_max, node_idx = _decide(scores, vote_dim, vote, snapped=bool(grid))
     # The protected token (A token 0) is never a source: its row is left out of the order, and set A starts after it.
-    first = int(protect_first)
     # Stable: among equal scores the lower A index merges first, on every device (ties are common: static frames).
     order = node_max[..., first:].argsort(dim=-1, descending=True, stable=True)
     sources = order[..., :r]
@@ -462,13 +475,90 @@ class _BipartiteMerge(torch.autograd.Function):
         return grad_x, None, None, None, None, None, None, None, None
 
 
+def _exporting() -> bool:
+    """Whether an exporter or tracer records the ops (they must see the plain ATen ops, not ours)."""
+    onnx = sys.modules.get("torch.onnx")  # not imported means not exporting (importing it takes a while)
+    return (torch.compiler.is_exporting() or (onnx is not None and onnx.is_in_onnx_export())
+            or torch.jit.is_tracing())
+
+
 def _differentiable(x: torch.Tensor) -> bool:
     """Whether the merge runs under autograd (not when exporting or tracing: exporters record the plain ops)."""
-    if not (x.requires_grad and torch.is_grad_enabled()):
+    return x.requires_grad and torch.is_grad_enabled() and not _exporting()
+
+
+_fused_checks: dict[str, bool] = {}  # CUDA device -> whether the fused kernels agreed with the PyTorch path there
+
+
+def uses_fused_kernels(x: torch.Tensor) -> bool:
+    """Whether the geometry matching and merge of ``x`` run as fused Triton kernels (:mod:`.fused_aggregation`).
+
+    With :data:`.fused_aggregation.MODE` ``"auto"`` (the default): for CUDA tensors, when Triton imports, and once the
+    kernels have agreed with the PyTorch path on this device (:func:`check_fused_kernels`, run on first use, outside
+    CUDA-graph capture; if they disagree or fail to build, a warning says so and the PyTorch path is used). Never
+    while ``torch.compile`` or an exporter traces the model: those get the plain ATen ops. ``"interpret"`` also takes
+    CPU tensors, through Triton's interpreter (tests, kernel counts); ``"off"``: never.
+    """
+    mode = fused_kernel_mode()
+    if mode == "off" or not triton_available() or torch.compiler.is_compiling() or _exporting():
         return False
-    onnx = sys.modules.get("torch.onnx")  # not imported means not exporting (importing it takes a while)
-    exporting = torch.compiler.is_exporting() or (onnx is not None and onnx.is_in_onnx_export())
-    return not (exporting or torch.jit.is_tracing())
+    if x.device.type != "cuda":
+        return mode == "interpret"
+    device = str(x.device)
+    if device not in _fused_checks:
+        if torch.cuda.is_current_stream_capturing():  # a check would synchronise: the PyTorch path until then
+            return False
+        _fused_checks[device] = check_fused_kernels(x.device)
+    return _fused_checks[device]
+
+
+def check_fused_kernels(device: torch.device | str, warn: bool = True) -> bool:
+    """Runs the fused kernels against the PyTorch path on ``device``: a tied, static-frame-like matching (keys that
+    are scaled copies of a few orthogonal vectors, so every cosine is exactly 0 or 1 on any hardware and only the
+    tie-breaking is tested: decisions must be identical) and its merge of random features (fp32: within 1e-5; bf16:
+    within one bf16 step). Returns whether they agree; with ``warn``, a disagreement or a failure to build is
+    warned about, naming the reason (the caller then takes the PyTorch path)."""
+    device = torch.device(device)
+    generator = torch.Generator().manual_seed(0)
+    try:
+        basis = torch.eye(16)[torch.randint(0, 4, (2, 3, 33), generator=generator)]  # 4 distinct directions
+        metric = (basis * torch.randint(1, 4, (2, 3, 33, 1), generator=generator).float()).to(device)
+        features = torch.randn(2, 3, 32, 24, generator=generator).to(device)
+        sizes = torch.randint(1, 4, (2, 3, 32), generator=generator).float().to(device)
+        frame_features = torch.randn(2, 9, 5, 8, generator=generator).to(device)
+        frame_sizes = torch.randint(1, 4, (2, 9, 5), generator=generator).float().to(device)
+        frame_metric = metric[:, 0, :9]  # (2, 9, 16): frames, no protected token
+        for dtype in (torch.float32, torch.bfloat16):
+            for keys, x, size, r, first in ((metric, features, sizes, 8, True),
+                                            (frame_metric, frame_features, frame_sizes, 3, False)):
+                with fused_kernels("off"):
+                    expected = geometry_matching(keys, r, protect_first=first)
+                    expected = shift_protected(expected) if first else expected
+                    expected_x, expected_size = merge_bipartite(x.to(dtype), size, expected.bipartite)[:2]
+                grid = current_score_grid()
+                fused = Matching(bipartite=Bipartite(
+                    *geometry_pairs(keys, r, int(first), 1.0 / grid if grid else 1.0, bool(grid)),
+                    2 * int(first), 1, int(first), keys.shape[-2],
+                ))
+                fused = shift_protected(fused) if first else fused
+                pairs, reference = fused.bipartite, expected.bipartite
+                got_x, got_size = merge_pairs(
+                    x.to(dtype), size, pairs.unmerged, pairs.sources, pairs.partners, pairs.a_start, pairs.b_start,
+                    pairs.protected,
+                )
+                decided = all(torch.equal(getattr(pairs, name), getattr(reference, name).contiguous())
+                              for name in ("unmerged", "sources", "partners"))
+                tolerance = 1e-5 if dtype == torch.float32 else 2.0**-7
+                if not (decided and torch.equal(got_size, expected_size)
+                        and torch.allclose(got_x.float(), expected_x.float(), rtol=tolerance, atol=tolerance)):
+                    raise RuntimeError(f"they disagree with the PyTorch path in {dtype} (decisions identical: "
+                                       f"{decided})")
+    except Exception as error:  # noqa: BLE001 - any failure means: do not use them, and say why
+        if warn:
+            warnings.warn(f"TESTA's fused merge kernels are not used on {device}: {error}. The PyTorch path is used "
+                          "instead (set fused_aggregation.MODE = 'off' to skip this check).", stacklevel=2)
+        return False
+    return True
 
 
 def merge_tokens(x: torch.Tensor, size: torch.Tensor, matching: Matching) -> tuple[torch.Tensor, torch.Tensor]:
@@ -492,12 +582,18 @@ def merge_tokens(x: torch.Tensor, size: torch.Tensor, matching: Matching) -> tup
     the copy of the kept tokens). Every target row becomes ``x_t + sum_j (x_j - x_t) s_j / S_t``, the size-weighted
     mean of the target and its sources j (``S_t``: their summed size), with the sizes merged by the same indices. A
     geometry matching is applied in the coordinates of its two sets (:func:`merge_bipartite`), an explicit one
-    (importance, pruning) through its ``kept``/``sources``/``targets``.
+    (importance, pruning) through its ``kept``/``sources``/``targets``. At inference, where
+    :func:`uses_fused_kernels` says so (CUDA, by default), a geometry matching is applied by one fused kernel
+    (:func:`.fused_aggregation.merge_pairs`, computed in fp32: for a bf16 model within one bf16 step of this path).
     """
     pairs = matching.bipartite
     if pairs is not None:
         if _differentiable(x):
             return _BipartiteMerge.apply(x, size, *pairs)
+        if x.dtype in FUSED_DTYPES and size.dtype == torch.float32 and uses_fused_kernels(x):
+            return merge_pairs(
+                x, size, pairs.unmerged, pairs.sources, pairs.partners, pairs.a_start, pairs.b_start, pairs.protected
+            )
         return merge_bipartite(x, size, pairs)[:2]
     kept, sources, targets = matching.kept, matching.sources, matching.targets
     merged = _take(x, kept)
@@ -600,6 +696,7 @@ def attention_received(
 __all__ = [
     "Bipartite",
     "best_partner",
+    "check_fused_kernels",
     "current_score_grid",
     "first_max",
     "FRAME_VOTES",
@@ -610,6 +707,7 @@ __all__ = [
     "follow_patch_merge",
     "geometry_matching",
     "importance_matching",
+    "uses_fused_kernels",
     "merge_tokens",
     "mode",
     "output_slot_of_inputs",

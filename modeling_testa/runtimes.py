@@ -27,8 +27,9 @@ values. ``precision="auto"`` asks the runtime (`EncoderRuntime.auto_precision`):
 
 **CUDA graphs** (`CudaGraphRuntime`). The token counts after every merge are fixed by the settings and the input
 shape, so the whole encoder (embeddings, every block with its matching and merging, the final LayerNorm) can be
-captured once per input shape and replayed: one launch instead of the thousands of kernel launches an eager forward
-makes. A shape runs eager the first time it is seen (the warm-up that capture needs; a one-off shape, such as the last
+captured once per input shape and replayed: one launch instead of the hundreds of kernel launches an eager forward
+makes (on CUDA each matching and its merge are two fused kernels, `fused_aggregation`, which a graph captures like
+any other). A shape runs eager the first time it is seen (the warm-up that capture needs; a one-off shape, such as the last
 partial batch of a folder, costs no capture), and is captured the next time. Where a graph cannot serve a call, the
 call runs eager and the reason is logged once per shape: hidden states or attentions requested (the graph returns the
 last hidden state, the token sizes and the source map), autograd on, or ``max_graphs`` shapes already captured.
@@ -53,6 +54,7 @@ import torch
 from torch import nn
 
 from .aggregation import current_score_grid
+from .fused_aggregation import current_mode as fused_kernel_mode
 from .aggregation_settings import AGGREGATION_FIELDS
 from .linear_layers import compile_blocks, convert_linears
 from .engines import (
@@ -336,9 +338,10 @@ class CudaGraphRuntime(EncoderRuntime):
         """What a graph is specific to: the input's shape, dtype and device, source tracing, and the aggregation
         settings (`set_aggregation` after `optimize_for_inference` gives other token counts: another graph)."""
         settings = self.vision_model.aggregation_settings(trace_source)
-        # the score grid is baked into a captured graph: another grid (set later) is another graph
+        # the score grid and the merge's kernels (fused or PyTorch ops) are baked into a captured graph: another grid
+        # or `fused_aggregation.MODE` (set later) is another graph
         return (tuple(pixel_values.shape), pixel_values.dtype, str(pixel_values.device), repr(settings),
-                current_score_grid())
+                current_score_grid(), fused_kernel_mode())
 
     def fallback_reason(self, key: tuple, output_hidden_states: bool, output_attentions: bool) -> str | None:
         """Why this call runs eager, or ``None`` when a graph serves it."""

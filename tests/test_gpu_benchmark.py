@@ -43,7 +43,7 @@ def numbers(value, path=""):
 
 
 # may be 0: no aggregation has R = 0, and the CPU against itself gives identical outputs
-MAY_BE_ZERO = ("reductions", "max_abs_output_difference")
+MAY_BE_ZERO = ("reductions", "max_abs_output_difference", "fused_launches")  # fused kernels: CUDA only
 
 
 def test_dry_run_runs_every_section_and_writes_both_files(dry_run):
@@ -295,3 +295,19 @@ def test_same_mode_dry_run_compares_both_encoders_in_every_mode(dry_run):
     key = (scale.headline_frames, scale.headline_batch, "eager")
     assert f"| {key[0]} | {key[1]} | eager |" in table and f"{ratios[key]:.2f}x |" in table
     assert "| target | required | measured (best mode) | met |" in table
+
+
+def test_fused_merge_dry_run_compares_the_two_merges(dry_run):
+    """On the CPU the fused kernels are not used ("auto"): 0 launches, the same merges, both eager times measured."""
+    report, _ = dry_run
+    results = report["sections"]["fused_merge"]["results"]
+    entries = results["entries"]
+    assert [e["batch"] for e in entries] == sorted({gpu.DRY_SCALE.same_mode_batches[0], gpu.DRY_SCALE.headline_batch})
+    for entry in entries:
+        assert entry["fused_launches"] == 0 and entry["same_merges"] is True
+        assert entry["max_abs_output_difference"] == 0.0  # the same ops ran twice
+        assert entry["eager_auto_seconds"] > 0 and entry["eager_off_seconds"] > 0
+        assert "graph_auto_seconds" not in entry  # CUDA only
+    table = "\n".join(gpu.render_fused_merge(results))
+    first = entries[0]
+    assert f"{first['eager_off_seconds'] / first['eager_auto_seconds']:.2f}x" in table

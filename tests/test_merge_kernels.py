@@ -73,6 +73,27 @@ def test_tiny_encoder_counts_are_the_difference_and_within_the_bound(tiny_run, c
     assert kernels["linalg_vector_norm"] == 4 and kernels["baddbmm"] == 4  # keys normalised once; one scaled matmul
 
 
+def test_fused_launches_count_once_and_hide_the_interpreters_ops():
+    launch = tree("testa::merge_pairs", tree("aten::copy_"), tree("aten::detach"))
+    counts = merge_kernels.count_calls(flatten(launch, tree("aten::mean")), "kernels")
+    assert counts == {"testa::merge_pairs": 1, "mean": 1}
+
+
+@pytest.mark.skipif(not merge_kernels.fused_aggregation.triton_available(), reason="Triton is not installed")
+def test_tiny_encoder_with_fused_kernels_launches_two_per_matching(capsys):
+    argv = ["--frames", "6", "--image-size", "64", "--hidden-size", "32", "--layers", "2", "--heads", "2",
+            "--temporal-reduction", "1", "--spatial-reduction", "3", "--fused"]
+    run = merge_kernels.main(argv)
+    assert run["checked"]["source_map"] and run["checked"]["token_sizes"]
+    assert run["checked"]["max_difference"] < 1e-5
+    # 2 blocks x 2 axes: one decision and one merge kernel each; the frames' mean keys stay an ATen op
+    added = {name: count for name, count in run["added"]["kernels"].items() if count > 0}
+    assert added == {"testa::geometry_pairs": 4, "testa::merge_pairs": 4, "mean": 2}
+    traffic = run["traffic"]
+    assert traffic.calls["testa::merge_pairs"] == 4 and traffic.largest_index < 6 * (64 // 16) ** 2
+    assert "with the fused kernels" in capsys.readouterr().out
+
+
 def test_tiny_encoder_merge_traffic_has_no_index_the_size_of_the_hidden_states(tiny_run):
     traffic = tiny_run["traffic"]
     assert sum(traffic.calls.values()) > 0 and sum(traffic.bytes_written.values()) > 0

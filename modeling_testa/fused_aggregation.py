@@ -1,0 +1,335 @@
+"""Fused GPU kernels (Triton) for the geometry matching and its merge: one launch each per matching.
+
+On a GPU every ATen call is a kernel launch and some microseconds of host time, and the matching and merge of
+:mod:`.aggregation` take 22 of them per matching (10 to decide, 12 to merge): 540 per batch-1 forward of ViT-B at 32
+frames, where the whole unmerged encoder launches 273 (``python -m benchmarks.merge_kernels``). Here the same work is
+two kernels per matching:
+
+* :func:`geometry_pairs`: normalises the keys, computes the cosines of set A (even tokens) against set B (odd
+  tokens) divided by the score grid and rounded to whole grid steps, picks every A token's first best partner, ranks
+  the A tokens (stable: among equal scores the lower index merges first) and writes the three index tensors of a
+  :class:`.aggregation.Bipartite` (unmerged A ascending, sources most similar first, their partners). One program per
+  matched sequence (a frame's patches, or a video's frames).
+* :func:`merge_pairs`: writes the merged tokens and their sizes in one pass, ``[protected, unmerged A, B]``: copied
+  rows are exact copies, and every B row that receives sources becomes ``x_t + sum_j (x_j - x_t) s_j / S_t`` over its
+  sources j in rank order (``S_t``: the summed size), computed in fp32. Sizes travel with the features (the same
+  program writes both), and no index the size of the hidden states exists.
+
+They take the decisions and compute the outputs of :func:`.aggregation.geometry_matching` and
+:func:`.aggregation.merge_bipartite` with other roundings: the cosines are summed in another order (a decision can
+differ only for a pair whose score sits within about 1e-4 grid steps of a rounding boundary, as between any two
+runtimes), and a merged row is computed in fp32 where the PyTorch path rounds each step to the model's dtype (bf16:
+within one bf16 step of it). `tests/test_fused_aggregation.py` checks both against the PyTorch path.
+
+`.aggregation` uses them for CUDA tensors at inference (no autograd: training keeps the PyTorch merge and its
+hand-written backward), when Triton imports, and after checking them once per device against the PyTorch path; see
+:data:`MODE`. On the CPU they run only through Triton's interpreter (``MODE = "interpret"``), which is how the tests
+and ``benchmarks.merge_kernels --fused`` run the very same kernel code without a GPU.
+"""
+
+import importlib
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+
+import torch
+
+
+MODES = ("auto", "off", "interpret")
+MODE = "auto"
+"""When the fused kernels run: ``"auto"`` (CUDA tensors at inference, when Triton imports and the kernels agreed with
+the PyTorch path on this device), ``"off"`` (never: the PyTorch path everywhere) or ``"interpret"`` (also CPU
+tensors, through Triton's interpreter: slow, for tests and kernel counts). Set it, or use :func:`fused_kernels`."""
+
+MAX_SCORE_TILE = 128 * 128
+"""The largest ``A x B`` score block one matching program holds (both sides padded to a power of two): ViT-B/16 at
+224 px (99 x 98 patches per frame) fits; larger matchings (448 px: 393 x 392) take the PyTorch path."""
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""Feature dtypes the merge kernel takes (it computes in fp32; fp64 models take the PyTorch path)."""
+
+try:  # comes with PyTorch's CUDA wheels (and is imported by PyTorch itself); CPU-only wheels lack it
+    import triton.language as tl
+except ImportError:
+    tl = None
+constexpr = tl.constexpr if tl is not None else None  # the kernels' compile-time parameters
+_build_lock = threading.Lock()
+_kernels: dict[bool, tuple] = {}  # interpreted or not -> (pairs kernel, merge kernel), decorated on first use
+launches = 0
+"""Fused kernel launches so far in this process (what ``benchmarks.merge_kernels --fused`` counts)."""
+
+
+def current_mode() -> str:
+    """:data:`MODE` as it is now; raises a ValueError naming the allowed values for any other."""
+    if MODE not in MODES:
+        raise ValueError(f"fused_aggregation.MODE is {MODE!r}; use one of {MODES}.")
+    return MODE
+
+
+@contextmanager
+def fused_kernels(mode: str) -> Iterator[None]:
+    """Sets :data:`MODE` for a ``with`` block (``"auto"``, ``"off"`` or ``"interpret"``) and restores it after."""
+    global MODE
+    if mode not in MODES:
+        raise ValueError(f"Unknown fused kernel mode {mode!r}; use one of {MODES}.")
+    previous, MODE = MODE, mode
+    try:
+        yield
+    finally:
+        MODE = previous
+
+
+def triton_available() -> bool:
+    """Whether Triton imports (it comes with PyTorch's CUDA wheels; CPU-only wheels lack it)."""
+    return tl is not None
+
+
+# The kernels' Python sources, decorated by `_build` on first use: Triton chooses its interpreter when a function is
+# decorated. They reduce with `triton.language.standard`'s own combine functions rather than `tl.sum`/`tl.argmax`:
+# those are jit functions that PyTorch's import of Triton decorated uninterpreted, which the interpreter cannot call,
+# while it runs these combine functions as numpy reductions (and compiled, they are what `tl.sum`/`tl.argmax` run).
+
+
+def _pairs_kernel_source(
+    metric_ptr, unmerged_ptr, sources_ptr, partners_ptr,
+    stride_row, stride_token, stride_channel,
+    num_a, num_b, channels, r, first, scale,
+    SNAP: constexpr, BLOCK_A: constexpr, BLOCK_B: constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    base = metric_ptr + row * stride_row
+    a = tl.arange(0, BLOCK_A)
+    b = tl.arange(0, BLOCK_B)
+    a_valid = a < num_a
+    b_valid = b < num_b
+    a_rows = base + (2 * a).to(tl.int64) * stride_token  # set A: even tokens
+    b_rows = base + (2 * b + 1).to(tl.int64) * stride_token  # set B: odd tokens
+    a_squares = tl.full([BLOCK_A], 0.0, tl.float32)
+    b_squares = tl.full([BLOCK_B], 0.0, tl.float32)
+    for c in range(channels):
+        xa = tl.load(a_rows + c * stride_channel, mask=a_valid, other=0.0).to(tl.float32)
+        xb = tl.load(b_rows + c * stride_channel, mask=b_valid, other=0.0).to(tl.float32)
+        a_squares += xa * xa
+        b_squares += xb * xb
+    # x / max(|x|, 1e-12), as the PyTorch path normalises (IEEE square root and division)
+    a_norms = tl.maximum(tl.sqrt_rn(a_squares), 1e-12)
+    b_norms = tl.maximum(tl.sqrt_rn(b_squares), 1e-12)
+    scores = tl.full([BLOCK_A, BLOCK_B], 0.0, tl.float32)
+    for c in range(channels):
+        ua = tl.div_rn(tl.load(a_rows + c * stride_channel, mask=a_valid, other=0.0).to(tl.float32), a_norms)
+        ub = tl.div_rn(tl.load(b_rows + c * stride_channel, mask=b_valid, other=0.0).to(tl.float32), b_norms)
+        scores += ua[:, None] * ub[None, :]
+    scores = scores * scale  # 1 / grid, a power of two: exact
+    if SNAP:  # torch.round (ties to even) in operations the interpreter has too; v - floor(v) is exact here
+        low = tl.floor(scores)
+        fraction = scores - low
+        odd = (low - 2.0 * tl.floor(low * 0.5)) == 1.0
+        scores = tl.where((fraction > 0.5) | ((fraction == 0.5) & odd), low + 1.0, low)
+    scores = tl.where(b_valid[None, :], scores, -float("inf"))
+    columns = b[None, :] + tl.full([BLOCK_A, BLOCK_B], 0, tl.int32)
+    best, partner = tl.reduce((scores, columns), 1, tl.standard._argmax_combine_tie_break_left)  # ties: lowest
+    # Rank of every A token in a stable descending sort of the best scores (the protected one left out).
+    rankable = a_valid & (a >= first)
+    before = (best[None, :] > best[:, None]) | ((best[None, :] == best[:, None]) & (a[None, :] < a[:, None]))
+    rank = tl.reduce((before & rankable[None, :]).to(tl.int32), 1, tl.standard._sum_combine)
+    is_source = rankable & (rank < r)
+    index = (a - first).to(tl.int64)
+    tl.store(sources_ptr + row * r + rank, index, mask=is_source)
+    tl.store(partners_ptr + row * r + rank, partner.to(tl.int64), mask=is_source)
+    stays = (rankable & (rank >= r)).to(tl.int32)
+    slot = tl.associative_scan(stays, 0, tl.standard._sum_combine) - stays  # unmerged A tokens in ascending order
+    tl.store(unmerged_ptr + row * (num_a - first - r) + slot, index, mask=stays == 1)
+
+def _merge_kernel_source(
+    x_ptr, size_ptr, unmerged_ptr, sources_ptr, partners_ptr, out_ptr, out_size_ptr,
+    x_row, x_token, x_position, x_depth, size_row, size_token, size_position,
+    num_out, depth, features, r, kept_a, protected, a_start, b_start,
+    ROUND_BF16: constexpr, BLOCK_O: constexpr, BLOCK_F: constexpr,
+):
+    # x is (rows, tokens, positions, depth) and size (rows, tokens, positions), any strides; feature f of a token is
+    # (position f // depth, channel f % depth). The outputs are contiguous (rows, num_out, positions[, depth]).
+    row = tl.program_id(0).to(tl.int64)
+    o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
+    f = tl.program_id(2) * BLOCK_F + tl.arange(0, BLOCK_F)
+    o_valid = o < num_out
+    f_valid = f < features
+    in_a = (o >= protected) & (o < protected + kept_a)
+    in_b = o_valid & (o >= protected + kept_a)
+    t = o - protected - kept_a  # the B index of a B output
+    u = tl.load(unmerged_ptr + row * kept_a + (o - protected), mask=in_a & o_valid, other=0)
+    token = tl.where(in_a, a_start + 2 * u, tl.where(in_b, b_start + 2 * t, o)).to(tl.int64)
+    position = (f // depth).to(tl.int64)  # every feature's size: one per patch position
+    x_feature = position * x_position + (f % depth).to(tl.int64) * x_depth
+    valid = o_valid[:, None] & f_valid[None, :]
+    x_rows = x_ptr + row * x_row
+    size_rows = size_ptr + row * size_row + position * size_position
+    value = tl.load(x_rows + token[:, None] * x_token + x_feature[None, :], mask=valid, other=0.0).to(tl.float32)
+    total = tl.load(size_rows[None, :] + token[:, None] * size_token, mask=valid, other=0.0)
+    for j in range(r):  # the target's new size: its own plus its sources', in rank order
+        partner = tl.load(partners_ptr + row * r + j)
+        source = (a_start + 2 * tl.load(sources_ptr + row * r + j)).to(tl.int64)
+        hit = in_b & (t == partner)
+        source_size = tl.load(size_rows + source * size_token, mask=f_valid, other=0.0)
+        total = tl.where(hit[:, None], total + source_size[None, :], total)
+    merged = value
+    for j in range(r):  # x_t + sum_j (x_j - x_t) s_j / S_t, the sources in rank order
+        partner = tl.load(partners_ptr + row * r + j)
+        source = (a_start + 2 * tl.load(sources_ptr + row * r + j)).to(tl.int64)
+        hit = in_b & (t == partner)
+        source_size = tl.load(size_rows + source * size_token, mask=f_valid, other=0.0)
+        source_row = tl.load(x_rows + source * x_token + x_feature, mask=f_valid, other=0.0).to(tl.float32)
+        merging = hit[:, None] & valid  # the lanes that divide (others: no 0 / 0)
+        weight = tl.div_rn(tl.where(merging, source_size[None, :], 0.0), tl.where(merging, total, 1.0))
+        merged = tl.where(merging, merged + (source_row[None, :] - value) * weight, merged)
+    if ROUND_BF16:  # to the nearest bf16 (ties to even) in integer arithmetic, so that the cast below is exact on
+        # every backend (a GPU's cast rounds so too; Triton's interpreter truncates)
+        bits = merged.to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        merged = bits.to(tl.float32, bitcast=True)
+    out_rows = row * num_out + o[:, None]
+    tl.store(out_ptr + out_rows * features + f[None, :], merged.to(out_ptr.dtype.element_ty), mask=valid)
+    first_of_position = (f % depth) == 0  # one feature per position writes its size
+    tl.store(out_size_ptr + out_rows * (features // depth) + position[None, :], total,
+             mask=valid & first_of_position[None, :])
+
+
+def _build(interpret: bool) -> tuple:
+    """Decorates the kernels, for the GPU or (``interpret``) for Triton's interpreter, once per process."""
+    # not an import statement: remote code's import check would then require Triton of every user, CPU-only ones too
+    triton = importlib.import_module("triton")
+
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+    try:
+        return triton.jit(_pairs_kernel_source), triton.jit(_merge_kernel_source)
+    finally:
+        if previous is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+
+
+def _kernels_for(device: torch.device) -> tuple:
+    """The kernels for ``device``: compiled for CUDA, run by Triton's interpreter for the CPU."""
+    interpret = device.type != "cuda"
+    with _build_lock:
+        if interpret not in _kernels:
+            _kernels[interpret] = _build(interpret)
+        return _kernels[interpret]
+
+
+def _launch_range(name: str):
+    """A profiler range named ``testa::<kernel>`` around a launch, only while a profiler records (entering one costs
+    microseconds otherwise): GPU traces name the kernel, and ``benchmarks.merge_kernels`` counts the launches."""
+    return torch.profiler.record_function(f"testa::{name}") if torch.autograd.profiler._is_profiler_enabled \
+        else nullcontext()
+
+
+def _block(n: int, cap: int | None = None) -> int:
+    block = max(16, 1 << max(0, n - 1).bit_length())
+    return block if cap is None else min(block, cap)
+
+
+def fits(num_tokens: int) -> bool:
+    """Whether a matching of ``num_tokens`` tokens fits one program of :func:`geometry_pairs` (:data:`MAX_SCORE_TILE`)."""
+    return _block((num_tokens + 1) // 2) * _block(num_tokens // 2) <= MAX_SCORE_TILE
+
+
+def geometry_pairs(
+    metric: torch.Tensor, r: int, first: int, scale: float, snap: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The decisions of :func:`.aggregation.geometry_matching` (``vote_dim=None``) in one kernel.
+
+    Args:
+        metric: ``(*batch, N, C)`` keys; N must satisfy :func:`fits`.
+        r: pairs to merge, ``0 < r <= nA - first`` (nA = ``(N + 1) // 2``).
+        first: 1 to keep A token 0 (the CLS) out of the sources, else 0.
+        scale: what the cosines are multiplied by (``1 / grid``, a power of two, or 1 for raw scores).
+        snap: round the scaled cosines to whole grid steps before deciding.
+
+    Returns:
+        ``(unmerged, sources, partners)``, int64, ``(*batch, nA - first - r)``, ``(*batch, r)``, ``(*batch, r)``: the
+        A indices that stay (ascending, counted after the protected token), the A indices merged away (most similar
+        first) and the B index each joins.
+    """
+    global launches
+    *batch, num_tokens, channels = metric.shape
+    num_a, num_b = (num_tokens + 1) // 2, num_tokens // 2
+    if not fits(num_tokens) or not 0 < r <= num_a - first:
+        raise ValueError(f"geometry_pairs: {num_tokens} tokens and r={r} (first={first}) do not fit one program "
+                         f"of at most {MAX_SCORE_TILE} scores with 0 < r <= {num_a - first}.")
+    rows = metric.reshape(-1, num_tokens, channels)  # a view for the keys of every host
+    indices = dict(dtype=torch.long, device=metric.device)
+    unmerged = torch.empty(*batch, num_a - first - r, **indices)
+    sources = torch.empty(*batch, r, **indices)
+    partners = torch.empty(*batch, r, **indices)
+    if rows.shape[0] == 0:
+        return unmerged, sources, partners
+    pairs_kernel, _ = _kernels_for(metric.device)
+    with _launch_range("geometry_pairs"):
+        pairs_kernel[(rows.shape[0],)](
+            rows, unmerged, sources, partners, *rows.stride(), num_a, num_b, channels, r, first, float(scale),
+            SNAP=bool(snap), BLOCK_A=_block(num_a), BLOCK_B=_block(num_b), num_warps=8,
+        )
+    launches += 1
+    return unmerged, sources, partners
+
+
+def merge_pairs(
+    x: torch.Tensor, size: torch.Tensor, unmerged: torch.Tensor, sources: torch.Tensor, partners: torch.Tensor,
+    a_start: int, b_start: int, protected: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`.aggregation.merge_bipartite`'s merged tokens and sizes in one kernel (no autograd).
+
+    Args:
+        x: ``(*batch, N, *positions, D)`` features (fp32, bf16 or fp16); the token axis is ``len(batch)``, the
+            index tensors' last axis. Any strides that view it as ``(rows, N, positions, D)`` (else it is copied).
+        size: ``(*batch, N, *positions)`` fp32 sizes: one per position (frames: every patch position of a frame;
+            patches: none, ``x`` is ``(*batch, N, D)``).
+        unmerged, sources, partners, a_start, b_start, protected: the :class:`.aggregation.Bipartite`.
+
+    Returns:
+        The merged features and sizes, contiguous, ``N`` replaced by ``protected + nA_unmerged + nB``.
+    """
+    global launches
+    axis = sources.ndim - 1
+    if (x.dtype not in FLOAT_DTYPES or size.dtype != torch.float32 or x.shape[:-1] != size.shape
+            or x.ndim < axis + 2):
+        raise ValueError(f"merge_pairs takes {FLOAT_DTYPES} features (*batch, N, *positions, D) and fp32 sizes of "
+                         f"their shape without D; got x {x.dtype} {tuple(x.shape)}, size {size.dtype} "
+                         f"{tuple(size.shape)}.")
+    rows, num_tokens, depth = sources[..., 0].numel(), x.shape[axis], x.shape[-1]
+    positions = size[(0,) * (axis + 1)].numel()
+    unmerged, sources, partners = (t if t.is_contiguous() else t.contiguous() for t in (unmerged, sources, partners))
+    kept_a, r = unmerged.shape[-1], sources.shape[-1]
+    num_out = protected + kept_a + len(range(b_start, num_tokens, 2))
+    merged = x.new_empty(*x.shape[:axis], num_out, *x.shape[axis + 1:])
+    new_size = size.new_empty(*size.shape[:axis], num_out, *size.shape[axis + 1:])
+    if merged.numel() == 0:
+        return merged, new_size
+    x4, size3 = _strided(x, (rows, num_tokens, positions, depth)), _strided(size, (rows, num_tokens, positions))
+    _, merge_kernel = _kernels_for(x.device)
+    features = positions * depth
+    block_o, block_f = _block(num_out, 16), _block(features, 256)
+    grid = (rows, -(-num_out // block_o), -(-features // block_f))
+    with _launch_range("merge_pairs"):
+        merge_kernel[grid](
+            x4, size3, unmerged, sources, partners, merged, new_size, *x4.stride(), *size3.stride(),
+            num_out, depth, features, r, kept_a, protected, a_start, b_start,
+            ROUND_BF16=x.dtype == torch.bfloat16, BLOCK_O=block_o, BLOCK_F=block_f, num_warps=4,
+        )
+    launches += 1
+    return merged, new_size
+
+
+def _strided(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``t`` as ``shape`` without a copy where its strides allow (a copy otherwise)."""
+    try:
+        return t.view(shape)
+    except RuntimeError:
+        return t.reshape(shape)
+
+
+__all__ = ["FLOAT_DTYPES", "MAX_SCORE_TILE", "MODE", "MODES", "current_mode", "fits", "fused_kernels",
+           "geometry_pairs", "merge_pairs", "triton_available"]
