@@ -450,7 +450,8 @@ def main(argv: list[str] | None = None) -> dict:
     checked = None
     if args.fused:
         if args.backward:
-            raise SystemExit("--fused counts inference (the fused kernels have no backward: training merges in PyTorch)")
+            raise SystemExit("--fused counts inference: the fused kernels have no backward (training merges in "
+                             "PyTorch)")
         with torch.inference_mode():
             reference = testa(pixel_values=video, trace_source=True)
         with fused_aggregation.fused_kernels("interpret"):

@@ -23,6 +23,7 @@ order. A protected first token (CLS) always stays first. Use ``trace_source`` (:
 
 import math
 import sys
+import threading
 import warnings
 from typing import NamedTuple
 
@@ -298,11 +299,18 @@ def geometry_matching(
     """
     grid = 0.0 if vote == "original" else current_score_grid()
     first = int(protect_first)
-    if vote_dim is None and 0 < r and uses_fused_kernels(metric) and fits_fused_kernel(metric.shape[-2]):
-        unmerged, sources, partners = geometry_pairs(
-            metric, r, first, 1.0 / grid if grid else 1.0, snap=bool(grid)
-        )
-        return Matching(bipartite=Bipartite(unmerged, sources, partners, 2 * first, 1, first, metric.shape[-2]))
+    num_tokens = metric.shape[-2]
+    if (vote_dim is None and uses_fused_kernels(metric) and 0 < r <= (num_tokens + 1) // 2 - first
+            and metric.dtype in FUSED_DTYPES and fits_fused_kernel(num_tokens)):
+        unmerged, sources, partners = geometry_pairs(metric, r, first, 1.0 / grid if grid else 1.0, snap=bool(grid))
+        return Matching(bipartite=Bipartite(unmerged, sources, partners, 2 * first, 1, first, num_tokens))
+    return Matching(bipartite=_bipartite_in_pytorch(metric, r, first, grid, vote_dim, vote))
+
+
+def _bipartite_in_pytorch(
+    metric: torch.Tensor, r: int, first: int, grid: float, vote_dim: int | None, vote: str
+) -> Bipartite:
+    """`geometry_matching`'s decisions in PyTorch ops (about ten kernels), whatever :func:`uses_fused_kernels` says."""
     unit = _unit_vectors(metric)
     scores = _scaled_products(unit[..., ::2, :], unit[..., 1::2, :], 1.0 / grid if grid else 1.0)
     node_max, node_idx = _decide(scores, vote_dim, vote, snapped=bool(grid))
@@ -310,7 +318,7 @@ def geometry_matching(
     # Stable: among equal scores the lower A index merges first, on every device (ties are common: static frames).
     order = node_max[..., first:].argsort(dim=-1, descending=True, stable=True)
     sources = order[..., :r]
-    pairs = Bipartite(
+    return Bipartite(
         unmerged=order[..., r:].sort(dim=-1).values,
         sources=sources,
         partners=node_idx[..., first:].gather(-1, sources),
@@ -319,7 +327,6 @@ def geometry_matching(
         protected=first,
         num_tokens=metric.shape[-2],
     )
-    return Matching(bipartite=pairs)
 
 
 def importance_matching(
@@ -488,6 +495,7 @@ def _differentiable(x: torch.Tensor) -> bool:
 
 
 _fused_checks: dict[str, bool] = {}  # CUDA device -> whether the fused kernels agreed with the PyTorch path there
+_fused_check_lock = threading.Lock()
 
 
 def uses_fused_kernels(x: torch.Tensor) -> bool:
@@ -508,49 +516,55 @@ def uses_fused_kernels(x: torch.Tensor) -> bool:
     if device not in _fused_checks:
         if torch.cuda.is_current_stream_capturing():  # a check would synchronise: the PyTorch path until then
             return False
-        _fused_checks[device] = check_fused_kernels(x.device)
+        with _fused_check_lock:  # one check per device, however many threads start at once
+            if device not in _fused_checks:
+                _fused_checks[device] = check_fused_kernels(x.device)
     return _fused_checks[device]
 
 
 def check_fused_kernels(device: torch.device | str, warn: bool = True) -> bool:
-    """Runs the fused kernels against the PyTorch path on ``device``: a tied, static-frame-like matching (keys that
-    are scaled copies of a few orthogonal vectors, so every cosine is exactly 0 or 1 on any hardware and only the
-    tie-breaking is tested: decisions must be identical) and its merge of random features (fp32: within 1e-5; bf16:
-    within one bf16 step). Returns whether they agree; with ``warn``, a disagreement or a failure to build is
-    warned about, naming the reason (the caller then takes the PyTorch path)."""
+    """Runs the fused kernels against the PyTorch path on ``device``, at the tile sizes ViT-B/16 at 224 px uses
+    (197 patch tokens, hidden 256 and more), for frames and for patches, in fp32 and bf16.
+
+    The keys are +-1 vectors of 64 channels, so every cosine is exactly ``1 - k / 32`` on any hardware (sums of
+    +-1/64), and scaled copies of a few of them, so that many scores tie exactly: the decisions, ties included, must
+    be identical. The merged features (random) must be within 1e-5 (fp32) or one bf16 step at their largest magnitude
+    (bf16) of the PyTorch path's, the sizes identical. Returns whether all agree; with ``warn``, a disagreement or a
+    failure to build is warned about, naming the reason (the caller then takes the PyTorch path). Changes no setting
+    (`MODE` included), so it is safe while other threads run."""
     device = torch.device(device)
     generator = torch.Generator().manual_seed(0)
     try:
-        basis = torch.eye(16)[torch.randint(0, 4, (2, 3, 33), generator=generator)]  # 4 distinct directions
-        metric = (basis * torch.randint(1, 4, (2, 3, 33, 1), generator=generator).float()).to(device)
-        features = torch.randn(2, 3, 32, 24, generator=generator).to(device)
-        sizes = torch.randint(1, 4, (2, 3, 32), generator=generator).float().to(device)
-        frame_features = torch.randn(2, 9, 5, 8, generator=generator).to(device)
-        frame_sizes = torch.randint(1, 4, (2, 9, 5), generator=generator).float().to(device)
-        frame_metric = metric[:, 0, :9]  # (2, 9, 16): frames, no protected token
+        signs = torch.randint(0, 2, (6, 64), generator=generator).float() * 2 - 1
+        flips = torch.rand(6, 64, generator=generator) < torch.linspace(0, 0.5, 6).unsqueeze(-1)
+        directions = torch.where(flips, -signs, signs)  # distinct and tied cosines alike
+        pick = torch.randint(0, 6, (1, 2, 197), generator=generator)
+        scale = torch.randint(1, 4, (1, 2, 197, 1), generator=generator).float()
+        patch_keys = (directions[pick] * scale).to(device)  # [CLS, 196 patches] of 2 frames
+        frame_keys = patch_keys[:, 0, :32]  # 32 frames
+        cases = (
+            (patch_keys, torch.randn(1, 2, 196, 256, generator=generator), 12, 1),  # patches: (B, T, L, D)
+            (frame_keys, torch.randn(1, 32, 5, 64, generator=generator), 1, 0),  # frames: (B, T, L, D)
+        )
+        grid = current_score_grid()
         for dtype in (torch.float32, torch.bfloat16):
-            for keys, x, size, r, first in ((metric, features, sizes, 8, True),
-                                            (frame_metric, frame_features, frame_sizes, 3, False)):
-                with fused_kernels("off"):
-                    expected = geometry_matching(keys, r, protect_first=first)
-                    expected = shift_protected(expected) if first else expected
-                    expected_x, expected_size = merge_bipartite(x.to(dtype), size, expected.bipartite)[:2]
-                grid = current_score_grid()
-                fused = Matching(bipartite=Bipartite(
-                    *geometry_pairs(keys, r, int(first), 1.0 / grid if grid else 1.0, bool(grid)),
-                    2 * int(first), 1, int(first), keys.shape[-2],
-                ))
-                fused = shift_protected(fused) if first else fused
-                pairs, reference = fused.bipartite, expected.bipartite
-                got_x, got_size = merge_pairs(
-                    x.to(dtype), size, pairs.unmerged, pairs.sources, pairs.partners, pairs.a_start, pairs.b_start,
-                    pairs.protected,
-                )
-                decided = all(torch.equal(getattr(pairs, name), getattr(reference, name).contiguous())
+            for keys, features, r, first in cases:
+                x = features.to(device, dtype)
+                size = torch.randint(1, 4, x.shape[:-1], generator=generator).float().to(device)
+                expected = _bipartite_in_pytorch(keys, r, first, grid, None, "vote")
+                got = Bipartite(*geometry_pairs(keys, r, first, 1.0 / grid if grid else 1.0, bool(grid)),
+                                2 * first, 1, first, keys.shape[-2])
+                decided = all(torch.equal(getattr(got, name), getattr(expected, name))
                               for name in ("unmerged", "sources", "partners"))
-                tolerance = 1e-5 if dtype == torch.float32 else 2.0**-7
+                if first:  # the patch tensor has no CLS
+                    got, expected = (shift_protected(Matching(bipartite=p)).bipartite for p in (got, expected))
+                expected_x, expected_size = merge_bipartite(x, size, expected)[:2]
+                got_x, got_size = merge_pairs(x, size, got)
+                # bf16: the PyTorch path rounds every step to bf16 (the fused one rounds once): one bf16 step at the
+                # features' largest magnitude
+                tolerance = 1e-5 if dtype == torch.float32 else 2.0**-7 * x.abs().max().item()
                 if not (decided and torch.equal(got_size, expected_size)
-                        and torch.allclose(got_x.float(), expected_x.float(), rtol=tolerance, atol=tolerance)):
+                        and torch.allclose(got_x.float(), expected_x.float(), rtol=0, atol=tolerance)):
                     raise RuntimeError(f"they disagree with the PyTorch path in {dtype} (decisions identical: "
                                        f"{decided})")
     except Exception as error:  # noqa: BLE001 - any failure means: do not use them, and say why
@@ -584,16 +598,18 @@ def merge_tokens(x: torch.Tensor, size: torch.Tensor, matching: Matching) -> tup
     geometry matching is applied in the coordinates of its two sets (:func:`merge_bipartite`), an explicit one
     (importance, pruning) through its ``kept``/``sources``/``targets``. At inference, where
     :func:`uses_fused_kernels` says so (CUDA, by default), a geometry matching is applied by one fused kernel
-    (:func:`.fused_aggregation.merge_pairs`, computed in fp32: for a bf16 model within one bf16 step of this path).
+    (:func:`.fused_aggregation.merge_pairs`, computed in fp32 and rounded once: for a bf16 model within one bf16 step,
+    at the features' magnitude, of this path, which rounds every step).
     """
     pairs = matching.bipartite
     if pairs is not None:
         if _differentiable(x):
             return _BipartiteMerge.apply(x, size, *pairs)
-        if x.dtype in FUSED_DTYPES and size.dtype == torch.float32 and uses_fused_kernels(x):
-            return merge_pairs(
-                x, size, pairs.unmerged, pairs.sources, pairs.partners, pairs.a_start, pairs.b_start, pairs.protected
-            )
+        axis = pairs.sources.ndim - 1
+        if (uses_fused_kernels(x) and x.dtype in FUSED_DTYPES and size.dtype == torch.float32
+                and x.shape[:-1] == size.shape and x.ndim > axis + 1 and x.shape[axis] == pairs.num_tokens
+                and x.numel() > 0):
+            return merge_pairs(x, size, pairs)
         return merge_bipartite(x, size, pairs)[:2]
     kept, sources, targets = matching.kept, matching.sources, matching.targets
     merged = _take(x, kept)

@@ -18,8 +18,13 @@ two kernels per matching:
 They take the decisions and compute the outputs of :func:`.aggregation.geometry_matching` and
 :func:`.aggregation.merge_bipartite` with other roundings: the cosines are summed in another order (a decision can
 differ only for a pair whose score sits within about 1e-4 grid steps of a rounding boundary, as between any two
-runtimes), and a merged row is computed in fp32 where the PyTorch path rounds each step to the model's dtype (bf16:
-within one bf16 step of it). `tests/test_fused_aggregation.py` checks both against the PyTorch path.
+runtimes; with TF32 matrix products allowed, the PyTorch path's own cosines move by far more), and a merged row is
+computed in fp32 and rounded once where the PyTorch path rounds each step to the model's dtype (bf16: within one
+bf16 step, at the features' magnitude, of it; itself within half a bf16 step of the exact average).
+`tests/test_fused_aggregation.py` checks both against the PyTorch path, through Triton's interpreter, which runs the
+argmax's combine function as numpy's first-maximum argmax: the compiled combine (`_argmax_combine_tie_break_left`) is
+trusted to break ties the same way, and the once-per-device check (`aggregation.check_fused_kernels`, exact ties
+included) verifies it on the GPU before use.
 
 `.aggregation` uses them for CUDA tensors at inference (no autograd: training keeps the PyTorch merge and its
 hand-written backward), when Triton imports, and after checking them once per device against the PyTorch path; see
@@ -28,6 +33,7 @@ and ``benchmarks.merge_kernels --fused`` run the very same kernel code without a
 """
 
 import importlib
+import math
 import os
 import threading
 from collections.abc import Iterator
@@ -126,6 +132,9 @@ def _pairs_kernel_source(
         fraction = scores - low
         odd = (low - 2.0 * tl.floor(low * 0.5)) == 1.0
         scores = tl.where((fraction > 0.5) | ((fraction == 0.5) & odd), low + 1.0, low)
+    # NaN (keys with inf or NaN) ranks above every score, as in torch's argmax and descending sort: the ranks stay a
+    # permutation, so every index slot is written
+    scores = tl.where(scores != scores, float("inf"), scores)
     scores = tl.where(b_valid[None, :], scores, -float("inf"))
     columns = b[None, :] + tl.full([BLOCK_A, BLOCK_B], 0, tl.int32)
     best, partner = tl.reduce((scores, columns), 1, tl.standard._argmax_combine_tie_break_left)  # ties: lowest
@@ -140,6 +149,7 @@ def _pairs_kernel_source(
     stays = (rankable & (rank >= r)).to(tl.int32)
     slot = tl.associative_scan(stays, 0, tl.standard._sum_combine) - stays  # unmerged A tokens in ascending order
     tl.store(unmerged_ptr + row * (num_a - first - r) + slot, index, mask=stays == 1)
+
 
 def _merge_kernel_source(
     x_ptr, size_ptr, unmerged_ptr, sources_ptr, partners_ptr, out_ptr, out_size_ptr,
@@ -186,7 +196,7 @@ def _merge_kernel_source(
         # every backend (a GPU's cast rounds so too; Triton's interpreter truncates)
         bits = merged.to(tl.uint32, bitcast=True)
         bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-        merged = bits.to(tl.float32, bitcast=True)
+        merged = tl.where(merged != merged, merged, bits.to(tl.float32, bitcast=True))  # NaN stays NaN
     out_rows = row * num_out + o[:, None]
     tl.store(out_ptr + out_rows * features + f[None, :], merged.to(out_ptr.dtype.element_ty), mask=valid)
     first_of_position = (f % depth) == 0  # one feature per position writes its size
@@ -219,11 +229,16 @@ def _kernels_for(device: torch.device) -> tuple:
         return _kernels[interpret]
 
 
-def _launch_range(name: str):
-    """A profiler range named ``testa::<kernel>`` around a launch, only while a profiler records (entering one costs
-    microseconds otherwise): GPU traces name the kernel, and ``benchmarks.merge_kernels`` counts the launches."""
-    return torch.profiler.record_function(f"testa::{name}") if torch.autograd.profiler._is_profiler_enabled \
+@contextmanager
+def _launching(name: str, device: torch.device) -> Iterator[None]:
+    """Around a launch: the tensors' GPU as the current one (Triton launches on the current device, whatever device
+    the tensors are on), and, only while a profiler records (entering one costs microseconds otherwise), a profiler
+    range named ``testa::<kernel>``: GPU traces name the kernel, and ``benchmarks.merge_kernels`` counts launches."""
+    on_device = torch.cuda.device(device) if device.type == "cuda" else nullcontext()
+    named = torch.profiler.record_function(f"testa::{name}") if torch.autograd.profiler._is_profiler_enabled \
         else nullcontext()
+    with on_device, named:
+        yield
 
 
 def _block(n: int, cap: int | None = None) -> int:
@@ -232,7 +247,8 @@ def _block(n: int, cap: int | None = None) -> int:
 
 
 def fits(num_tokens: int) -> bool:
-    """Whether a matching of ``num_tokens`` tokens fits one program of :func:`geometry_pairs` (:data:`MAX_SCORE_TILE`)."""
+    """Whether a matching of ``num_tokens`` tokens fits one program of :func:`geometry_pairs`
+    (:data:`MAX_SCORE_TILE`)."""
     return _block((num_tokens + 1) // 2) * _block(num_tokens // 2) <= MAX_SCORE_TILE
 
 
@@ -267,7 +283,7 @@ def geometry_pairs(
     if rows.shape[0] == 0:
         return unmerged, sources, partners
     pairs_kernel, _ = _kernels_for(metric.device)
-    with _launch_range("geometry_pairs"):
+    with _launching("geometry_pairs", metric.device):
         pairs_kernel[(rows.shape[0],)](
             rows, unmerged, sources, partners, *rows.stride(), num_a, num_b, channels, r, first, float(scale),
             SNAP=bool(snap), BLOCK_A=_block(num_a), BLOCK_B=_block(num_b), num_warps=8,
@@ -276,10 +292,7 @@ def geometry_pairs(
     return unmerged, sources, partners
 
 
-def merge_pairs(
-    x: torch.Tensor, size: torch.Tensor, unmerged: torch.Tensor, sources: torch.Tensor, partners: torch.Tensor,
-    a_start: int, b_start: int, protected: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_pairs(x: torch.Tensor, size: torch.Tensor, pairs) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`.aggregation.merge_bipartite`'s merged tokens and sizes in one kernel (no autograd).
 
     Args:
@@ -287,36 +300,40 @@ def merge_pairs(
             index tensors' last axis. Any strides that view it as ``(rows, N, positions, D)`` (else it is copied).
         size: ``(*batch, N, *positions)`` fp32 sizes: one per position (frames: every patch position of a frame;
             patches: none, ``x`` is ``(*batch, N, D)``).
-        unmerged, sources, partners, a_start, b_start, protected: the :class:`.aggregation.Bipartite`.
+        pairs: the :class:`.aggregation.Bipartite` to apply (over ``N`` tokens).
 
     Returns:
         The merged features and sizes, contiguous, ``N`` replaced by ``protected + nA_unmerged + nB``.
     """
     global launches
-    axis = sources.ndim - 1
+    axis = pairs.sources.ndim - 1
     if (x.dtype not in FLOAT_DTYPES or size.dtype != torch.float32 or x.shape[:-1] != size.shape
-            or x.ndim < axis + 2):
+            or x.ndim < axis + 2 or x.shape[axis] != pairs.num_tokens or x.shape[:axis] != pairs.sources.shape[:-1]):
         raise ValueError(f"merge_pairs takes {FLOAT_DTYPES} features (*batch, N, *positions, D) and fp32 sizes of "
-                         f"their shape without D; got x {x.dtype} {tuple(x.shape)}, size {size.dtype} "
+                         f"their shape without D, for a matching over N = {pairs.num_tokens} tokens with batch "
+                         f"{tuple(pairs.sources.shape[:-1])}; got x {x.dtype} {tuple(x.shape)}, size {size.dtype} "
                          f"{tuple(size.shape)}.")
-    rows, num_tokens, depth = sources[..., 0].numel(), x.shape[axis], x.shape[-1]
-    positions = size[(0,) * (axis + 1)].numel()
-    unmerged, sources, partners = (t if t.is_contiguous() else t.contiguous() for t in (unmerged, sources, partners))
+    rows, num_tokens, depth = math.prod(x.shape[:axis]), x.shape[axis], x.shape[-1]
+    positions = math.prod(size.shape[axis + 1:])
+    unmerged, sources, partners = (t if t.is_contiguous() else t.contiguous()
+                                   for t in (pairs.unmerged, pairs.sources, pairs.partners))
     kept_a, r = unmerged.shape[-1], sources.shape[-1]
-    num_out = protected + kept_a + len(range(b_start, num_tokens, 2))
+    num_out = pairs.protected + kept_a + len(range(pairs.b_start, num_tokens, 2))
     merged = x.new_empty(*x.shape[:axis], num_out, *x.shape[axis + 1:])
     new_size = size.new_empty(*size.shape[:axis], num_out, *size.shape[axis + 1:])
-    if merged.numel() == 0:
+    if rows == 0 or num_out == 0 or positions == 0:
         return merged, new_size
+    if depth == 0:
+        raise ValueError(f"merge_pairs: the features of x {tuple(x.shape)} are empty (D = 0).")
     x4, size3 = _strided(x, (rows, num_tokens, positions, depth)), _strided(size, (rows, num_tokens, positions))
     _, merge_kernel = _kernels_for(x.device)
     features = positions * depth
-    block_o, block_f = _block(num_out, 16), _block(features, 256)
+    block_o, block_f = _block(num_out, 16), _block(features, 128)
     grid = (rows, -(-num_out // block_o), -(-features // block_f))
-    with _launch_range("merge_pairs"):
+    with _launching("merge_pairs", x.device):
         merge_kernel[grid](
             x4, size3, unmerged, sources, partners, merged, new_size, *x4.stride(), *size3.stride(),
-            num_out, depth, features, r, kept_a, protected, a_start, b_start,
+            num_out, depth, features, r, kept_a, pairs.protected, pairs.a_start, pairs.b_start,
             ROUND_BF16=x.dtype == torch.bfloat16, BLOCK_O=block_o, BLOCK_F=block_f, num_warps=4,
         )
     launches += 1

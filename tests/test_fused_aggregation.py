@@ -129,8 +129,7 @@ def test_merge_equals_the_weighted_average(dtype, layout):
     rows = pairs.partners.reshape(-1, pairs.partners.shape[-1]).tolist()
     assert any(len(set(row)) < len(row) for row in rows)  # several sources share a target
     x = x.to(dtype)
-    merged, new_size = fused_aggregation.merge_pairs(x, size, pairs.unmerged, pairs.sources, pairs.partners,
-                                                     pairs.a_start, pairs.b_start, pairs.protected)
+    merged, new_size = fused_aggregation.merge_pairs(x, size, pairs)
     expected_x, expected_size = weighted_average_float64(x, size, pairs)
     assert torch.equal(new_size, expected_size.float())
     assert merged.is_contiguous() and merged.dtype == dtype
@@ -144,6 +143,40 @@ def test_merge_equals_the_weighted_average(dtype, layout):
     assert untouched.float().mean() > 0.5  # unmerged rows and targets without sources: exact copies
     if dtype == torch.float32:
         torch.testing.assert_close(merged, pytorch_x, rtol=1e-6, atol=1e-6)
+    else:  # the PyTorch path rounds every step to bf16: within one bf16 step at the features' largest magnitude
+        assert ((merged.double() - pytorch_x.double()).abs() <= 2.0**-7 * x.abs().max().double()).all()
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # inf / inf, in the interpreter
+def test_inf_and_nan_keys_rank_first_as_in_torch():
+    # an inf key normalises to NaN cosines: torch's argmax and descending sort put NaN first; so does the kernel, and
+    # every index slot is still written (a permutation of set A)
+    metric = static_keys((2, 3, 33, 16))
+    metric[0, 1, 6, 3] = torch.inf
+    metric[1, 2, 9] = torch.nan
+    got, expected = fused_pairs(metric, 8, True), pytorch_pairs(metric, 8, True)
+    assert_same_decisions(got, expected)
+    a_indices = torch.cat([got.unmerged, got.sources], dim=-1).sort(dim=-1).values
+    assert torch.equal(a_indices, torch.arange(16).expand_as(a_indices))
+
+
+def test_nan_features_stay_nan_in_bf16():
+    metric = static_keys((1, 9, 8), seed=2)
+    pairs = fused_pairs(metric, 4, False)
+    x = torch.randn(1, 9, 2, 4).bfloat16()
+    x[0, :] = torch.nan  # every token of the video
+    merged, _ = fused_aggregation.merge_pairs(x, torch.ones(1, 9, 2), pairs)
+    assert merged.isnan().all()
+
+
+def test_merge_checks_its_inputs_and_takes_empty_batches():
+    metric = static_keys((2, 3, 25, 8))
+    pairs = aggregation.shift_protected(aggregation.Matching(bipartite=fused_pairs(metric, 4, True))).bipartite
+    with pytest.raises(ValueError, match="over N = 24 tokens"):
+        fused_aggregation.merge_pairs(torch.randn(2, 3, 20, 16), torch.ones(2, 3, 20), pairs)
+    empty = aggregation.shift_protected(aggregation.Matching(bipartite=fused_pairs(metric[:0], 4, True))).bipartite
+    merged, sizes = fused_aggregation.merge_pairs(torch.randn(0, 3, 24, 16), torch.ones(0, 3, 24), empty)
+    assert merged.shape == (0, 3, 20, 16) and sizes.shape == (0, 3, 20)
 
 
 def tiny_encoder(dtype: torch.dtype = torch.float32) -> TestaVisionModel:
@@ -209,6 +242,7 @@ def test_mode_is_checked():
 def test_self_check_passes_and_reports_a_disagreement(monkeypatch):
     with fused_aggregation.fused_kernels("interpret"):
         assert aggregation.check_fused_kernels("cpu")
+        assert fused_aggregation.MODE == "interpret"  # the check changes no setting
         real = fused_aggregation.merge_pairs
         monkeypatch.setattr(aggregation, "merge_pairs", lambda *a: (real(*a)[0] * 1.01, real(*a)[1]))
         with pytest.warns(UserWarning, match="not used on cpu: they disagree with the PyTorch path in torch.float32"):
@@ -224,3 +258,23 @@ def test_matchings_too_large_for_one_program_take_the_pytorch_path():
     assert fused_aggregation.launches == launches
     with pytest.raises(ValueError, match="do not fit one program"):
         fused_aggregation.geometry_pairs(metric, 12, 1, 1024.0, True)
+
+
+@pytest.mark.parametrize("capability", [80, 90])  # A100, H100/H200
+def test_kernels_compile_for_nvidia_gpus(capability, tmp_path, monkeypatch):
+    # What the interpreter cannot show: that Triton's compiler takes the kernels (types, loop-carried values,
+    # reductions) at the sizes ViT-B/16 uses. Compiled ahead of time to PTX and cubin, no GPU or driver needed.
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile as triton_compile
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # a real compile, not a cached one
+    pairs_kernel, merge_kernel = fused_aggregation._build(interpret=False)
+    pointers = dict(metric_ptr="*bf16", x_ptr="*bf16", out_ptr="*bf16", size_ptr="*fp32", out_size_ptr="*fp32",
+                    unmerged_ptr="*i64", sources_ptr="*i64", partners_ptr="*i64", scale="fp32")
+    builds = [(pairs_kernel, dict(SNAP=True, BLOCK_A=128, BLOCK_B=128), 8),
+              (merge_kernel, dict(ROUND_BF16=True, BLOCK_O=16, BLOCK_F=128), 4)]
+    for kernel, constants, warps in builds:
+        signature = {name: "constexpr" if name in constants else pointers.get(name, "i32") for name in kernel.arg_names}
+        compiled = triton_compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", capability, 32),
+                                  options={"num_warps": warps})
+        assert ".entry" in compiled.asm["ptx"] and len(compiled.asm["cubin"]) > 0
