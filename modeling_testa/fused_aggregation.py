@@ -229,6 +229,28 @@ def _kernels_for(device: torch.device) -> tuple:
         return _kernels[interpret]
 
 
+def compile_for_gpu(capability: int = 90) -> dict[str, str]:
+    """Compiles both kernels ahead of time for an NVIDIA GPU of compute ``capability`` (80: A100, 90: H100/H200) at
+    ViT-B/16's tile sizes, in bf16, and returns their PTX by kernel name. No GPU or driver is needed: it shows that the
+    installed Triton takes the kernels (types, loop-carried values, reductions), which its interpreter cannot."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.compiler import compile as triton_compile
+
+    pairs_kernel, merge_kernel = _build(interpret=False)
+    types = dict(metric_ptr="*bf16", x_ptr="*bf16", out_ptr="*bf16", size_ptr="*fp32", out_size_ptr="*fp32",
+                 unmerged_ptr="*i64", sources_ptr="*i64", partners_ptr="*i64", scale="fp32")  # the rest: i32
+    builds = {"geometry_pairs": (pairs_kernel, dict(SNAP=True, BLOCK_A=128, BLOCK_B=128), 8),
+              "merge_pairs": (merge_kernel, dict(ROUND_BF16=True, BLOCK_O=16, BLOCK_F=128), 4)}
+    ptx = {}
+    for name, (kernel, constants, warps) in builds.items():
+        signature = {arg: "constexpr" if arg in constants else types.get(arg, "i32") for arg in kernel.arg_names}
+        compiled = triton_compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", capability, 32),
+                                  options={"num_warps": warps})
+        ptx[name] = compiled.asm["ptx"]
+    return ptx
+
+
 @contextmanager
 def _launching(name: str, device: torch.device) -> Iterator[None]:
     """Around a launch: the tensors' GPU as the current one (Triton launches on the current device, whatever device
@@ -348,5 +370,5 @@ def _strided(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         return t.reshape(shape)
 
 
-__all__ = ["FLOAT_DTYPES", "MAX_SCORE_TILE", "MODE", "MODES", "current_mode", "fits", "fused_kernels",
-           "geometry_pairs", "merge_pairs", "triton_available"]
+__all__ = ["FLOAT_DTYPES", "MAX_SCORE_TILE", "MODE", "MODES", "compile_for_gpu", "current_mode", "fits",
+           "fused_kernels", "geometry_pairs", "merge_pairs", "triton_available"]
