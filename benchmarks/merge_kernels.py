@@ -178,13 +178,17 @@ class MergeTraffic(TorchDispatchMode):
         out = func(*args, **kwargs)
         if self.active and not _is_view(func):
             name = func.overloadpacket.__name__
-            self.calls[name] += 1
-            self.bytes_written[name] += _written_bytes(name, args, out)
-            for t in _tensors(out):
-                if t.dtype == torch.long:
-                    self.index_bytes += t.untyped_storage().nbytes()
-                    self.largest_index = max(self.largest_index, t.untyped_storage().nbytes() // t.element_size())
+            self.record(name, _written_bytes(name, args, out), out)
         return out
+
+    def record(self, name: str, written: int, outputs) -> None:
+        """One call of ``name`` that wrote ``written`` bytes and returned ``outputs``."""
+        self.calls[name] += 1
+        self.bytes_written[name] += written
+        for t in _tensors(outputs):
+            if t.dtype == torch.long:
+                self.index_bytes += t.untyped_storage().nbytes()
+                self.largest_index = max(self.largest_index, t.untyped_storage().nbytes() // t.element_size())
 
 
 def _is_view(func) -> bool:
@@ -255,12 +259,7 @@ def fused_kernel_traffic(traffic: MergeTraffic):
             finally:
                 traffic.active = active
             if active:
-                traffic.calls[FUSED_LAUNCH + name] += 1
-                traffic.bytes_written[FUSED_LAUNCH + name] += sum(t.numel() * t.element_size() for t in outputs)
-                for t in outputs:
-                    if t.dtype == torch.long:
-                        traffic.index_bytes += t.untyped_storage().nbytes()
-                        traffic.largest_index = max(traffic.largest_index, t.numel())
+                traffic.record(FUSED_LAUNCH + name, sum(t.numel() * t.element_size() for t in outputs), outputs)
             return outputs
 
         return wrapper

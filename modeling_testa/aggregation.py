@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from .fused_aggregation import FLOAT_DTYPES as FUSED_DTYPES
 from .fused_aggregation import current_mode as fused_kernel_mode
 from .fused_aggregation import fits as fits_fused_kernel
-from .fused_aggregation import fused_kernels, geometry_pairs, merge_pairs, triton_available
+from .fused_aggregation import geometry_pairs, merge_pairs, triton_available
 
 
 class Bipartite(NamedTuple):
@@ -299,12 +299,17 @@ def geometry_matching(
     """
     grid = 0.0 if vote == "original" else current_score_grid()
     first = int(protect_first)
-    num_tokens = metric.shape[-2]
-    if (vote_dim is None and uses_fused_kernels(metric) and 0 < r <= (num_tokens + 1) // 2 - first
-            and metric.dtype in FUSED_DTYPES and fits_fused_kernel(num_tokens)):
-        unmerged, sources, partners = geometry_pairs(metric, r, first, 1.0 / grid if grid else 1.0, snap=bool(grid))
-        return Matching(bipartite=Bipartite(unmerged, sources, partners, 2 * first, 1, first, num_tokens))
+    if (vote_dim is None and uses_fused_kernels(metric) and metric.dtype in FUSED_DTYPES
+            and fits_fused_kernel(metric.shape[-2], r, first)):
+        return Matching(bipartite=_bipartite_fused(metric, r, first, grid))
     return Matching(bipartite=_bipartite_in_pytorch(metric, r, first, grid, vote_dim, vote))
+
+
+def _bipartite_fused(metric: torch.Tensor, r: int, first: int, grid: float) -> Bipartite:
+    """`geometry_matching`'s decisions (``vote_dim=None``) as one fused kernel
+    (:func:`.fused_aggregation.geometry_pairs`)."""
+    unmerged, sources, partners = geometry_pairs(metric, r, first, 1.0 / grid if grid else 1.0, snap=bool(grid))
+    return Bipartite(unmerged, sources, partners, 2 * first, 1, first, metric.shape[-2])
 
 
 def _bipartite_in_pytorch(
@@ -508,10 +513,12 @@ def uses_fused_kernels(x: torch.Tensor) -> bool:
     CPU tensors, through Triton's interpreter (tests, kernel counts); ``"off"``: never.
     """
     mode = fused_kernel_mode()
-    if mode == "off" or not triton_available() or torch.compiler.is_compiling() or _exporting():
+    if mode == "off" or (x.device.type != "cuda" and mode != "interpret"):  # the CPU's calls end here, cheaply
+        return False
+    if not triton_available() or torch.compiler.is_compiling() or _exporting():
         return False
     if x.device.type != "cuda":
-        return mode == "interpret"
+        return True  # "interpret"
     device = str(x.device)
     if device not in _fused_checks:
         if torch.cuda.is_current_stream_capturing():  # a check would synchronise: the PyTorch path until then
@@ -552,8 +559,7 @@ def check_fused_kernels(device: torch.device | str, warn: bool = True) -> bool:
                 x = features.to(device, dtype)
                 size = torch.randint(1, 4, x.shape[:-1], generator=generator).float().to(device)
                 expected = _bipartite_in_pytorch(keys, r, first, grid, None, "vote")
-                got = Bipartite(*geometry_pairs(keys, r, first, 1.0 / grid if grid else 1.0, bool(grid)),
-                                2 * first, 1, first, keys.shape[-2])
+                got = _bipartite_fused(keys, r, first, grid)
                 decided = all(torch.equal(getattr(got, name), getattr(expected, name))
                               for name in ("unmerged", "sources", "partners"))
                 if first:  # the patch tensor has no CLS
@@ -605,10 +611,8 @@ def merge_tokens(x: torch.Tensor, size: torch.Tensor, matching: Matching) -> tup
     if pairs is not None:
         if _differentiable(x):
             return _BipartiteMerge.apply(x, size, *pairs)
-        axis = pairs.sources.ndim - 1
-        if (uses_fused_kernels(x) and x.dtype in FUSED_DTYPES and size.dtype == torch.float32
-                and x.shape[:-1] == size.shape and x.ndim > axis + 1 and x.shape[axis] == pairs.num_tokens
-                and x.numel() > 0):
+        # what the kernel takes; `merge_pairs` checks the shapes against the matching and names a mismatch
+        if uses_fused_kernels(x) and x.dtype in FUSED_DTYPES and size.dtype == torch.float32 and x.numel() > 0:
             return merge_pairs(x, size, pairs)
         return merge_bipartite(x, size, pairs)[:2]
     kept, sources, targets = matching.kept, matching.sources, matching.targets

@@ -268,10 +268,11 @@ def _block(n: int, cap: int | None = None) -> int:
     return block if cap is None else min(block, cap)
 
 
-def fits(num_tokens: int) -> bool:
-    """Whether a matching of ``num_tokens`` tokens fits one program of :func:`geometry_pairs`
-    (:data:`MAX_SCORE_TILE`)."""
-    return _block((num_tokens + 1) // 2) * _block(num_tokens // 2) <= MAX_SCORE_TILE
+def fits(num_tokens: int, r: int = 1, first: int = 0) -> bool:
+    """Whether :func:`geometry_pairs` takes a matching of ``num_tokens`` tokens merging ``r`` pairs (``first``: 1
+    with a protected first token): it fits one program (:data:`MAX_SCORE_TILE`) and ``0 < r <= nA - first``."""
+    num_a = (num_tokens + 1) // 2
+    return 0 < r <= num_a - first and _block(num_a) * _block(num_tokens // 2) <= MAX_SCORE_TILE
 
 
 def geometry_pairs(
@@ -280,7 +281,7 @@ def geometry_pairs(
     """The decisions of :func:`.aggregation.geometry_matching` (``vote_dim=None``) in one kernel.
 
     Args:
-        metric: ``(*batch, N, C)`` keys; N must satisfy :func:`fits`.
+        metric: ``(*batch, N, C)`` keys; ``N``, ``r`` and ``first`` must satisfy :func:`fits`.
         r: pairs to merge, ``0 < r <= nA - first`` (nA = ``(N + 1) // 2``).
         first: 1 to keep A token 0 (the CLS) out of the sources, else 0.
         scale: what the cosines are multiplied by (``1 / grid``, a power of two, or 1 for raw scores).
@@ -294,7 +295,7 @@ def geometry_pairs(
     global launches
     *batch, num_tokens, channels = metric.shape
     num_a, num_b = (num_tokens + 1) // 2, num_tokens // 2
-    if not fits(num_tokens) or not 0 < r <= num_a - first:
+    if not fits(num_tokens, r, first):
         raise ValueError(f"geometry_pairs: {num_tokens} tokens and r={r} (first={first}) do not fit one program "
                          f"of at most {MAX_SCORE_TILE} scores with 0 < r <= {num_a - first}.")
     rows = metric.reshape(-1, num_tokens, channels)  # a view for the keys of every host
@@ -347,7 +348,8 @@ def merge_pairs(x: torch.Tensor, size: torch.Tensor, pairs) -> tuple[torch.Tenso
         return merged, new_size
     if depth == 0:
         raise ValueError(f"merge_pairs: the features of x {tuple(x.shape)} are empty (D = 0).")
-    x4, size3 = _strided(x, (rows, num_tokens, positions, depth)), _strided(size, (rows, num_tokens, positions))
+    # views where the strides allow (the block's layouts do), copies otherwise
+    x4, size3 = x.reshape(rows, num_tokens, positions, depth), size.reshape(rows, num_tokens, positions)
     _, merge_kernel = _kernels_for(x.device)
     features = positions * depth
     block_o, block_f = _block(num_out, 16), _block(features, 128)
@@ -360,14 +362,6 @@ def merge_pairs(x: torch.Tensor, size: torch.Tensor, pairs) -> tuple[torch.Tenso
         )
     launches += 1
     return merged, new_size
-
-
-def _strided(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """``t`` as ``shape`` without a copy where its strides allow (a copy otherwise)."""
-    try:
-        return t.view(shape)
-    except RuntimeError:
-        return t.reshape(shape)
 
 
 __all__ = ["FLOAT_DTYPES", "MAX_SCORE_TILE", "MODE", "MODES", "compile_for_gpu", "current_mode", "fits",

@@ -29,10 +29,11 @@ values. ``precision="auto"`` asks the runtime (`EncoderRuntime.auto_precision`):
 shape, so the whole encoder (embeddings, every block with its matching and merging, the final LayerNorm) can be
 captured once per input shape and replayed: one launch instead of the hundreds of kernel launches an eager forward
 makes (on CUDA each matching and its merge are two fused kernels, `fused_aggregation`, which a graph captures like
-any other). A shape runs eager the first time it is seen (the warm-up that capture needs; a one-off shape, such as the last
-partial batch of a folder, costs no capture), and is captured the next time. Where a graph cannot serve a call, the
-call runs eager and the reason is logged once per shape: hidden states or attentions requested (the graph returns the
-last hidden state, the token sizes and the source map), autograd on, or ``max_graphs`` shapes already captured.
+any other). A shape runs eager the first time it is seen (the warm-up that capture needs; a one-off shape, such as
+the last partial batch of a folder, costs no capture), and is captured the next time. Where a graph cannot serve a
+call, the call runs eager and the reason is logged once per shape: hidden states or attentions requested (the graph
+returns the last hidden state, the token sizes and the source map), autograd on, or ``max_graphs`` shapes already
+captured.
 
 This file is Hub remote code (the pipelines import `inference`, which imports it): flat relative imports only.
 """
