@@ -321,8 +321,8 @@ WINDOWS = {"long0.mp4": 5, "long1.mp4": 4, "ten_minutes.mp4": 59}
 
 @pytest.fixture(scope="module")
 def moment_files(tmp_path_factory):
-    """A model and a folder of moments-sized videos whose frames carry their index (`read_long_index`): one and
-    three-quarter minutes at 4 fps, ten minutes at 1 fps (in a sub-folder), and a text file named .mp4."""
+    """A model and a folder of videos whose frames carry their index (`read_long_index`): 60 s and 45 s at 4 fps,
+    ten minutes at 1 fps (in a sub-folder), and a text file named .mp4."""
     from helpers.videos import write_long_video
 
     os.environ.setdefault("GRADIO_TEMP_DIR", str(tmp_path_factory.mktemp("gradio")))
