@@ -338,3 +338,23 @@ def test_the_milvus_token_reaches_pymilvus_from_the_option_and_the_environment(m
 
     search_main(["--store", str(tmp_path / "store"), "--milvus", db, "--json", "a query"])
     assert seen and set(seen) == {"from-the-environment"}
+
+
+def test_train_index_on_two_processes_mirrors_into_a_milvus_lite_file(milvus_modules, model_folder, tmp_path):
+    """A Lite file takes one process at a time: on two processes the main one upserts every shard (each process
+    opening it made the second one die with "Open local milvus failed")."""
+    from helpers.pipelines import INDEX_LAUNCH_2
+
+    from modeling_testa.milvus_home import MilvusHome
+
+    folder = tmp_path / "videos"
+    for i in range(6):
+        write_noise_video(folder / f"clip{i}.mp4", seed=40 + i)
+    db = str(tmp_path / "videos.db")
+    result = subprocess.run([*INDEX_LAUNCH_2, "--model", str(model_folder), "--videos", str(folder), "--store",
+                             str(tmp_path / "store"), "--num-workers", "0", "--shard-size", "2", "--milvus", db],
+                            capture_output=True, text=True, cwd=ROOT, timeout=900,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = MilvusHome(db).open().all_rows()
+    assert sorted(row["video"] for row in rows) == sorted(str(p) for p in folder.glob("*.mp4"))
