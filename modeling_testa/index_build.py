@@ -436,8 +436,8 @@ class IndexBuild:
 
     def upsert_mirror(self, plan: RowPlan) -> None:
         """Step 5: the store's closed shards into the mirror: the main process alone for a mirror one process must
-        own (a Milvus Lite file), else each process its shards. Upserts: a repeated build rewrites the same rows."""
-        barrier()
+        own (a Milvus Lite file), else each process its shards (all closed: every process has passed the gather
+        after its encoding). Upserts: a repeated build rewrites the same rows."""
         world, me = world_size(), rank()
         shards = range(len(plan.shards)) if self.mirror.single_process else \
             range(me, len(plan.shards), world)
