@@ -25,7 +25,13 @@ import torch
 from safetensors.torch import save_file
 
 from .index_filters import matches
-from .index_settings import IndexInfo, IndexSettingsError, check_store_folder, recorded_store_settings
+from .index_settings import (
+    IndexInfo,
+    IndexSettingsError,
+    check_settings,
+    check_store_folder,
+    recorded_store_settings,
+)
 from .indexing import Failure
 from .store_lock import StoreLock
 from .video_store import (
@@ -692,11 +698,7 @@ class VideoIndex:
         for name, (mine, theirs) in fields.items():
             if mine != theirs:
                 raise ValueError(f"Cannot add an index with {name} {theirs} to one with {name} {mine}.")
-        differing = self.index_info.differences(other.index_info)
-        if differing:
-            key, (mine, theirs) = next(iter(differing.items()))
-            raise ValueError(f"Cannot add an index built with info[{key!r}] = {theirs!r} to one built with "
-                             f"info[{key!r}] = {mine!r} (differing settings: {sorted(differing)}).")
+        check_settings("The index", self.info, other.info)  # the one comparison of settings
 
     def grow_first_stage(self, new_embeddings: torch.Tensor, first_row: int) -> None:
         """After `add`: adds the new vectors to the kept first stage, or drops it (rebuilt on the next search) when
