@@ -139,10 +139,6 @@ class RowPlan:
     open_shards: list[int]
     added: list[int] = field(default_factory=list)
 
-    @property
-    def rows_to_write(self) -> int:
-        return sum(self.shards[s][1] - self.shards[s][0] for s in self.open_shards)
-
 
 # ---------------------------------------------------------------------------------------------------- the interfaces
 
