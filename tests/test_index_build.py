@@ -340,26 +340,6 @@ def test_the_milvus_token_reaches_pymilvus_from_the_option_and_the_environment(m
     assert seen and set(seen) == {"from-the-environment"}
 
 
-def test_train_index_on_two_processes_mirrors_into_a_milvus_lite_file(milvus_modules, model_folder, tmp_path):
-    """A Lite file takes one process at a time: on two processes the main one upserts every shard (each process
-    opening it made the second one die with "Open local milvus failed")."""
-    from helpers.pipelines import INDEX_LAUNCH_2
-
-    from modeling_testa.milvus_home import MilvusHome
-
-    folder = tmp_path / "videos"
-    for i in range(6):
-        write_noise_video(folder / f"clip{i}.mp4", seed=40 + i)
-    db = str(tmp_path / "videos.db")
-    result = subprocess.run([*INDEX_LAUNCH_2, "--model", str(model_folder), "--videos", str(folder), "--store",
-                             str(tmp_path / "store"), "--num-workers", "0", "--shard-size", "2", "--milvus", db],
-                            capture_output=True, text=True, cwd=ROOT, timeout=900,
-                            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = MilvusHome(db).open().all_rows()
-    assert sorted(row["video"] for row in rows) == sorted(str(p) for p in folder.glob("*.mp4"))
-
-
 def test_two_evaluations_into_one_store_dir_each_encode_their_own_model(pipe, tmp_path):
     """The evaluation's scratch store holds the model of the last evaluation, not the first one's shards (their
     closed markers once made the second evaluation publish the first one's embeddings); a folder holding a real store
@@ -449,9 +429,13 @@ def test_milvus_takes_stores_of_either_token_dtype_and_searches_collections_of_e
     assert len(searched) == 0 and "records no settings" in caplog.text
 
 
-def test_train_index_on_two_processes_mirrors_into_a_milvus_server(milvus_modules, model_folder, tmp_path):
-    """With a server, each process upserts its own shards (the processes that did not check the collection once
-    refused to write, after everything was encoded)."""
+@pytest.mark.parametrize("milvus", ["lite file", "server"])
+def test_train_index_on_two_processes_mirrors_into_milvus(milvus_modules, model_folder, tmp_path, milvus):
+    """A Lite file takes one process at a time: the main process upserts every shard into it (each process opening
+    it made the second one die with "Open local milvus failed"). A server takes each process' own shards (the
+    processes that did not check the collection once refused to write, after everything was encoded)."""
+    import contextlib
+
     from helpers.milvus_server import milvus_lite_server
     from helpers.pipelines import INDEX_LAUNCH_2
 
@@ -461,7 +445,9 @@ def test_train_index_on_two_processes_mirrors_into_a_milvus_server(milvus_module
     for i in range(6):
         write_noise_video(folder / f"clip{i}.mp4", seed=50 + i)
     (tmp_path / "milvus").mkdir()
-    with milvus_lite_server(tmp_path / "milvus") as uri:
+    served = milvus_lite_server(tmp_path / "milvus") if milvus == "server" else contextlib.nullcontext()
+    with served as uri:
+        uri = uri or str(tmp_path / "videos.db")
         result = subprocess.run([*INDEX_LAUNCH_2, "--model", str(model_folder), "--videos", str(folder), "--store",
                                  str(tmp_path / "store"), "--num-workers", "0", "--shard-size", "2", "--milvus", uri],
                                 capture_output=True, text=True, cwd=ROOT, timeout=900,
