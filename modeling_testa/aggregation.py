@@ -146,6 +146,12 @@ def _scaled_products(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Te
     kernel). A power-of-two scale is exact: the result is the product's own rounding, scaled."""
     if scale == 1.0:
         return a @ b.transpose(-1, -2)
+    if _exporting():
+        # The same values (the scaling is exact), without baddbmm's ignored first argument: an exporter writes it as
+        # ``0 * input + scale * product``, an edge from the keys into the scores, through which the engines'
+        # selection of the matching's products (`engines.matching_matmuls`, walking up from the sorts) reached the
+        # key projections and kept 24 linear layers of ViT-B out of int8 (docs/inference.md).
+        return (a @ b.transpose(-1, -2)) * scale
     a3, b3 = a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:])
     # beta=0: the first argument (any broadcastable view, so that nothing is allocated for it) is ignored
     out = torch.baddbmm(a3[:1, :1, :1], a3, b3.transpose(-1, -2), beta=0.0, alpha=scale)
@@ -403,6 +409,13 @@ def _as(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return weight if weight.dtype == x.dtype else weight.to(x.dtype)
 
 
+def _add_at(t: torch.Tensor, index: torch.Tensor, values: torch.Tensor, in_place: bool) -> torch.Tensor:
+    """``t`` with ``values`` added at the token positions ``index`` (``(*batch, K)``, the token axis
+    ``index.ndim - 1``), in place or into a copy."""
+    axis, expanded = index.ndim - 1, _expand_index(index, values)
+    return t.scatter_add_(axis, expanded, values) if in_place else t.scatter_add(axis, expanded, values)
+
+
 def merge_bipartite(
     x: torch.Tensor, size: torch.Tensor, pairs: Bipartite
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -433,17 +446,29 @@ def merge_bipartite(
     x_b, size_b = _every_other(x, pairs.b_start, axis), _every_other(size, pairs.b_start, axis)
     kept_rows, source_rows = a_rows.split([kept_a, num_sources], dim=axis)
     kept_sizes, source_sizes = a_sizes.split([kept_a, num_sources], dim=axis)
-    merged = torch.cat([_leading(x, pairs.protected, axis), kept_rows, x_b], dim=axis)
-    new_size = torch.cat([_leading(size, pairs.protected, axis), kept_sizes, size_b], dim=axis)
-    # Fresh tensors (cat outputs), so updating their B part in place costs no copy and autograd saves nothing of them.
-    # Through views of the B part, not at offset indices into the whole output: TorchInductor (torch 2.14, CPU)
-    # compiled the offset form wrongly in an encoder with bf16 linears (tests/test_inference.py, compiled bf16).
-    merged_b = merged.narrow(axis, pairs.protected + kept_a, x_b.shape[axis])
-    new_size_b = new_size.narrow(axis, pairs.protected + kept_a, x_b.shape[axis])
-    new_size_b.scatter_add_(axis, _expand_index(pairs.partners, source_sizes), source_sizes)
+
+    def assembled(a_part: torch.Tensor, b_part: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        return torch.cat([_leading(source, pairs.protected, axis), a_part, b_part], dim=axis)
+
+    # Eager: the output is assembled first (cat) and its B part updated in place: fresh tensors, so that costs no copy
+    # and autograd saves nothing of them. Through views of the B part, not at offset indices into the whole output:
+    # TorchInductor (torch 2.14, CPU) compiled the offset form wrongly in an encoder with bf16 linears
+    # (tests/test_inference.py, compiled bf16). Exported: the B part is updated out of place and the output assembled
+    # after, the same values; an exporter writes an in-place update of a view as a copy of the whole output
+    # (``slice_scatter``), which cost OpenVINO a tenth of the int8 encoder's time.
+    exporting = _exporting()
+    if exporting:
+        merged_b, new_size_b = x_b, size_b
+    else:
+        merged, new_size = assembled(kept_rows, x_b, x), assembled(kept_sizes, size_b, size)
+        merged_b = merged.narrow(axis, pairs.protected + kept_a, x_b.shape[axis])
+        new_size_b = new_size.narrow(axis, pairs.protected + kept_a, x_b.shape[axis])
+    new_size_b = _add_at(new_size_b, pairs.partners, source_sizes, in_place=not exporting)
     weight = source_sizes / _take(new_size_b, pairs.partners)
     update = (source_rows - _take(x_b, pairs.partners)) * _as(weight, x)
-    merged_b.scatter_add_(axis, _expand_index(pairs.partners, update), update)
+    merged_b = _add_at(merged_b, pairs.partners, update, in_place=not exporting)
+    if exporting:
+        merged, new_size = assembled(kept_rows, merged_b, x), assembled(kept_sizes, new_size_b, size)
     return merged, new_size, weight, a_index
 
 

@@ -28,10 +28,13 @@ Exported fp32 equals PyTorch fp32: same merge decisions (the source map), same o
   whose results decide the matching (`matching_matmuls`: the key similarities, and Eq. 1's attention for the
   importance strategy) are excluded from quantization and stay fp32, and so is the temporal attention's output
   branch (its projection and ``temporal_fc``: `attention_output_matmuls`), whose int8 error flipped merge decisions
-  on repeated frames; for ONNX Runtime, whose export has the attention unfused, the attention's own products
-  (queries times keys, probabilities times values: `attention_product_matmuls`) stay fp32 too, as NNCF leaves
-  OpenVINO's fused attention; activation scales are static, so a video's embedding does not depend on the other
-  videos of its batch.
+  on repeated frames. For OpenVINO that branch is folded into one layer first (`fold_linear_pairs`: the two are
+  linear maps in a row at inference), computed in bf16 where the CPU has bf16 instructions: it then costs about
+  what it cost in int8. For ONNX Runtime, whose export has the attention unfused and whose quantization has no
+  SmoothQuant, the attention's own products (queries times keys, probabilities times values:
+  `attention_product_matmuls`) and the projections that compute the matching's keys (`key_projection_matmuls`)
+  stay fp32 too. Activation scales are static, so a video's embedding does not depend on the other videos of its
+  batch.
 
 **Cache.** An export is saved under ``cache_dir`` (default ``$HF_HOME/testa/engines``) in a folder named by
 `cache_key`: the weights' SHA-256, the full vision config (aggregation settings included), the input shape, backend,
@@ -236,6 +239,22 @@ def matching_matmuls(nodes: dict[str, tuple[str, list[str]]], matmul_types: tupl
     Args:
         nodes: ``name -> (op type, names of the nodes producing its inputs)``.
     """
+    return first_matmuls_above(nodes, [name for name, (kind, _) in nodes.items() if kind in sort_types], matmul_types)
+
+
+def key_projection_matmuls(nodes: dict[str, tuple[str, list[str]]], matmul_types: tuple[str, ...] = ("MatMul",)
+                           ) -> list[str]:
+    """The matrix multiplies that compute the matching's keys: walking up from the inputs of every
+    `matching_matmuls` product, each path stops at the first matrix multiply (the attentions' query-key-value
+    projections). ONNX Runtime's int8 keeps them in fp32 (`quantize_onnx`): without SmoothQuant its per-tensor
+    activation scale moved the demo's merge decisions (three videos below cosine 0.99)."""
+    starts = [i for name in matching_matmuls(nodes, matmul_types) for i in nodes[name][1] if i in nodes]
+    return first_matmuls_above(nodes, starts, matmul_types)
+
+
+def first_matmuls_above(nodes: dict[str, tuple[str, list[str]]], starts: Iterable[str],
+                        matmul_types: tuple[str, ...] = ("MatMul",)) -> list[str]:
+    """The first matrix multiply on every path up from ``starts`` (a start that is one is its own)."""
     found = set()
 
     def upwards(name: str) -> Iterable[str]:
@@ -245,7 +264,7 @@ def matching_matmuls(nodes: dict[str, tuple[str, list[str]]], matmul_types: tupl
             return ()
         return (i for i in inputs if i in nodes)
 
-    walk_graph((name for name, (kind, _) in nodes.items() if kind in sort_types), upwards)
+    walk_graph(starts, upwards)
     return sorted(found)
 
 
@@ -317,6 +336,78 @@ def attention_output_matmuls(nodes: dict[str, tuple[str, list[str]]], matmul_typ
     return sorted(set().union(*[c for c in chains if len(c) >= min_chain]))
 
 
+FOLDED_SUFFIX = "/testa_folded"
+"""The end of the friendly name of a linear layer that `fold_linear_pairs` made of two."""
+
+
+def _linear_parts(node: Any) -> tuple[Any, Any] | None:
+    """``(weight (out, in) float64, the input)`` of a matrix multiply by a constant fp32 weight, else None."""
+    import numpy as np
+
+    if node.get_type_name() != "MatMul" or node.get_attributes()["transpose_a"]:
+        return None
+    weight = node.input_value(1).get_node()
+    if weight.get_type_name() != "Constant" or weight.get_output_element_type(0).get_type_name() != "f32":
+        return None
+    matrix = np.asarray(weight.get_data(), dtype=np.float64)
+    if matrix.ndim != 2:
+        return None
+    return (matrix if node.get_attributes()["transpose_b"] else matrix.T), node.input_value(0)
+
+
+def _only_consumer(node: Any) -> Any | None:
+    targets = list(node.output(0).get_target_inputs())
+    return targets[0].get_node() if len(targets) == 1 else None
+
+
+def _constant_bias(node: Any) -> Any | None:
+    """The constant vector an ``Add`` adds (a linear layer's bias), else None."""
+    import numpy as np
+
+    if node is None or node.get_type_name() != "Add":
+        return None
+    constants = [node.input_value(i).get_node() for i in range(2)
+                 if node.input_value(i).get_node().get_type_name() == "Constant"]
+    return np.asarray(constants[0].get_data(), dtype=np.float64).reshape(-1) if len(constants) == 1 else None
+
+
+def fold_linear_pairs(model: Any, names: Iterable[str]) -> list[str]:
+    """Folds, in an OpenVINO model, every pair of linear layers among ``names`` whose first feeds only the second
+    (through its bias at most) into one layer: ``(x W1^T + b1) W2^T = x (W2 W1)^T + W2 b1``, the products computed in
+    float64 and stored in fp32. The second layer's bias stays where it is. Returns the names of the layers of
+    ``names`` the model has now: the folded ones (the first layer's name and `FOLDED_SUFFIX`) and those left alone.
+
+    Why: at inference the temporal attention's projection feeds ``temporal_fc`` directly, two linear maps in a row.
+    int8 keeps that branch out of quantization (`attention_output_matmuls`), and as one layer it costs half as much
+    (docs/inference.md, "Speed of the exported encoders")."""
+    from openvino import opset13 as ops
+
+    names = set(names)
+    by_name = {node.get_friendly_name(): node for node in model.get_ops()}
+    remaining = set(names)
+    for name in sorted(names):
+        first = by_name[name]
+        first_parts = _linear_parts(first)
+        after = _only_consumer(first)
+        bias = _constant_bias(after)
+        second = _only_consumer(after) if bias is not None else after
+        second_parts = _linear_parts(second) if second is not None else None
+        if first_parts is None or second_parts is None or second.get_friendly_name() not in names:
+            continue
+        if bias is not None and bias.shape[0] != first_parts[0].shape[0]:  # not one bias per output
+            continue
+        (w1, x), (w2, _) = first_parts, second_parts
+        folded = ops.matmul(x, ops.constant((w2 @ w1).astype("float32")), False, True)
+        folded.set_friendly_name(name + FOLDED_SUFFIX)
+        output = folded if bias is None else ops.add(folded, ops.constant((w2 @ bias).astype("float32")))
+        for target in list(second.output(0).get_target_inputs()):
+            target.replace_source_output(output.output(0))
+        remaining -= {name, second.get_friendly_name()}
+        remaining.add(name + FOLDED_SUFFIX)
+    model.validate_nodes_and_infer_types()
+    return sorted(remaining)
+
+
 def attention_product_matmuls(nodes: dict[str, tuple[str, list[str]]], matmul_types: tuple[str, ...] = ("MatMul",),
                                softmax_types: tuple[str, ...] = ("Softmax",)) -> list[str]:
     """The attention's own matrix products in an unfused graph: queries times keys (the first matrix multiply above
@@ -368,13 +459,15 @@ def export_openvino(graph: EncoderGraph, example: torch.Tensor, folder: Path) ->
 
 def quantize_openvino(path: Path, calibration: torch.Tensor, folder: Path) -> Path:
     """NNCF post-training int8 of an OpenVINO IR, calibrated on ``calibration`` (one video per sample), the
-    matching's matrix multiplies excluded; returns the int8 ``.xml`` path."""
+    matching's matrix multiplies excluded, and the temporal attention's output branch too, folded into one layer
+    (`fold_linear_pairs`; bf16 where the CPU has it, when compiled: `CompiledGraph`); returns the int8 ``.xml``
+    path."""
     import nncf
     import openvino as ov
 
     model = openvino_core().read_model(str(path))
-    nodes = openvino_nodes(model)
-    ignored = sorted(set(matching_matmuls(nodes)) | set(attention_output_matmuls(nodes, min_chain=2)))
+    temporal_branch = fold_linear_pairs(model, attention_output_matmuls(openvino_nodes(model), min_chain=2))
+    ignored = sorted(set(matching_matmuls(openvino_nodes(model))) | set(temporal_branch))
     dataset = nncf.Dataset([video[None].numpy() for video in calibration])
     quantized = nncf.quantize(model, dataset, model_type=nncf.ModelType.TRANSFORMER, subset_size=len(calibration),
                               ignored_scope=nncf.IgnoredScope(names=ignored, validate=False))
@@ -406,13 +499,15 @@ def export_onnx(graph: EncoderGraph, example: torch.Tensor, folder: Path) -> Pat
 
 def quantize_onnx(path: Path, calibration: torch.Tensor, folder: Path) -> Path:
     """ONNX Runtime static int8 (QDQ, symmetric weights per channel, activations per tensor), calibrated on
-    ``calibration``; the matching's matrix multiplies, the temporal attention's output branch and the attention's own
-    products (`attention_product_matmuls`) are excluded; returns the int8 ``.onnx`` path."""
+    ``calibration``; the matching's matrix multiplies, the projections that compute its keys
+    (`key_projection_matmuls`), the temporal attention's output branch and the attention's own products
+    (`attention_product_matmuls`) are excluded; returns the int8 ``.onnx`` path."""
     import onnx
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
 
     nodes = onnx_nodes(onnx.load(str(path), load_external_data=False).graph)
     ignored = sorted(set(matching_matmuls(nodes, matmul_types=("MatMul", "Gemm")))
+                     | set(key_projection_matmuls(nodes, matmul_types=("MatMul", "Gemm")))
                      | set(attention_output_matmuls(nodes, matmul_types=("MatMul", "Gemm"), attention_types=(),
                                                   min_chain=2))
                      | set(attention_product_matmuls(nodes, matmul_types=("MatMul", "Gemm"))))
@@ -454,8 +549,9 @@ def openvino_core() -> Any:
         return _OPENVINO_CORE[0]
 
 
-def linear_layers_in_bf16(model: Any) -> int:
-    """Makes every matrix multiply by a constant weight (the encoder's linear layers) compute in bf16 inside an
+def linear_layers_in_bf16(model: Any, selected: Callable[[str], bool] | None = None) -> int:
+    """Makes every matrix multiply by a constant weight (the encoder's linear layers; with ``selected``, those whose
+    friendly name it accepts) compute in bf16 inside an
     OpenVINO model: its input and weight are converted to bf16 and its output back to fp32, so the CPU plugin, compiled
     with the f32 hint, runs these layers with bf16 kernels and everything else (LayerNorms, residuals, attention,
     the matching's similarities and rounding, the merge) in fp32, as PyTorch's bf16 (`linear_layers.Bf16Linear`)
@@ -472,6 +568,8 @@ def linear_layers_in_bf16(model: Any) -> int:
     for node in list(model.get_ordered_ops()):
         weight = node.input_value(1) if node.get_type_name() == "MatMul" else None
         if weight is None or weight.get_node().get_type_name() != "Constant":
+            continue
+        if selected is not None and not selected(node.get_friendly_name()):
             continue
         attributes = node.get_attributes()
         product = ops.matmul(ops.convert(node.input_value(0), "bf16"), ops.convert(weight, "bf16"),
@@ -495,6 +593,8 @@ class CompiledGraph:
             model = core.read_model(str(path))
             if precision == "bf16":
                 linear_layers_in_bf16(model)
+            elif precision == "int8" and cpu_has_bf16():  # int8's fp32 exception, at twice fp32's speed
+                linear_layers_in_bf16(model, selected=lambda name: name.endswith(FOLDED_SUFFIX))
             # The hint is f32 for every precision: int8 graphs keep their other parts in fp32, and bf16 is in the
             # graph itself (`linear_layers_in_bf16`), since the plugin's bf16 hint would round everything else too.
             # As many threads as PyTorch uses (`torch.set_num_threads`), so that comparisons are like for like.
@@ -650,7 +750,11 @@ __all__ = [
     "cpu_has_vnni",
     "default_cache_dir",
     "default_calibration_videos",
+    "FOLDED_SUFFIX",
     "fed_by",
+    "first_matmuls_above",
+    "fold_linear_pairs",
+    "key_projection_matmuls",
     "linear_layers_in_bf16",
     "matching_matmuls",
     "openvino_core",

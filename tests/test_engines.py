@@ -184,20 +184,75 @@ def test_attention_product_matmuls_are_the_two_products_around_each_softmax():
 
 
 @needs["openvino"]
-def test_the_temporal_branch_is_found_by_what_it_computes():
+def test_the_temporal_branch_is_found_by_what_it_computes(exported_program):
     """The layers int8 keeps in fp32 besides the matching are the temporal attention's projection and `temporal_fc`
     of every block, read independently from the exported program's module stack (an OpenVINO node keeps the FX node
     name). `test_int8_stays_within_the_contract_with_matching_in_fp32` checks that no quantization step feeds them."""
-    import openvino as ov
 
-    model = _vision_model()
-    program = engines.export_program(engines.EncoderGraph(model, True).eval(), torch.zeros(2, 8, 3, 32, 32))
+    model, (program, converted) = _vision_model(), exported_program
     expected = {node.name for node in program.graph.nodes if node.target == torch.ops.aten.linear.default
                 and list(node.meta["nn_module_stack"].values())[-1][0].endswith(("temporal_attention.projection",
                                                                                   "temporal_fc"))}
     assert len(expected) == 2 * model.config.num_hidden_layers
-    found = engines.attention_output_matmuls(engines.openvino_nodes(ov.convert_model(program)), min_chain=2)
+    found = engines.attention_output_matmuls(engines.openvino_nodes(converted), min_chain=2)
     assert {name.split("/")[0] for name in found} == expected
+
+
+
+@pytest.fixture(scope="module")
+def exported_program():
+    """`_vision_model()`'s graph as `torch.export` gives it (source map traced) and as OpenVINO converts it, once for
+    the tests that read graphs (they take copies of the OpenVINO model)."""
+    import openvino as ov
+
+    program = engines.export_program(engines.EncoderGraph(_vision_model(), True).eval(), torch.zeros(2, 8, 3, 32, 32))
+    return program, ov.convert_model(program)
+
+
+def _linear_layers(nodes: dict) -> set[str]:
+    return {name for name, (kind, inputs) in nodes.items() if kind == "MatMul" and inputs
+            and nodes.get(inputs[-1], ("",))[0] == "Constant"}
+
+
+@needs["openvino"]
+def test_the_matching_products_of_an_export_are_similarities_only_not_linear_layers(exported_program):
+    """Issue 45: the cosines were scaled by `baddbmm`, whose ignored first argument (a view of the keys) an exporter
+    writes as ``0 * input``, so the walk up from the sorts reached the key projections and int8 kept all 24 qkv layers
+    of ViT-B in fp32 (int8 twice as slow). The matching's products are one similarity per matching, and no layer."""
+    model = _vision_model()
+    nodes = engines.openvino_nodes(exported_program[1].clone())
+    deciding = matching_matmuls(nodes)
+    assert len(deciding) == 2 * model.config.num_hidden_layers  # a frame and a patch matching per block
+    assert not set(deciding) & _linear_layers(nodes)
+    # the keys' projections are one step further up: the attentions' qkv layers, two per block
+    keys = engines.key_projection_matmuls(nodes)
+    assert len(keys) == 2 * model.config.num_hidden_layers and set(keys) <= _linear_layers(nodes)
+
+
+@needs["openvino"]
+def test_folding_the_temporal_branch_keeps_the_outputs_and_halves_its_layers(exported_program):
+    """`fold_linear_pairs` makes the temporal attention's projection and `temporal_fc` (with biases, random here as
+    in a trained model) one layer per block: the folded graph gives the unfolded graph's outputs to fp32 rounding."""
+    model = _vision_model()
+    assert all(layer.temporal_attention.projection.bias.abs().sum() > 0 for layer in model.layers)
+    plain, folded = exported_program[1].clone(), exported_program[1].clone()
+    branch = engines.attention_output_matmuls(engines.openvino_nodes(folded), min_chain=2)
+    remaining = engines.fold_linear_pairs(folded, branch)
+    assert len(branch) == 2 * len(remaining) == 2 * model.config.num_hidden_layers
+    assert all(name.endswith(engines.FOLDED_SUFFIX) for name in remaining)
+    nodes = engines.openvino_nodes(folded)
+    assert set(remaining) <= _linear_layers(nodes)
+    assert len(_linear_layers(nodes)) == len(_linear_layers(engines.openvino_nodes(plain))) - len(remaining)
+    video = _video().numpy()
+    core = engines.openvino_core()
+    (plain_out, _, plain_map), (out, _, source_map) = (
+        core.compile_model(graph, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})(video).to_tuple()
+        for graph in (plain, folded))
+    with torch.no_grad():
+        reference = model(torch.from_numpy(video), trace_source=True)
+    assert (source_map == plain_map).all() and (source_map == reference.source_map.numpy()).all()
+    torch.testing.assert_close(torch.from_numpy(out), torch.from_numpy(plain_out), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(torch.from_numpy(out), reference.last_hidden_state, atol=1e-4, rtol=1e-4)
 
 
 def test_cache_key_changes_with_every_setting():
@@ -314,14 +369,26 @@ def test_int8_stays_within_the_contract_with_matching_in_fp32(backend, cache_dir
     # found on the fp32 graph, as the quantizer does (in the int8 graph, quantize steps sit between the nodes)
     temporal_branch = engines.attention_output_matmuls(exported, matmul_types=matmuls, attention_types=attentions,
                                                        min_chain=2)
+    assert len(temporal_branch) == 2 * 2  # projection, temporal_fc; 2 blocks
+    keys = engines.key_projection_matmuls(exported, matmul_types=matmuls)  # the qkv layers, 2 per block
+    assert len(keys) == 2 * 2 and set(keys) <= set(nodes)
     # ONNX: the attention's own products (queries x keys, probabilities x values) of both branches of both blocks;
     # OpenVINO fuses the attention, and NNCF leaves it in fp32
     products = engines.attention_product_matmuls(exported, matmul_types=matmuls)
     assert len(products) == (0 if backend == "openvino" else 2 * 2 * 2) and set(products) <= set(nodes)
     assert deciding and sum(kind == quantizer for kind, _ in nodes.values()) > 0
-    assert len(temporal_branch) == 2 * 2 and set(temporal_branch) <= set(nodes)  # projection, temporal_fc; 2 blocks
+
+    def quantized(name: str) -> bool:
+        return any(nodes[i][0] == quantizer for i in nodes[name][1])
+
+    if backend == "openvino":  # the branch is one folded layer per block, and the key projections are int8
+        temporal_branch = [name for name in nodes if name.endswith(engines.FOLDED_SUFFIX)]
+        assert len(temporal_branch) == 2 and all(map(quantized, keys))
+    else:  # ONNX Runtime keeps the key projections in fp32 (`engines.key_projection_matmuls`)
+        assert set(temporal_branch) <= set(nodes)
+        products += keys
     for name in deciding + temporal_branch + products:
-        assert all(nodes[i][0] != quantizer for i in nodes[name][1]), name
+        assert not quantized(name), name
 
 
 # ---------------------------------------------------------------------------------------- pipelines and train.index
