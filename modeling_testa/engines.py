@@ -62,7 +62,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .aggregation import current_score_grid, snap_scores
+from .aggregation import snap_scores
 from .aggregation_block import sequence, token_sizes_with_cls
 from .modeling_testa_vision import TestaVisionModelOutput
 
@@ -116,17 +116,20 @@ def cpu_has_vnni(flags: set[str] | None = None) -> bool:
 
 
 class EncoderGraph(nn.Module):
-    """What is exported: ``pixel_values -> (last_hidden_state, token_sizes[, source_map])`` of a `TestaVisionModel`
-    with its settings at export time (``source_map`` when ``trace_source``)."""
+    """What is exported (or captured as a CUDA graph): ``pixel_values -> (last_hidden_state, token_sizes[,
+    source_map])`` of a `TestaVisionModel` with its settings at export time (``source_map`` when ``trace_source``;
+    ``fused_kernels``: the capturing runtime's option, `fused_aggregation.FUSED_KERNELS`; exporters never see them)."""
 
-    def __init__(self, vision_model: nn.Module, trace_source: bool) -> None:
+    def __init__(self, vision_model: nn.Module, trace_source: bool, fused_kernels: str = "auto") -> None:
         super().__init__()
         self.vision_model = vision_model
         self.trace_source = trace_source
+        self.fused_kernels = fused_kernels
 
     def forward(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, ...]:
         model = self.vision_model  # its blocks, not its forward (which hands calls to the model's runtime)
-        state = model.run_blocks(pixel_values, model.aggregation_settings(self.trace_source))
+        state = model.run_blocks(pixel_values, model.aggregation_settings(self.trace_source),
+                                 fused_kernels=self.fused_kernels)
         outputs = (model.post_layernorm(sequence(state)), token_sizes_with_cls(state))
         return outputs + ((state.source_map,) if self.trace_source else ())
 
@@ -184,7 +187,7 @@ def tensor_fingerprint(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
 def graph_code_fingerprint() -> str:
     """SHA-256 of the source of the modules that define the exported graph (the encoder, its blocks, the matching and
     merging, the export itself): a graph exported by other code is never reused (it could merge other tokens than the
-    PyTorch model does). The score grid the decisions are taken on is keyed separately, per export (`folder_for`)."""
+    PyTorch model does). The score grid the decisions are taken on is a setting of the config, keyed with it."""
     defining = (snap_scores, sequence, TestaVisionModelOutput)  # aggregation, aggregation_block, the vision model
     modules = [sys.modules[item.__module__] for item in defining] + [sys.modules[__name__]]
     digest = hashlib.sha256()
@@ -680,9 +683,8 @@ class ExportedEncoder:
         precision = "fp32" if precision == "bf16" else precision
         calibration = self.calibration_for(shape) if precision == "int8" else None
         calibration_sha = None if calibration is None else tensor_fingerprint([("calibration", calibration)])
-        versions = {**self.versions, "score_grid": repr(current_score_grid())}  # read now: it may have changed
         key = cache_key(self.weights_sha256, config_settings(self.vision_model), self.backend, precision, shape,
-                        trace_source, calibration_sha, versions)
+                        trace_source, calibration_sha, self.versions)
         return self.cache_dir / f"{self.backend}-{precision}-{key[:24]}", calibration
 
     def exported_path(self, shape: tuple[int, ...], trace_source: bool, precision: str) -> Path:

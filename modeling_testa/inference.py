@@ -82,6 +82,7 @@ def optimize_for_inference(
     cache_dir: str | os.PathLike | None = None,
     calibration: torch.Tensor | None = None,
     isolate: bool = False,
+    fused_kernels: str = "auto",
 ) -> nn.Module:
     r"""Prepares a TESTA model for fast inference, in place, and returns it (the same object, in `eval()` mode).
 
@@ -152,7 +153,7 @@ def optimize_for_inference(
             "original model again to choose other settings."
         )
     options = {"compile": compile, "include_text": include_text, "cache_dir": cache_dir, "calibration": calibration,
-               "isolate": isolate}
+               "isolate": isolate, "fused_kernels": fused_kernels}
     runtime_class.check(vision, precision, options, backend)
     model.eval()
     runtime = runtime_class(vision, precision, **{name: options[name] for name in runtime_class.options})

@@ -54,9 +54,8 @@ from typing import Any, Callable, ClassVar
 import torch
 from torch import nn
 
-from .aggregation import current_score_grid
-from .fused_aggregation import current_mode as fused_kernel_mode
 from .aggregation_settings import AGGREGATION_FIELDS
+from .fused_aggregation import check_option as check_fused_kernels_option
 from .linear_layers import compile_blocks, convert_linears
 from .engines import (
     BF16_FLAGS,
@@ -70,7 +69,8 @@ from .engines import (
 
 logger = logging.getLogger(__name__)
 
-OPTION_DEFAULTS = {"compile": False, "include_text": False, "cache_dir": None, "calibration": None, "isolate": False}
+OPTION_DEFAULTS = {"compile": False, "include_text": False, "cache_dir": None, "calibration": None, "isolate": False,
+                   "fused_kernels": "auto"}
 """The optional arguments of `optimize_for_inference` a runtime may take, with their defaults (an option left at its
 default is never refused)."""
 
@@ -81,6 +81,12 @@ INT8_DEPRECATION = (
     "faster: docs/inference.md)."
 )
 """The warning of the legacy torch int8 path."""
+
+
+def is_default(name: str, value: Any) -> bool:
+    """Whether ``value`` is the default of option ``name`` (`OPTION_DEFAULTS`; a tensor never is)."""
+    default = OPTION_DEFAULTS[name]
+    return value is default or (not isinstance(value, torch.Tensor) and value == default)
 
 
 def _quoted(values) -> str:
@@ -176,7 +182,8 @@ class EncoderRuntime:
             raise ValueError(f"{cls.label(backend)} runs on {' or '.join(cls.devices)}; the model is on {device}. "
                              f"Backends for {device}: {_quoted(names_for_device(device))}.")
         cls.check_precision(precision, device, backend)
-        given = [name for name, value in options.items() if value is not None and value is not False]
+        check_fused_kernels_option(options.get("fused_kernels", OPTION_DEFAULTS["fused_kernels"]))
+        given = [name for name, value in options.items() if not is_default(name, value)]
         refused = [name for name in given if name not in cls.options]
         if refused:
             takers = [n for n, c in RUNTIMES.items() if set(refused) <= set(c.options)]
@@ -251,7 +258,7 @@ class TorchEagerRuntime(EncoderRuntime):
     name = "torch-eager"
     devices = None
     precisions = ("fp32", "bf16", "int8")
-    options = ("compile", "include_text")
+    options = ("compile", "include_text", "fused_kernels")
 
     @classmethod
     def check_model(cls, vision_model: nn.Module, precision: str, options: dict[str, Any],
@@ -270,7 +277,8 @@ class TorchEagerRuntime(EncoderRuntime):
     def __call__(self, pixel_values, output_hidden_states=False, output_attentions=False, trace_source=None):
         if getattr(self, "compiled", False) and compiles_wrongly(self.vision_model):  # set_aggregation since
             raise ValueError(COMPILED_IMPORTANCE_REFUSAL)
-        return self.vision_model.eager_forward(pixel_values, output_hidden_states, output_attentions, trace_source)
+        return self.vision_model.eager_forward(pixel_values, output_hidden_states, output_attentions, trace_source,
+                                               self.options["fused_kernels"])
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -314,7 +322,7 @@ class CudaGraphRuntime(EncoderRuntime):
     name = "cuda-graphs"
     devices = ("cuda",)
     precisions = ("fp32", "bf16")
-    options = ("include_text",)
+    options = ("include_text", "fused_kernels")
     outputs = ()
     falls_back = True
 
@@ -336,13 +344,12 @@ class CudaGraphRuntime(EncoderRuntime):
                 "max_graphs": self.max_graphs}
 
     def key(self, pixel_values: torch.Tensor, trace_source: bool) -> tuple:
-        """What a graph is specific to: the input's shape, dtype and device, source tracing, and the aggregation
-        settings (`set_aggregation` after `optimize_for_inference` gives other token counts: another graph)."""
+        """What a graph is specific to: the input's shape, dtype and device, source tracing, and the model's
+        aggregation settings, its score grid included (`set_aggregation` after `optimize_for_inference` gives other
+        token counts or other decisions: another graph). The merge's kernels are this runtime's own option, fixed
+        for its life."""
         settings = self.vision_model.aggregation_settings(trace_source)
-        # the score grid and the merge's kernels (fused or PyTorch ops) are baked into a captured graph: another grid
-        # or `fused_aggregation.MODE` (set later) is another graph
-        return (tuple(pixel_values.shape), pixel_values.dtype, str(pixel_values.device), repr(settings),
-                current_score_grid(), fused_kernel_mode())
+        return (tuple(pixel_values.shape), pixel_values.dtype, str(pixel_values.device), repr(settings))
 
     def fallback_reason(self, key: tuple, output_hidden_states: bool, output_attentions: bool) -> str | None:
         """Why this call runs eager, or ``None`` when a graph serves it."""
@@ -367,7 +374,7 @@ class CudaGraphRuntime(EncoderRuntime):
 
     def graph_function(self, trace_source: bool) -> Callable[[torch.Tensor], tuple[torch.Tensor, ...]]:
         """``pixel_values -> (last_hidden_state, token_sizes[, source_map])``: what is captured."""
-        graph = EncoderGraph(self.vision_model, trace_source)
+        graph = EncoderGraph(self.vision_model, trace_source, self.options["fused_kernels"])
 
         def function(pixel_values: torch.Tensor) -> tuple[torch.Tensor, ...]:
             with torch.no_grad():
@@ -403,7 +410,8 @@ class CudaGraphRuntime(EncoderRuntime):
         if reason is not None:
             self.log_fallback(key, reason)
             self.calls[key] = self.calls.get(key, 0) + 1
-            return model.eager_forward(pixel_values, output_hidden_states, output_attentions, trace_source)
+            return model.eager_forward(pixel_values, output_hidden_states, output_attentions, trace_source,
+                                       self.options["fused_kernels"])
         outputs = self.replay(key, pixel_values, trace)
         last_hidden_state = outputs[0]
         return TestaVisionModelOutput(last_hidden_state=last_hidden_state, pooler_output=last_hidden_state[:, 0],

@@ -267,19 +267,23 @@ def test_cache_key_changes_with_every_setting():
 
 
 
-def test_an_export_of_other_merge_code_or_another_score_grid_is_not_reused(monkeypatch, tmp_path):
-    """The cache key covers the graph's code and the score grid (read at each lookup), so a graph exported before the
-    merge decisions changed (for example raw scores, before snapping) is exported again rather than silently reused."""
-    from modeling_testa import aggregation, engines
-
+def test_an_export_of_other_merge_code_or_another_score_grid_is_not_reused(tmp_path):
+    """The cache key covers the graph's code and the model's score grid (a setting of its config, read at each
+    lookup), so a graph exported for other merge decisions (for example raw scores) is exported again rather than
+    silently reused."""
     code = engines.graph_code_fingerprint()
     assert code == engines.graph_code_fingerprint() and engines.library_versions("openvino")["graph_code"] == code
-    encoder = ExportedEncoder(_vision_model(), "openvino", "fp32", cache_dir=tmp_path)
+    model = _vision_model()
+    encoder = ExportedEncoder(model, "openvino", "fp32", cache_dir=tmp_path)
     shape = (8, 3, 32, 32)
     folder = encoder.folder_for(shape, False)[0]
     assert encoder.folder_for(shape, False)[0] == folder
-    monkeypatch.setattr(aggregation, "SCORE_GRID", 0.0)
-    assert encoder.folder_for(shape, False)[0] != folder
+    model.set_aggregation(score_grid=0.0)
+    raw = encoder.folder_for(shape, False)[0]
+    assert raw != folder
+    model.set_aggregation(score_grid=2.0**-10)
+    assert encoder.folder_for(shape, False)[0] == folder
+
 
 def test_default_calibration_videos_are_deterministic_and_normalised_scale():
     a = engines.default_calibration_videos(8, 32, 32)
