@@ -272,9 +272,9 @@ def test_an_export_of_other_merge_code_or_another_score_grid_is_not_reused(tmp_p
     lookup), so a graph exported for other merge decisions (for example raw scores) is exported again rather than
     silently reused."""
     code = engines.graph_code_fingerprint()
-    assert code == engines.graph_code_fingerprint() and engines.library_versions("openvino")["graph_code"] == code
+    assert code == engines.graph_code_fingerprint() and engines.OpenVINOEngine.versions()["graph_code"] == code
     model = _vision_model()
-    encoder = ExportedEncoder(model, "openvino", "fp32", cache_dir=tmp_path)
+    encoder = ExportedEncoder(model, engines.OpenVINOEngine, "fp32", cache_dir=tmp_path)
     shape = (8, 3, 32, 32)
     folder = encoder.folder_for(shape, False)[0]
     assert encoder.folder_for(shape, False)[0] == folder
@@ -319,13 +319,14 @@ def test_openvino_fp32_equals_pytorch_and_the_cache_follows_the_settings(cache_d
     assert changed.last_hidden_state.shape != out.last_hidden_state.shape
 
     # another encoder on the same weights and settings loads both graphs from the cache: no export
-    again = ExportedEncoder(copy.deepcopy(model), "openvino", "fp32", cache_dir=cache_dir)
+    again = ExportedEncoder(copy.deepcopy(model), engines.OpenVINOEngine, "fp32", cache_dir=cache_dir)
     with torch.no_grad():
         loaded = again(_video(), trace_source=True)
     assert again.exports == 0
     assert torch.equal(loaded.last_hidden_state, changed.last_hidden_state)
     # other weights are another model: exported again
-    other = ExportedEncoder(_vision_model(seed=5, spatial_reduction=2), "openvino", "fp32", cache_dir=cache_dir)
+    other = ExportedEncoder(_vision_model(seed=5, spatial_reduction=2), engines.OpenVINOEngine, "fp32",
+                            cache_dir=cache_dir)
     assert other.folder_for((8, 3, 32, 32), True)[0] != again.folder_for((8, 3, 32, 32), True)[0]
 
 
@@ -356,19 +357,10 @@ def test_int8_stays_within_the_contract_with_matching_in_fp32(backend, cache_dir
     assert float(cosine.min()) >= 0.98  # the int8 quality contract (benchmarks/fast_inference.py)
     # the graph is quantized, but no quantization step feeds the matrix multiplies that decide the matching, nor the
     # temporal attention's output branch
-    int8, fp32 = (encoder.folder_for((8, 3, 32, 32), True, precision)[0] for precision in ("int8", "fp32"))
-    if backend == "openvino":
-        import openvino as ov
-
-        nodes, exported = (engines.openvino_nodes(ov.Core().read_model(str(path)))
-                           for path in (int8 / "encoder_int8.xml", fp32 / "encoder.xml"))
-        quantizer, matmuls, attentions = "FakeQuantize", ("MatMul",), ("ScaledDotProductAttention",)
-    else:
-        import onnx
-
-        nodes, exported = (engines.onnx_nodes(onnx.load(str(path)).graph)
-                           for path in (int8 / "encoder_int8.onnx", fp32 / "encoder.onnx"))
-        quantizer, matmuls, attentions = "DequantizeLinear", ("MatMul", "Gemm"), ()
+    engine = engines.ENGINES[backend]
+    nodes, exported = (engine.graph_nodes(encoder.folder_for((8, 3, 32, 32), True, precision)[0]
+                                          / engine.file_name(precision)) for precision in ("int8", "fp32"))
+    quantizer, matmuls, attentions = engine.quantizer_type, engine.matmul_types, engine.attention_types
     deciding = matching_matmuls(nodes, matmul_types=matmuls)
     # found on the fp32 graph, as the quantizer does (in the int8 graph, quantize steps sit between the nodes)
     temporal_branch = engines.attention_output_matmuls(exported, matmul_types=matmuls, attention_types=attentions,
@@ -509,13 +501,13 @@ import gc, os, signal, sys
 import numpy as np
 import openvino as ov
 import openvino.opset13 as ops
-from modeling_testa.engines import CompiledGraph
+from modeling_testa.engines import OpenVINOEngine
 
 parameter = ops.parameter([2, 4], np.float32)
 ov.save_model(ov.Model([ops.relu(parameter)], [parameter]), sys.argv[1])
 graphs = []
 for _ in range(2):  # as two encoders (or two input shapes) load their graphs, each run once
-    graphs.append(CompiledGraph("openvino", sys.argv[1], "fp32"))
+    graphs.append(OpenVINOEngine(sys.argv[1], "fp32"))
     graphs[-1](np.ones((2, 4), np.float32))
 for index in (0, 1):  # freed first in, first out (garbage collection may free them in any order)
     graphs[index] = None

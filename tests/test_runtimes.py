@@ -96,6 +96,50 @@ def test_every_runtime_is_registered_by_its_name_and_declares_what_it_can_do():
     assert OnnxRuntimeRuntime.precisions == ("fp32", "int8")
 
 
+
+def test_one_class_per_engine_declares_what_its_runtime_offers():
+    """Issue 45: each engine (`engines.ENGINES`) owns its name, precisions, extra, packages and file names, and its
+    runtime takes them from it: nothing about an engine is declared twice."""
+    from modeling_testa import engines
+
+    exported = {name: runtime for name, runtime in RUNTIMES.items() if runtime.exported}
+    assert set(exported) == set(engines.ENGINES)
+    for name, runtime in exported.items():
+        engine = engines.ENGINES[name]
+        assert runtime.engine is engine
+        assert (runtime.name, runtime.precisions, runtime.extra, runtime.packages) == (
+            engine.name, engine.precisions, engine.extra, engine.packages)
+        assert engine.file_name("int8") != engine.file_name("fp32") == engine.file_name("bf16") == engine.graph_file
+
+
+def test_no_engine_is_told_apart_by_its_name_outside_the_registry():
+    """What differs between the engines is in their classes: no module of the package compares a backend with an
+    engine's name (``backend == "openvino"``)."""
+    import re
+    from pathlib import Path
+
+    from modeling_testa import engines
+
+    package = Path(runtimes.__file__).parent
+    names = "|".join(engines.ENGINES)
+    comparison = re.compile(rf"""(==|!=|\bin)\s*\(?\s*["']({names})["']|["']({names})["']\s*(==|!=)""")
+    found = [f"{path.name}:{number}" for path in sorted(package.glob("*.py"))
+             for number, line in enumerate(path.read_text().splitlines(), 1) if comparison.search(line)]
+    assert found == []
+
+
+def test_the_options_are_declared_once():
+    """Issue 45: `RuntimeOptions` declares the options; `optimize_for_inference`'s signature and every runtime's
+    ``options`` come from it, and an unknown option is refused naming the allowed ones."""
+    import inspect
+
+    signature = inspect.signature(optimize_for_inference).parameters
+    assert {name: signature[name].default for name in runtimes.OPTION_DEFAULTS} == runtimes.OPTION_DEFAULTS
+    assert set(signature) == {"model", "precision", "backend", *runtimes.OPTION_DEFAULTS}
+    with pytest.raises(ValueError, match=r"`cache_directory`: not an option of optimize_for_inference; its options "
+                                         r"are `compile`, `include_text`, `cache_dir`"):
+        optimize_for_inference(_vision_model(), "fp32", cache_directory="x")
+
 def test_torch_is_cuda_graphs_on_a_gpu_and_eager_elsewhere():
     assert resolve("torch", "cpu") is TorchEagerRuntime
     assert resolve("torch", "cuda") is CudaGraphRuntime
