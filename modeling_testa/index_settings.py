@@ -105,6 +105,7 @@ class IndexInfo:
         default=None, metadata=config_setting(lambda c: c.vision_config.temporal_reduction_per_layer))
     spatial_reduction: list[int] | None = field(
         default=None, metadata=config_setting(lambda c: c.vision_config.spatial_reduction_per_layer))
+    score_grid: float | None = field(default=None, metadata=config_setting(lambda c: c.vision_config.score_grid))
     precision: str | None = None
     token_dtype: str | None = None
     window: float | None = field(default=None, metadata=WHOLE_VIDEOS_IS_A_VALUE)
