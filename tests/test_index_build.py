@@ -479,3 +479,21 @@ def test_a_store_that_does_not_say_which_model_encoded_it_is_not_grown(pipe, tmp
     with pytest.raises(IndexSettingsError, match="model_weights_sha256"):
         retrained.encode_videos(videos, store_dir=saved)
     assert pipe.encode_videos(videos, store_dir=saved).stats["videos"] == 1  # the same model grows it
+
+
+def test_an_index_refuses_a_model_under_another_merge_rule(pipe, tmp_path):
+    """The rule the merges were decided by (`score_grid`) is a setting of the index: growing or searching it with the
+    same weights under another rule is refused, naming it, before anything is encoded."""
+    videos = [str(write_noise_video(tmp_path / "videos" / f"clip{i}.mp4", seed=i)) for i in range(2)]
+    index = pipe.encode_videos(videos[:1], store_dir=tmp_path / "store")
+    assert index.info["score_grid"] == pipe.model.config.vision_config.score_grid == 2.0**-10
+    raw = build_retrieval()
+    raw.load_state_dict(pipe.model.state_dict())
+    raw.set_aggregation(score_grid=0.0)
+    other = VideoTextRetrievalPipeline(model=raw, processor=tiny_processor(), device="cpu")
+    before = snapshot(tmp_path / "store")
+    with pytest.raises(IndexSettingsError, match=r"score_grid: the index has 0.0009765625, this build 0.0"):
+        other.encode_videos(videos, store_dir=tmp_path / "store")
+    assert snapshot(tmp_path / "store") == before
+    with pytest.raises(ValueError, match="score_grid = 0.0009765625, but this model has score_grid = 0.0"):
+        other.search(QUERY, VideoIndex.load(tmp_path / "store"))
