@@ -300,7 +300,7 @@ def test_add_refuses_other_settings_and_store_backed_indexes(pipe, videos, tmp_p
     index = pipe.encode_videos(videos[:2])
     other = pipe.encode_videos(videos[2:3])
     other.info = {**other.info, "num_frames": 99}
-    with pytest.raises(ValueError, match=r"info\['num_frames'\] = 99 .*info\['num_frames'\] = 4"):
+    with pytest.raises(ValueError, match="num_frames: the index has 4, this build 99"):
         index.add(other)
     half = pipe.encode_videos(videos[2:3], token_dtype=torch.float16)
     with pytest.raises(ValueError, match="tokens dtype torch.float16 to one with tokens dtype torch.float32"):
@@ -348,7 +348,7 @@ def test_an_index_refuses_a_model_with_another_merge_rule(videos):
     pipe.model.set_aggregation(score_grid=0.0)
     with pytest.raises(ValueError, match=r"encoded with score_grid = 0.0009765625, but this model has score_grid = 0.0"):
         pipe.search(QUERIES[0], index)
-    with pytest.raises(ValueError, match=r"score_grid: the index has 0.0009765625, this call 0.0"):
+    with pytest.raises(ValueError, match=r"score_grid: the index has 0.0009765625, this build 0.0"):
         pipe.encode_videos(videos[2:3], index=index)
     assert len(index) == 2  # nothing changed
     pipe.model.set_aggregation(score_grid=2.0**-10)  # the rule it was built with: searched and grown again
