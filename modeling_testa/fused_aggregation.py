@@ -46,7 +46,6 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 from .aggregation import (
-    DEFAULT_SCORE_GRID,
     Bipartite,
     Matching,
     differentiable,
@@ -445,7 +444,7 @@ def check_fused_kernels(device: torch.device | str, warn: bool = True) -> bool:
             (patch_keys, torch.randn(1, 2, 196, 256, generator=generator), 12, 1),  # patches: (B, T, L, D)
             (frame_keys, torch.randn(1, 32, 5, 64, generator=generator), 1, 0),  # frames: (B, T, L, D)
         )
-        for grid in (DEFAULT_SCORE_GRID, 0.0):
+        for grid in (2.0**-10, 0.0):  # the default grid, and raw scores
             for dtype in (torch.float32, torch.bfloat16):
                 for keys, features, r, first in cases:
                     x = features.to(device, dtype)

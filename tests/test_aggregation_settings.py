@@ -276,3 +276,15 @@ def test_apply_testa_takes_the_rule():
     model = apply_testa(timesformer(), temporal_reduction=1, spatial_reduction=2, score_grid=0.0)
     assert get_testa_settings(model).score_grid == 0.0
     assert get_testa_settings(apply_testa(timesformer(), 1, 2)).score_grid == 2.0**-10
+
+
+def test_no_module_variable_changes_a_models_rule(monkeypatch):
+    """The grid is the model's setting: the library's default is a constant bound where it is used, and changing it
+    after import changes no model's merges (issue 45: `aggregation.SCORE_GRID` was a process-wide switch)."""
+    from modeling_testa import aggregation
+
+    before = merges(rule_model(2.0**-10))
+    monkeypatch.setattr(aggregation, "DEFAULT_SCORE_GRID", 0.0)
+    assert vision_config().score_grid == 2.0**-10
+    assert torch.equal(merges(rule_model(2.0**-10)), before)
+    assert not hasattr(aggregation, "SCORE_GRID")
