@@ -161,31 +161,36 @@ def test_random_and_headtail_sampling_from_files(videos, backend):
     assert [read_index(f.permute(1, 2, 0).numpy()) for f in h["pixel_values"][0]] == idx
 
 
-def test_pyav_skips_unneeded_non_reference_frames_without_changing_pixels(videos, monkeypatch):
+def test_pyav_seeks_and_skips_unneeded_frames_without_changing_pixels(videos):
+    """PyAV jumps to the keyframe before a wanted frame when it lies ahead and skips non-reference frames that are
+    not wanted: fewer frames are decoded, and every frame it gives equals PyAV's own plain decode of the file."""
     import av
 
-    with av.open(str(videos["bframes"])) as container:
-        types = [int(frame.pict_type) for frame in container.decode(video=0)]
-    assert types.count(3) > 10  # AV_PICTURE_TYPE_B: the file really has B-frames
-    calls = []
-    original = worker.pyav_collect_skipping
-
-    def spy(*args, **kwargs):
-        result = original(*args, **kwargs)
-        calls.append(result is not None)
-        return result
-
-    monkeypatch.setattr(worker, "pyav_collect_skipping", spy)  # seen in this process: decode in process
-    vp = TestaVideoProcessor(num_frames=7, video_backend="pyav", isolate_decoder=False)
-    fast = vp(videos["bframes"], return_metadata=True, **RAW)
-    assert calls == [True]  # the skipping path was used and produced every wanted frame
-    assert [read_index(f.permute(1, 2, 0).numpy()) for f in fast["pixel_values"][0]] == uniform(60, 7)
-    isolated = vp(videos["bframes"], isolate_decoder=True, **RAW)  # the helper process runs the same code
-    assert calls == [True] and torch.equal(fast["pixel_values"], isolated["pixel_values"])
-    monkeypatch.setattr(worker, "pyav_collect_skipping", lambda *args, **kwargs: None)  # force the plain path
-    plain = vp(videos["bframes"], **RAW)
-    assert torch.equal(fast["pixel_values"], plain["pixel_values"])
-    assert torch.equal(plain["pixel_values"], vp(videos["bframes"], video_backend="decord", **RAW)["pixel_values"])
+    path = str(videos["bframes"])  # 60 frames, a keyframe every 12, B-frames (some of them reference frames)
+    with av.open(path) as container:
+        decoded = list(container.decode(video=0))
+        plain = [frame.to_ndarray(format="rgb24") for frame in decoded]
+        assert [int(f.pict_type) for f in decoded].count(3) > 10  # AV_PICTURE_TYPE_B: the file has B-frames
+    decoded_frames = {}
+    for wanted in ([4, 12, 21, 30, 38, 47, 55], [0, 59], [13], [47, 48], list(range(60))):
+        for seek in (True, False):
+            reader = worker.PyAVReader(path, None, seek=seek)
+            seen = []
+            got = list(reader.frames(wanted, lambda reached, seconds: seen.append(reached)))  # one call per frame
+            assert [i for i, _ in got] == wanted and reader.reached == wanted[-1] + 1 and reader.error is None
+            assert all(np.array_equal(frame, plain[i]) for i, frame in got), (wanted, seek)
+            assert (reader.seeks > 0) == (seek and wanted[0] >= 12 and wanted != list(range(60))) or \
+                wanted[0] < 12, (wanted, seek, reader.seeks)
+            decoded_frames[tuple(wanted), seek] = len(seen)
+    sparse = (4, 12, 21, 30, 38, 47, 55)
+    # skipping alone decodes fewer frames than the 56 up to the last one wanted; seeking fewer still
+    assert decoded_frames[sparse, True] < decoded_frames[sparse, False] < 56
+    assert decoded_frames[(13,), True] <= 3 < decoded_frames[(13,), False]  # from the keyframe at 12, not from 0
+    vp = TestaVideoProcessor(num_frames=7, video_backend="pyav", **RAW)
+    isolated, in_process = vp(path)["pixel_values"], vp(path, isolate_decoder=False)["pixel_values"]
+    assert torch.equal(isolated, in_process)
+    assert torch.equal(isolated, vp(path, video_backend="decord")["pixel_values"])
+    assert [read_index(f.permute(1, 2, 0).numpy()) for f in isolated[0]] == uniform(60, 7)
 
 
 @pytest.mark.parametrize("isolate", [True, False])
@@ -279,17 +284,26 @@ def test_file_without_video_stream(tmp_path):
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-# The helper script's read step; the fault tests run a copy of the script with a fault injected right there.
-_READ_STEP = "frames = reader.read(request[1])"
+# The helper's stream step, and the step that sends each frame; the fault tests run a copy of the helper's handler
+# with a fault injected right before one of them.
+_STREAM_STEP = "for index, frame in reader.frames(wanted, ProgressReports(replies)):"
+_FRAME_STEP = 'replies.send(("frame", index, frame.shape, frame.dtype.str))'
 
 
-def _faulty_worker(tmp_path, monkeypatch, fault: str, backends: tuple[str, ...]) -> None:
-    """Makes this process start its decoder helper from a copy of `video_decoding_worker.py` that runs `fault` (a
-    Python expression: a segfault, an abort, a sleep) before reading frames with one of `backends`."""
+def _inject(text: str, step: str, statement: str) -> str:
+    """`text` with `statement` inserted before the one line holding `step`, at that line's indentation."""
+    assert text.count(step) == 1
+    line_start = text.rindex("\n", 0, text.index(step)) + 1
+    indent = text[line_start:text.index(step)]
+    return text[:line_start] + indent + statement + "\n" + text[line_start:]
+
+
+def _faulty_worker(tmp_path, monkeypatch, fault: str, backends: tuple[str, ...], step: str = _STREAM_STEP) -> None:
+    """Makes this process start its decoder helper with a copy of `video_decoding_worker.py` that runs `fault` (a
+    Python expression: a segfault, an abort, a sleep) before `step` (by default: before streaming frames) with one of
+    `backends`."""
     text = Path(decoding._WORKER_SCRIPT).read_text(encoding="utf-8")
-    assert text.count(_READ_STEP) == 1
-    faulty_step = f"frames = (reader.backend in {backends!r} and ({fault})) or reader.read(request[1])"
-    text = text.replace(_READ_STEP, faulty_step)
+    text = _inject(text, step, f"import os, time; reader.backend in {backends!r} and ({fault})")
     script = tmp_path / "faulty_worker" / "video_decoding_worker.py"
     script.parent.mkdir()
     script.write_text(text, encoding="utf-8")
@@ -427,7 +441,7 @@ def test_exported_folder_decodes_in_its_own_helper_without_the_package(videos, t
             print("HELPER", backend, process.pid, process.args[-1])
         text = open(module._WORKER_SCRIPT).read()
         faulty = os.path.join({str(tmp_path)!r}, "faulty.py")
-        open(faulty, "w").write(text.replace({_READ_STEP!r}, "frames = os.abort() or reader.read(request[1])"))
+        open(faulty, "w").write(text.replace({_STREAM_STEP!r}, "__import__('os').abort()\\n        " + {_STREAM_STEP!r}))
         module._WORKER_SCRIPT = faulty
         module.shutdown_decoder_process()
         try:
