@@ -109,11 +109,14 @@ class WorkerProcess:
 
     Args:
         argv: the helper's command line, or a function that returns it at each start.
+        grace: seconds a stopped helper gets to exit by itself (at the end of its input) before it is killed; 0
+            kills it at once (a hung decoder would never read the end of its input).
         log_limit: bytes of log kept; the log restarts empty beyond it (`log_mark`).
     """
 
-    def __init__(self, argv: list[str] | Callable[[], list[str]], log_limit: int = 1 << 20) -> None:
-        self.argv, self.log_limit = argv, log_limit
+    def __init__(self, argv: list[str] | Callable[[], list[str]], grace: float = 0.0, log_limit: int = 1 << 20
+                 ) -> None:
+        self.argv, self.grace, self.log_limit = argv, grace, log_limit
         self.process: subprocess.Popen | None = None
         self.log = None
         self.owner_pid = os.getpid()
@@ -148,7 +151,7 @@ class WorkerProcess:
             start_new_session=True,  # Ctrl-C in a terminal goes to the caller only
         )
         self.starts += 1
-        weakref.finalize(self, stop_process, self.process, 0.0)
+        weakref.finalize(self, stop_process, self.process, self.grace)
         message = self.receive(time.monotonic() + timeout if timeout else None)
         if message[0] != "ready":
             raise OSError(f"{message[1]}: {message[2]}")
@@ -164,12 +167,12 @@ class WorkerProcess:
         """Reads the raw bytes that follow a message into `view`."""
         read_into(self.process.stdout.fileno(), view, deadline)
 
-    def stop(self, grace: float = 0.0) -> None:
-        """Stops the helper (if any) and forgets it: closes its pipes, then kills it now, or after `grace` seconds
-        if it has not exited by then (a helper ends at the end of its input)."""
+    def stop(self) -> None:
+        """Stops the helper (if any) and forgets it: closes its pipes, then kills it at once, or after `grace`
+        seconds if it has not exited by then (a helper ends at the end of its input)."""
         process, self.process = self.process, None
         if process is not None:
-            stop_process(process, grace)
+            stop_process(process, self.grace)
         if self.log is not None:
             self.log.close()
             self.log = None
