@@ -45,13 +45,7 @@ from transformers.utils import logging
 from .index_homes import IndexEntry, InMemoryHome, StoreHome, VideoIndexBuilder, window_entries
 from .indexing import SUMMARY_FAILURES, DecodeAhead, check_on_error
 from .inference import optimize_for_inference
-from .moments import (
-    DecodeWindowRows,
-    best_moment_per_video,
-    check_window_options,
-    rebatch,
-    video_groups,
-)
+from .moments import WindowRowDecoder, best_moment_per_video, check_window_options
 from .processing_testa import TestaProcessor, load_testa_processor
 from .ranking import RankingOptions, ranked_order, two_stage_scores
 from .saving import check_savable, push_folder_to_hub
@@ -493,7 +487,7 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
             window (`float`, *optional*): index moments instead of whole videos: every video file is cut into
                 windows of this many seconds (planned from its duration, `moments.plan_window_rows`; a video shorter
                 than one window is one entry), the rows encoded by `index_homes.VideoIndexBuilder`, each video
-                decoded once for all its windows (`moments.DecodeWindowRows`), and each window is one row of the index
+                streamed once for all its windows (`moments.WindowRowDecoder`), and each window is one row of the index
                 with its `start` and `end` (`VideoIndex.segments`); `search` then returns moments. Paths only, kept in
                 memory (not with `store_dir`); `num_frames` is the only video argument taken. With `num_workers`,
                 the next videos are decoded (each in one pass) in threads while the current windows are encoded.
@@ -608,21 +602,10 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
 
     def _moment_decoder(self, batch_size: int, num_workers: int, on_error: str, num_frames: int) -> Any:
         """The builder's `decode(entries, positions)` for rows that are moments (`IndexEntry.start`/`end`; None: the
-        whole video): `moments.DecodeWindowRows` decodes each video once for its consecutive rows, in `num_workers`
-        threads (`DecodeAhead`, each with its own decoder process), and the windows go out `batch_size` at a time."""
-
-        def decode(entries: list[IndexEntry], positions: list[int]):
-            segments = [None if entry.start is None else [entry.start, entry.end] for entry in entries]
-            collate = DecodeWindowRows(self.video_processor, num_frames, segments, on_error)
-            groups = video_groups(positions, [entry.name(i) for i, entry in enumerate(entries)])
-            ahead = DecodeAhead(lambda g: collate([groups[g]]), len(groups), num_workers, max(2, num_workers),
-                                self._decoder_for_thread)
-            with ahead:
-                for indices, pixel_values, failures in rebatch(map(ahead.get, range(len(groups))), batch_size):
-                    yield indices, pixel_values, [dataclasses.replace(f, start=entries[f.index].start,
-                                                                      end=entries[f.index].end) for f in failures]
-
-        return decode
+        whole video): `moments.WindowRowDecoder` streams each video once for its consecutive rows, in `num_workers`
+        threads (each with its own decoder process), and hands the windows out `batch_size` at a time as they
+        complete."""
+        return WindowRowDecoder(self.video_processor, num_frames, batch_size, num_workers, on_error)
 
     @staticmethod
     def _log_stats(count: int, stats: Any) -> None:

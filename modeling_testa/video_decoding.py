@@ -212,7 +212,7 @@ def _is_url(source: str) -> bool:
     return source.lower().startswith(_URL_SCHEMES)
 
 
-def _check_source(source: str | os.PathLike) -> str:
+def check_source(source: str | os.PathLike) -> str:
     """Normalises a path/URL and raises early, with the path, for missing, non-regular and empty files."""
     source = os.fspath(source)
     if not isinstance(source, str):
@@ -706,42 +706,63 @@ def decode_video(
     """
     if backend not in VIDEO_BACKENDS:
         raise ValueError(f"Unknown video_backend={backend!r}; use one of {VIDEO_BACKENDS}.")
-    source = _check_source(source)
+    source = check_source(source)
     if sample_indices_fn is None:
 
         def sample_indices_fn(metadata: VideoMetadata) -> np.ndarray:
             return np.arange(metadata.total_num_frames)
 
-    if backend == "auto":
-        backends = [b for b, ok in (("decord", decord_available()), ("pyav", pyav_available())) if ok]
-        if not backends:
-            raise ImportError("Decoding video files needs decord or PyAV: `pip install decord av`.")
-    else:
-        backends = [backend]
-
+    backends = backends_to_try(backend)
     failures: list[tuple[str, VideoDecodingError]] = []
     for name in backends:
         try:
-            if name == "decord" and not decord_available():
-                raise ImportError("video_backend='decord' needs decord: `pip install decord`.")
-            if name == "pyav" and not pyav_available():
-                raise ImportError("video_backend='pyav' needs PyAV: `pip install av`.")
+            check_backend_installed(name)
             with VideoFrames(source, name, isolate_decoder, decode_timeout, num_threads) as video:
                 return _sample_and_read(video, sample_indices_fn)
         except VideoDecodingError as exc:
             failures.append((name, exc))
             if len(backends) > 1:
                 logger.info("%s could not decode %r (%s); trying the next backend.", name, source, exc.reason)
+    raise combined_error(source, failures)
+
+
+def backends_to_try(backend: str) -> list[str]:
+    """The decoders `backend` stands for, in the order to try them: ``"auto"`` is decord then PyAV (those installed;
+    `ImportError` when neither is), any other value itself (`ValueError` naming the allowed values for an unknown
+    one)."""
+    if backend not in VIDEO_BACKENDS:
+        raise ValueError(f"Unknown video_backend={backend!r}; use one of {VIDEO_BACKENDS}.")
+    if backend != "auto":
+        return [backend]
+    backends = [b for b, ok in (("decord", decord_available()), ("pyav", pyav_available())) if ok]
+    if not backends:
+        raise ImportError("Decoding video files needs decord or PyAV: `pip install decord av`.")
+    return backends
+
+
+def check_backend_installed(name: str) -> None:
+    """Raises `ImportError` with the install command when the decoder `name` cannot be imported."""
+    if name == "decord" and not decord_available():
+        raise ImportError("video_backend='decord' needs decord: `pip install decord`.")
+    if name == "pyav" and not pyav_available():
+        raise ImportError("video_backend='pyav' needs PyAV: `pip install av`.")
+
+
+def combined_error(source: str, failures: list[tuple[str, VideoDecodingError]]) -> VideoDecodingError:
+    """The error of a video that every decoder tried failed on (``(decoder, error)`` pairs): the error itself for
+    one decoder, else one naming each decoder's reason."""
     if len(failures) == 1:
-        raise failures[0][1]
+        return failures[0][1]
     reasons = "; ".join(f"{name}: {exc.reason}" for name, exc in failures)
     error_class = (
         VideoDecodingTimeoutError
         if all(isinstance(exc, VideoDecodingTimeoutError) for _, exc in failures)
         else VideoDecodingError
     )
-    raise error_class(source, f"no decoder could read it ({reasons})",
-                      code=combined_code([exc.code for _, exc in failures])) from failures[-1][1]
+    error = error_class(source, f"no decoder could read it ({reasons})",
+                        code=combined_code([exc.code for _, exc in failures]))
+    error.__cause__ = failures[-1][1]
+    return error
 
 
 # When every decoder tried failed, the most specific of their codes names the failure.
@@ -761,6 +782,10 @@ __all__ = [
     "VIDEO_BACKENDS",
     "DecoderProcess",
     "VideoFrames",
+    "backends_to_try",
+    "check_backend_installed",
+    "check_source",
+    "combined_error",
     "format_time",
     "VideoDecodingError",
     "VideoDecodingTimeoutError",

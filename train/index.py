@@ -65,7 +65,7 @@ from modeling_testa.index_homes import (
 )
 from modeling_testa.indexing import SUMMARY_FAILURES, DecodeVideos, EncodingStats
 from modeling_testa.inference import BACKENDS, PRECISIONS, optimize_for_inference
-from modeling_testa.moments import DecodeWindowRows, check_window_options, probe_duration, rebatch, video_groups
+from modeling_testa.moments import WindowRowDecoder, check_window_options, probe_duration
 from modeling_testa.runtimes import auto_precision, embeddings_label, isolated_by_default
 from modeling_testa.store_lock import LOCK_FILE, StoreLock, StoreLockedError, check_lock_token
 from modeling_testa.video_index import IndexInfo
@@ -271,16 +271,12 @@ class JournalProgress:
         self.bar.close()
 
 
-def decode_with_workers(collate: DecodeVideos | DecodeWindowRows, batch_size: int, num_workers: int):
-    """The builder's ``decode(entries, positions)``: `DecodeVideos` in a `DataLoader` of `num_workers` processes;
-    for moments (`DecodeWindowRows`), each video decoded once for its rows, the windows regrouped into batches of
-    ``batch_size``."""
+def decode_with_workers(collate: DecodeVideos, batch_size: int, num_workers: int):
+    """The builder's ``decode(entries, positions)`` for whole videos: `DecodeVideos` in a `DataLoader` of
+    `num_workers` processes. (Moments use `WindowRowDecoder`, which streams each video in threads.)"""
 
     def decode(entries: list[IndexEntry], positions: list[int]):
         workers = dict(num_workers=num_workers, prefetch_factor=1 if num_workers else None)
-        if isinstance(collate, DecodeWindowRows):
-            groups = video_groups(positions, [entry.name(i) for i, entry in enumerate(entries)])
-            return rebatch(DataLoader(groups, batch_size=1, collate_fn=collate, **workers), batch_size)
         items = [(i, entries[i].video) for i in positions]
         return DataLoader(items, batch_size=batch_size, collate_fn=collate, **workers)
 
@@ -317,7 +313,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="dtype of the stored tokens (default: float16)")
     parser.add_argument("--shard-size", type=int, default=256, help="videos per shard (default: 256)")
     parser.add_argument("--batch-size", type=int, default=8, help="videos per encoder forward, per process")
-    parser.add_argument("--num-workers", type=int, default=2, help="decoding worker processes per process")
+    parser.add_argument("--num-workers", type=int, default=2, help="decoding workers per process (DataLoader processes; with --window, threads, each streaming one video with a decoder process of its own)")
     parser.add_argument("--milvus", default=None,
                         help="also upsert every encoded video into Milvus: a Milvus Lite file (videos.db) or a server "
                              "or cluster URI (http://host:19530); the tokens stay in --store")
@@ -446,11 +442,10 @@ def index_into_store(args: argparse.Namespace, store: Path, videos: list[str], s
         rows = f"{len(stored)} videos" if args.window is None else f"{len(stored)} moments of {len(set(stored))} videos"
         print(f"Indexing {rows} into {num_shards} shards of up to {args.shard_size} on "
               f"{accelerator.num_processes} process(es){'; ' if notes else ''}{'; '.join(notes)}.", flush=True)
-    if args.window is not None:  # rows are windows: each video decoded once for its rows
-        collate = DecodeWindowRows(video_processor, num_frames, plan.get("segments") or [None] * len(stored))
+    if args.window is not None:  # rows are windows: each video streamed once for its rows, in worker threads
+        decode = WindowRowDecoder(video_processor, num_frames, args.batch_size, args.num_workers)
     else:
-        collate = DecodeVideos(video_processor, num_frames)
-    decode = decode_with_workers(collate, args.batch_size, args.num_workers)
+        decode = decode_with_workers(DecodeVideos(video_processor, num_frames), args.batch_size, args.num_workers)
     totals = {"encoded": 0, "already": 0, "failed": 0, "decode_wait_seconds": 0.0, "encode_seconds": 0.0,
               "seconds": 0.0}
     begin = time.perf_counter()
