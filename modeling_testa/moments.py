@@ -52,6 +52,12 @@ from .video_decoding import (
 # Times closer than this (seconds) are the same time: keeps 0.1 + 0.2 from planning an extra window.
 TIME_TOLERANCE = 1e-6
 
+STREAM_BACKENDS = ("pyav", "decord")
+"""The decoders ``backend="auto"`` tries when streaming a video's windows, in this order. PyAV first: it holds one
+frame at a time whatever the consumer's pace, and seeks over what no window needs; decord decodes ahead of a slow
+consumer into its own buffers (its helper process grew to 740 MB on an hour of 640x360 while an index was encoded,
+PyAV's stayed at 65 MB; see docs/moments.md)."""
+
 
 def check_window_options(window: float | None, stride: float | None) -> tuple[float | None, float | None]:
     """`(window, stride)` as floats after checking them; `stride` defaults to `window` (windows that touch).
@@ -250,8 +256,8 @@ class WindowStream:
             model's input size; default: kept as is.
         finish: turns a window's prepared frames (a list, in order) into its frames; default: `np.stack`.
         backend, isolate_decoder, decode_timeout, num_threads: as `video_decoding.decode_video` (decode_timeout is
-            a stall limit); with ``"auto"`` a decoder that fails or stalls mid-video is followed by the next one,
-            from the first frame not yet decoded.
+            a stall limit), except that ``"auto"`` tries `STREAM_BACKENDS` (PyAV first); a decoder that fails or
+            stalls mid-video is then followed by the next one, from the first frame not yet decoded.
 
     Attributes (once iteration has begun): `metadata` (`VideoMetadata` of the decoder that opened the video: its
     `duration` is what the container declares, over which `windows` is planned when it is a function),
@@ -272,7 +278,7 @@ class WindowStream:
         self.finish = finish or np.stack
         self.options = {"isolate_decoder": isolate_decoder, "decode_timeout": decode_timeout,
                         "num_threads": num_threads}
-        self.backends = backends_to_try(backend)
+        self.backends = backends_to_try(backend, STREAM_BACKENDS)
         self.metadata = self.frame_times = self.duration = self.windows = None
 
     def _open(self, backends: list[str], failures: list[tuple[str, VideoDecodingError]]) -> VideoFrames | None:
@@ -734,6 +740,8 @@ class WindowRowDecoder:
                 yield self._failure(clip.error, video, row, entry)
             else:
                 yield row, clip.frames, None
+        for _ in clips:  # let the stream read the decoder's end, so its helper serves the next video
+            pass
 
     def __call__(self, entries: list[Any], positions: list[int]) -> Iterator[DecodedBatch]:
         groups = video_groups(positions, [entry.name(i) for i, entry in enumerate(entries)])
@@ -763,6 +771,7 @@ def best_moment_per_video(results: Iterable[Mapping[str, Any]]) -> list[dict[str
 
 
 __all__ = [
+    "STREAM_BACKENDS",
     "VideoWindows",
     "WindowAssembly",
     "WindowClip",

@@ -726,15 +726,16 @@ def decode_video(
     raise combined_error(source, failures)
 
 
-def backends_to_try(backend: str) -> list[str]:
-    """The decoders `backend` stands for, in the order to try them: ``"auto"`` is decord then PyAV (those installed;
-    `ImportError` when neither is), any other value itself (`ValueError` naming the allowed values for an unknown
+def backends_to_try(backend: str, order: tuple[str, ...] = ("decord", "pyav")) -> list[str]:
+    """The decoders `backend` stands for, in the order to try them: ``"auto"`` is those of `order` that are installed
+    (`ImportError` when none is), any other value itself (`ValueError` naming the allowed values for an unknown
     one)."""
     if backend not in VIDEO_BACKENDS:
         raise ValueError(f"Unknown video_backend={backend!r}; use one of {VIDEO_BACKENDS}.")
     if backend != "auto":
         return [backend]
-    backends = [b for b, ok in (("decord", decord_available()), ("pyav", pyav_available())) if ok]
+    installed = {"decord": decord_available, "pyav": pyav_available}
+    backends = [name for name in order if installed[name]()]
     if not backends:
         raise ImportError("Decoding video files needs decord or PyAV: `pip install decord av`.")
     return backends
