@@ -4,6 +4,8 @@ Everything here works without `torch.distributed` being initialised (one process
 `raise_on_every_rank` raises the local error.
 """
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -34,10 +36,14 @@ def check_same_shape_on_all_ranks(tensor: torch.Tensor, name: str, dims: tuple[i
         )
 
 
+class PeerError(RuntimeError):
+    """Another process raised (`raise_on_every_rank`), so this one stops too; the message quotes its error."""
+
+
 def raise_on_every_rank(error: Exception | None, device: torch.device | None = None) -> None:
     """Collective (every process must call it at the same point): if any process passes an error, every process
     raises, so that no process is left waiting in the next collective. The failing process raises its own error; the
-    others raise a `RuntimeError` that quotes it."""
+    others raise a `PeerError` (a `RuntimeError`) that quotes it."""
     if world_size() == 1:
         if error is not None:
             raise error
@@ -52,7 +58,31 @@ def raise_on_every_rank(error: Exception | None, device: torch.device | None = N
     if error is not None:
         raise error
     failed = {index: message for index, message in enumerate(messages) if message is not None}
-    raise RuntimeError(f"another process raised, so every process stops: {failed}")
+    raise PeerError(f"another process raised, so every process stops: {failed}")
+
+
+def broadcast_object(obj: Any, source: int = 0) -> Any:
+    """Collective: process `source`'s `obj` on every process (picklable objects; `obj` itself in one process)."""
+    if world_size() == 1:
+        return obj
+    holder = [obj if rank() == source else None]
+    dist.broadcast_object_list(holder, src=source)
+    return holder[0]
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """Collective: every process's `obj`, in rank order, on every process (``[obj]`` in one process)."""
+    if world_size() == 1:
+        return [obj]
+    gathered = [None] * world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def barrier() -> None:
+    """Collective: waits for every process (nothing in one process)."""
+    if world_size() > 1:
+        dist.barrier()
 
 
 @torch.no_grad()
@@ -103,7 +133,11 @@ def gather_with_grad(tensor: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = [
+    "PeerError",
+    "barrier",
+    "broadcast_object",
     "check_same_shape_on_all_ranks",
+    "gather_objects",
     "gather_padded",
     "gather_with_grad",
     "gather_without_grad",

@@ -1,38 +1,47 @@
-"""Where a video index lives, and the one builder that fills it.
+"""Where a video index lives (its *home*), what a searchable index offers, and the rows both are made of.
 
-`VideoIndexBuilder` is the only code that turns decoded videos into an index: the retrieval pipeline's
-`encode_videos`, `python -m train.index` and the training evaluation all call it. It runs the one encode loop
-(`indexing.encode_videos`) into a *home*:
+Two interfaces, declared as `typing.Protocol`s as HF datasets' `BaseIndex` declares its indexes:
 
-- `InMemoryHome`: tensors in this process; `finish` returns an in-memory `VideoIndex`.
-- `StoreHome`: the on-disk video store (`video_store.py`), written by 1 to N processes, one shard each, resumably;
-  `finish` writes the store's index and first stage and returns a store-backed `VideoIndex`. A store grows by
-  appending shards (`StoreHome.append`), from the pipeline as from `train.index`.
-- `milvus_home.MilvusHome`: the embeddings and a payload in a Milvus collection (embedded Milvus Lite file, a
-  `milvus-lite server`, or a Milvus server or cluster), the re-ranking tokens in a store directory.
+- `IndexHome`: where a build writes rows. `index_build.IndexBuild`, the one code that runs a build, calls its
+  methods in this order: `lock`, `check_settings`, `plan` (or `read_plan` on the other processes), `writer` per shard,
+  `finish`. Homes: `InMemoryHome` (tensors in this process), `StoreHome` (the on-disk video store of
+  `video_store.py`, written by 1 to N processes, resumably) and `milvus_home.MilvusHome` (a Milvus collection).
+- `SearchableIndex`: what search reads (`VideoTextRetrievalPipeline.search`): `nearest`, `entry`, `videos`,
+  `embeddings`, `tokens`. `video_index.VideoIndex` (in memory or store-backed) and `milvus_home.MilvusIndex` are
+  searchable indexes.
 
 Every row of an index is an `IndexEntry`: a video and, for a moment of it, `start`/`end` in seconds (None: the whole
 video), optionally the name of the `dataset` it belongs to. ``(video, start, end)`` is a row's key: the windows of
-one video are distinct rows, and a row already in an index is never added twice.
+one video are distinct rows, and a home never plans a row it already holds (except a store built with ``replace``,
+which holds exactly the rows it is given, in order: the training evaluation's).
 
 This file is Hub remote code: flat relative imports only, absolute imports of installed packages only.
 """
 
 import dataclasses
-import json
+import math
 import os
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from .indexing import SUMMARY_FAILURES, DecodedBatch, EncodingStats, Failure, InMemorySink, encode_videos
-from .moments import plan_window_rows
-from .video_index import ROW_FIELDS, IndexInfo, VideoIndex, segments_tensor, video_name
+from .index_settings import (
+    SCRATCH_KEY,
+    IndexSettingsError,
+    check_settings,
+    check_store_folder,
+    recorded_store_settings,
+    write_json_atomically,
+)
+from .indexing import SUMMARY_FAILURES, DecodedBatch, Failure, InMemorySink
+from .store_lock import StoreLock
+from .video_index import ROW_FIELDS, VideoIndex, segments_tensor, video_name
 from .video_store import (
     PLAN_FILE,
+    TOKEN_DTYPES,
     VideoStoreWriter,
     finalize_store,
     is_video_store,
@@ -40,7 +49,6 @@ from .video_store import (
     read_json_file,
     store_metadata,
 )
-
 
 
 @dataclass(frozen=True)
@@ -78,25 +86,23 @@ def row_fields_of(entries: list[IndexEntry]) -> dict[str, list[Any]]:
             if any(getattr(entry, key) is not None for entry in entries)}
 
 
-def window_entries(videos: list[str], window: float, stride: float | None,
-                   datasets: dict[str, str | None] | None = None,
-                   duration: Callable[[str], float] | None = None) -> list[IndexEntry]:
-    """The rows of an index of moments over the video files `videos`: every video's windows, planned from its
-    duration (`moments.plan_window_rows`; a video whose duration cannot be read is one whole-video row, whose decoding
-    then fails and says why), each with the video's `dataset` (``datasets[video]``). ``duration`` (default: probe the
-    file, `moments.probe_duration`) gives a video's duration or raises why it cannot."""
-    kwargs = {} if duration is None else {"duration": duration}
-    names, segments, _ = plan_window_rows(list(videos), window, stride, **kwargs)
-    return [IndexEntry(name, *(segment or (None, None)), dataset=(datasets or {}).get(name))
-            for name, segment in zip(names, segments)]
-
-
 def segments_of(entries: list[IndexEntry]) -> list[list[float] | None] | None:
     """The entries' ``[start, end]`` (None for a whole video), as a store keeps them (its info's and its plan's
     ``"segments"``, read back by `video_index.segments_tensor`); None when every entry is a whole video."""
     if all(entry.start is None for entry in entries):
         return None
     return [None if entry.start is None else [float(entry.start), float(entry.end)] for entry in entries]
+
+
+def new_rows(entries: list[IndexEntry], known: set[tuple]) -> list[int]:
+    """The positions of the entries whose key is not in `known`, each key once, in order (linear in the entries)."""
+    seen, new = set(known), []
+    for i, entry in enumerate(entries):
+        key = entry.key(i)
+        if key not in seen:
+            seen.add(key)
+            new.append(i)
+    return new
 
 
 def shard_ranges(names: list[str], first: int, size: int) -> list[list[int]]:
@@ -109,6 +115,142 @@ def shard_ranges(names: list[str], first: int, size: int) -> list[list[int]]:
             shards.append([first + begin, first + i + 1])
             begin = i + 1
     return shards
+
+
+def default_shard_size(count: int, num_processes: int) -> int:
+    """Rows per shard when the caller sets none: one shard per process."""
+    return max(1, math.ceil(count / max(1, num_processes)))
+
+
+@dataclass
+class RowPlan:
+    """What a build writes into its home.
+
+    Attributes:
+        rows: the rows the home holds once the build is done, in order (an in-memory home: the new rows only; they
+            join its index at `finish`).
+        shards: ``[start, stop)`` of every shard of `rows`; shard ``s`` is written by process ``s % num_processes``.
+        open_shards: the shards still to write: this build's new ones, and any a killed build left open.
+        added: the positions, in the entries the build was given, of the rows it planned (the others were there).
+    """
+
+    rows: list[IndexEntry]
+    shards: list[list[int]]
+    open_shards: list[int]
+    added: list[int] = field(default_factory=list)
+
+    @property
+    def rows_to_write(self) -> int:
+        return sum(self.shards[s][1] - self.shards[s][0] for s in self.open_shards)
+
+
+# ---------------------------------------------------------------------------------------------------- the interfaces
+
+
+@runtime_checkable
+class HomeWriter(Protocol):
+    """Writes the rows ``[start, stop)`` of a plan (one shard): a context manager and an `indexing.Sink`."""
+
+    done: set[int]
+    """The rows already written (a resumed shard skips them)."""
+    failures: list[Any]
+
+    def add_batch(self, indices: Iterable[int], tokens: torch.Tensor, token_sizes: torch.Tensor | None,
+                  embeddings: torch.Tensor) -> None: ...
+
+    def add_failure(self, index: int, video: str, reason: str, code: str | None = None) -> None: ...
+
+    def __enter__(self) -> "HomeWriter": ...
+
+    def __exit__(self, *exc_info: Any) -> Any: ...
+
+
+@runtime_checkable
+class IndexHome(Protocol):
+    """Where a build writes its rows. `index_build.IndexBuild` calls, in this order:
+
+    1. `lock(command)`: the home's writer lock (a no-op where the home has no other writer); the main process holds
+       it for the whole build.
+    2. `check_settings(settings, replace)`: refuses, naming every difference (`IndexSettingsError`), rows built with
+       other settings than the home holds, and changes nothing then; records the settings in a new home. Returns the
+       settings the home holds from now on. Nothing is encoded before it passed.
+    3. `plan(entries, shard_size, num_processes)` on the main process (`read_plan()` on the others): the `RowPlan`.
+    4. `writer(shard, start, stop, resume, entries)` for each open shard, on the process that writes it.
+    5. `finish(plan, settings, stats, **options)` on the main process, once every shard is written: the searchable
+       index.
+    """
+
+    location: str
+    """Where the home is, for messages: ``"memory"``, a folder, a Milvus URI and collection."""
+
+    def lock(self, command: str) -> Any: ...
+
+    def check_settings(self, settings: dict[str, Any], replace: bool = False) -> dict[str, Any]: ...
+
+    def plan(self, entries: list[IndexEntry], shard_size: int | None = None, num_processes: int = 1) -> RowPlan: ...
+
+    def read_plan(self) -> RowPlan: ...
+
+    def writer(self, shard: int, start: int, stop: int, resume: bool = False,
+               entries: list[IndexEntry] | None = None) -> HomeWriter: ...
+
+    def finish(self, plan: RowPlan, settings: dict[str, Any], stats: dict[str, Any] | None = None,
+               **options: Any) -> "SearchableIndex": ...
+
+
+@runtime_checkable
+class SearchableIndex(Protocol):
+    """What search reads (`VideoTextRetrievalPipeline.search`): a `video_index.VideoIndex` or a
+    `milvus_home.MilvusIndex`.
+
+    `nearest(queries, k, filters=...)` returns ``(scores, rows)`` by decreasing cosine (rows ``-1`` past the last
+    match); `entry(row)` what a result says of a row (``video``, and ``start``/``end``/``dataset`` where set);
+    `embeddings[rows]` and, when `has_tokens`, `tokens[rows]` / `token_sizes[rows]` what re-ranking reads; `info`
+    the settings it was built with (`index_settings.IndexInfo`), `failures` the rows that could not be encoded."""
+
+    info: dict[str, Any]
+    failures: list[Failure]
+    has_tokens: bool
+
+    def __len__(self) -> int: ...
+
+    @property
+    def videos(self) -> list[Any]: ...
+
+    @property
+    def embeddings(self) -> Any: ...
+
+    @property
+    def tokens(self) -> Any: ...
+
+    def entry(self, row: int) -> dict[str, Any]: ...
+
+    def nearest(self, query_embeddings: torch.Tensor, k: int, use_faiss: bool | None = None,
+                filters: dict[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+Decoder = Callable[[list[IndexEntry], list[int]], Iterable[DecodedBatch]]
+"""``decode(entries, positions)``: the decoded batches of ``entries[p] for p in positions``, each batch naming its
+rows by their collection positions (`DecodedBatch`). A failure's `index` is its position."""
+
+
+class NoLock:
+    """The lock of a home that no other writer shares (in memory): taking it always succeeds."""
+
+    token = None
+    taken_over = None
+
+    def acquire(self) -> "NoLock":
+        return self
+
+    def verify(self) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
+
+# ---------------------------------------------------------------------------------------------------- in memory
 
 
 class _InMemoryWriter(InMemorySink):
@@ -125,11 +267,40 @@ class _InMemoryWriter(InMemorySink):
 
 class InMemoryHome:
     """An index in this process' memory: embeddings (fp32) and, with `store_tokens`, tokens (in `token_dtype`,
-    default the model's) and token sizes. One writer (shard 0) per build."""
+    default the model's) and token sizes. With `index`, a build grows that `VideoIndex` in place by the rows it
+    lacks (and returns it); without, it makes a new one. One process, one shard."""
 
-    def __init__(self, store_tokens: bool = True, token_dtype: torch.dtype | None = None):
-        self.store_tokens, self.token_dtype = store_tokens, token_dtype
+    location = "memory"
+
+    def __init__(self, store_tokens: bool = True, token_dtype: torch.dtype | None = None,
+                 index: VideoIndex | None = None):
+        self.store_tokens, self.token_dtype, self.index = store_tokens, token_dtype, index
         self.sink: _InMemoryWriter | None = None
+
+    def lock(self, command: str) -> NoLock:
+        return NoLock()
+
+    def check_settings(self, settings: dict[str, Any], replace: bool = False) -> dict[str, Any]:
+        if self.index is None:
+            return dict(settings)
+        if self.store_tokens != self.index.has_tokens:
+            raise IndexSettingsError("The index", f"The index {'holds' if self.index.has_tokens else 'does not hold'} "
+                                                  f"tokens; encode with store_tokens={self.index.has_tokens} to grow it.")
+        if self.index.has_tokens and self.token_dtype is not None and self.index.tokens.dtype != self.token_dtype:
+            raise IndexSettingsError("The index", f"The index holds {self.index.tokens.dtype} tokens; grow it with "
+                                                  f"token_dtype={self.index.tokens.dtype} (or leave it unset).")
+        check_settings("The index", self.index.info, settings)
+        return {**settings, **self.index.info}
+
+    def plan(self, entries: list[IndexEntry], shard_size: int | None = None, num_processes: int = 1) -> RowPlan:
+        known = set() if self.index is None else (
+            set(self.index.row_keys()) | {failure.key for failure in self.index.failures})
+        added = new_rows(entries, known)
+        rows = [entries[i] for i in added]
+        return RowPlan(rows, [[0, len(rows)]] if rows else [], [0] if rows else [], added)
+
+    def read_plan(self) -> RowPlan:
+        raise RuntimeError("An in-memory index is built by one process.")
 
     def writer(self, shard: int, start: int, stop: int, resume: bool = False, entries: Any = None) -> _InMemoryWriter:
         self.sink = _InMemoryWriter(self.store_tokens, self.token_dtype)
@@ -139,37 +310,82 @@ class InMemoryHome:
         """The failures of the build (`index` None: an in-memory index has no rows for them)."""
         return [dataclasses.replace(f, index=None) for f in self.sink.failures] if self.sink is not None else []
 
-    def finish(self, entries: list[IndexEntry], info: dict[str, Any], num_shards: int = 1,
-               stats: dict[str, Any] | None = None) -> VideoIndex:
-        """The in-memory `VideoIndex` of the encoded entries (raises ValueError when none was encoded)."""
+    def finish(self, plan: RowPlan, settings: dict[str, Any], stats: dict[str, Any] | None = None,
+               **options: Any) -> VideoIndex:
+        """The new index of the encoded rows, or the grown `index`. Raises ValueError when a new index would hold no
+        encoded row; a grown index takes the failures."""
+        stats = dict(stats or {})
+        if not plan.rows:
+            return self.index
+        failures = self.failures()
         sink = self.sink
+        if not sink.indices:
+            if self.index is None:
+                raise ValueError(f"None of the {len(plan.rows)} videos could be read:\n" + "\n".join(
+                    f"  {f.video}: {str(f)[:300]}" for f in failures[:SUMMARY_FAILURES]))
+            self.index.add(failures_only(self.index, failures))
+            self.index.stats = stats
+            return self.index
         embeddings, tokens, sizes = sink.result()
-        kept = [entries[i] for i in sink.indices]
-        return VideoIndex(videos=[entry.video for entry in kept], embeddings=embeddings, tokens=tokens,
-                          token_sizes=sizes, info=info, stats=dict(stats or {}), failures=self.failures(),
-                          row_fields=row_fields_of(kept), segments=segments_tensor(segments_of(kept)))
+        kept = [plan.rows[i] for i in sink.indices]
+        built = VideoIndex(videos=[entry.video for entry in kept], embeddings=embeddings, tokens=tokens,
+                           token_sizes=sizes, info=settings, stats=stats, failures=failures,
+                           row_fields=row_fields_of(kept), segments=segments_tensor(segments_of(kept)))
+        if self.index is None:
+            return built
+        self.index.add(built)
+        self.index.stats = stats
+        return self.index
+
+
+def failures_only(index: VideoIndex, failures: list[Failure]) -> VideoIndex:
+    """An in-memory index with no row and these failures, that `index.add` takes (a growth where nothing could be
+    read)."""
+    empty = {name: None if getattr(index, name) is None else getattr(index, name)[:0]
+             for name in ("tokens", "token_sizes")}
+    return VideoIndex(videos=[], embeddings=index.embeddings[:0], failures=failures, info=index.info, **empty)
+
+
+# ---------------------------------------------------------------------------------------------------- on disk
 
 
 class StoreHome:
     """An on-disk video store (`video_store.py`) in `directory`: shard `s` holds the rows ``plan["shards"][s]``.
 
-    Written by any number of processes, one shard each (`writer`, resumable: a writer continues after the last
-    journaled batch), then finished once (`finish`) on one process. `append` plans new rows as new shards after the
-    store's own, so a store grows from the pipeline and from `train.index` alike; until the grown store is finished,
-    its previous index stays readable."""
+    Its settings are checked (or recorded) by `index_settings.check_store_folder`; `plan` appends the rows it lacks
+    as new shards after its own (``index_plan.json``), so a store grows from the pipeline and from `train.index`
+    alike, and a killed build's open shards are resumed (a writer continues after the last journaled batch). Until
+    the grown store is finished, its previous index stays readable.
 
-    def __init__(self, directory: str | os.PathLike, token_dtype: torch.dtype | str = torch.float16):
-        self.directory, self.token_dtype = Path(directory), token_dtype
+    Args:
+        directory: the store's folder.
+        token_dtype: the dtype of the tokens of a new store (default float16); a store keeps its own.
+    """
 
-    def reset(self) -> None:
-        """Forgets what a directory reused for a new store planned and finished (the writers remove the rest)."""
-        for name in (PLAN_FILE, "video_store.json"):
-            (self.directory / name).unlink(missing_ok=True)
+    def __init__(self, directory: str | os.PathLike, token_dtype: torch.dtype | str | None = None):
+        self.directory = Path(directory)
+        self.token_dtype = token_dtype
+        self.replace = False
 
-    def plan(self) -> dict[str, Any]:
+    @property
+    def location(self) -> str:
+        return str(self.directory)
+
+    def lock(self, command: str) -> StoreLock:
+        return StoreLock(self.directory, command=command)
+
+    def check_settings(self, settings: dict[str, Any], replace: bool = False) -> dict[str, Any]:
+        held = check_store_folder(self.directory, settings, replace=replace)
+        self.replace = replace
+        self.token_dtype = held.get("token_dtype") or self.token_dtype or "float16"
+        return held
+
+    # -- the plan ----------------------------------------------------------------------------------------------------
+
+    def stored_plan(self) -> dict[str, Any]:
         """``{"videos", "shards": [[start, stop], ...], "row_fields", "segments"}`` of the store (from its plan file,
         else from its finished index; empty for a new store). ``segments``: every row's ``[start, end]`` (None: a
-        whole video), or None when every row is a whole video; the store's info keeps them once finished."""
+        whole video), or None when every row is a whole video."""
         path = self.directory / PLAN_FILE
         if path.is_file():
             return read_json_file(path)  # DamagedStoreError naming it when damaged
@@ -190,67 +406,73 @@ class StoreHome:
                            **{key: values[i] for key, values in fields.items() if key in ROW_FIELDS})
                 for i, video in enumerate(plan["videos"])]
 
-    def keys(self, plan: dict[str, Any] | None = None) -> set[tuple]:
+    def keys(self) -> set[tuple]:
         """The keys ``(video, start, end)`` of every planned row (failed ones included)."""
-        plan = self.plan() if plan is None else plan
-        return {entry.key(i) for i, entry in enumerate(self.entries(plan))}
+        return {entry.key(i) for i, entry in enumerate(self.entries(self.stored_plan()))}
 
-    def append(self, entries: list[IndexEntry], shard_size: int | None = None) -> tuple[dict[str, Any], list[int]]:
-        """Plans the entries the store lacks (by key) as new shards of `shard_size` rows (default: one shard) after
-        its own (`shard_ranges`: a video's moments stay in one shard), writes the plan, and returns it with the new
-        rows' positions in `entries`."""
-        plan = self.plan()
-        known = self.keys(plan)
-        new = []
-        for i, entry in enumerate(entries):
-            key = entry.key(i)
-            if key not in known:
-                known.add(key)
-                new.append(i)
-        if not new and (self.directory / PLAN_FILE).is_file():
-            return plan, new
-        first = len(plan["videos"])
-        size = max(1, int(shard_size or len(new) or 1))
-        names = [entries[i].name(i) for i in new]
-        shards = shard_ranges(names, first, size)
-        old_fields = plan.get("row_fields") or {}
-        added_fields = row_fields_of([entries[i] for i in new])
-        fields = {key: list(old_fields.get(key) or [None] * first) + list(added_fields.get(key) or [None] * len(new))
-                  for key in set(old_fields) | set(added_fields)}
-        old_segments, added_segments = plan.get("segments"), segments_of([entries[i] for i in new])
-        segments = None
-        if old_segments is not None or added_segments is not None:
-            segments = list(old_segments or [None] * first) + list(added_segments or [None] * len(new))
-        plan = {"videos": plan["videos"] + names, "shards": plan["shards"] + shards, "row_fields": fields,
-                "segments": segments}
-        self.directory.mkdir(parents=True, exist_ok=True)
-        write_json_atomically(self.directory / PLAN_FILE, plan)
-        return plan, new
+    def plan(self, entries: list[IndexEntry], shard_size: int | None = None, num_processes: int = 1) -> RowPlan:
+        """Plans the rows the store lacks (by key) as new shards after its own (`shard_ranges`: a video's moments
+        stay in one shard; `shard_size` default: one shard per process); with ``replace``, exactly `entries`. Writes
+        the plan (and the settings the build added) when it changed."""
+        old = {"videos": [], "shards": [], "row_fields": {}, "segments": None} if self.replace else self.stored_plan()
+        first = len(old["videos"])
+        added = list(range(len(entries))) if self.replace else new_rows(entries, self.keys())
+        if added:
+            names = [entries[i].name(i) for i in added]
+            size = int(shard_size or default_shard_size(len(added), num_processes))
+            fresh = [entries[i] for i in added]
+            old_fields, added_fields = old.get("row_fields") or {}, row_fields_of(fresh)
+            old_segments, added_segments = old.get("segments"), segments_of(fresh)
+            segments = None
+            if old_segments is not None or added_segments is not None:
+                segments = list(old_segments or [None] * first) + list(added_segments or [None] * len(added))
+            old = {"videos": old["videos"] + names, "shards": old["shards"] + shard_ranges(names, first, size),
+                   "row_fields": {key: list(old_fields.get(key) or [None] * first)
+                                  + list(added_fields.get(key) or [None] * len(added))
+                                  for key in set(old_fields) | set(added_fields)},
+                   "segments": segments}
+            write_json_atomically(self.directory / PLAN_FILE, old)
+        plan = self.row_plan(old)
+        plan.added = added
+        return plan
+
+    def read_plan(self) -> RowPlan:
+        """The plan (and the settings) the main process wrote: the other processes of a build read them after it
+        checked and planned."""
+        held = recorded_store_settings(self.directory) or {}
+        self.token_dtype = held.get("token_dtype") or self.token_dtype or "float16"
+        self.replace = bool(held.get(SCRATCH_KEY))
+        return self.row_plan(self.stored_plan())
+
+    def row_plan(self, stored: dict[str, Any]) -> RowPlan:
+        shards = [list(shard) for shard in stored["shards"]]
+        closed = set(range(len(shards))) - set(missing_shards(self.directory, len(shards)))
+        return RowPlan(self.entries(stored), shards, [s for s in range(len(shards)) if s not in closed])
+
+    # -- writing and finishing ---------------------------------------------------------------------------------------
 
     def writer(self, shard: int, start: int, stop: int, resume: bool = False, entries: Any = None
                ) -> VideoStoreWriter:
         return VideoStoreWriter(self.directory, shard, start, stop, token_dtype=self.token_dtype, resume=resume)
 
-    def closed_shards(self, num_shards: int) -> set[int]:
-        return set(range(num_shards)) - set(missing_shards(self.directory, num_shards))
+    def finished(self, plan: RowPlan) -> bool:
+        """Whether the store's index is written and holds every row of `plan` (nothing left to finish)."""
+        return not plan.open_shards and is_video_store(self.directory) and \
+            store_metadata(self.directory)["num_videos"] == len(plan.rows)
 
-    def finish(self, entries: list[IndexEntry] | None, info: dict[str, Any], num_shards: int | None = None,
-               stats: dict[str, Any] | None = None, first_stage: bool = True,
-               require_encoded: bool = True) -> VideoIndex:
-        """Writes the store's index (`finalize_store`: every shard must be closed; the rows are the plan's, or
-        `entries` for a store written without one) and, with `first_stage`, its first stage; returns the
-        store-backed `VideoIndex`. With `require_encoded`, raises ValueError (naming the reasons, and leaving no
-        readable store) when no row could be encoded."""
-        if (self.directory / PLAN_FILE).is_file() or entries is None:
-            plan = self.plan()
-        else:
-            plan = {"videos": [entry.name(i) for i, entry in enumerate(entries)], "shards": None,
-                    "row_fields": row_fields_of(entries), "segments": segments_of(entries)}
-        num_shards = len(plan["shards"]) if num_shards is None else num_shards
-        info = {key: value for key, value in info.items() if key != "segments"}
-        if plan.get("segments") is not None:  # every row's (start, end): VideoIndex.from_store reads them
-            info["segments"] = plan["segments"]
-        finalize_store(self.directory, plan["videos"], num_shards, info, row_fields=plan.get("row_fields") or None)
+    def finish(self, plan: RowPlan, settings: dict[str, Any], stats: dict[str, Any] | None = None,
+               first_stage: bool = True, require_encoded: bool = True) -> VideoIndex:
+        """Writes the store's index (`finalize_store`: every shard must be closed) and, with `first_stage`, its first
+        stage; returns the store-backed `VideoIndex`. With `require_encoded`, raises ValueError (naming the reasons,
+        and leaving no readable store) when no row could be encoded."""
+        if self.finished(plan):  # nothing was written: the store as it is
+            return VideoIndex.load(self.directory, first_stage=first_stage)
+        info = {key: value for key, value in settings.items() if key != "segments"}
+        segments = segments_of(plan.rows)
+        if segments is not None:  # every row's (start, end): VideoIndex.from_store reads them
+            info["segments"] = segments
+        finalize_store(self.directory, [entry.name(i) for i, entry in enumerate(plan.rows)], len(plan.shards), info,
+                       row_fields=row_fields_of(plan.rows) or None)
         index = VideoIndex.from_store(self.directory, first_stage=False)
         if require_encoded and index.num_encoded == 0:
             (self.directory / "video_store.json").unlink()
@@ -263,77 +485,6 @@ class StoreHome:
         return index
 
 
-def write_json_atomically(path: Path, value: Any) -> None:
-    """Writes `value` to a temporary file and renames it: a reader sees the old file or the new one."""
-    temporary = path.with_suffix(".tmp")
-    temporary.write_text(json.dumps(value, indent=1), encoding="utf-8")
-    temporary.replace(path)
-
-
-Decoder = Callable[[list[IndexEntry], list[int]], Iterable[DecodedBatch]]
-"""``decode(entries, positions)``: the decoded batches of ``entries[p] for p in positions``, each batch naming its
-rows by their collection positions (`DecodedBatch`). A failure's `index` is its position."""
-
-
-class VideoIndexBuilder:
-    r"""
-    The one builder of video indexes: encodes `IndexEntry` rows with a retrieval model into a home (`InMemoryHome`,
-    `StoreHome`, `milvus_home.MilvusHome`) and finishes it into a searchable index.
-
-    Usage (one process)::
-
-        builder = VideoIndexBuilder(model, StoreHome("store"), IndexInfo.from_model(model, num_frames=8))
-        entries = [IndexEntry("a.mp4"), IndexEntry("long.mp4", start=0.0, end=10.0),
-                   IndexEntry("long.mp4", start=10.0, end=20.0, dataset="lectures")]
-        index = builder.build(entries, decode)
-
-    `decode(entries, positions)` yields `DecodedBatch`\ es (for windows: decode the moment ``[start, end)`` of the
-    video). With several processes, each calls `encode(entries, decode, shard=s, ...)` for its shards, and one calls
-    `finish` after all are done. A row that cannot be decoded is a `Failure` (its code set where its error was
-    raised), recorded by the home and never returned by search.
-
-    Args:
-        model: a TESTA retrieval head (`get_video_tokens`, `get_video_features`).
-        home: where the rows go.
-        info (`IndexInfo` or `dict`): the settings the index is built with (saved as its `info`; extra keys kept).
-    """
-
-    def __init__(self, model: Any, home: Any, info: IndexInfo | dict[str, Any]):
-        self.model, self.home = model, home
-        self.info = info.as_dict() if isinstance(info, IndexInfo) else dict(info)
-
-    def encode(self, entries: list[IndexEntry], decode: Decoder, shard: int = 0, start: int = 0,
-               stop: int | None = None, resume: bool = False, progress_bar: bool = False, num_workers: int = 0,
-               summary: bool = True, description: str = "Encoding videos") -> tuple[EncodingStats, int]:
-        """Encodes the rows ``[start, stop)`` of `entries` (all by default) into shard `shard` of the home, skipping
-        what a resumed shard already holds. Returns the encode loop's stats and how many rows were already there."""
-        stop = len(entries) if stop is None else stop
-        with self.home.writer(shard, start, stop, resume=resume, entries=entries) as writer:
-            done = set(writer.done)
-            todo = [i for i in range(start, stop) if i not in done]
-            batches = decode(entries, todo) if todo else iter(())
-            stats = encode_videos(self.model, batches, writer, total=len(todo), progress_bar=progress_bar,
-                                  description=description, num_workers=num_workers, summary=summary)
-        return stats, len(done)
-
-    @staticmethod
-    def _positioned(batches: Iterable[DecodedBatch]) -> Iterable[DecodedBatch]:
-        for indices, pixels, failures in batches:
-            yield indices, pixels, [f if f.index is not None else dataclasses.replace(f, index=-1) for f in failures]
-
-    def finish(self, entries: list[IndexEntry] | None = None, num_shards: int | None = None,
-               stats: EncodingStats | None = None, **options: Any) -> Any:
-        """The finished, searchable index of the home (see each home's `finish` and its `options`); call it on one
-        process, once every shard is written."""
-        return self.home.finish(entries, self.info, num_shards, stats=stats.as_dict() if stats else None, **options)
-
-    def build(self, entries: list[IndexEntry], decode: Decoder, progress_bar: bool = False, num_workers: int = 0,
-              start: int = 0, shard: int = 0, num_shards: int | None = None) -> Any:
-        """`encode` everything from `start` as one shard, then `finish`."""
-        stats, _ = self.encode(entries, decode, shard=shard, start=start, progress_bar=progress_bar,
-                               num_workers=num_workers)
-        return self.finish(entries, num_shards, stats)
-
-
-__all__ = ["PLAN_FILE", "IndexEntry", "InMemoryHome", "StoreHome", "VideoIndexBuilder", "as_entries",
-           "row_fields_of", "segments_of", "shard_ranges", "window_entries", "write_json_atomically"]
+__all__ = ["PLAN_FILE", "TOKEN_DTYPES", "Decoder", "HomeWriter", "IndexEntry", "IndexHome", "InMemoryHome", "NoLock",
+           "RowPlan", "SearchableIndex", "StoreHome", "as_entries", "default_shard_size", "new_rows", "row_fields_of",
+           "segments_of", "shard_ranges"]

@@ -375,30 +375,40 @@ def decode_or_failure(decode: Callable[[], torch.Tensor], index: int, video: str
         return None, Failure.from_error(error, str(video), index)
 
 
-class DecodeVideos:
-    """DataLoader collation for indexing a collection (`train.index`, the training evaluation): decodes and samples
-    each video on its own (``uniform`` sampling), so that a file that cannot be read fails alone. Takes
-    ``[(index, path), ...]`` and returns a `DecodedBatch`: ``(indices, pixel_values or None, failures)``, failures as
-    `Failure` records; with ``on_error="raise"`` the decoder's error propagates."""
+class DecodeEach:
+    """Collation for indexing a collection: decodes each video on its own with ``decode(video, position)``, so that a
+    file that cannot be read fails alone. Takes ``[(position, video), ...]`` and returns a `DecodedBatch`: ``(indices,
+    pixel_values or None, failures)``, failures as `Failure` records; with ``on_error="raise"`` the decoder's error
+    propagates."""
 
-    def __init__(self, video_processor: Any, num_frames: int, on_error: str = "skip"):
-        self.video_processor, self.num_frames = video_processor, num_frames
+    def __init__(self, decode: Callable[[Any, int], torch.Tensor], on_error: str = "skip"):
+        self.decode_one = decode
         self.on_error = check_on_error(on_error)
 
-    def decode(self, path: str) -> torch.Tensor:
-        """``(1, frames, 3, H, W)`` pixel values of one video file."""
-        return self.video_processor(videos=[path], num_frames=self.num_frames, frame_sampling="uniform")["pixel_values"]
-
-    def __call__(self, batch: list[tuple[int, str]]) -> DecodedBatch:
+    def __call__(self, batch: list[tuple[int, Any]]) -> DecodedBatch:
         indices, pixels, failures = [], [], []
-        for index, path in batch:
-            decoded, failure = decode_or_failure(lambda: self.decode(path), index, str(path), self.on_error)
+        for index, video in batch:
+            decoded, failure = decode_or_failure(lambda: self.decode_one(video, index), index,  # noqa: B023
+                                                 str(video), self.on_error)
             if failure is not None:
                 failures.append(failure)
                 continue
             indices.append(index)
             pixels.append(decoded)
         return indices, (torch.cat(pixels) if pixels else None), failures
+
+
+class DecodeVideos(DecodeEach):
+    """`DecodeEach` with the video processor (``uniform`` sampling of `num_frames`): the collation of `train.index`
+    and the training evaluation (a DataLoader's `collate_fn`)."""
+
+    def __init__(self, video_processor: Any, num_frames: int, on_error: str = "skip"):
+        super().__init__(lambda path, position: self.decode(path), on_error)
+        self.video_processor, self.num_frames = video_processor, num_frames
+
+    def decode(self, path: str) -> torch.Tensor:
+        """``(1, frames, 3, H, W)`` pixel values of one video file."""
+        return self.video_processor(videos=[path], num_frames=self.num_frames, frame_sampling="uniform")["pixel_values"]
 
 
 class DecodeAhead:
@@ -472,7 +482,7 @@ class DecodeAhead:
 
 
 __all__ = [
-    "FAILURE_CODES", "ON_ERROR", "SUMMARY_FAILURES", "DecodeAhead", "DecodeVideos", "DecodedBatch", "EncodingStats",
+    "FAILURE_CODES", "ON_ERROR", "SUMMARY_FAILURES", "DecodeAhead", "DecodeEach", "DecodeVideos", "DecodedBatch", "EncodingStats",
     "Failure",
     "InMemorySink", "Sink", "check_on_error", "decode_or_failure", "encode_videos", "failure_code", "failure_reason",
     "failure_summary", "is_media_error", "looks_like_video", "mp4_is_truncated",

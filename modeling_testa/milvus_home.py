@@ -3,9 +3,16 @@
 
 Milvus holds each row's pooled embedding (L2-normalised: inner product = cosine) and a payload: the ``video``, the
 moment's ``start``/``end`` (-1: the whole video), the ``dataset`` name and ``folder`` (the video's parent folder, to
-filter by). The primary key is the row's key ``(video, start, end)``, so every write is an upsert: a resumed or
-repeated run never duplicates a row, and the windows of one video are distinct rows. Re-ranking tokens are not kept
-in Milvus; an index searched from Milvus ranks by cosine.
+filter by; `index_filters` gives filters the same exact meaning as for a `VideoIndex`). The primary key is the
+row's key ``(video, start, end)``, so every write is an upsert: a resumed or repeated run never duplicates a row, and
+the windows of one video are distinct rows. The collection records the settings its rows were built with, and refuses
+rows or searches of other settings. Re-ranking tokens are not kept in Milvus: rows mirrored from a store name the
+store and row of their tokens (`MilvusIndex` with `tokens_from_stores` re-ranks from there); otherwise an index
+searched from Milvus ranks by cosine.
+
+Milvus Lite (a ``.db`` file) is an embedded engine written in Python: one process at a time opens a file, and a
+search loops over the rows in Python (0.5-1.4 s per query at 100k rows here, docs/inference.md). A Milvus server or
+cluster is the home beyond one machine and one process.
 
 `pymilvus` is optional: it is imported when a `MilvusHome` is made (``pip install pymilvus milvus-lite``).
 
@@ -20,12 +27,23 @@ from typing import Any
 
 import torch
 
+from .index_filters import FILTER_KEYS, matches, milvus_filter
+from .index_homes import IndexEntry, NoLock, RowPlan, new_rows
+from .index_settings import IndexSettingsError, check_settings
 from .indexing import Failure
 
 NO_TIME = -1.0
 """`start`/`end` of a whole video in Milvus (which has no null scalars in every deployment)."""
-FILTER_KEYS = ("video", "folder", "dataset")
-"""The payload fields a search filter may name."""
+SETTINGS_PROPERTY = "testa.index_settings"
+"""The collection property that records the settings its rows were built with (`index_settings.IndexInfo`)."""
+FIELDS = ("key", "embedding", "video", "folder", "dataset", "start", "end", "store", "row")
+"""The fields of a collection this module makes (another program's collection is refused)."""
+
+
+class MilvusHomeError(IndexSettingsError):
+    """A Milvus home cannot be used: the server cannot be reached, the file is open in another process, or the
+    collection is not one this module made for these settings. The message is one line naming the URI and the
+    collection."""
 
 
 def row_key(video: str, start: float | None, end: float | None) -> str:
@@ -33,41 +51,6 @@ def row_key(video: str, start: float | None, end: float | None) -> str:
     no path character reaches a Milvus expression)."""
     bounds = [None if value is None else float(value) for value in (start, end)]  # 25 and 25.0: one row
     return hashlib.sha256(json.dumps([str(video), *bounds], separators=(",", ":")).encode()).hexdigest()
-
-
-def milvus_filter(filters: dict[str, Any] | None) -> str:
-    """A Milvus boolean expression from ``{field: value or [values]}`` (fields of `FILTER_KEYS`; ``folder`` matches
-    the videos under that folder, subfolders included). Raises ValueError naming an unknown field."""
-    clauses = []
-    for key, value in (filters or {}).items():
-        if key not in FILTER_KEYS:
-            raise ValueError(f"Unknown search filter {key!r}; use one of {FILTER_KEYS}.")
-        values = [value] if isinstance(value, str) else list(value)
-        if key == "folder":
-            parts = [f"video like {json.dumps(folder_prefix(v) + '%', ensure_ascii=False)}" for v in values]
-            clauses.append("(" + " or ".join(parts) + ")")
-        else:
-            clauses.append(f"{key} in {json.dumps([str(v) for v in values], ensure_ascii=False)}")
-    return " and ".join(clauses)
-
-
-def folder_prefix(folder: str) -> str:
-    """A folder as the prefix of the paths under it (one trailing separator)."""
-    return str(folder).rstrip("/\\") + "/"
-
-
-def matches(entry: dict[str, Any], filters: dict[str, Any] | None) -> bool:
-    """Whether a row's payload passes the filters (the same meaning as `milvus_filter`, in Python)."""
-    for key, value in (filters or {}).items():
-        if key not in FILTER_KEYS:
-            raise ValueError(f"Unknown search filter {key!r}; use one of {FILTER_KEYS}.")
-        values = [value] if isinstance(value, str) else list(value)
-        if key == "folder":
-            if not any(str(entry.get("video", "")).startswith(folder_prefix(v)) for v in values):
-                return False
-        elif str(entry.get(key)) not in [str(v) for v in values]:
-            return False
-    return True
 
 
 def row_payload(video: str, start: float | None, end: float | None, dataset: str | None, vector: torch.Tensor,
@@ -79,6 +62,12 @@ def row_payload(video: str, start: float | None, end: float | None, dataset: str
             "store": store, "row": int(row)}
 
 
+def error_text(error: BaseException) -> str:
+    """What a pymilvus error says (its `message`; ``str`` of a `MilvusException` is often empty), on one line."""
+    text = str(getattr(error, "message", "") or error or type(error).__name__)
+    return " ".join(text.split())
+
+
 class MilvusWriter:
     """The home writer of one shard (rows ``[start, stop)`` of the builder's entries) upserting into Milvus; each
     batch is one upsert. `done` holds the rows already in the collection (a resumed shard skips them)."""
@@ -88,7 +77,7 @@ class MilvusWriter:
         self.failures: list[Failure] = []
         self.done: set[int] = set()
         if resume:  # the rows already there are not encoded again; without resume, every row is upserted again
-            keys = {row_key(home.name_of(entries, i), entries[i].start, entries[i].end): i for i in range(start, stop)}
+            keys = {row_key(entries[i].name(i), entries[i].start, entries[i].end): i for i in range(start, stop)}
             self.done = {keys[key] for key in home.existing_keys(list(keys))}
 
     def __enter__(self) -> "MilvusWriter":
@@ -110,17 +99,24 @@ class MilvusWriter:
 
 class MilvusHome:
     r"""
-    A video index in a Milvus collection (see the module docstring).
+    A video index in a Milvus collection (see the module docstring): an `index_homes.IndexHome`, and the mirror of a
+    store (`train.index --milvus`).
+
+    The collection records the settings its rows were built with (collection property ``testa.index_settings``):
+    rows of another model or other settings are refused (`check_settings`), as is a collection another program made,
+    one of another embedding size, and a server that cannot be reached, each in one line naming the URI and the
+    collection, before anything is encoded. Nothing connects before the first use: a process that never touches the
+    home never opens its file (a Milvus Lite file takes one process at a time; `single_process`).
 
     Args:
         uri (`str`): a Milvus Lite file (``"videos.db"``), or ``"http://host:port"`` of a server or cluster.
         collection (`str`, defaults to ``"videos"``): the collection's name.
-        dim (`int`, *optional*): the embedding size; needed to create the collection (the builder's `info` gives
-            it as ``projection_dim``).
+        dim (`int`, *optional*): the embedding size; needed to create the collection (the build's settings give it
+            as ``projection_dim``).
         index_params (`dict`, *optional*): Milvus vector index (default: ``{"index_type": "HNSW", "params": {"M":
             32, "efConstruction": 200}}``; AUTOINDEX on a cluster is fine too). The metric is always inner product.
         search_params (`dict`, *optional*): per-search parameters (default ``{"ef": 256}``).
-        token (`str`, *optional*): credentials of a secured server (``"user:password"``).
+        token (`str`, *optional*): credentials of a secured server (``"user:password"`` or an API key).
     """
 
     def __init__(self, uri: str, collection: str = "videos", dim: int | None = None,
@@ -131,24 +127,102 @@ class MilvusHome:
         except ImportError as error:
             raise ImportError("A Milvus home needs pymilvus (pip install pymilvus milvus-lite).") from error
         self.pymilvus = pymilvus
-        self.uri, self.collection, self.dim = str(uri), collection, dim
+        self.uri, self.collection, self.dim, self.token = str(uri), collection, dim, token or ""
         self.index_params = index_params or {"index_type": "HNSW", "params": {"M": 32, "efConstruction": 200}}
         self.search_params = search_params or {"ef": 256}
-        self.client = pymilvus.MilvusClient(uri=self.uri, token=token or "")
         self.failures: list[Failure] = []
+        self.writers: list[MilvusWriter] = []
+        self.settings: dict[str, Any] | None = None
+        self.connected = None
 
-    # -- writing -----------------------------------------------------------------------------------------------------
+    @property
+    def location(self) -> str:
+        return f"Milvus {self.uri} (collection {self.collection!r})"
 
-    @staticmethod
-    def name_of(entries: list[Any], i: int) -> str:
-        return entries[i].name(i)
+    @property
+    def single_process(self) -> bool:
+        """Whether one process at a time may open it: a Milvus Lite file (a server takes any number)."""
+        return not self.uri.startswith(("http://", "https://", "tcp://", "grpc://", "unix:"))
 
-    def ensure_collection(self, dim: int) -> None:
-        """Creates the collection (key, embedding, payload) unless it exists."""
+    @property
+    def client(self) -> Any:
+        """The `pymilvus.MilvusClient`, connected on first use; `MilvusHomeError` (one line) when it cannot be."""
+        if self.connected is None:
+            try:
+                self.connected = self.pymilvus.MilvusClient(uri=self.uri, token=self.token)
+            except Exception as error:  # noqa: BLE001  pymilvus raises bare MilvusException subclasses
+                raise self.failure("cannot be opened", error) from None
+        return self.connected
+
+    def failure(self, doing: str, error: BaseException) -> MilvusHomeError:
+        """The one-line error of a failed call (a Milvus Lite file another process holds is named as such)."""
+        reason = error_text(error)
+        if self.single_process and "Open local milvus failed" in reason and os.path.exists(self.uri):
+            reason = ("the Milvus Lite file is open in another process (a Lite file takes one process at a time: "
+                      "stop the other one, or serve the data with `milvus-lite server` or a Milvus server, which "
+                      "take several processes)")
+        return MilvusHomeError(self.location, f"{self.location} {doing}: {reason}")
+
+    def call(self, doing: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``client.method(*args, **kwargs)``, its errors as `failure`."""
+        try:
+            return getattr(self.client, method)(*args, **kwargs)
+        except MilvusHomeError:
+            raise
+        except Exception as error:  # noqa: BLE001
+            raise self.failure(doing, error) from None
+
+    # -- the collection and its settings -----------------------------------------------------------------------------
+
+    def recorded_settings(self) -> dict[str, Any] | None:
+        """The settings the collection records (None: no collection yet). Raises `MilvusHomeError` for a collection
+        this module did not make: other fields, or no recorded settings."""
+        if not self.call("cannot be reached", "has_collection", self.collection):
+            return None
+        described = self.call("cannot be described", "describe_collection", self.collection)
+        names = {f.get("name") for f in described.get("fields", [])}
+        properties = described.get("properties") or {}
+        if not set(FIELDS) <= names or SETTINGS_PROPERTY not in properties:
+            raise MilvusHomeError(self.location, f"{self.location} was made by another program (fields "
+                                                 f"{sorted(names)}, no {SETTINGS_PROPERTY!r} property): index into "
+                                                 "another collection.")
+        vector = next(f for f in described["fields"] if f.get("name") == "embedding")
+        dim = int((vector.get("params") or {}).get("dim", 0))
+        settings = json.loads(properties[SETTINGS_PROPERTY])
+        if dim and settings.get("projection_dim") not in (None, dim):
+            raise MilvusHomeError(self.location, f"{self.location} holds {dim}-d vectors but records projection_dim "
+                                                 f"{settings.get('projection_dim')}: it is damaged.")
+        return {**settings, "projection_dim": dim or settings.get("projection_dim")}
+
+    def check_settings(self, settings: dict[str, Any], replace: bool = False) -> dict[str, Any]:
+        """Refuses (one line each, `MilvusHomeError`) a server that cannot be reached, a file another process holds,
+        a collection another program made or one of another embedding size, and rows built with other settings
+        (naming every difference); creates the collection, recording `settings`, when there is none. Returns the
+        settings the collection holds. Call it before anything is encoded."""
+        dim = settings.get("projection_dim") or self.dim
+        recorded = self.recorded_settings()
+        if recorded is None:
+            if not dim:
+                raise MilvusHomeError(self.location, f"{self.location} does not exist and no embedding size was "
+                                                     "given to create it.")
+            try:
+                self.create_collection(int(dim), settings)
+                self.settings, self.dim = dict(settings), int(dim)
+                return self.settings
+            except MilvusHomeError:  # another writer created it meanwhile: its settings are checked below
+                recorded = self.recorded_settings()
+                if recorded is None:
+                    raise
+        if dim and int(dim) != int(recorded["projection_dim"]):
+            raise MilvusHomeError(self.location, f"{self.location} holds {recorded['projection_dim']}-d embeddings; "
+                                                 f"this model's are {dim}-d: use another collection.")
+        check_settings(self.location, recorded, settings)
+        self.settings, self.dim = {**settings, **recorded}, int(recorded["projection_dim"])
+        return self.settings
+
+    def create_collection(self, dim: int, settings: dict[str, Any]) -> None:
+        """Creates the collection (key, embedding, payload) with `settings` recorded."""
         DataType = self.pymilvus.DataType  # noqa: N806
-
-        if self.client.has_collection(self.collection):
-            return
         schema = self.client.create_schema(auto_id=False, enable_dynamic_field=False)
         schema.add_field("key", DataType.VARCHAR, is_primary=True, max_length=64)
         schema.add_field("embedding", DataType.FLOAT_VECTOR, dim=int(dim))
@@ -161,37 +235,52 @@ class MilvusHome:
         schema.add_field("row", DataType.INT64)  # the row in that store
         index_params = self.client.prepare_index_params()
         index_params.add_index("embedding", metric_type="IP", **self.index_params)
-        try:
-            self.client.create_collection(self.collection, schema=schema, index_params=index_params)
-        except Exception:  # noqa: BLE001  another writer (a process of the same launch) may have created it first
-            if not self.client.has_collection(self.collection):
-                raise
+        recorded = {key: value for key, value in settings.items() if key != "segments"}
+        # the settings are part of the creation: no other writer ever sees the collection without them
+        self.call("cannot create the collection", "create_collection", self.collection, schema=schema,
+                  index_params=index_params,
+                  properties={SETTINGS_PROPERTY: json.dumps({**recorded, "projection_dim": int(dim)})})
+
+    # -- writing (an `index_homes.IndexHome`) ------------------------------------------------------------------------
+
+    def lock(self, command: str) -> NoLock:
+        return NoLock()  # every write is an upsert keyed by the row: writers cannot duplicate or lose a row
+
+    def plan(self, entries: list[IndexEntry], shard_size: int | None = None, num_processes: int = 1) -> RowPlan:
+        """Every given row, each once, in one shard; the rows the collection holds are skipped by its writer."""
+        added = new_rows(entries, set())
+        rows = [entries[i] for i in added]
+        return RowPlan(rows, [[0, len(rows)]] if rows else [], [0] if rows else [], added)
+
+    def read_plan(self) -> RowPlan:
+        raise RuntimeError("A Milvus home is written by one process per build (several builds may write it).")
 
     def writer(self, shard: int, start: int, stop: int, resume: bool = False, entries: list[Any] | None = None
                ) -> MilvusWriter:
         if entries is None:
-            raise ValueError("A Milvus writer needs the builder's entries (VideoIndexBuilder passes them).")
-        self.ensure_collection(self.dim)
+            raise ValueError("A Milvus writer needs the build's rows (IndexBuild passes them).")
+        if self.settings is None:
+            raise RuntimeError(f"{self.location}: check_settings must pass before rows are written.")
         writer = MilvusWriter(self, entries, start, stop, resume)
-        self._writers = getattr(self, "_writers", []) + [writer]
+        self.writers.append(writer)
         return writer
 
     def payload(self, entries: list[Any], i: int, vector: torch.Tensor) -> dict[str, Any]:
-        entry, name = entries[i], self.name_of(entries, i)
-        return row_payload(name, entry.start, entry.end, entry.dataset, vector)
+        entry = entries[i]
+        return row_payload(entry.name(i), entry.start, entry.end, entry.dataset, vector)
 
     def upsert_store_shard(self, directory: str | os.PathLike, start: int, stop: int, shard: int,
                            entries: list[Any], chunk: int = 1000) -> int:
         """Upserts the encoded rows ``[start, stop)`` of a closed store shard (its embeddings, and the store and row
-        where their tokens are), each with its `IndexEntry` of `entries` (the store's rows: `StoreHome.entries`,
-        their moments from the plan's segments); returns how many. Idempotent: a repeated or resumed run rewrites
-        the same rows."""
+        where their tokens are), each with its `IndexEntry` of `entries` (the store's rows), after `check_settings`;
+        returns how many. Idempotent: a repeated or resumed run rewrites the same rows."""
         from .video_store import open_safetensors
 
+        if self.settings is None:
+            raise RuntimeError(f"{self.location}: check_settings must pass before rows are written.")
         directory = os.path.abspath(os.fspath(directory))
         tensors = open_safetensors(os.path.join(directory, f"shard-{int(shard):05d}.safetensors"))
         embeddings, rows = tensors["embeddings"], tensors["rows"]
-        self.ensure_collection(self.dim or int(embeddings.shape[1]))
         payloads = []
         for local in range(stop - start):
             if int(rows[local]) < 0:  # a failed video: never a search result
@@ -206,35 +295,42 @@ class MilvusHome:
 
     def upsert(self, rows: list[dict[str, Any]]) -> None:
         if rows:
-            self.client.upsert(self.collection, rows)
+            self.call("refused the rows", "upsert", self.collection, rows)
 
     def existing_keys(self, keys: list[str], chunk: int = 512) -> set[str]:
         """The given keys that the collection holds."""
         found: set[str] = set()
-        if not self.client.has_collection(self.collection):
+        if not self.call("cannot be reached", "has_collection", self.collection):
             return found
         for begin in range(0, len(keys), chunk):
             part = keys[begin : begin + chunk]
-            rows = self.client.query(self.collection, filter=f"key in {json.dumps(part)}", output_fields=["key"])
+            rows = self.call("cannot be queried", "query", self.collection, filter=f"key in {json.dumps(part)}",
+                             output_fields=["key"])
             found.update(row["key"] for row in rows)
         return found
 
-    def finish(self, entries: Any, info: dict[str, Any], num_shards: int | None = None,
+    def finish(self, plan: RowPlan | None = None, settings: dict[str, Any] | None = None,
                stats: dict[str, Any] | None = None, **options: Any) -> "MilvusIndex":
         """Flushes and loads the collection; returns the searchable `MilvusIndex`."""
-        self.ensure_collection(self.dim or int(info.get("projection_dim") or 0))
-        self.client.flush(self.collection)
-        self.failures = [f for writer in getattr(self, "_writers", []) for f in writer.failures]
-        index = self.open(info)
+        self.failures = [f for writer in self.writers for f in writer.failures]
+        index = self.open(settings)
         index.stats = dict(stats or {})
         return index
 
     def open(self, info: dict[str, Any] | None = None, tokens_from_stores: bool = False) -> "MilvusIndex":
         """The collection, searchable (`MilvusIndex`; `tokens_from_stores`: re-rank with the tokens of the stores
-        its rows name)."""
-        self.client.flush(self.collection)
-        self.client.load_collection(self.collection)
-        return MilvusIndex(self, dict(info or {}), list(self.failures), tokens_from_stores)
+        its rows name). With `info` (the settings of the model or store that will search it), a collection built
+        with other settings is refused, naming every difference."""
+        recorded = self.recorded_settings()
+        if recorded is None:
+            raise MilvusHomeError(self.location, f"{self.location} does not exist: index into it first "
+                                                 "(python -m train.index ... --milvus URI).")
+        if info:
+            check_settings(self.location, recorded, info)
+        self.call("cannot be flushed", "flush", self.collection)
+        self.call("cannot be loaded", "load_collection", self.collection)
+        count = int(self.call("cannot be counted", "get_collection_stats", self.collection)["row_count"])
+        return MilvusIndex(self, {**recorded, **dict(info or {})}, list(self.failures), tokens_from_stores, count)
 
 
 class _Gathered:
@@ -278,8 +374,8 @@ class MilvusIndex:
     """The most hits one Milvus search returns (its `limit` bound): `pipe.search` asks for no more."""
 
     def __init__(self, home: MilvusHome, info: dict[str, Any], failures: list[Failure],
-                 tokens_from_stores: bool = False):
-        self.home, self.info, self.failures = home, info, failures
+                 tokens_from_stores: bool = False, count: int = 0):
+        self.home, self.info, self.failures, self.count = home, info, failures, int(count)
         self.has_tokens = bool(tokens_from_stores)
         self.tokens = _StoredTokens(self, "tokens") if tokens_from_stores else None
         self.token_sizes = _StoredTokens(self, "token_sizes") if tokens_from_stores else None
@@ -298,7 +394,8 @@ class MilvusIndex:
         return self._stores[directory]
 
     def __len__(self) -> int:
-        return int(self.home.client.get_collection_stats(self.home.collection)["row_count"])
+        """The rows when the collection was opened (counted once: Milvus counts them in O(rows))."""
+        return self.count
 
     @property
     def videos(self) -> list[str]:
@@ -320,9 +417,9 @@ class MilvusIndex:
 
     def all_rows(self, batch_size: int = 1000) -> list[dict[str, Any]]:
         """Every row's payload and embedding (for checks and exports)."""
-        iterator = self.home.client.query_iterator(self.home.collection, batch_size=batch_size, filter="",
-                                                   output_fields=["key", "video", "folder", "dataset", "start", "end",
-                                                                  "embedding"])
+        iterator = self.home.call("cannot be read", "query_iterator", self.home.collection, batch_size=batch_size,
+                                  filter="", output_fields=["key", "video", "folder", "dataset", "start", "end",
+                                                            "embedding"])
         rows = []
         while True:
             page = iterator.next()
@@ -339,17 +436,16 @@ class MilvusIndex:
         if queries.ndim != 2 or (self.dim and queries.shape[1] != self.dim):
             raise ValueError(f"The queries have shape {tuple(queries.shape)}, but this index holds {self.dim}-d "
                              "embeddings: search it with the model that encoded it.")
-        results = self.home.client.search(
-            self.home.collection, data=queries.tolist(), limit=max(1, int(k)), filter=milvus_filter(filters),
+        results = self.home.call(
+            "cannot be searched", "search", self.home.collection, data=queries.tolist(),
+            limit=max(1, min(int(k), self.max_results)), filter=milvus_filter(filters),
             output_fields=["video", "dataset", "start", "end", "embedding", "store", "row"],
             search_params={"metric_type": "IP", "params": self.home.search_params})
         self.hits, self.hit_vectors = [], []
         width = max((len(hits) for hits in results), default=0)
         scores = torch.full((len(results), width), float("-inf"))
         rows = torch.full((len(results), width), -1, dtype=torch.long)
-        for q, hits in enumerate(results):
-            # `like` treats `_` and `%` in a folder's name as wildcards: Milvus' hits are a superset, kept exact here
-            hits = [hit for hit in hits if matches(hit["entity"], filters)]
+        for q, hits in enumerate(results):  # the filter is exact (`index_filters.milvus_filter`): every hit passes
             for j, hit in enumerate(hits):
                 entity = hit["entity"]
                 rows[q, j] = len(self.hits)
@@ -359,4 +455,5 @@ class MilvusIndex:
         return scores, rows
 
 
-__all__ = ["FILTER_KEYS", "MilvusHome", "MilvusIndex", "matches", "milvus_filter", "row_key"]
+__all__ = ["FILTER_KEYS", "SETTINGS_PROPERTY", "MilvusHome", "MilvusHomeError", "MilvusIndex", "matches",
+           "milvus_filter", "row_key", "row_payload"]

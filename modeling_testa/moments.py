@@ -670,6 +670,24 @@ def batched_rows(rows: Iterable[tuple[int, torch.Tensor | None, Failure | None]]
         yield indices, (torch.stack(pixels) if pixels else None), failures
 
 
+def rebatch(batches: Iterable[Any], batch_size: int) -> Iterator[Any]:
+    """`indexing.DecodedBatch` es regrouped into batches of at most `batch_size` rows (short videos joined, a long
+    one split over several encoder forwards); failures pass with the next batch."""
+    indices: list[int] = []
+    pixels: list[torch.Tensor] = []
+    failures: list[Any] = []
+    for batch_indices, batch_pixels, batch_failures in batches:
+        failures += batch_failures
+        for offset, row in enumerate(batch_indices):
+            indices.append(row)
+            pixels.append(batch_pixels[offset])
+            if len(indices) == batch_size:
+                yield indices, torch.stack(pixels), failures
+                indices, pixels, failures = [], [], []
+    if indices or failures:
+        yield indices, (torch.stack(pixels) if pixels else None), failures
+
+
 class WindowRowDecoder:
     """The index builder's decoder (`index_homes.Decoder`: ``decode(entries, positions)`` -> `indexing.DecodedBatch`
     es) for rows that are moments of video files (``entry.start``/``entry.end`` seconds; None: the whole video).
@@ -794,6 +812,7 @@ __all__ = [
     "probe_duration",
     "processor_frame_steps",
     "processor_stream_options",
+    "rebatch",
     "refine_moment",
     "video_groups",
     "window_frame_indices",

@@ -31,7 +31,6 @@ This file is Hub remote code: flat relative imports only, absolute imports of in
 optional and imported inside `try`).
 """
 
-import dataclasses
 import os
 import re
 import sys
@@ -42,15 +41,16 @@ from transformers.pipelines import PIPELINE_REGISTRY
 from transformers.pipelines.base import Pipeline
 from transformers.utils import logging
 
-from .index_homes import IndexEntry, InMemoryHome, StoreHome, VideoIndexBuilder, window_entries
-from .indexing import SUMMARY_FAILURES, DecodeAhead, check_on_error
+from .index_build import FileDecoder, IndexBuild, build_settings, window_entries
+from .index_homes import IndexEntry, InMemoryHome, StoreHome, as_entries
+from .indexing import DecodeEach, check_on_error
 from .inference import optimize_for_inference
-from .moments import WindowRowDecoder, best_moment_per_video, check_window_options
+from .moments import best_moment_per_video, check_window_options
 from .processing_testa import TestaProcessor, load_testa_processor
 from .ranking import RankingOptions, ranked_order, two_stage_scores
 from .saving import check_savable, push_folder_to_hub
-from .store_lock import StoreLock
-from .video_index import IndexInfo, VideoIndex
+from .index_settings import IndexInfo
+from .video_index import VideoIndex
 from .video_inputs import check_video, is_array, is_single_video, text_list, video_list
 
 
@@ -454,7 +454,8 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         Args:
             videos (`list`): paths, 4-D arrays/tensors or frame lists, or `index_homes.IndexEntry` rows (a video
                 with a `dataset` name, carried into the index and search results, to filter by; or a moment of a
-                video file, with `start`/`end`, decoded as `window=` decodes its windows; kept in memory).
+                video file, with `start`/`end`, decoded as `window=` decodes its windows). A video (or moment) given
+                twice is one row.
             batch_size (`int`, defaults to 8): videos per encoder forward.
             store_tokens (`bool`, defaults to `True`): keep the aggregated tokens so that `search` can re-rank with
                 the matching head; `False` keeps only the embeddings (much smaller; not with `store_dir`).
@@ -466,7 +467,12 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
                 failed.
             store_dir (`str` or `os.PathLike`, *optional*): write the tokens to an on-disk video store in this
                 directory as they are encoded (memory stays bounded by `batch_size`, whatever the collection) and
-                return an index backed by it; `VideoIndex.load(store_dir)` reopens it later.
+                return an index backed by it; `VideoIndex.load(store_dir)` reopens it later. Safe to run again: on an
+                existing store (from this method or `python -m train.index`) the videos it lacks are appended (the
+                same videos or a subset: nothing is encoded, the store is returned as it is; a build killed halfway
+                is resumed), and a store built with other settings (model weights, frames, R_T/R_S, precision, token
+                dtype, window) is refused with every difference named, before anything is encoded or written. One
+                writer at a time (`store_lock`).
             num_workers (`int`, defaults to 0): decode in this many threads, each with its own decoder process
                 (`isolate_decoder=True`), while the encoder runs: the next batches (up to two batches, and at least
                 `num_workers` videos, ahead) are decoded during the current forward. 0 decodes each batch before
@@ -480,243 +486,104 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
                 no index is returned. Bad arguments (e.g. an array of the wrong shape) always raise.
             index (`VideoIndex`, *optional*): an index to grow, in memory or store-backed. Videos already in it (by
                 path and `start`/`end`; failed ones too) are skipped, the others are encoded and appended to it in
-                place (`VideoIndex.add`; a store gets a new shard, written and finished on disk), and it is
-                returned.
-                It must have been built with the same model settings (frames, R_T/R_S, projection size): another
-                setting is refused, naming the difference, before anything is encoded.
+                place (a store gets a new shard, written and finished on disk), and it is returned.
+                It must have been built with the same settings (frames, R_T/R_S, projection size, precision,
+                window): another setting is refused, naming the difference, before anything is encoded.
             window (`float`, *optional*): index moments instead of whole videos: every video file is cut into
-                windows of this many seconds (planned from its duration, `moments.plan_window_rows`; a video shorter
-                than one window is one entry), the rows encoded by `index_homes.VideoIndexBuilder`, each video
-                streamed once for all its windows (`moments.WindowRowDecoder`), and each window is one row of the index
-                with its `start` and `end` (`VideoIndex.segments`); `search` then returns moments. Paths only, kept in
-                memory (not with `store_dir`); `num_frames` is the only video argument taken. With `num_workers`,
-                the next videos are decoded (each in one pass) in threads while the current windows are encoded.
+                windows of this many seconds (planned from its duration, `moments.plan_windows`; a video shorter
+                than one window is one entry), each video streamed once for all its windows
+                (`moments.WindowRowDecoder`: memory bounded by the windows still open, whatever the video's
+                length), and each window is one row of the index with its `start` and `end`
+                (`VideoIndex.segments`); `search` then returns moments. Paths only, in memory or in a store (as
+                `python -m train.index --window` writes one); `num_frames` is the only video argument taken. With
+                `num_workers`, the next videos are decoded (each in one pass) in threads while the current windows
+                are encoded.
             stride (`float`, *optional*): seconds between window starts (default: `window`).
             **video_kwargs: video-processor arguments (`num_frames=...`).
 
         Raises:
             `ValueError`: no video of `videos` could be read (the message lists why), or a bad argument.
+            `index_settings.IndexSettingsError` (a `ValueError`): the index or store was built with other settings,
+                or `store_dir` holds files that are not a video store; nothing in it changed.
+            `store_lock.StoreLockedError`: another writer is writing the store.
 
-        The returned index's `stats` say how fast it went: videos/s, the time the encoder waited for decoding, the
-        encoder's own time (decoding is the bottleneck when the wait dominates) and the failures.
+        Every step (lock, settings check, plan, resume, decoding, finish) is `index_build.IndexBuild`'s, the one
+        build that `python -m train.index` runs too. The returned index's `stats` say how fast it went: videos/s,
+        the time the encoder waited for decoding, the encoder's own time (decoding is the bottleneck when the wait
+        dominates) and the failures.
         """
         if isinstance(videos, (list, tuple)) and any(isinstance(item, IndexEntry) for item in videos):
-            entries = [item if isinstance(item, IndexEntry) else IndexEntry(item) for item in videos]
-            videos = video_list([entry.video for entry in entries], "videos")
+            entries = as_entries(videos)
+            names = video_list([entry.video for entry in entries], "videos")
         else:
-            videos = video_list(videos, "videos")
-            entries = [IndexEntry(item) for item in videos]
+            names = video_list(videos, "videos")
+            entries = as_entries(names)
+        self._check_encode_arguments(entries, batch_size, num_workers, on_error, store_dir, store_tokens, index,
+                                     window, video_kwargs)
+        window, stride = check_window_options(window, stride)
+        directory = store_dir if store_dir is not None else getattr(getattr(index, "store", None), "directory", None)
+        num_frames = int(video_kwargs.get("num_frames", self.video_processor.num_frames))
+        with_weights = directory is not None or "model_weights_sha256" in (getattr(index, "info", None) or {})
+        settings = build_settings(self.model, num_frames, with_weights=with_weights, window=window, stride=stride,
+                                  token_dtype=token_dtype if directory is not None else None)
+        if directory is not None:
+            home = StoreHome(directory)
+            known = home.stored_plan()["videos"] if window is not None else ()
+        else:
+            home = InMemoryHome(store_tokens, token_dtype, index)
+            known = [*index.names, *(f.video for f in index.failures)] if window is not None and index else ()
+        if window is not None:  # the rows are the videos' windows, planned from their durations
+            entries = window_entries(entries, window, stride, skip=known)
+        moments = any(entry.start is not None for entry in entries)
+        decode = FileDecoder(DecodeEach(lambda video, i: self._pixels(video, f"videos[{i}]", video_kwargs), on_error),
+                             self.video_processor, num_frames, batch_size, num_workers, on_error,
+                             thread_initializer=self._decoder_for_thread)
+        build = IndexBuild(home, settings, command="VideoTextRetrievalPipeline.encode_videos",
+                           progress_bar=self._show_progress(len(entries), progress_bar), num_workers=num_workers,
+                           description="Encoding windows" if moments else "Encoding videos")
+        result = build.run(self.model, entries, decode)
+        built = result.index
+        if not result.report.handled:
+            logger.info("All %d videos are already in the index; nothing to encode.", len(names))
+        built.stats = result.report.stats()
+        if index is not None and built is not index:  # a grown store: the caller's index object reads it now
+            index.__dict__.update(built.__dict__)
+            return index
+        return built
+
+    @staticmethod
+    def _check_encode_arguments(entries: list[IndexEntry], batch_size: Any, num_workers: Any, on_error: str,
+                                store_dir: Any, store_tokens: bool, index: Any, window: Any,
+                                video_kwargs: dict[str, Any]) -> None:
+        """Refuses, naming the argument, what `encode_videos` cannot do; nothing is decoded before."""
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"`batch_size` must be a positive int, got {batch_size!r}.")
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             raise ValueError(f"`num_workers` must be a non-negative int, got {num_workers!r}.")
         check_on_error(on_error)
-        if store_dir is not None and not store_tokens:
-            raise ValueError("`store_dir` writes the tokens: it cannot be combined with store_tokens=False.")
-        with_weights = index is not None and "model_weights_sha256" in (getattr(index, "info", None) or {})
-        info = self._index_info(video_kwargs, with_weights=with_weights)
-        window, stride = check_window_options(window, stride)
-        if window is not None:  # the rows are the videos' windows, planned from their durations
-            entries, info = self._window_entries(entries, window, stride, store_dir, index, info, video_kwargs)
-            if not entries:
-                logger.info("All %d videos are already in the index; nothing to encode.", len(videos))
-                return index
-        moments = any(entry.start is not None for entry in entries)
-        if moments and (store_dir is not None or getattr(index, "store", None) is not None):
-            raise ValueError("Moments (`window=`, or entries with start/end) are built in memory here (save them with "
-                             "`index.save(DIR)`, either format); `python -m train.index --window` writes a video "
-                             "store of moments as it goes.")
+        arrays = [i for i, entry in enumerate(entries) if not isinstance(entry.video, (str, os.PathLike))]
         if index is not None:
-            self._check_growable(index, entries, info, store_dir, store_tokens)
-        stored = getattr(index, "store", None) if index is not None else None
-        if store_dir is not None or stored is not None:
-            return self._encode_into_store(entries, videos, index, store_dir, info, token_dtype, batch_size,
-                                           num_workers, on_error, progress_bar, video_kwargs)
-        if index is not None:
-            known = {index.row_key(i) for i in range(len(index))} | {f.key for f in index.failures}
-            todo = []
-            for i, entry in enumerate(entries):  # new rows, each once (a set: linear in the collection)
-                if entry.key(i) not in known:
-                    known.add(entry.key(i))
-                    todo.append(i)
-            if not todo:
-                logger.info("All %d videos are already in the index; nothing to encode.", len(videos))
-                return index
-            entries = [entries[i] for i in todo]
-        builder = VideoIndexBuilder(self.model, InMemoryHome(store_tokens, token_dtype), info)
-        if moments:  # each video decoded once for all its rows' windows
-            decode = self._moment_decoder(batch_size, num_workers, on_error, info["num_frames"])
-        else:
-            decode = self._decoder(batch_size, num_workers, on_error, video_kwargs)
-        stats, _ = builder.encode(entries, decode, progress_bar=self._show_progress(len(entries), progress_bar),
-                                  num_workers=num_workers,
-                                  description="Encoding windows" if moments else "Encoding videos")
-        self._log_stats(len(entries), stats)
-        failures = builder.home.failures()
-        if len(failures) == len(entries):
-            if index is None:
-                raise ValueError(f"None of the {len(entries)} videos could be read:\n" + "\n".join(
-                    f"  {f.video}: {str(f)[:300]}" for f in failures[:SUMMARY_FAILURES]))
-            index.add(VideoIndex(videos=[], embeddings=index.embeddings[:0], failures=failures, info=index.info,
-                                 tokens=None if index.tokens is None else index.tokens[:0],
-                                 token_sizes=None if index.token_sizes is None else index.token_sizes[:0]))
-            index.stats = stats.as_dict()
-            return index
-        encoded = builder.finish(entries, stats=stats)
-        if index is None:
-            return encoded
-        index.add(encoded)
-        index.stats = encoded.stats
-        return index
+            if not all(hasattr(index, name) for name in ("names", "embeddings", "add", "info")):
+                raise TypeError(f"`index` must be a VideoIndex to grow, got {type(index)}.")
+            if store_dir is not None:
+                raise ValueError("`index=` grows that index where it lives (in memory, or its own store); do not "
+                                 "pass `store_dir` with it.")
+            if arrays:
+                raise ValueError(f"`index=` tells the videos already in the index by their paths; videos{arrays[:3]} "
+                                 "are in-memory videos, which have none.")
+        if (store_dir is not None or getattr(index, "store", None) is not None) and not store_tokens:
+            raise ValueError("A store holds the tokens: `store_dir` (or a store-backed `index`) cannot be combined "
+                             "with store_tokens=False.")
+        if window is not None:
+            unsupported = sorted(set(video_kwargs) - {"num_frames"})
+            if unsupported:
+                raise ValueError(f"With `window=`, `num_frames` is the only video argument taken; got {unsupported}.")
+            if arrays:
+                raise ValueError(f"`window=` cuts video files by time; videos{arrays[:3]} are in-memory videos.")
 
     @staticmethod
     def _show_progress(count: int, progress_bar: bool | None) -> bool:
         return (count >= PROGRESS_BAR_MIN_VIDEOS) if progress_bar is None else bool(progress_bar)
-
-    def _window_entries(self, entries: list[IndexEntry], window: float, stride: float, store_dir: Any,
-                        index: VideoIndex | None, info: dict[str, Any], video_kwargs: dict[str, Any]
-                        ) -> tuple[list[IndexEntry], dict[str, Any]]:
-        """`encode_videos` with `window`: the rows (`IndexEntry` per window of every video file not yet in `index`,
-        planned from the files' durations by `index_homes.window_entries`, with each video's `dataset`) and the
-        index's info (with the window and stride)."""
-        if store_dir is not None:
-            raise ValueError("`window=` builds the moments in memory (save them with `index.save(DIR)`, either "
-                             "format); `python -m train.index --window` writes a video store of moments as it goes.")
-        unsupported = sorted(set(video_kwargs) - {"num_frames"})
-        if unsupported:
-            raise ValueError(f"With `window=`, `num_frames` is the only video argument taken; got {unsupported}.")
-        arrays = [i for i, entry in enumerate(entries) if not isinstance(entry.video, (str, os.PathLike))]
-        if arrays:
-            raise ValueError(f"`window=` cuts video files by time; videos{arrays[:3]} are in-memory videos.")
-        info = {**info, "window": window, "stride": stride}
-        datasets = {os.fspath(entry.video): entry.dataset for entry in entries}
-        paths = list(datasets)
-        if index is not None:
-            if (index.info.get("window"), index.info.get("stride")) != (window, stride):
-                raise ValueError(f"The index holds windows of {index.info.get('window')} s every "
-                                 f"{index.info.get('stride')} s; grow it with the same window and stride, got "
-                                 f"window={window}, stride={stride}.")
-            known = set(index.names) | {failure.video for failure in index.failures}
-            paths = [path for path in paths if path not in known]
-        return window_entries(paths, window, stride, datasets), info
-
-    def _moment_decoder(self, batch_size: int, num_workers: int, on_error: str, num_frames: int) -> Any:
-        """The builder's `decode(entries, positions)` for rows that are moments (`IndexEntry.start`/`end`; None: the
-        whole video): `moments.WindowRowDecoder` streams each video once for its consecutive rows, in `num_workers`
-        threads (each with its own decoder process), and hands the windows out `batch_size` at a time as they
-        complete."""
-        return WindowRowDecoder(self.video_processor, num_frames, batch_size, num_workers, on_error)
-
-    @staticmethod
-    def _log_stats(count: int, stats: Any) -> None:
-        logger.info("Encoded %d videos in %.1f s (%.2f videos/s; waited %.1f s for decoding, encoder %.1f s; %d "
-                    "failed).", count, stats.seconds, stats.videos_per_second, stats.decode_wait_seconds,
-                    stats.encode_seconds, stats.failed)
-
-    def _decoder(self, batch_size: int, num_workers: int, on_error: str, video_kwargs: dict[str, Any]) -> Any:
-        """The builder's `decode(entries, positions)`: this pipeline's video processor in `num_workers` threads
-        (`DecodeAhead`), each with its own decoder process; batches and failures name collection positions."""
-
-        def decode(entries: list[IndexEntry], positions: list[int]):
-            def pixels(j: int) -> torch.Tensor:
-                return self._pixels(entries[positions[j]].video, f"videos[{positions[j]}]", video_kwargs)
-
-            names = [entries[p].name(p) for p in positions]
-            ahead = DecodeAhead(pixels, len(positions), num_workers, max(2 * batch_size, num_workers),
-                                self._decoder_for_thread)
-            with ahead:
-                for local, pixel_values, failures in ahead.batches(batch_size, on_error, names.__getitem__):
-                    failures = [dataclasses.replace(f, index=positions[f.index], start=entries[positions[f.index]].start,
-                                                    end=entries[positions[f.index]].end) for f in failures]
-                    yield [positions[j] for j in local], pixel_values, failures
-
-        return decode
-
-    def _encode_into_store(self, entries: list[IndexEntry], videos: list[Any], index: Any, store_dir: Any,
-                           info: dict[str, Any], token_dtype: torch.dtype | None, batch_size: int, num_workers: int,
-                           on_error: str, progress_bar: bool | None, video_kwargs: dict[str, Any]) -> VideoIndex:
-        """Encodes into a new store in `store_dir`, or appends the new rows to the store backing `index` (a new
-        shard; the store's own settings and token dtype), and returns the store-backed index (`index` itself,
-        reopened in place, when growing)."""
-        growing = index is not None
-        directory = index.store.directory if growing else store_dir
-        # one writer per store: refused (StoreLockedError, naming the writer) while another process writes it
-        lock = StoreLock(directory, command="VideoTextRetrievalPipeline.encode_videos").acquire()
-        try:
-            return self._encode_into_locked_store(entries, videos, index, directory, info, token_dtype, batch_size,
-                                                  num_workers, on_error, progress_bar, video_kwargs)
-        finally:
-            lock.release()
-
-    def _encode_into_locked_store(self, entries: list[IndexEntry], videos: list[Any], index: Any, directory: Any,
-                                  info: dict[str, Any], token_dtype: torch.dtype | None, batch_size: int,
-                                  num_workers: int, on_error: str, progress_bar: bool | None,
-                                  video_kwargs: dict[str, Any]) -> VideoIndex:
-        growing = index is not None
-        if growing:
-            home = StoreHome(directory, index.store.token_dtype)
-            info = {**index.info, **{key: value for key, value in info.items() if key not in index.info}}
-        else:
-            home = StoreHome(directory, token_dtype or torch.float16)
-            home.reset()
-        plan, new = home.append(entries)
-        # Every shard the plan holds and no run closed: a growth that was interrupted (its rows are planned, so
-        # `append` does not count them as new) and this one's. Each is resumed, keeping the rows it already wrote.
-        unclosed = sorted(set(range(len(plan["shards"]))) - home.closed_shards(len(plan["shards"])))
-        if not unclosed:
-            logger.info("All %d videos are already in the index; nothing to encode.", len(videos))
-            return index
-        rows = StoreHome.entries(plan)
-        builder = VideoIndexBuilder(self.model, home, info)
-        decode = self._decoder(batch_size, num_workers, on_error, video_kwargs)
-        todo = sum(plan["shards"][shard][1] - plan["shards"][shard][0] for shard in unclosed)
-        stats = None
-        for shard in unclosed:
-            start, stop = plan["shards"][shard]
-            shard_stats, _ = builder.encode(rows, decode, shard=shard, start=start, stop=stop, resume=True,
-                                            progress_bar=self._show_progress(todo, progress_bar),
-                                            num_workers=num_workers)
-            stats = shard_stats if stats is None else stats.merged(shard_stats)
-        self._log_stats(todo, stats)
-        stored = builder.finish(rows, stats=stats)
-        # the rows' videos, as given where given here (a repeated video is one row: `append` keys rows by video
-        # and moment), as the store names them for rows planned by an earlier, interrupted growth
-        given = {entries[i].key(i): videos[i] for i in new}
-        names = [given.get(entry.key(i), entry.video) for i, entry in enumerate(rows)]
-        if not growing:
-            stored.videos = names
-            return stored
-        stored.videos = list(index.videos) + names[len(index.videos):]
-        index.__dict__.update(stored.__dict__)  # the caller's index object now reads the grown store
-        return index
-
-    def _index_info(self, video_kwargs: dict[str, Any], with_weights: bool = False) -> dict[str, Any]:
-        """How an index encoded with this model and these video arguments is built (`IndexInfo`, saved as its
-        `info`); `with_weights` also records the weights' hash (to grow an index that records one)."""
-        num_frames = int(video_kwargs.get("num_frames", self.video_processor.num_frames))
-        return IndexInfo.from_model(self.model, num_frames, with_weights=with_weights).as_dict()
-
-    @staticmethod
-    def _check_growable(index: Any, entries: list[IndexEntry], info: dict[str, Any], store_dir: Any,
-                        store_tokens: bool) -> None:
-        """Refuses, naming the difference, to grow ``index`` with videos it could not hold alongside its own."""
-        if not all(hasattr(index, name) for name in ("names", "embeddings", "add", "info")):
-            raise TypeError(f"`index` must be a VideoIndex to grow, got {type(index)}.")
-        if store_dir is not None:
-            raise ValueError("`index=` grows that index where it lives (in memory, or its own store); do not pass "
-                             "`store_dir` with it.")
-        arrays = [i for i, entry in enumerate(entries) if not isinstance(entry.video, (str, os.PathLike))]
-        if arrays:
-            raise ValueError(f"`index=` tells the videos already in the index by their paths; videos{arrays[:3]} "
-                             "are in-memory videos, which have none.")
-        if store_tokens != index.has_tokens:
-            raise ValueError(f"The index {'holds' if index.has_tokens else 'does not hold'} tokens; encode with "
-                             f"store_tokens={index.has_tokens} to grow it.")
-        differing = IndexInfo.from_dict(index.info).differences(IndexInfo.from_dict(info))
-        differences = [f"{key}: the index has {mine!r}, this call {theirs!r}" for key, (mine, theirs) in differing.items()]
-        if differences:
-            raise ValueError("The index was built with other settings; grow it with the same ones or build "
-                             "another index:\n  " + "\n  ".join(differences))
 
     @torch.no_grad()
     def search(

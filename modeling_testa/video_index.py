@@ -24,10 +24,11 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from .index_filters import matches
+from .index_settings import IndexInfo, IndexSettingsError, check_store_folder, recorded_store_settings
 from .indexing import Failure
 from .store_lock import StoreLock
 from .video_store import (
-    PLAN_FILE,
     STORE_INFO_FILE,
     DamagedStoreError,
     VideoStoreWriter,
@@ -350,85 +351,8 @@ class FirstStage:
         return cls(index, meta["kind"], meta.get("parameters", {}), rows, embeddings.shape[0], meta["fingerprint"])
 
 
-def weights_fingerprint(model: torch.nn.Module) -> str:
-    """SHA-256 of the model's parameters and buffers (names, shapes, dtypes and bytes)."""
-    digest = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        tensor = tensor.detach().cpu().contiguous().reshape(-1)
-        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
-        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
-    return digest.hexdigest()
-
-
-def config_setting(read: Any) -> dict[str, Any]:
-    return {"config": read}
-
-
-@dataclass(frozen=True)
-class IndexInfo:
-    """The settings an index must share with another to be grown by it, and (those read from the model's config)
-    with the model that searches it: declared here once. Saved as an index's `info` (`as_dict`; a store may add its
-    own keys, e.g. `train.index`'s ``shard_size``).
-
-    A setting an index does not record (None) is not compared. ``model`` and ``name_or_path`` (where the weights came
-    from) are compared only when either side lacks ``model_weights_sha256``, which names the weights themselves.
-    """
-
-    model_class: str | None = None
-    name_or_path: str | None = None
-    model: str | None = None
-    model_weights_sha256: str | None = None
-    projection_dim: int | None = field(default=None, metadata=config_setting(lambda c: c.projection_dim))
-    num_frames: int | None = None
-    temporal_reduction: list[int] | None = field(
-        default=None, metadata=config_setting(lambda c: c.vision_config.temporal_reduction_per_layer))
-    spatial_reduction: list[int] | None = field(
-        default=None, metadata=config_setting(lambda c: c.vision_config.spatial_reduction_per_layer))
-    precision: str | None = None
-    token_dtype: str | None = None
-
-    @classmethod
-    def from_model(cls, encoder: Any, num_frames: int, with_weights: bool = False, **settings: Any) -> "IndexInfo":
-        """The settings of an index that the model `encoder` encodes at `num_frames` frames (`with_weights`: also
-        hash its weights, about a second for ViT-B); `settings` sets the others (``model``, ``precision``, ...)."""
-        config = encoder.config
-        read = {f.name: json_value(f.metadata["config"](config)) for f in fields(cls) if "config" in f.metadata}
-        return cls(model_class=type(encoder).__name__, name_or_path=getattr(config, "_name_or_path", None) or "",
-                   num_frames=int(num_frames),
-                   model_weights_sha256=weights_fingerprint(encoder) if with_weights else None, **read, **settings)
-
-    @classmethod
-    def from_dict(cls, info: dict[str, Any] | None) -> "IndexInfo":
-        """The settings recorded in an index's `info` (other keys are ignored)."""
-        info = info or {}
-        return cls(**{f.name: json_value(info[f.name]) for f in fields(cls) if info.get(f.name) is not None})
-
-    def as_dict(self) -> dict[str, Any]:
-        """The recorded settings, json-ready."""
-        return {f.name: json_value(getattr(self, f.name)) for f in fields(self) if getattr(self, f.name) is not None}
-
-    def differences(self, other: "IndexInfo") -> dict[str, tuple[Any, Any]]:
-        """``{setting: (mine, theirs)}`` for every setting both record with different values (see the class)."""
-        by_weights = self.model_weights_sha256 is not None and other.model_weights_sha256 is not None
-        skipped = ("model", "name_or_path") if by_weights else ()
-        return {f.name: (getattr(self, f.name), getattr(other, f.name)) for f in fields(self)
-                if f.name not in skipped and getattr(self, f.name) is not None and getattr(other, f.name) is not None
-                and json_value(getattr(self, f.name)) != json_value(getattr(other, f.name))}
-
-    def model_differences(self, config: Any) -> dict[str, tuple[Any, Any]]:
-        """``{setting: (recorded, the model's)}`` for the settings read from a model's config that differ."""
-        return {f.name: (getattr(self, f.name), json_value(f.metadata["config"](config))) for f in fields(self)
-                if "config" in f.metadata and getattr(self, f.name) is not None
-                and json_value(getattr(self, f.name)) != json_value(f.metadata["config"](config))}
-
-
 SHARED_INFO_SETTINGS = tuple(f.name for f in fields(IndexInfo))
 """The settings `IndexInfo` declares (kept for code that named them)."""
-
-
-def json_value(value: Any) -> Any:
-    """`value` as it reads back from json (tuples become lists), so saved and fresh settings compare equal."""
-    return json.loads(json.dumps(value))
 
 
 def differing_settings(first: dict[str, Any], second: dict[str, Any], keys: tuple[str, ...] = SHARED_INFO_SETTINGS
@@ -803,21 +727,32 @@ class VideoIndex:
                 `False` otherwise, which writes the single-file format of earlier versions
                 (`video_index.safetensors` with embeddings, tokens and token sizes, and `video_index.json`; a
                 store-backed index written so keeps its encoded videos only). `load` reads both.
+
+        Raises:
+            `index_settings.IndexSettingsError`: `directory` holds a video store (other than this index's own), or
+                (`as_store`) files that are not one: nothing there is written over.
         """
         directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
         as_store = self.store is not None if as_store is None else as_store
+        here = self.store is not None and directory.exists() and \
+            Path(self.store.directory).resolve() == directory.resolve()
+        if not here and recorded_store_settings(directory) is not None:  # never written over: it may be in use
+            raise IndexSettingsError(directory, f"{str(directory)!r} holds a video store: save into a new or empty "
+                                                "folder (a store grows with pipe.encode_videos(videos, store_dir=...)).")
         if as_store:
             if not self.has_tokens:
                 raise ValueError("The video store format holds tokens; this index has none (save it with "
                                  "as_store=False, or encode with store_tokens=True).")
             with StoreLock(directory, command="VideoIndex.save"):  # one writer per store
-                if self.store is None or Path(self.store.directory).resolve() != directory.resolve():
-                    self._write_store(directory)
+                if not here:
+                    dtype = self.tokens.dtype if self.tokens.dtype in (torch.float16, torch.bfloat16) else torch.float32
+                    check_store_folder(directory, {**self.info, "token_dtype": str(dtype).replace("torch.", "")})
+                    self._write_store(directory, dtype)
                 # the rows are the same unless failures of an in-memory index became rows
                 same_rows = self.store is not None or not self.failures
                 (self if same_rows else VideoIndex.from_store(directory, first_stage=False)).save_first_stage(directory)
             return directory
+        directory.mkdir(parents=True, exist_ok=True)
         rows = self.encoded_rows()
         kept = (lambda tensor: tensor) if rows is None else (lambda tensor: tensor[rows])
         tensors = {"embeddings": kept(self.embeddings).detach().cpu().contiguous()}
@@ -845,11 +780,8 @@ class VideoIndex:
             VideoIndex.load(directory, first_stage=False).save_first_stage(directory)
         return directory
 
-    def _write_store(self, directory: Path, chunk: int = 64) -> None:
-        # a store grown in this folder before left the plan of its rows: this store is written whole, with others
-        (directory / PLAN_FILE).unlink(missing_ok=True)
+    def _write_store(self, directory: Path, dtype: torch.dtype, chunk: int = 64) -> None:
         valid = self.valid
-        dtype = self.tokens.dtype if self.tokens.dtype in (torch.float16, torch.bfloat16) else torch.float32
         extra = self.failures if self.store is None else []  # failed rows after the videos
         total = len(self) + len(extra)
         writer = VideoStoreWriter(directory, 0, 0, total, token_dtype=dtype)
@@ -912,10 +844,7 @@ class VideoIndex:
     # -- search ------------------------------------------------------------------------------------------------------
 
     def filtered_rows(self, filters: dict[str, Any]) -> torch.Tensor:
-        """The encoded rows whose payload passes `filters` (`milvus_home.matches`: ``video``, ``folder``,
-        ``dataset``)."""
-        from .milvus_home import matches  # a sibling with no import of its own optional package at module level
-
+        """The encoded rows whose payload passes `filters` (`index_filters`: ``video``, ``folder``, ``dataset``)."""
         valid = self.valid
         keep = [i for i in range(len(self)) if bool(valid[i]) and matches({**self.entry(i), "video": self.names[i]},
                                                                             filters)]

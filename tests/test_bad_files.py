@@ -25,7 +25,7 @@ from modeling_testa.indexing import (
     looks_like_video,
 )
 from modeling_testa.video_decoding import VideoDecodingError, VideoDecodingTimeoutError
-from modeling_testa.index_homes import VideoIndexBuilder
+from modeling_testa.index_build import IndexBuild
 
 QUERIES = ["a red square on a blue screen", "green and yellow blocks", "first dark then bright"]
 
@@ -265,7 +265,7 @@ def test_growing_with_other_settings_or_in_memory_videos_is_refused_before_encod
     good, _, _ = files
     index = pipe.encode_videos(good[:2])
     calls = count_encoded(pipe.model, monkeypatch)
-    with pytest.raises(ValueError, match=r"other settings.*\n  num_frames: the index has 4, this call 3"):
+    with pytest.raises(ValueError, match=r"other settings.*\n  num_frames: the index has 4, this build 3"):
         pipe.encode_videos(good[2:4], index=index, num_frames=3)
     with pytest.raises(ValueError, match="store_tokens=True"):
         pipe.encode_videos(good[2:4], index=index, store_tokens=False)
@@ -316,15 +316,15 @@ def test_an_interrupted_growth_of_a_store_is_completed_by_the_next_one(pipe, fil
     good, _, _ = files
     at_once = pipe.encode_videos(good[:4], store_dir=tmp_path / "once", token_dtype=torch.float32)
     pipe.encode_videos(good[:2], store_dir=tmp_path / "grown", token_dtype=torch.float32)
-    encode = VideoIndexBuilder.encode
+    encode = IndexBuild.encode
 
     def interrupted(self, *args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(VideoIndexBuilder, "encode", interrupted)
+    monkeypatch.setattr(IndexBuild, "encode", interrupted)
     with pytest.raises(KeyboardInterrupt):
         pipe.encode_videos(good[:4], index=VideoIndex.load(tmp_path / "grown"))
-    monkeypatch.setattr(VideoIndexBuilder, "encode", encode)
+    monkeypatch.setattr(IndexBuild, "encode", encode)
     calls = count_encoded(pipe.model, monkeypatch)
     grown = pipe.encode_videos(good[:4], index=VideoIndex.load(tmp_path / "grown"))
     assert sum(calls) == 2  # the two planned by the interrupted run, once

@@ -121,8 +121,8 @@ def test_a_resume_with_other_settings_is_refused_and_changes_nothing(collection,
                                 "--precision", "int8"), check=False)
     assert result.returncode != 0
     message = result.stderr
-    assert "built with other settings" in message and "num_frames: the store has 4, this run 3" in message
-    assert "precision: the store has 'fp32', this run 'int8'" in message
+    assert "built with other settings" in message and "num_frames: the index has 4, this build 3" in message
+    assert "precision: the index has 'fp32', this build 'int8'" in message
     assert "Traceback" not in message
     assert {p.name: p.stat().st_mtime_ns for p in one_process_store.iterdir()} == before
 
@@ -230,7 +230,7 @@ def test_a_store_grown_in_two_appends_on_two_processes_equals_one_built_at_once(
 
     before = {p.name: p.stat().st_mtime_ns for p in store.iterdir()}
     refused = run(PLAIN, *common(root, model, store, "--shard-size", "16", "--precision", "int8"), check=False)
-    assert refused.returncode != 0 and "precision: the store has 'fp32', this run 'int8'" in refused.stderr
+    assert refused.returncode != 0 and "precision: the index has 'fp32', this build 'int8'" in refused.stderr
     assert "Traceback" not in refused.stderr
     assert {p.name: p.stat().st_mtime_ns for p in store.iterdir()} == before
 
@@ -311,18 +311,23 @@ def test_bad_stores_and_empty_folders_get_one_message_and_nothing_is_written(col
     not_a_store = tmp_path / "photos"
     not_a_store.mkdir()
     (not_a_store / "a.jpg").write_bytes(b"\xff\xd8")
-    with pytest.raises(SystemExit, match="is a non-empty folder that is not a video store"):
+    with pytest.raises(SystemExit, match="holds files that are not a video store"):
         main(["--model", str(model), "--videos", str(root / "videos"), "--store", str(not_a_store)])
     assert [p.name for p in not_a_store.iterdir()] == ["a.jpg"]
 
+    # a store the pipeline built is grown by train.index (one build, one settings file): with other settings it is
+    # refused, and nothing in it changes
     pipe = VideoTextRetrievalPipeline(model=TestaForVideoTextRetrieval.from_pretrained(model),
                                       processor=TestaProcessor.from_pretrained(model), device="cpu")
-    foreign = tmp_path / "foreign"
-    pipe.encode_videos(sorted(str(p) for p in (root / "videos").glob("*.mp4"))[:3], store_dir=foreign)
-    before = {p.name: p.stat().st_mtime_ns for p in foreign.iterdir()}
-    with pytest.raises(SystemExit, match="is a video store that train.index did not build"):
-        main(["--model", str(model), "--videos", str(root / "videos"), "--store", str(foreign)])
-    assert {p.name: p.stat().st_mtime_ns for p in foreign.iterdir()} == before
+    shared = tmp_path / "shared"
+    pipe.encode_videos(sorted(str(p) for p in (root / "videos").glob("*.mp4"))[:3], store_dir=shared)
+    before = {p.name: p.stat().st_mtime_ns for p in shared.iterdir()}
+    with pytest.raises(SystemExit, match="num_frames: the index has 4, this build 3"):
+        main(["--model", str(model), "--videos", str(root / "videos"), "--store", str(shared), "--num-frames", "3"])
+    assert {p.name: p.stat().st_mtime_ns for p in shared.iterdir()} == before
+    report = main(["--model", str(model), "--videos", str(root / "videos"), "--store", str(shared),
+                   "--num-workers", "0"])
+    assert report["already_in_store"] == 3 and report["added_this_run"] == NUM_VIDEOS - 3
 
 
 def test_a_folder_where_no_video_can_be_read_publishes_no_store(collection, tmp_path):
@@ -337,15 +342,15 @@ def test_a_folder_where_no_video_can_be_read_publishes_no_store(collection, tmp_
     source = write_video(tmp_path / "source.mp4", 30, width=176, height=144)
     bad = write_bad_videos(folder, source, prefix="bad_")
     store = tmp_path / "store"
-    with pytest.raises(SystemExit, match=rf"none of the {len(bad)} videos could be read.*\n  .*bad_"):
+    with pytest.raises(SystemExit, match=rf"None of the {len(bad)} videos could be read.*\n  .*bad_"):
         main(["--model", str(model), "--videos", str(folder), "--store", str(store), "--num-workers", "0"])
     assert not is_video_store(store)
 
 
-def test_an_index_saved_over_an_older_store_is_grown_from_its_own_rows(collection, tmp_path):
-    """A folder that held a store built by `train.index` (with its plan of rows), then gets another index saved over
-    it (`VideoIndex.save(as_store=True)`): a later append must start from the saved index's rows, not from the old
-    store's plan, and encode only what the saved index lacks."""
+def test_an_index_saved_as_a_store_is_grown_from_its_own_rows_and_never_saved_over_a_store(collection, tmp_path):
+    """`VideoIndex.save(as_store=True)` into a folder holding a store is refused and the store keeps its rows; saved
+    into a new folder, the store records its settings and `train.index` grows it from its own rows, encoding only
+    what it lacks."""
     from train.index import main
 
     root, model = collection
@@ -358,12 +363,18 @@ def test_an_index_saved_over_an_older_store_is_grown_from_its_own_rows(collectio
     for listing, folder in ((lists["old"], store), (lists["other"], other)):
         main(["--model", str(model), "--videos", str(listing), "--store", str(folder), "--num-workers", "0",
               "--token-dtype", "float32"])
-    VideoIndex.load(other).save(store, as_store=True)
-    assert VideoIndex.load(store).videos == videos[3:5]
-    report = main(["--model", str(model), "--videos", str(lists["grown"]), "--store", str(store),
+    before = {p.name: p.stat().st_mtime_ns for p in store.iterdir()}
+    with pytest.raises(ValueError, match="holds a video store"):
+        VideoIndex.load(other).save(store, as_store=True)
+    assert {p.name: p.stat().st_mtime_ns for p in store.iterdir()} == before
+    assert VideoIndex.load(store).videos == videos[:3]
+    saved = tmp_path / "saved"
+    VideoIndex.load(other).save(saved, as_store=True)
+    assert VideoIndex.load(saved).videos == videos[3:5]
+    report = main(["--model", str(model), "--videos", str(lists["grown"]), "--store", str(saved),
                    "--num-workers", "0", "--token-dtype", "float32"])
     assert report["already_in_store"] == 2 and report["added_this_run"] == 1
-    grown = VideoIndex.load(store)
+    grown = VideoIndex.load(saved)
     assert grown.videos == videos[3:6]
     reference = VideoIndex.load(other)
     torch.testing.assert_close(grown.embeddings[:2], reference.embeddings, rtol=0, atol=1e-6)

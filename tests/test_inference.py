@@ -332,12 +332,12 @@ def test_encode_videos_with_workers_matches_sequential_in_order(retrieval_pipe, 
     shared = set(used)
     used.clear()
     got = retrieval_pipe.encode_videos(order, batch_size=3, num_workers=2)
-    assert got.videos == order
+    assert got.videos == expected.videos == order[:5]  # a video given twice is one row
     for name in ("embeddings", "tokens", "token_sizes"):
         assert torch.equal(getattr(got, name), getattr(expected, name)), name
     assert len(used) == 2 and not used & shared  # two helper processes of the threads' own, not the shared one
     for stats in (expected.stats, got.stats):
-        assert stats["videos"] == 7 and stats["videos_per_second"] > 0
+        assert stats["videos"] == 5 and stats["videos_per_second"] > 0
         assert 0 < stats["decode_wait_seconds"] <= stats["seconds"] and 0 < stats["encode_seconds"] <= stats["seconds"]
     assert (expected.stats["num_workers"], got.stats["num_workers"]) == (0, 2)
     assert all(worker.process is None for worker in video_decoding._OWN_WORKERS)  # stopped afterwards

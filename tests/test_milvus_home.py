@@ -19,10 +19,17 @@ from helpers.requirements import require, skip_or_fail
 require("pymilvus")
 require("milvus_lite")
 
-from helpers.milvus_writer import LookupModel, collection  # noqa: E402
+from helpers.milvus_writer import SETTINGS, LookupModel, collection  # noqa: E402
 
-from modeling_testa.index_homes import InMemoryHome, VideoIndexBuilder  # noqa: E402
+from modeling_testa.index_build import IndexBuild  # noqa: E402
+from modeling_testa.index_homes import InMemoryHome  # noqa: E402
+from modeling_testa.indexing import encode_videos  # noqa: E402
 from modeling_testa.milvus_home import MilvusHome, matches, row_key  # noqa: E402
+
+
+def by_row(entries, positions):
+    """The stand-in decoder of `LookupModel`: a row's "pixels" are its number."""
+    return ([[p], torch.tensor([float(p)]), []] for p in positions)
 
 COUNT, DIM = 400, 32
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,18 +123,21 @@ def test_two_writers_one_killed_and_resumed_give_the_rows_of_an_in_process_build
         assert resumed.wait(timeout=240) == 0, resumed.stderr.read().decode()[-3000:]
     finally:
         stop(resumed)
-    # a repeated run (not a resumed one: it writes every row again) changes nothing: upserts keyed by the row
-    builder = VideoIndexBuilder(LookupModel(vectors), home, {"projection_dim": DIM})
-    stats, already = builder.encode(entries, lambda e, positions: ([[p], torch.tensor([float(p)]), []]
-                                                                   for p in positions), summary=False)
-    assert stats.videos == len(entries) and already == 0
-    index = builder.finish(entries)
+    # a build over the same rows finds them all there; a writer that is not resumed writes every row again, and
+    # that changes nothing either: upserts keyed by the row
+    settings = {**SETTINGS, "projection_dim": DIM}
+    result = IndexBuild(MilvusHome(server), settings).run(LookupModel(vectors), entries, by_row)
+    assert result.report.handled == 0 and result.report.rows == len(entries)
+    home = MilvusHome(server)
+    home.check_settings(settings)
+    with home.writer(0, 0, len(entries), resume=False, entries=entries) as again:
+        stats = encode_videos(LookupModel(vectors), by_row(entries, range(len(entries))), again, summary=False)
+    assert stats.videos == len(entries)
+    index = home.finish()
     rows = index.all_rows()
     # the rows equal an in-process build of the same entries, and nothing is duplicated
-    reference = VideoIndexBuilder(LookupModel(vectors), InMemoryHome(store_tokens=False), {"projection_dim": DIM})
-    reference.encode(entries, lambda e, positions: ([[p], torch.tensor([float(p)]), []] for p in positions),
-                     summary=False)
-    in_process = reference.finish(entries)
+    in_process = IndexBuild(InMemoryHome(store_tokens=False), settings).run(LookupModel(vectors), entries,
+                                                                            by_row).index
     keys = [row["key"] for row in rows]
     assert len(keys) == len(set(keys)) == len(entries) == len(index)
     expected = {row_key(*in_process.row_key(i)): in_process.embeddings[i] for i in range(len(in_process))}
@@ -151,11 +161,8 @@ def test_two_writers_one_killed_and_resumed_give_the_rows_of_an_in_process_build
 
 def test_pipeline_search_on_an_embedded_milvus_lite_file_carries_moments(tmp_path):
     entries, vectors = collection(60, DIM)
-    home = MilvusHome(str(tmp_path / "videos.db"), dim=DIM)
-    builder = VideoIndexBuilder(LookupModel(vectors), home, {"projection_dim": DIM})
-    builder.encode(entries, lambda e, positions: ([[p], torch.tensor([float(p)]), []] for p in positions),
-                   summary=False)
-    index = builder.finish(entries)
+    home = MilvusHome(str(tmp_path / "videos.db"))
+    index = IndexBuild(home, {**SETTINGS, "projection_dim": DIM}).run(LookupModel(vectors), entries, by_row).index
     _, found = index.nearest(vectors[-1:], 3)
     top = index.entry(int(found[0, 0]))
     assert top == {"video": entries[-1].name(len(entries) - 1), "start": 5.0, "end": 10.0, "dataset": "long"}
@@ -180,7 +187,7 @@ def test_train_index_into_milvus_then_train_search_equals_the_store_search(tmp_p
     index_main(arguments)
     index_main(arguments)  # again: nothing new is encoded, every row is upserted again
     home = MilvusHome(milvus, dim=16)
-    rows = home.open({"projection_dim": 16}).all_rows()
+    rows = home.open().all_rows()
     videos = sorted(str(p) for p in (tmp_path / "videos").rglob("clip*.mp4"))
     assert sorted(row["video"] for row in rows) == videos  # each once; the broken file is not a row
     queries = ["a red square on a blue screen", "green and yellow blocks"]
@@ -223,7 +230,7 @@ def test_train_index_of_moments_into_milvus_keeps_start_and_end_and_searches_as_
         ("minute.mp4", 0, 25), ("minute.mp4", 15, 40), ("minute.mp4", 30, 55), ("minute.mp4", 35, 60),
         ("short.mp4", 0, 10)]
     assert [Path(f.video).name for f in stored.failures] == ["broken.mp4"]
-    rows = MilvusHome(milvus, dim=16).open({"projection_dim": 16}).all_rows()
+    rows = MilvusHome(milvus).open().all_rows()
     assert sorted((row["video"], row["start"], row["end"]) for row in rows) == sorted(keys)
     assert sorted(row["key"] for row in rows) == sorted(row_key(*key) for key in keys)
     queries = ["a white block in the corner", "a black frame"]
@@ -238,10 +245,15 @@ def test_train_index_of_moments_into_milvus_keeps_start_and_end_and_searches_as_
 
 
 def test_writers_starting_together_share_the_collection_one_of_them_created(tmp_path, monkeypatch):
-    """Two writers (processes of one launch) may both find no collection and both create it: Milvus refuses the
-    second creation ("already exists"), which must not stop that writer."""
-    first = MilvusHome(str(tmp_path / "videos.db"), dim=8)
-    first.ensure_collection(8)
-    monkeypatch.setattr(first.client, "has_collection", lambda name, seen=[]: bool(seen) or seen.append(1))
-    first.ensure_collection(8)  # looked absent, the creation failed: it exists, so this writer goes on
-    assert first.client.has_collection(first.collection)
+    """Two writers (two builds at once) may both find no collection and both create it: Milvus refuses the second
+    creation ("already exists"), which must not stop that writer when the collection holds its settings, and must
+    stop it, naming the difference, when it holds others."""
+    settings = {**SETTINGS, "projection_dim": 8}
+    first = MilvusHome(str(tmp_path / "videos.db"))
+    first.check_settings(settings)
+    calls = []
+    monkeypatch.setattr(first.client, "has_collection", lambda name: bool(calls) or calls.append(1))
+    assert first.check_settings(settings)["projection_dim"] == 8  # looked absent, the creation failed: it goes on
+    calls.clear()
+    with pytest.raises(ValueError, match="num_frames: the index has 1, this build 2"):
+        first.check_settings({**settings, "num_frames": 2})

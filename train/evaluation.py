@@ -30,8 +30,8 @@ from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list, gather_object
 from torch.utils.data import DataLoader
 
-from modeling_testa.distributed import raise_on_every_rank
-from modeling_testa.index_homes import IndexEntry, StoreHome, VideoIndexBuilder
+from modeling_testa.index_build import IndexBuild
+from modeling_testa.index_homes import IndexEntry, StoreHome
 from modeling_testa.indexing import DecodeVideos
 from modeling_testa.ranking import RankingOptions, ranked_order, two_stage_scores
 from modeling_testa.video_store import VideoTokenStore, missing_shards, shard_range
@@ -77,48 +77,39 @@ def per_process_batch_size(global_batch_size: int, num_processes: int) -> int:
 def encode_to_store(model, items: list, collate: Callable, accelerator: Accelerator, directory: str | os.PathLike,
                     batch_size: int, num_workers: int = 0, token_dtype: torch.dtype = torch.float16,
                     names: list[str] | None = None, info: dict | None = None) -> tuple[VideoTokenStore, float]:
-    """Encodes every item once into a token store in ``directory``: process ``r`` encodes its contiguous share and
-    writes shard ``r``. ``collate([(index, item), ...])`` returns ``(indices, pixel_values or None, failures)`` (see
-    `modeling_testa.indexing.DecodeVideos`); ``batch_size`` is global. Returns the opened store (on every process)
-    and the encoder's wall time on this process. Failures are reported on the main process."""
-    rank, world = accelerator.process_index, accelerator.num_processes
-    start, stop = shard_range(len(items), rank, world)
-    home = StoreHome(directory, token_dtype)
-    if accelerator.is_main_process:  # a reused directory's row plan and index belong to another store
-        home.reset()
-    accelerator.wait_for_everyone()
+    """Encodes every item once into a scratch token store in ``directory`` (`index_build.IndexBuild` with
+    ``replace``: the store holds exactly these items, in order, whatever the folder held before): process ``r``
+    encodes its contiguous share and writes shard ``r``. ``collate([(index, item), ...])`` returns ``(indices,
+    pixel_values or None, failures)`` (see `modeling_testa.indexing.DecodeVideos`); ``batch_size`` is global.
+    Returns the opened store (on every process) and the encoder's wall time (the mean over processes). Failures are
+    reported on the main process."""
     names = [str(item) for item in items] if names is None else names
-    builder = VideoIndexBuilder(model, home, info or {})
+    per_process = per_process_batch_size(batch_size, accelerator.num_processes)
 
-    def decode(entries: list[IndexEntry], positions: list[int]) -> DataLoader:
-        # one decoded batch in flight per worker (the default is 2): decoded pixels are the largest host buffers
-        return DataLoader(_Items([(i, entries[i].video) for i in positions]),
-                          batch_size=per_process_batch_size(batch_size, world), collate_fn=collate,
+    def decode(rows: list[IndexEntry], positions: list[int]) -> DataLoader:
+        # the plan's rows are the items, in order: the caller's collate sees its own items
+        return DataLoader(_Items([(i, items[i]) for i in positions]), batch_size=per_process, collate_fn=collate,
                           num_workers=num_workers, prefetch_factor=1 if num_workers else None)
 
-    encoder_seconds, error = 0.0, None
-    try:  # (the writer removes a reused directory's stale index and closed-shard marker before writing)
-        stats, _ = builder.encode([IndexEntry(item) for item in items], decode, shard=rank, start=start, stop=stop)
-        encoder_seconds = stats.encode_seconds
-    except Exception as caught:  # shared below: no process may be left waiting at the barrier
-        error = caught
-    raise_on_every_rank(error, accelerator.device)
-    accelerator.wait_for_everyone()
-    missing = missing_shards(directory, world)
-    if missing:  # raised on every process that misses a shard (with several machines: on all of them)
-        raise FileNotFoundError(
-            f"The evaluation store {os.fspath(directory)!r} lacks the shards of processes {missing}: with several "
-            "machines, set eval.store_dir (or pass store_dir) to a directory on a filesystem every process sees."
-        )
-    if accelerator.is_main_process:  # the evaluation ranks from the store's embeddings: no first stage is saved
-        builder.finish([IndexEntry(name) for name in names], world, first_stage=False, require_encoded=False)
-    accelerator.wait_for_everyone()
+    build = IndexBuild(StoreHome(directory), {**(info or {}), "token_dtype": str(token_dtype).replace("torch.", "")},
+                       command="train.evaluation", replace=True, num_workers=num_workers,
+                       finish_options={"first_stage": False, "require_encoded": False})
+    try:
+        result = build.run(model, [IndexEntry(name) for name in names], decode)
+    except (OSError, ValueError, RuntimeError) as error:
+        missing = missing_shards(directory, accelerator.num_processes) if Path(directory).is_dir() else []
+        if missing and "lacks shards" in str(error):  # several machines that do not share the folder
+            raise FileNotFoundError(
+                f"The evaluation store {os.fspath(directory)!r} lacks the shards of processes {missing}: with several "
+                "machines, set eval.store_dir (or pass store_dir) to a directory on a filesystem every process sees."
+            ) from None
+        raise
     store = VideoTokenStore(directory)
     if accelerator.is_main_process:
         for failure in store.failures:
             print(f"evaluation: video {failure['video']!r} could not be encoded and counts as a miss: "
                   f"{failure['reason']}", flush=True)
-    return store, encoder_seconds
+    return store, result.report.encode_seconds / max(1, result.report.processes)
 
 
 @torch.no_grad()

@@ -2,7 +2,7 @@
 
     python -m train.search --store OUT --model FOLDER_OR_HUB_ID "a paragraph" ["another query" ...] \
         [--top-k 10] [--rerank-k K] [--no-rerank] [--group-by-video] [--json] [--filter folder=DIR]
-        [--filter dataset=NAME] [--milvus URI [--collection videos]]
+        [--filter dataset=NAME] [--milvus URI [--collection videos] [--milvus-token TOKEN]]
 
 With ``--milvus`` the first stage is the Milvus collection `train.index --milvus` wrote (an embedded Milvus Lite file,
 or a server or cluster URI), and the re-ranking tokens are read from the stores its rows name. ``--filter KEY=VALUE``
@@ -19,15 +19,15 @@ of lists of ``{"video", "score", "reranked"}``). An index of moments (``encode_v
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 from modeling_testa import TestaProcessor, VideoTextRetrievalPipeline
 from modeling_testa.moments import format_time
+from modeling_testa.index_filters import FILTER_KEYS
+from modeling_testa.index_settings import SETTINGS_FILE, recorded_store_settings
 from modeling_testa.video_index import VideoIndex
-from modeling_testa.video_store import read_json_file
 
-from .index import SETTINGS_FILE, load_retrieval_model
+from .index import add_milvus_arguments, load_retrieval_model
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,9 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.add_argument("--filter", action="append", default=[], metavar="KEY=VALUE",
                         help="only videos whose payload matches (folder=DIR, dataset=NAME, video=PATH; repeatable)")
-    parser.add_argument("--milvus", default=None, help="search this Milvus (file or URI) instead of the store's "
-                                                       "first stage")
-    parser.add_argument("--collection", default="videos", help="the Milvus collection (default: videos)")
+    add_milvus_arguments(parser, "search this Milvus (file or URI) instead of the store's first stage")
     args = parser.parse_args(argv)
     try:
         args.filters = parse_filters(args.filter)
@@ -62,8 +60,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def parse_filters(items: list[str]) -> dict[str, list[str]]:
     """``["folder=DIR", "dataset=a", "dataset=b"]`` -> ``{"folder": ["DIR"], "dataset": ["a", "b"]}``; raises
     ValueError naming a malformed item or an unknown key."""
-    from modeling_testa.milvus_home import FILTER_KEYS
-
     filters: dict[str, list[str]] = {}
     for item in items:
         key, sep, value = item.partition("=")
@@ -73,27 +69,29 @@ def parse_filters(items: list[str]) -> dict[str, list[str]]:
     return filters
 
 
-def open_index(store: str, milvus: str | None = None, collection: str = "videos") -> Any:
+def open_index(store: str, milvus: str | None = None, collection: str = "videos", token: str | None = None) -> Any:
     """The store's `VideoIndex`, or with `milvus` the `MilvusIndex` of that collection (settings from the store,
-    tokens from the stores its rows name)."""
+    which the collection must share; tokens from the stores its rows name)."""
     index = VideoIndex.load(store, first_stage=milvus is None)
     if milvus is None:
         return index
     from modeling_testa.milvus_home import MilvusHome
 
-    return MilvusHome(milvus, collection, dim=index.dim).open(index.info, tokens_from_stores=index.has_tokens)
+    return MilvusHome(milvus, collection, dim=index.dim, token=token).open(index.info,
+                                                                           tokens_from_stores=index.has_tokens)
 
 
 def search(store: str, queries: list[str], model: str | None = None, top_k: int = 10, rerank_k: int | None = None,
            rerank: bool = True, filters: dict[str, Any] | None = None, milvus: str | None = None,
-           collection: str = "videos", group_by_video: bool = False) -> list[list[dict[str, Any]]]:
+           collection: str = "videos", group_by_video: bool = False, milvus_token: str | None = None
+           ) -> list[list[dict[str, Any]]]:
     """The ranked videos of every query in ``store`` (or in Milvus, see the module docstring)."""
-    index = open_index(store, milvus, collection)
+    index = open_index(store, milvus, collection, milvus_token)
     if model is None:
-        settings = Path(store) / SETTINGS_FILE
-        if not settings.is_file():
+        settings = recorded_store_settings(store) or {}  # DamagedStoreError naming the file when damaged
+        model = settings.get("model") or settings.get("name_or_path")
+        if not model:
             raise ValueError(f"--store {store!r} does not say which model built it ({SETTINGS_FILE}): pass --model.")
-        model = read_json_file(settings)["model"]  # DamagedStoreError naming it when damaged
     retrieval, _ = load_retrieval_model(model)
     pipe = VideoTextRetrievalPipeline(model=retrieval, processor=TestaProcessor.from_pretrained(model), device="cpu")
     results = pipe.search(queries, index, top_k=top_k, rerank=None if rerank else False, rerank_k=rerank_k,
@@ -112,7 +110,7 @@ def main(argv: list[str] | None = None) -> list[list[dict[str, Any]]]:
     args = parse_args(argv)
     try:
         results = search(args.store, args.queries, args.model, args.top_k, args.rerank_k, not args.no_rerank,
-                         args.filters, args.milvus, args.collection, args.group_by_video)
+                         args.filters, args.milvus, args.collection, args.group_by_video, args.milvus_token)
     except (OSError, ValueError) as error:
         raise SystemExit(f"error: {error}") from None
     if args.json:

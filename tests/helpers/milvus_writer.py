@@ -1,6 +1,6 @@
 """One writer process of the Milvus server test: upserts rows ``[start, stop)`` of a seeded collection of unit
-vectors through `VideoIndexBuilder` into a `MilvusHome`, one row per batch, pausing `delay` s per batch (so that a
-test can kill it halfway). A `LookupModel` stands in for the encoder: its "pixels" are row numbers and its embedding
+vectors into a `MilvusHome` (its settings checked, then one shard writer and the library's encode loop), one row per
+batch, pausing `delay` s per batch (so that a test can kill it halfway). A `LookupModel` stands in for the encoder: its "pixels" are row numbers and its embedding
 of row i is row i of the collection (so the rows a build must hold are known exactly)."""
 
 import sys
@@ -9,8 +9,12 @@ from types import SimpleNamespace
 
 import torch
 
-from modeling_testa.index_homes import IndexEntry, VideoIndexBuilder
+from modeling_testa.index_homes import IndexEntry
+from modeling_testa.indexing import encode_videos
 from modeling_testa.milvus_home import MilvusHome
+
+SETTINGS = {"model_class": "LookupModel", "num_frames": 1}
+"""What the writers of one collection record and share (with the embedding size)."""
 
 
 def collection(count: int, dim: int, seed: int = 0) -> tuple[list[IndexEntry], torch.Tensor]:
@@ -51,9 +55,11 @@ def main(uri: str, count: int, dim: int, start: int, stop: int, delay: float) ->
             time.sleep(delay)
             yield [position], torch.tensor([float(position)]), []
 
-    home = MilvusHome(uri, dim=dim)
-    builder = VideoIndexBuilder(LookupModel(vectors), home, {"projection_dim": dim})
-    builder.encode(entries, decode, start=start, stop=stop, resume=True, summary=False)
+    home = MilvusHome(uri)
+    home.check_settings({**SETTINGS, "projection_dim": dim})
+    with home.writer(0, start, stop, resume=True, entries=entries) as writer:
+        todo = [i for i in range(start, stop) if i not in writer.done]
+        encode_videos(LookupModel(vectors), decode(entries, todo), writer, summary=False)
     print("done", flush=True)
 
 
