@@ -2,14 +2,17 @@
 
     python app/app.py --model FOLDER_OR_HUB_ID --videos DIR [--qa-model FOLDER_OR_HUB_ID] [--window SECONDS]
         [--host 127.0.0.1] [--port N]
+    python app/app.py --model M --index STORE [--milvus FILE_OR_URI [--collection C] [--milvus-token TOKEN]]
 
 Index a folder (or uploaded videos), search it by sentence or paragraph, see which frames and patches TESTA merged
 for a result and where the query's words land (grounding), classify a video zero-shot, ask a question about it, and
-change R_T/R_S live to see what the merging saves. With a window (``--window`` or the page's "Moments" field), every
-video is indexed as windows of that many seconds (half-overlapping) and a result is a moment: its start and end, a strip
-of its frames, and the video playing from its start. Every step calls the library: the retrieval, zero-shot and QA
-pipelines (`modeling_testa.pipeline_testa`), `visualization.visualize_aggregation`, `grounding.ground_phrases` /
-`draw_grounding`, `flops.count_encoder_gmac`, and `set_aggregation`.
+change R_T/R_S live to see what the merging saves. The ``--videos`` folder is indexed in the background
+(`IndexingJob`): the page answers at once, its Index box shows the videos (and moments) done and the failures so far,
+and a search runs on what is indexed so far. With a window (``--window`` or the page's "Moments" field), every
+video is indexed as windows of that many seconds (half-overlapping) and a result is a moment: its start and end, a
+thumbnail from inside it, a strip of its frames, and the video playing from its start. Every step calls the library:
+the retrieval, zero-shot and QA pipelines (`modeling_testa.pipeline_testa`), `visualization.visualize_aggregation`,
+`grounding.ground_phrases` / `draw_grounding`, `flops.count_encoder_gmac`, and `set_aggregation`.
 
 API names (stable, for `gradio_client`): ``/index``, ``/search``, ``/visualize``, ``/classify``, ``/answer``,
 ``/aggregation``, ``/moment``; see `app/README.md`. Analytics are off and the server binds 127.0.0.1 unless
@@ -17,10 +20,14 @@ API names (stable, for `gradio_client`): ``/index``, ``/search``, ``/visualize``
 """
 
 import argparse
+import dataclasses
+import functools
+import hashlib
 import os
 import sys
 import tempfile
 import threading
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +36,8 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 import gradio as gr  # noqa: E402
 
-from modeling_testa.moments import format_time, moment_frames  # noqa: E402
+from modeling_testa.indexing import EncodingStats, Failure, failure_summary, is_media_error  # noqa: E402
+from modeling_testa.moments import format_time, moment_frames, plan_window_rows  # noqa: E402
 from modeling_testa.video_inputs import VIDEO_SUFFIXES, find_video_files, is_video_file_name  # noqa: E402
 
 THEME = gr.themes.Default(font=[gr.themes.LocalFont("Source Sans Pro", weights=(400, 700)), "ui-sans-serif",
@@ -56,7 +64,9 @@ class AppState:
     folder_filter: str = ""  # search only the videos under this folder ("": all)
     window: float = 0.0  # seconds per indexed window (moments); 0 indexes whole videos
     index_status: str = ""  # what the last indexing said (shown in the Index box, also after the start-up index)
+    job: Any = None  # the last `IndexingJob` (one runs at a time)
     hits: list[dict] = field(default_factory=list)  # the last search's results, for /moment
+    thumbnails: dict[tuple, str] = field(default_factory=dict)  # (video, start, end) -> PNG of a frame of the moment
     lock: threading.Lock = field(default_factory=threading.Lock)  # one index change at a time
     output_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="testa-app-"))
 
@@ -96,15 +106,23 @@ def load_state(model: str, videos_dir: str | None, qa_model: str | None, precisi
 
 def index_videos(state: AppState, folder: str, uploads: list[str] | None, progress: Any = None,
                  window: float | None = None) -> str:
-    """Indexes the folder's videos and the uploads in one pass, each video encoded once; files that cannot be read
-    are left out and listed with their reasons. Indexing the folder of the current index again adds only the videos
-    it lacks (and the uploads); another folder, or uploads alone, start a new index. With a `window` (seconds;
-    default: the app's), every video becomes half-overlapping windows of that length: moments."""
-    retrieval = state.require_model()
+    """Indexes the folder's videos and the uploads, each video encoded once, and returns what it did; files that
+    cannot be read are left out and listed with their reasons. Indexing the folder of the current index again adds
+    only the videos it lacks (and the uploads); another folder, or uploads alone, start a new index. With a `window`
+    (seconds; default: the app's), every video becomes half-overlapping windows of that length: moments. Runs in the
+    calling thread (an `IndexingJob`), telling `progress` (a `gr.Progress`) the moments or videos done after each
+    step."""
+    return new_indexing_job(state, folder, uploads, window).run(progress)
+
+
+def new_indexing_job(state: AppState, folder: str, uploads: list[str] | None, window: float | None,
+                     background: bool = False) -> "IndexingJob":
+    """The job that indexes the folder's videos and the uploads (see `index_videos`); refused with the reason (a
+    `gr.Error`) when there is no video to index, the window is negative, or another indexing job is running."""
+    state.require_model()
     window = state.window if window is None else float(window or 0)
     if window < 0:
         raise gr.Error(f"Moments: the window must be a positive number of seconds (0 for whole videos), got {window}.")
-    moments = {"window": window, "stride": window / 2} if window > 0 else {}
     folder = (folder or "").strip()
     paths, others = [], []
     if folder:
@@ -117,64 +135,265 @@ def index_videos(state: AppState, folder: str, uploads: list[str] | None, progre
     if not paths:
         raise gr.Error(f"No video to index in {folder!r}" + (" or the uploads" if uploads else "") +
                        f" (looked for {', '.join(VIDEO_SUFFIXES)}; {len(others)} other files).")
-    folder_key = str(Path(folder).expanduser().resolve()) if folder else None
+    job = IndexingJob(state, folder, paths, others, window, background)
     with state.lock:
-        grow = (state.index is not None and folder_key is not None and folder_key == state.indexed_folder
-                and state.index.info.get("window", 0) == moments.get("window", 0))
-        before = len(state.index) if grow else 0
-        known = before + len(state.index.failures) if grow else 0
-        if progress is not None:
-            progress(0, desc=f"Encoding {len(paths) - before if grow else len(paths)} videos")
+        if state.job is not None and state.job.running:
+            raise gr.Error(f"{state.job.describe()} Index again when it has finished.")
+        state.job = job
+    return job
+
+
+CHUNK_VIDEOS = 16
+"""Whole videos encoded per step of an indexing job (a video's moments are one step): the index is published after
+each step, so a search sees the videos indexed so far."""
+
+
+def snapshot(index: Any) -> Any:
+    """A copy of an in-memory `VideoIndex` that growing the original (`add`) leaves as it is: `add` concatenates into
+    new tensors and lists, so the copy shares the tensors and holds its own lists (and no first stage: it is built
+    when searched)."""
+    return dataclasses.replace(index, videos=list(index.videos), failures=[f.as_dict() for f in index.failures])
+
+
+def stats_of(index: Any) -> EncodingStats:
+    """The `EncodingStats` of the `encode_videos` call that returned `index`."""
+    names = ("videos", "seconds", "decode_wait_seconds", "encode_seconds", "num_workers", "failed")
+    return EncodingStats(**{name: index.stats.get(name, 0) for name in names})
+
+
+@dataclass(frozen=True)
+class IndexingProgress:
+    """How far an indexing job has got: videos and rows (a video's moments, or 1 for a whole video) done of the
+    total, the failures so far (`Failure` records: a whole video, or one moment of it), and whether it finished."""
+
+    videos_done: int = 0
+    videos_total: int = 0
+    rows_done: int = 0
+    rows_total: int = 0
+    failures: tuple = ()
+    finished: bool = False
+
+
+class IndexingJob:
+    """One indexing run over a list of videos, a step at a time (`CHUNK_VIDEOS` whole videos, or one video's
+    moments). After every step the index built so far is published to the app's state as a `snapshot`, so that a
+    search runs on it while the next step is encoded. `progress()` and `describe()` say how far it got; `wait` and
+    `wait_for` block until it finishes or gets somewhere."""
+
+    def __init__(self, state: AppState, folder: str, paths: list[str], others: list[str], window: float,
+                 background: bool = False):
+        self.state, self.folder, self.paths, self.others, self.background = state, folder, paths, others, background
+        self.folder_key = str(Path(folder).expanduser().resolve()) if folder else None
+        self.moments = {"window": window, "stride": window / 2} if window > 0 else {}
+        self.changed = threading.Condition()  # notified at every step
+        self.current = IndexingProgress(videos_total=len(paths))  # the rows are known once planned (`plan`)
+        self.rows_per_video: Counter = Counter(paths)  # planned by `plan`: a video's windows, or 1
+        self.status = ""  # the final report, or why the job failed
+
+    # -- watching ----------------------------------------------------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        return not self.progress().finished
+
+    def progress(self) -> IndexingProgress:
+        with self.changed:
+            return self.current
+
+    def wait_for(self, predicate: Any, timeout: float) -> bool:
+        """Blocks until ``predicate(progress())`` holds or the job finishes, at most `timeout` seconds (a bound on a
+        stall, not a guess of how long indexing takes); returns whether the predicate holds."""
+        with self.changed:
+            self.changed.wait_for(lambda: predicate(self.current) or self.current.finished, timeout)
+            return bool(predicate(self.current))
+
+    def wait(self, timeout: float) -> bool:
+        """Blocks until the job has finished (True), at most `timeout` seconds."""
+        return self.wait_for(lambda progress: progress.finished, timeout)
+
+    def describe(self) -> str:
+        """The Index box's text: the final report once finished, else how far the job has got."""
+        progress = self.progress()
+        if progress.finished:
+            return self.status
+        text = f"Indexing {self.folder or 'the uploads'}: {progress.videos_done} of {progress.videos_total} videos"
+        if self.moments:
+            text += f" ({progress.rows_done} of {progress.rows_total} moments)" if progress.rows_total else (
+                " (planning the moments)")
+        text += f" done, {len(progress.failures)} failed so far"
+        if progress.failures:
+            last = progress.failures[-1]
+            text += f" (last: {Path(last.video).name}: {str(last).splitlines()[0][:200]})"
+        return text + ". Searches use what is indexed so far."
+
+    # -- running -----------------------------------------------------------------------------------------------------
+
+    def start(self) -> "IndexingJob":
+        threading.Thread(target=self.run_quietly, name="testa-app-indexing", daemon=True).start()
+        return self
+
+    def run_quietly(self) -> None:
+        """`run`, for a thread: what it did, or why it failed, goes to the log (and the page's Index box)."""
         try:
-            index = retrieval.encode_videos(paths, batch_size=8, progress_bar=False,
-                                            index=state.index if grow else None, **moments)
-        except ValueError as error:  # no video could be read, or the index was built with other settings
-            if not grow:
-                raise gr.Error(f"No video could be indexed: {error}") from None
-            index = retrieval.encode_videos(paths, batch_size=8, progress_bar=False, **moments)
-            grow = False
-        encoded_now = not grow or len(index) + len(index.failures) > known
-        state.index, state.indexed, state.indexed_folder = index, [str(v) for v in index.videos], folder_key
-    requested = set(paths)
-    failed = [(failure.video, str(failure)) for failure in index.failures if failure.video in requested]
-    stats = index.stats or {}
-    seconds = stats.get("seconds") or 0.0
-    waiting = 100 * stats.get("decode_wait_seconds", 0.0) / seconds if seconds else 0.0
-    head = f"Indexed {len(index)} videos"
-    if moments:
-        head = (f"Indexed {len(set(index.names))} videos as {len(index)} moments (windows of {window:g} s every "
-                f"{window / 2:g} s)")
-    if grow:
-        head += f" ({len(index) - before} new, {before} already indexed)" if not moments else (
-            f" ({len(index) - before} new moments, {before} already indexed)")
-    if encoded_now:
-        head += (f": {stats.get('videos_per_second', 0.0):.1f} {'moments' if moments else 'videos'}/s, {waiting:.0f}% "
-                 "of the time waiting for decoding.")
-    else:
-        head += ": nothing new to encode."
-    lines = [head]
-    lines += [f"Not a video, skipped: {Path(o).name}" for o in others]
-    lines += [f"Could not be decoded, skipped: {Path(video).name}: {reason.splitlines()[0][:300]}"
-              for video, reason in failed]
-    state.index_status = "\n".join(lines)
-    return state.index_status
+            self.run()
+        except Exception:  # noqa: BLE001 - `run` left the reason in `status`
+            print(self.status, file=sys.stderr, flush=True)
+        else:
+            print(self.status, flush=True)
+
+    def run(self, progress: Any = None) -> str:
+        """Indexes every video, step by step, and returns the report (also left in `status` and the app's
+        `index_status`); raises `gr.Error` when no video could be indexed, and the encoder's own error."""
+        succeeded = False
+        try:
+            self.status = self.index(progress)
+            succeeded = True
+        except Exception as error:
+            reason = str(error) if isinstance(error, gr.Error) else f"{type(error).__name__}: {error}"
+            self.status = f"The start-up index of {self.folder} failed: {reason}" if self.background else reason
+            raise
+        finally:
+            with self.changed:
+                if succeeded or self.background:  # a failed click keeps the last index and its status
+                    self.state.index_status = self.status
+                self.current = dataclasses.replace(self.current, finished=True)
+                self.changed.notify_all()
+        return self.status
+
+    def index(self, progress: Any) -> str:
+        with self.state.lock:
+            base = self.state.index
+            grow = (base is not None and self.folder_key is not None and self.folder_key == self.state.indexed_folder
+                    and base.info.get("window", 0) == self.moments.get("window", 0))
+        known = set(base.names) | {failure.video for failure in base.failures} if grow else set()
+        todo = [path for path in self.paths if path not in known]
+        self.plan(todo)
+        building = snapshot(base) if grow else None
+        early: list[dict] = []  # failures before the index exists (a step is then one video, until one is indexed)
+        stats: list[EncodingStats] = []
+        done = 0
+        while done < len(todo):
+            size = 1 if self.moments or building is None else CHUNK_VIDEOS
+            step = todo[done:done + size]
+            if progress is not None:
+                current = self.progress()
+                progress((current.rows_done, current.rows_total), desc=f"Encoding {len(todo)} videos",
+                         unit="moments" if self.moments else "videos")
+            building, failure = self.encode_step(building, step)
+            early += [failure] if failure else []
+            if building is not None:
+                stats.append(stats_of(building))
+                if early:  # the failures met before the index existed join it
+                    building = dataclasses.replace(building, failures=[*early, *snapshot(building).failures])
+                    early = []
+                self.publish(building)
+            done += len(step)
+            self.advance(step, building, failure)
+        if building is None:
+            failures = [Failure.from_dict(failure) for failure in early]
+            raise gr.Error("No video could be indexed: " + failure_summary(failures, len(todo)))
+        return self.report(building, len(base) if grow else 0, stats)
+
+    def plan(self, todo: list[str]) -> None:
+        """The rows each video to index will give (its windows, planned from its duration; nothing decoded)."""
+        if self.moments:
+            names, _, _ = plan_window_rows(todo, self.moments["window"], self.moments["stride"])
+            self.rows_per_video = Counter(names)
+        else:
+            self.rows_per_video = Counter(todo)
+        with self.changed:
+            self.current = IndexingProgress(videos_total=len(todo), rows_total=sum(self.rows_per_video.values()))
+            self.changed.notify_all()
+
+    def encode_step(self, building: Any, videos: list[str]) -> tuple[Any, dict | None]:
+        """Encodes `videos` into `building` (grown in place; None: a new index) and returns it, or (before the first
+        video is indexed) None and the failure of the step's one video, as a dict."""
+        retrieval = self.state.require_model()
+        options = {"batch_size": 8, "progress_bar": False, **self.moments}
+        if building is not None:
+            return retrieval.encode_videos(videos, index=building, **options), None
+        try:
+            return retrieval.encode_videos(videos, **options), None
+        except ValueError:  # none of the step's one video could be indexed: its decoder's error says why
+            pass
+        try:
+            return retrieval.encode_videos(videos, on_error="raise", **options), None
+        except Exception as error:
+            if not is_media_error(error):
+                raise
+            return None, Failure.from_error(error, videos[0]).as_dict()
+
+    def publish(self, building: Any) -> None:
+        """Hands the index built so far to the app's state (a `snapshot`: the next step grows `building` only)."""
+        published = snapshot(building)
+        with self.state.lock:
+            self.state.index, self.state.indexed = published, [str(video) for video in published.videos]
+            self.state.indexed_folder = self.folder_key
+
+    def advance(self, step: list[str], building: Any, failure: dict | None) -> None:
+        """Counts the step's videos, rows and failures as done."""
+        videos = set(step)
+        failed = [Failure.from_dict(failure)] if failure else [
+            f for f in building.failures if f.video in videos] if building is not None else []
+        with self.changed:
+            current = self.current
+            self.current = dataclasses.replace(
+                current, videos_done=current.videos_done + len(step),
+                rows_done=current.rows_done + sum(self.rows_per_video[video] for video in step),
+                failures=current.failures + tuple(failed))
+            self.changed.notify_all()
+
+    def report(self, index: Any, before: int, stats: list[EncodingStats]) -> str:
+        """What the job did: videos (moments) indexed, new ones, speed, and every file left out with the reason."""
+        requested = set(self.paths)
+        failed = [(failure.video, str(failure)) for failure in index.failures if failure.video in requested]
+        head = f"Indexed {len(index)} videos"
+        if self.moments:
+            head = (f"Indexed {len(set(index.names))} videos as {len(index)} moments (windows of "
+                    f"{self.moments['window']:g} s every {self.moments['stride']:g} s)")
+        if before:
+            head += f" ({len(index) - before} new, {before} already indexed)" if not self.moments else (
+                f" ({len(index) - before} new moments, {before} already indexed)")
+        if stats:
+            total = functools.reduce(EncodingStats.merged, stats)
+            waiting = 100 * total.decode_wait_seconds / total.seconds if total.seconds else 0.0
+            head += (f": {total.videos_per_second:.1f} {'moments' if self.moments else 'videos'}/s, {waiting:.0f}% "
+                     "of the time waiting for decoding.")
+        else:
+            head += ": nothing new to encode."
+        lines = [head]
+        lines += [f"Not a video, skipped: {Path(other).name}" for other in self.others]
+        lines += [f"Could not be decoded, skipped: {Path(video).name}: {reason.splitlines()[0][:300]}"
+                  for video, reason in failed]
+        return "\n".join(lines)
 
 
 def search_videos(state: AppState, query: str, top_k: float, rerank: bool = True) -> tuple[list, list[list], str]:
-    """Ranked videos: gallery items, table rows (rank, video, score, re-ranked) and the best video's path. With
-    ``rerank`` the matching head re-scores the model's ``k_test`` nearest videos; otherwise the cosine ranks."""
+    """Ranked videos: gallery items (a moment shows a frame from inside it, a whole video the video), table rows
+    (rank, video, score, re-ranked; start and end for moments) and the best video's path. With ``rerank`` the
+    matching head re-scores the model's ``k_test`` nearest videos; otherwise the cosine ranks. While an indexing job
+    runs, the search runs on what is indexed so far and the page says so."""
     retrieval = state.require_model()
     if not query or not query.strip():
         raise gr.Error("Type a sentence or a paragraph to search for.")
-    if state.index is None:
-        raise gr.Error("Index a folder first.")
+    with state.lock:
+        index, job = state.index, state.job
+    running = job is not None and job.running
+    if index is None:
+        raise gr.Error(f"{job.describe()} Nothing is indexed yet: search again in a moment." if running else
+                       "Index a folder first.")
+    if running:
+        progress = job.progress()
+        gr.Warning(f"Indexing is still running: searched the {len(index)} rows indexed so far ({progress.videos_done} "
+                   f"of {progress.videos_total} videos done).")
     filters = {"folder": state.folder_filter.strip()} if state.folder_filter.strip() else None
-    hits = retrieval.search(query.strip(), state.index, top_k=max(1, int(top_k)), rerank=None if rerank else False,
+    hits = retrieval.search(query.strip(), index, top_k=max(1, int(top_k)), rerank=None if rerank else False,
                             filters=filters)
     if not hits:
         raise gr.Error(f"No indexed video lies under {state.folder_filter.strip()!r}.")
     state.hits = hits
-    gallery = [(hit["video"], f"{Path(hit['video']).name}  {hit['score']:.3f}" + moment_label(hit)) for hit in hits]
+    gallery = [(moment_thumbnail(state, hit), f"{Path(hit['video']).name}  {hit['score']:.3f}" + moment_label(hit))
+               for hit in hits]
     rows = [[rank, Path(hit["video"]).name, round(float(hit["score"]), 4), bool(hit["reranked"])]
             for rank, hit in enumerate(hits, 1)]
     if any(hit.get("start") is not None for hit in hits):  # moments: two more columns
@@ -183,6 +402,32 @@ def search_videos(state: AppState, query: str, top_k: float, rerank: bool = True
 
         return gallery, pd.DataFrame(rows, columns=MOMENT_HEADERS), hits[0]["video"]
     return gallery, rows, hits[0]["video"]
+
+
+THUMBNAIL_SIZE = (320, 180)  # the largest thumbnail (a frame is scaled down to fit, keeping its aspect)
+
+
+def moment_thumbnail(state: AppState, hit: dict) -> str:
+    """The gallery's picture of a result: for a moment, a PNG of the frame at its middle (`moment_frames`, cached per
+    moment); for a whole video, or a moment whose frame cannot be decoded, the video itself."""
+    from PIL import Image
+
+    video, start, end = hit["video"], hit.get("start"), hit.get("end")
+    if start is None:
+        return video
+    key = (str(video), float(start), float(end))
+    if key not in state.thumbnails:
+        try:
+            frame = moment_frames(video, start, end, num_frames=1)[0]
+        except (ValueError, OSError):  # shown as the video; the moment's strip says why
+            return video
+        picture = Image.fromarray(frame)
+        picture.thumbnail(THUMBNAIL_SIZE)
+        digest = hashlib.sha256(repr(key).encode()).hexdigest()[:12]
+        path = Path(state.output_dir) / f"thumbnail_{Path(video).stem}_{start:.0f}_{end:.0f}_{digest}.png"
+        picture.save(path)
+        state.thumbnails[key] = str(path)
+    return state.thumbnails[key]
 
 
 HEADERS = ["rank", "video", "score", "re-ranked"]
@@ -235,12 +480,18 @@ def best_moment(state: AppState) -> tuple[str | None, str | None, float, str]:
 
 
 MOMENT_FRAMES = 6
-# Plays the moment's video from its start: waits (up to 10 s) for the player to hold the new video, then seeks.
-PLAY_FROM_START = """(start) => {
+# Plays the moment's video from its start: waits (up to 10 s) until the player holds the moment's video (`file`, the
+# player's value: a new video replaces the old one's element source asynchronously), then seeks once it can.
+PLAY_FROM_START = """(start, file) => {
+  const served = url => {
+    try { return decodeURIComponent(String(url).split('file=').pop()); } catch (e) { return String(url); }
+  };
+  const wanted = file && file.url ? served(file.url) : null;
   const deadline = Date.now() + 10000;
   const seek = () => {
     const video = document.querySelector('#moment-video video');
-    if (!video || !video.currentSrc) { if (Date.now() < deadline) setTimeout(seek, 100); return; }
+    const holds = video && video.currentSrc && (wanted === null || served(video.currentSrc) === wanted);
+    if (!holds) { if (Date.now() < deadline) setTimeout(seek, 100); return; }
     const go = () => { video.currentTime = start; video.dataset.momentStart = String(start); };
     if (video.readyState >= 1) go(); else video.addEventListener('loadedmetadata', go, {once: true});
   };
@@ -327,8 +578,11 @@ def model_panel(state: AppState) -> str:
 
 
 def change_aggregation(state: AppState, temporal: float, spatial: float) -> str:
-    """Sets R_T/R_S on the model (`set_aggregation`) and re-indexes the indexed videos with them."""
+    """Sets R_T/R_S on the model (`set_aggregation`) and re-indexes the indexed videos with them (refused while an
+    indexing job runs: its videos would be encoded with two settings)."""
     retrieval = state.require_model()
+    if state.job is not None and state.job.running:
+        raise gr.Error(f"{state.job.describe()} Change R_T/R_S when it has finished.")
     try:
         retrieval.model.set_aggregation(temporal_reduction=int(temporal), spatial_reduction=int(spatial))
     except ValueError as error:
@@ -352,12 +606,17 @@ def chosen_rank(event: gr.SelectData) -> int:
     return int(event.index) + 1 if isinstance(event.index, int) else 1
 
 
-def chosen_video(event: gr.SelectData) -> str | None:
-    """The path of the gallery video a user clicked."""
+def chosen_video(state: AppState, event: gr.SelectData) -> str | None:
+    """The path of the video of the gallery result a user clicked (a moment's tile is a picture of it: its video is
+    the last search's result at that rank)."""
     value = event.value if isinstance(event.value, dict) else {}
-    media = value.get("video") or value.get("image") or {}
-    return media.get("path") if isinstance(media, dict) else None
+    if isinstance(value.get("video"), dict):
+        return value["video"].get("path")
+    rank = chosen_rank(event)
+    return state.hits[rank - 1]["video"] if 1 <= rank <= len(state.hits) else None
 
+
+POLL_SECONDS = 1.0  # how often an open page refreshes the Index box while an indexing job runs
 
 # Every listener that uses the model or the index shares one queue: a search never sees a half-grown index or a
 # model whose R_T/R_S is being changed (gradio's concurrency limit is per listener unless they share an id).
@@ -378,7 +637,8 @@ def build_app(state: AppState) -> gr.Blocks:
                 window = gr.Number(value=state.window, minimum=0, label="Moments: seconds per window (0: whole videos)",
                                    scale=1)
                 index_button = gr.Button("Index", variant="secondary", scale=1)
-            status = gr.Textbox(label="Index", value=state.index_status, interactive=False, lines=2)
+            status = gr.Textbox(label="Index", value=lambda: index_box(state), interactive=False, lines=2)
+            poll = gr.Timer(POLL_SECONDS, active=False)
             query = gr.Textbox(label="Paragraph", lines=2, placeholder="a sentence or a paragraph")
             with gr.Row():
                 top_k = gr.Slider(1, 20, value=5, step=1, label="Results")
@@ -423,15 +683,19 @@ def build_app(state: AppState) -> gr.Blocks:
                                 label="R_S (patches merged per frame and block)")
             apply_button = gr.Button("Apply and re-index")
 
+        demo.load(lambda: polling(state), None, poll, api_name=False, show_progress="hidden")
+        poll.tick(lambda: (index_box(state), polling(state)), None, [status, poll], api_name=False,
+                  show_progress="hidden")
         index_button.click(lambda f, u, w, progress=gr.Progress(): index_videos(state, f, u, progress, w),
                            [folder, uploads, window], status, api_name="index", **ONE_MODEL)
         searched = search_button.click(lambda q, k, r: search_videos(state, q, k, r), [query, top_k, rerank],
                                        [gallery, table, result], api_name="search", **ONE_MODEL)
         moment_outputs = [moment_strip, moment_video, moment_start, moment_caption]
         searched.then(lambda: best_moment(state), None, moment_outputs, api_name=False, **ONE_MODEL).then(
-            None, moment_start, None, js=PLAY_FROM_START, api_name=False)
+            None, [moment_start, moment_video], None, js=PLAY_FROM_START, api_name=False)
         moment_button.click(lambda r: show_moment(state, r), moment_rank, moment_outputs, api_name="moment",
-                            **ONE_MODEL).then(None, moment_start, None, js=PLAY_FROM_START, api_name=False)
+                            **ONE_MODEL).then(None, [moment_start, moment_video], None, js=PLAY_FROM_START,
+                                              api_name=False)
         show_button.click(lambda v, q: visualize_result(state, v, q), [result, query], [merges, grounding, caption],
                           api_name="visualize", **ONE_MODEL)
         classify_button.click(lambda v, labs: classify_video(state, v, labs), [classify_video_input, labels],
@@ -441,25 +705,42 @@ def build_app(state: AppState) -> gr.Blocks:
         apply_button.click(lambda t, s: change_aggregation(state, t, s), [temporal, spatial], panel,
                            api_name="aggregation", **ONE_MODEL)
         folder_filter.change(lambda f: setattr(state, "folder_filter", f or ""), folder_filter, None, api_name=False)
-        gallery.select(chosen_video, None, result, api_name=False)
+
+        def clicked_video(event: gr.SelectData) -> str | None:  # gradio hands event data by this annotation
+            return chosen_video(state, event)
+
+        gallery.select(clicked_video, None, result, api_name=False)
         gallery.select(chosen_rank, None, moment_rank, api_name=False).then(
             lambda r: show_moment(state, r), moment_rank, moment_outputs, api_name=False, **ONE_MODEL).then(
-            None, moment_start, None, js=PLAY_FROM_START, api_name=False)
+            None, [moment_start, moment_video], None, js=PLAY_FROM_START, api_name=False)
         result.change(lambda v: (v, v), result, [classify_video_input, qa_video], api_name=False)
     demo.queue(default_concurrency_limit=1)  # one model: requests wait their turn, none is dropped
     return demo
 
 
-def startup_index(state: AppState, videos: str | None) -> str:
-    """Indexes the start-up folder; what it says (or why it failed) fills the page's Index box."""
+def startup_index(state: AppState, videos: str | None) -> "IndexingJob | None":
+    """Starts indexing the start-up folder in a thread of its own and returns the job at once (None when there is
+    nothing to index): the page answers meanwhile, its Index box shows the job's progress and then what it did (or
+    why it failed), and a search runs on what is indexed so far."""
     if state.retrieval is None or not videos:
-        return state.index_status
+        return None
     try:
-        return index_videos(state, videos, None)
+        return new_indexing_job(state, videos, None, None, background=True).start()
     except gr.Error as error:
         state.index_status = f"The start-up index of {videos} failed: {error}"
         print(state.index_status, file=sys.stderr)
-        return state.index_status
+        return None
+
+
+def index_box(state: AppState) -> str:
+    """The Index box's text: a running job's progress, else what the last indexing said."""
+    job = state.job
+    return job.describe() if job is not None and job.running else state.index_status
+
+
+def polling(state: AppState) -> Any:
+    """The page's timer that refreshes the Index box: ticking while an indexing job runs, stopped after it."""
+    return gr.Timer(active=state.job is not None and state.job.running)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -475,6 +756,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--milvus", default=None,
                         help="with --index (a store written by train.index --milvus): search this Milvus file or URI")
     parser.add_argument("--collection", default="videos", help="the Milvus collection (default: videos)")
+    parser.add_argument("--milvus-token", default=None,
+                        help="with --milvus: the credentials of a secured Milvus server (\"user:password\" or an API "
+                             "key); default: env MILVUS_TOKEN, which keeps the secret off the command line")
     parser.add_argument("--window", type=float, default=float(os.environ.get("TESTA_WINDOW", 0)),
                         help="index moments: windows of this many seconds, half-overlapping (0, the default: whole "
                              "videos; env TESTA_WINDOW)")
@@ -491,24 +775,54 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def milvus_token(args: argparse.Namespace) -> str | None:
+    """The Milvus credentials: ``--milvus-token``, else the environment's ``MILVUS_TOKEN`` (None: no login)."""
+    return args.milvus_token or os.environ.get("MILVUS_TOKEN") or None
+
+
+def open_search_index(store: str, milvus: str | None, collection: str, token: str | None = None) -> Any:
+    """The index ``--index`` names: the store, or with `milvus` (a Milvus Lite file or a server's URI) its collection
+    `collection` as a `MilvusIndex`, logged in with `token` (a secured server's credentials; settings from the store,
+    tokens from the stores its rows name)."""
+    from train.search import open_index
+
+    if milvus is None:
+        return open_index(store)
+    from modeling_testa.milvus_home import MilvusHome
+    from modeling_testa.video_index import VideoIndex
+
+    index = VideoIndex.load(store, first_stage=False)  # Milvus is the first stage
+    return MilvusHome(milvus, collection, dim=index.dim, token=token).open(index.info,
+                                                                          tokens_from_stores=index.has_tokens)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    state = load_state(args.model, args.videos, args.qa_model, args.precision, args.backend)
-    state.rerank = not args.no_rerank
     if args.milvus and not args.index:
         raise SystemExit("error: --milvus needs --index (the store whose settings and tokens it uses)")
+    if args.milvus_token and not args.milvus:
+        raise SystemExit("error: --milvus-token needs --milvus (the server it logs in to)")
+    state = load_state(args.model, args.videos, args.qa_model, args.precision, args.backend)
+    state.rerank = not args.no_rerank
     state.window = args.window
     if args.index:
-        from train.search import open_index
-
-        state.index = open_index(args.index, args.milvus, args.collection)
+        state.index = open_search_index(args.index, args.milvus, args.collection, milvus_token(args))
         state.index_status = f"Searching {len(state.index)} rows of {args.milvus or args.index}."
         print(state.index_status, flush=True)
+    elif startup_index(state, args.videos) is not None:
+        print(f"Indexing {args.videos} in the background; the page answers meanwhile.", flush=True)
     else:
-        print(startup_index(state, args.videos), flush=True)
-    demo = build_app(state)
-    demo.launch(server_name=args.host, server_port=args.port, theme=THEME, show_error=True,
-                allowed_paths=[str(Path(args.videos).resolve())] if args.videos else None)
+        print(state.index_status, flush=True)
+    launch_app(build_app(state), args.videos, server_name=args.host, server_port=args.port)
+
+
+def launch_app(demo: gr.Blocks, videos: str | None, **options: Any) -> Any:
+    """Serves the page (`demo.launch` with these `options`). The videos folder's files are served from where they
+    are (gradio's static paths) instead of being copied into gradio's cache, which hashes the whole file each time a
+    player or the gallery is handed it: an hour-long video plays without a copy of it."""
+    folders = [str(Path(videos).expanduser().resolve())] if videos else []
+    gr.set_static_paths(folders)
+    return demo.launch(theme=THEME, show_error=True, allowed_paths=folders or None, **options)
 
 
 if __name__ == "__main__":

@@ -400,7 +400,10 @@ class IndexBuild:
                      f"({lock.taken_over['reason']}); resuming.")
 
     def prepare(self, entries: list[IndexEntry]) -> RowPlan:
-        """Steps 2 and 3 (main process): the settings check of the home and the mirror, then the plan."""
+        """Steps 2 and 3 (main process): the settings check of the home and the mirror, then the plan. The mirror is
+        checked first (reached, and its settings compared) so that a refused mirror leaves the home untouched."""
+        if self.mirror is not None:
+            self.mirror.check_settings(self.settings, create=False)
         self.settings = self.home.check_settings(self.settings, replace=self.replace)
         if self.mirror is not None:
             self.mirror.check_settings(self.settings)

@@ -375,6 +375,9 @@ class StoreHome:
         return StoreLock(self.directory, command=command)
 
     def check_settings(self, settings: dict[str, Any], replace: bool = False) -> dict[str, Any]:
+        if replace or recorded_store_settings(self.directory) is None:  # a new store records its token dtype
+            dtype = settings.get("token_dtype") or self.token_dtype or "float16"
+            settings = {**settings, "token_dtype": str(dtype).replace("torch.", "")}
         held = check_store_folder(self.directory, settings, replace=replace)
         self.replace = replace
         self.token_dtype = held.get("token_dtype") or self.token_dtype or "float16"

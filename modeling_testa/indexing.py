@@ -281,7 +281,8 @@ class InMemorySink:
         self.embeddings.append(embeddings.float().cpu())
         if self.store_tokens:
             self.tokens.append(tokens.detach().to("cpu", dtype=self.token_dtype or tokens.dtype))
-            self.token_sizes.append(token_sizes.detach().float().cpu())
+            if token_sizes is not None:  # an encoder that reports no token sizes (every token one patch) has none
+                self.token_sizes.append(token_sizes.detach().float().cpu())
 
     def add_failure(self, index: int, video: str, reason: str, code: str | None = None) -> None:
         self.failures.append(Failure(str(video), code or "unknown", str(reason), int(index)))
@@ -291,7 +292,7 @@ class InMemorySink:
         if not self.embeddings:
             raise ValueError("No video was encoded.")
         tokens = torch.cat(self.tokens) if self.store_tokens else None
-        sizes = torch.cat(self.token_sizes) if self.store_tokens else None
+        sizes = torch.cat(self.token_sizes) if self.store_tokens and self.token_sizes else None
         return torch.cat(self.embeddings), tokens, sizes
 
 

@@ -194,13 +194,16 @@ class MilvusHome:
                                                  f"{settings.get('projection_dim')}: it is damaged.")
         return {**settings, "projection_dim": dim or settings.get("projection_dim")}
 
-    def check_settings(self, settings: dict[str, Any], replace: bool = False) -> dict[str, Any]:
+    def check_settings(self, settings: dict[str, Any], replace: bool = False, create: bool = True) -> dict[str, Any]:
         """Refuses (one line each, `MilvusHomeError`) a server that cannot be reached, a file another process holds,
         a collection another program made or one of another embedding size, and rows built with other settings
-        (naming every difference); creates the collection, recording `settings`, when there is none. Returns the
-        settings the collection holds. Call it before anything is encoded."""
+        (naming every difference); creates the collection, recording `settings`, when there is none (unless
+        `create` is False: the check alone). Returns the settings the collection holds (`settings` when it does not
+        exist yet). Call it before anything is encoded."""
         dim = settings.get("projection_dim") or self.dim
         recorded = self.recorded_settings()
+        if recorded is None and not create:
+            return dict(settings)
         if recorded is None:
             if not dim:
                 raise MilvusHomeError(self.location, f"{self.location} does not exist and no embedding size was "

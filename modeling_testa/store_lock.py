@@ -228,6 +228,7 @@ class StoreLock:
         self.identity: dict[str, Any] | None = None
         self.taken_over: dict[str, Any] | None = None  # the payload of a stale lock this one replaced
         self.lost: str | None = None
+        self.created = False  # whether `acquire` made the folder (an empty one is removed again by `release`)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -242,6 +243,7 @@ class StoreLock:
     def acquire(self) -> "StoreLock":
         if self.held:
             raise RuntimeError(f"The lock {str(self.path)!r} is already held by this StoreLock.")
+        self.created = not self.directory.exists()
         self.directory.mkdir(parents=True, exist_ok=True)
         identity = writer_identity(self.command)
         private = self.directory / f".{LOCK_FILE}.{identity['token']}"
@@ -337,6 +339,11 @@ class StoreLock:
             self._thread.join()
         _remove_if_token(self.path, self.token)
         self.identity, self._thread = None, None
+        if self.created:  # a refused build into a new folder leaves no empty folder behind
+            try:
+                self.directory.rmdir()
+            except OSError:
+                pass  # the build wrote into it
 
     def __enter__(self) -> "StoreLock":
         return self if self.held else self.acquire()

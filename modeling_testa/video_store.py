@@ -347,6 +347,9 @@ def finalize_store(directory: str | os.PathLike, videos: list[str], num_shards: 
         position = stop
     if position != len(videos):
         raise ValueError(f"The shards of {str(directory)!r} cover {position} videos, but {len(videos)} were given.")
+    dtypes = {m["token_dtype"] for m in shards}
+    if len(dtypes) > 1:
+        raise ValueError(f"The shards of {str(directory)!r} hold tokens of different dtypes {sorted(dtypes)}.")
     shapes = {(m["num_tokens"], m["hidden_size"], m["has_token_sizes"]) for m in shards if m["num_tokens"] is not None}
     if len(shapes) > 1:
         raise ValueError(f"The shards of {str(directory)!r} hold different token shapes {sorted(shapes)}.")

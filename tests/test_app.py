@@ -5,14 +5,18 @@ References: the retrieval pipeline's own `search` on the same index, PNG headers
 
 import importlib.util
 import os
+import re
 import shutil
 import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from urllib.parse import unquote
 
+import numpy as np
 import pytest
+import torch
 from helpers.pipelines import build_qa, build_retrieval, save_folder, tiny_processor, write_bad_files
 from helpers.requirements import require, skip_or_fail
 from helpers.videos import write_bad_videos, write_noise_video, write_video
@@ -138,6 +142,7 @@ def test_bad_inputs_get_a_message_and_the_app_keeps_serving(served, tmp_path):
 
 def test_index_encodes_each_video_once_lists_the_bad_files_and_grows(served, tmp_path, monkeypatch):
     module, state, client, root, _ = served
+    monkeypatch.setattr(module, "CHUNK_VIDEOS", 2)  # several steps, each published (one video until one is indexed)
     folder = tmp_path / "mixed"
     good = [write_noise_video(folder / f"good{i}.mp4", seed=40 + i) for i in range(5)]
     bad = write_bad_videos(folder, write_video(tmp_path / "source.mp4", 30, width=176, height=144), prefix="bad_")
@@ -186,6 +191,13 @@ def chromium() -> str:
     return found
 
 
+def launch_chromium(playwright, executable: str):
+    """The system Chromium, headless, talking to nothing but the app (and playing videos without a gesture)."""
+    return playwright.chromium.launch(executable_path=executable, args=[
+        "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
+        "--disable-component-update", "--no-first-run", "--autoplay-policy=no-user-gesture-required"])
+
+
 def test_a_browser_searches_and_sees_results_and_the_merge_picture(served, tmp_path):
     _, _, client, root, url = served
     executable = chromium()
@@ -193,9 +205,7 @@ def test_a_browser_searches_and_sees_results_and_the_merge_picture(served, tmp_p
     client.predict(str(root / "videos"), None, api_name="/index")
     expected = [row[1] for row in client.predict(QUERY, 5, True, api_name="/search")[1]["data"]]
     with sync_api.sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=executable, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
-            "--disable-component-update", "--no-first-run"])
+        browser = launch_chromium(playwright, executable)
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 1000})
             hosts = set()
@@ -263,39 +273,212 @@ def test_the_runtime_is_picked_by_name_and_an_engine_runs_isolated(served):
     assert module.parse_args(["--backend", "openvino", "--precision", "int8"]).backend == "openvino"
 
 
+def test_a_milvus_token_from_the_environment_or_the_option_reaches_the_milvus_client(served, tmp_path, monkeypatch):
+    """`--milvus-token` (default: env MILVUS_TOKEN, so that a secret need not be on the command line) is what the
+    app's Milvus client logs in with; the index it opens searches as the store it was written with."""
+    pymilvus = require("pymilvus")
+    require("milvus_lite")
+    from train.index import main as index_main
+
+    module, state, _, root, _ = served
+    store, milvus = tmp_path / "store", str(tmp_path / "videos.db")
+    index_main(["--model", str(root / "model"), "--videos", str(root / "videos"), "--store", str(store),
+                "--token-dtype", "float32", "--num-workers", "0", "--milvus", milvus])
+    tokens = []
+
+    class RecordingClient(pymilvus.MilvusClient):
+        def __init__(self, *args, **kwargs):
+            tokens.append(kwargs.get("token"))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(pymilvus, "MilvusClient", RecordingClient)
+    monkeypatch.setenv("MILVUS_TOKEN", "reader:from-env")
+    from_env = module.parse_args(["--index", str(store), "--milvus", milvus])
+    given = module.parse_args(["--index", str(store), "--milvus", milvus, "--milvus-token", "reader:given"])
+    assert (module.milvus_token(from_env), module.milvus_token(given)) == ("reader:from-env", "reader:given")
+    index = module.open_search_index(str(store), milvus, "videos", module.milvus_token(from_env))
+    assert tokens == ["reader:from-env"]
+    from modeling_testa.video_index import VideoIndex
+
+    got = state.retrieval.search(QUERY, index, top_k=3)
+    want = state.retrieval.search(QUERY, VideoIndex.load(store), top_k=3)
+    assert [hit["video"] for hit in got] == [hit["video"] for hit in want]
+    assert [hit["score"] for hit in got] == pytest.approx([hit["score"] for hit in want], abs=1e-5)
+    monkeypatch.delenv("MILVUS_TOKEN")
+    assert module.milvus_token(from_env) is None
+    with pytest.raises(SystemExit, match="--milvus-token needs --milvus"):
+        module.main(["--milvus-token", "reader:given"])
+
+
 # ------------------------------------------------------------------------------------------------ moments
 
 
+STALL = 120  # seconds: a bound on a stalled step (waits are on conditions), never a guess of how long one takes
+FPS = {"long0.mp4": 4, "long1.mp4": 4, "ten_minutes.mp4": 1}
+# windows of 20 s every 10 s: 60 s -> 5, 45 s -> 4 ((25, 45) last), 600 s -> 59; bad.mp4 is planned as one row
+WINDOWS = {"long0.mp4": 5, "long1.mp4": 4, "ten_minutes.mp4": 59}
+
+
 @pytest.fixture(scope="module")
-def served_moments(tmp_path_factory):
-    """The app started as `app.py --window 20` does: a folder of two one-minute videos indexed at start-up as
-    moments (windows of 20 s every 10 s)."""
+def moment_files(tmp_path_factory):
+    """A model and a folder of videos whose frames carry their index (`read_long_index`): 60 s and 45 s at 4 fps,
+    ten minutes at 1 fps (in a sub-folder), and a text file named .mp4."""
     from helpers.videos import write_long_video
 
     os.environ.setdefault("GRADIO_TEMP_DIR", str(tmp_path_factory.mktemp("gradio")))
     root = tmp_path_factory.mktemp("app_moments")
     model = save_folder(build_retrieval(), tiny_processor(), root / "model")
-    (root / "videos").mkdir()
-    for i, seconds in enumerate((60, 45)):
-        write_long_video(root / "videos" / f"long{i}.mp4", seconds * 4, fps=4, width=160, height=96)
-    module = load_app_module()
-    state = module.load_state(str(model), str(root / "videos"), None)
+    videos = root / "videos"
+    (videos / "long").mkdir(parents=True)
+    write_long_video(videos / "long0.mp4", 60 * 4, fps=4, width=160, height=96)
+    write_long_video(videos / "long1.mp4", 45 * 4, fps=4, width=160, height=96)
+    write_long_video(videos / "long" / "ten_minutes.mp4", 600, fps=1, width=160, height=96)
+    (videos / "bad.mp4").write_text("not a video")
+    return load_app_module(), model, videos
+
+
+def start_moments_app(module, model, videos, hold: threading.Event | None = None, held_video: str = "long1.mp4"):
+    """The app as `app.py --window 20 --videos VIDEOS` starts it: the start-up indexing in the background, the page
+    served at once. With `hold`, indexing waits before `held_video` (by default the last one) until `hold` is set."""
+    state = module.load_state(str(model), str(videos), None)
     state.window = 20.0
-    message = module.startup_index(state, str(root / "videos"))
+    if hold is not None:
+        encode = state.retrieval.encode_videos
+
+        def held(items, *args, **kwargs):
+            if any(Path(str(item)).name == held_video for item in items):
+                assert hold.wait(STALL), "the test never released the indexing"
+            return encode(items, *args, **kwargs)
+
+        state.retrieval.encode_videos = held
+    job = module.startup_index(state, str(videos))
     demo = module.build_app(state)
-    _, url, _ = demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True, show_error=True,
-                            theme=module.THEME, allowed_paths=[str(root / "videos")])
-    client = gradio_client.Client(url, verbose=False)
-    yield module, state, client, root, url, message
+    _, url, _ = module.launch_app(demo, str(videos), prevent_thread_lock=True, server_name="127.0.0.1", quiet=True)
+    return state, job, demo, url
+
+
+@pytest.fixture(scope="module")
+def served_moments(moment_files):
+    """The app started with `--window 20`, its start-up index finished."""
+    module, model, videos = moment_files
+    state, job, demo, url = start_moments_app(module, model, videos)
+    assert job.wait(STALL), job.describe()
+    yield module, state, gradio_client.Client(url, verbose=False), videos, url
     demo.close()
+    gr.set_static_paths([])  # a process-wide setting of gradio's
+
+
+@pytest.fixture
+def indexing_held(moment_files):
+    """The app started with `--window 20`, its start-up indexing held before its last video until the test sets the
+    event it gets (always set at the end)."""
+    module, model, videos = moment_files
+    hold = threading.Event()
+    state, job, demo, url = start_moments_app(module, model, videos, hold)
+    try:
+        yield module, state, job, hold, videos, url
+    finally:
+        hold.set()
+        job.wait(STALL)
+        demo.close()
+        gr.set_static_paths([])
+
+
+def test_start_up_indexing_runs_in_the_background_and_searches_what_is_there(indexing_held):
+    module, state, job, hold, videos, url = indexing_held
+    client = gradio_client.Client(url, verbose=False)  # the page answers while indexing is held
+    # sorted: bad.mp4 (fails before any index exists), long/ten_minutes.mp4, long0.mp4 are done; long1.mp4 waits
+    assert job.wait_for(lambda progress: progress.videos_done == 3, timeout=STALL), job.describe()
+    progress = job.progress()
+    done = 1 + WINDOWS["ten_minutes.mp4"] + WINDOWS["long0.mp4"]
+    assert not progress.finished and job.running
+    assert (progress.videos_total, progress.rows_done, progress.rows_total) == (4, done, done + WINDOWS["long1.mp4"])
+    assert [(Path(failure.video).name, failure.code) for failure in progress.failures] == [("bad.mp4", "not_a_video")]
+    assert module.index_box(state).startswith(
+        f"Indexing {videos}: 3 of 4 videos ({done} of {done + 4} moments) done, 1 failed so far (last: bad.mp4: "
+        "not_a_video: ")
+    partial = state.index
+    assert sorted({Path(name).name for name in partial.names}) == ["long0.mp4", "ten_minutes.mp4"]
+    assert len(partial) == done - 1
+    _, table, _ = client.predict(QUERY, 20, True, api_name="/search")  # searches what is indexed so far
+    expected = state.retrieval.search(QUERY, partial, top_k=20)
+    assert [row[1] for row in table["data"]] == [Path(hit["video"]).name for hit in expected]
+    assert [row[4:] for row in table["data"]] == [[module.format_time(h["start"]), module.format_time(h["end"])]
+                                                   for h in expected]
+    with pytest.raises(gradio_client.exceptions.AppError, match="Index again when it has finished"):
+        client.predict(str(videos), None, api_name="/index")
+    with pytest.raises(gradio_client.exceptions.AppError, match="Change R_T/R_S when it has finished"):
+        client.predict(0, 0, api_name="/aggregation")
+
+    hold.set()
+    assert job.wait(STALL), job.describe()
+    # what a search got stays as it was (the job grew its own copy), and the whole index is one built in one call
+    assert len(partial) == done - 1 and state.retrieval.search(QUERY, partial, top_k=20) == expected
+    lines = state.index_status.splitlines()
+    assert module.index_box(state) == state.index_status and job.progress().rows_done == done + 4
+    assert lines[0].startswith("Indexed 3 videos as 68 moments (windows of 20 s every 10 s): ")
+    assert "moments/s" in lines[0]
+    assert len(lines) == 2 and lines[1].startswith("Could not be decoded, skipped: bad.mp4: not_a_video: ")
+    paths = sorted(str(path) for path in videos.rglob("*.mp4"))
+    reference = state.retrieval.encode_videos(paths, window=20, stride=10, progress_bar=False)
+    assert state.index.row_keys() == reference.row_keys() and len(state.index) == 68
+    assert torch.allclose(state.index.embeddings, reference.embeddings, atol=1e-5)
+    assert [(f.video, f.code) for f in state.index.failures] == [(f.video, f.code) for f in reference.failures]
+
+
+def test_a_search_before_the_first_video_is_indexed_is_refused_with_the_progress(moment_files):
+    module, model, videos = moment_files
+    hold = threading.Event()
+    state, job, demo, url = start_moments_app(module, model, videos, hold, held_video="bad.mp4")  # the first one
+    try:
+        assert job.wait_for(lambda progress: progress.rows_total == 69, timeout=STALL), job.describe()  # planned
+        client = gradio_client.Client(url, verbose=False)
+        with pytest.raises(gradio_client.exceptions.AppError,
+                           match=r"Indexing .*: 0 of 4 videos \(0 of 69 moments\) done.* Nothing is indexed yet"):
+            client.predict(QUERY, 5, True, api_name="/search")
+        assert state.index is None and job.running
+    finally:
+        hold.set()
+        assert job.wait(STALL), job.describe()
+        demo.close()
+        gr.set_static_paths([])
+    assert state.index_status.startswith("Indexed 3 videos as 68 moments")
+
+
+def test_a_browser_sees_the_indexing_progress_searches_meanwhile_and_then_the_whole_index(indexing_held):
+    _, state, job, hold, _, url = indexing_held
+    executable = chromium()
+    sync_api = require("playwright.sync_api")
+    assert job.wait_for(lambda progress: progress.videos_done == 3, timeout=STALL), job.describe()
+    with sync_api.sync_playwright() as playwright:
+        browser = launch_chromium(playwright, executable)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 1400})
+            page.goto(url)  # the page answers while the indexing is held
+            box = page.get_by_label("Index", exact=True)
+            sync_api.expect(box).to_have_value(
+                re.compile(r"^Indexing .*: 3 of 4 videos \(65 of 69 moments\) done, 1 failed so far \(last: bad\.mp4"),
+                timeout=30_000)
+            page.get_by_label("Paragraph").fill(QUERY)
+            page.get_by_role("button", name="Search", exact=True).click()
+            rows = page.get_by_role("row").filter(has_text=".mp4")
+            sync_api.expect(rows).to_have_count(5, timeout=60_000)
+            names = {next(w for w in rows.nth(i).inner_text().split() if w.endswith(".mp4")) for i in range(5)}
+            assert names <= {"long0.mp4", "ten_minutes.mp4"}
+            warning = page.get_by_text("Indexing is still running: searched the 64 rows indexed so far")
+            sync_api.expect(warning.first).to_be_visible(timeout=30_000)
+            hold.set()
+            assert job.wait(STALL), job.describe()
+            # the open page's Index box follows the job to its end, with no reload
+            sync_api.expect(box).to_have_value(state.index_status, timeout=30_000)
+        finally:
+            browser.close()
 
 
 def test_moments_through_the_api(served_moments):
-    module, state, client, root, _, message = served_moments
-    # 60 s: (0, 20) ... (40, 60) every 10 s = 5 windows; 45 s: 0, 10, 20 and (25, 45) = 4 windows
-    assert message == state.index_status and message.startswith("Indexed 2 videos as 9 moments (windows of 20 s "
-                                                                "every 10 s)")
-    _, table, best = client.predict(QUERY, 4, True, api_name="/search")
+    module, state, client, _, _ = served_moments
+    assert state.index_status.startswith("Indexed 3 videos as 68 moments (windows of 20 s every 10 s)")
+    _, table, _ = client.predict(QUERY, 4, True, api_name="/search")
     expected = state.retrieval.search(QUERY, state.index, top_k=4)
     assert table["headers"] == ["rank", "video", "score", "re-ranked", "start", "end"]
     assert [row[4:] for row in table["data"]] == [[module.format_time(h["start"]), module.format_time(h["end"])]
@@ -310,52 +493,109 @@ def test_moments_through_the_api(served_moments):
     # new R_T/R_S rebuild the index as moments again, each video once
     keys = state.index.row_keys()
     panel = client.predict(0, 0, api_name="/aggregation")
-    assert "Re-indexed 2 videos with these settings" in panel and "moments/s" in panel
+    assert "Re-indexed 3 videos with these settings" in panel and "moments/s" in panel
     assert state.index.row_keys() == keys
     client.predict(1, 3, api_name="/aggregation")  # back to the model's own settings
 
 
-def test_a_browser_sees_the_start_up_index_and_a_moment_playing_from_its_start(served_moments, tmp_path):
-    _, state, client, root, url, message = served_moments
+def test_a_moments_thumbnail_is_a_frame_from_its_middle(served_moments):
+    from helpers.videos import read_long_index
+    from PIL import Image
+
+    module, state, client, _, _ = served_moments
+    gallery, _, _ = client.predict(QUERY, 20, True, api_name="/search")
+    expected = state.retrieval.search(QUERY, state.index, top_k=20)
+    assert len(gallery) == len(expected) == 20
+    for item, hit in zip(gallery, expected, strict=True):
+        name = Path(hit["video"]).name
+        assert item["caption"].startswith(name) and item["image"].endswith(".png"), item
+        seconds = read_long_index(np.asarray(Image.open(item["image"]).convert("RGB"))) / FPS[name]
+        # uniform segment midpoints: one frame of [start, end) is the frame at its middle
+        assert hit["start"] <= seconds < hit["end"], (hit, seconds)
+        assert abs(seconds - (hit["start"] + hit["end"]) / 2) <= 1, (hit, seconds)
+    whole = module.moment_thumbnail(state, {"video": expected[0]["video"], "start": None, "end": None})
+    assert whole == expected[0]["video"]  # a whole video is shown as the video
+    broken = module.moment_thumbnail(state, {"video": str(Path(state.output_dir) / "gone.mp4"), "start": 1.0,
+                                             "end": 2.0})
+    assert broken.endswith("gone.mp4")  # a frame that cannot be decoded: the video (the strip says why)
+
+
+# the pixels of a gallery tile's picture, read back as `read_long_index` reads a frame
+READ_TILE_INDEX = """img => {
+  const canvas = document.createElement('canvas');
+  canvas.width = img.naturalWidth; canvas.height = img.naturalHeight;
+  const context = canvas.getContext('2d');
+  context.drawImage(img, 0, 0);
+  let index = 0;
+  for (let bit = 0; bit < 14; bit++) {
+    const [r, g, b] = context.getImageData(bit * 8 + 4, 4, 1, 1).data;
+    if ((r + g + b) / 3 > 127) index |= 1 << bit;
+  }
+  return index;
+}"""
+
+
+def player_at(page, start: float) -> None:
+    """Waits until the moment's player holds its video, seeked to `start` (within half a second)."""
+    page.wait_for_function(
+        "([s]) => { const v = document.querySelector('#moment-video video'); return v && v.readyState >= 1 "
+        "&& v.dataset.momentStart == String(s) && Math.abs(v.currentTime - s) < 0.5; }", arg=[start], timeout=30_000)
+
+
+def test_a_browser_sees_moments_their_thumbnails_and_plays_them_from_their_start(served_moments, tmp_path):
+    _, state, _, videos, url = served_moments
     executable = chromium()
     sync_api = require("playwright.sync_api")
+    from modeling_testa.moments import format_time
+
     expected = state.retrieval.search(QUERY, state.index, top_k=5)
     with sync_api.sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=executable, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
-            "--disable-component-update", "--no-first-run", "--autoplay-policy=no-user-gesture-required"])
+        browser = launch_chromium(playwright, executable)
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 1400})
             page.goto(url)
-            # the Index box says what the start-up indexing did, before any click
-            sync_api.expect(page.get_by_label("Index", exact=True)).to_have_value(message, timeout=30_000)
+            # the Index box says what the start-up indexing did
+            sync_api.expect(page.get_by_label("Index", exact=True)).to_have_value(state.index_status, timeout=30_000)
             page.get_by_label("Paragraph").fill(QUERY)
             page.get_by_role("button", name="Search", exact=True).click()
             rows = page.get_by_role("row").filter(has_text=".mp4")
             sync_api.expect(rows).to_have_count(5, timeout=60_000)
             first = rows.nth(0).inner_text()
-            assert f"{state.hits[0]['video'].rsplit('/', 1)[1]}" in first
-            from modeling_testa.moments import format_time
-
+            assert Path(expected[0]["video"]).name in first
             assert format_time(expected[0]["start"]) in first and format_time(expected[0]["end"]) in first
             strip = page.locator("img[src*='moment_1_']")  # the strip of the best moment
             sync_api.expect(strip).to_have_count(1, timeout=60_000)
             page.wait_for_function("i => i.complete && i.naturalWidth > 0", arg=strip.element_handle())
-            video = page.locator("#moment-video video")
-            sync_api.expect(video).to_have_count(1, timeout=60_000)
-            # the player seeks to the moment's start once the video's metadata is loaded
-            page.wait_for_function(
-                "([v, s]) => v.readyState >= 1 && v.dataset.momentStart == String(s) && Math.abs(v.currentTime - s) "
-                "< 0.5", arg=[video.element_handle(), expected[0]["start"]], timeout=30_000)
+            sync_api.expect(page.locator("#moment-video video")).to_have_count(1, timeout=60_000)
+            player_at(page, expected[0]["start"])  # seeked once the video's metadata is loaded
             # clicking the second result shows its moment and plays it from its start
             page.get_by_role("button", name="Thumbnail 2 of 5").click()
-            strip = page.locator("img[src*='moment_2_']")
-            sync_api.expect(strip).to_have_count(1, timeout=60_000)
+            sync_api.expect(page.locator("img[src*='moment_2_']")).to_have_count(1, timeout=60_000)
             sync_api.expect(page.get_by_text("(rank 2)")).to_have_count(1, timeout=30_000)
-            page.wait_for_function(
-                "([s]) => { const v = document.querySelector('#moment-video video'); return v && v.readyState >= 1 "
-                "&& v.dataset.momentStart == String(s) && Math.abs(v.currentTime - s) < 0.5; }",
-                arg=[expected[1]["start"]], timeout=30_000)
+            player_at(page, expected[1]["start"])
+
+            # the ten-minute video alone: its latest moment among 20 results, deep into the file
+            page.get_by_label("Only videos under this folder").fill(str(videos / "long"))
+            page.get_by_label("Only videos under this folder").press("Enter")
+            page.get_by_role("slider", name="Results").fill("20")
+            page.get_by_role("button", name="Search", exact=True).click()
+            rows = page.get_by_role("row").filter(has_text="ten_minutes.mp4")
+            sync_api.expect(rows).to_have_count(20, timeout=60_000)
+            hits = state.hits
+            assert {Path(hit["video"]).name for hit in hits} == {"ten_minutes.mp4"}
+            rank = max(range(1, 21), key=lambda r: hits[r - 1]["start"])
+            late = hits[rank - 1]
+            assert late["start"] >= 300, late  # 20 of 59 windows: one starts in the second half
+            tile = page.get_by_test_id(f"thumbnail {rank}")  # the tile's picture (the gallery is in preview mode)
+            tile.scroll_into_view_if_needed()
+            page.wait_for_function("i => i.complete && i.naturalWidth > 0", arg=tile.element_handle())
+            seconds = tile.evaluate(READ_TILE_INDEX) / FPS["ten_minutes.mp4"]
+            assert late["start"] <= seconds < late["end"], (late, seconds)  # the tile shows the moment, not frame 0
+            tile.click()
+            sync_api.expect(page.get_by_text(f"(rank {rank})")).to_have_count(1, timeout=30_000)
+            player_at(page, late["start"])
+            source = page.evaluate("() => document.querySelector('#moment-video video').currentSrc")
+            assert unquote(source).endswith(f"file={videos / 'long' / 'ten_minutes.mp4'}")  # served in place, no copy
             page.screenshot(path=str(tmp_path / "moment.png"), full_page=True)
             if os.environ.get("TESTA_KEEP_SCREENSHOT"):
                 shutil.copy(tmp_path / "moment.png", os.environ["TESTA_KEEP_SCREENSHOT"])

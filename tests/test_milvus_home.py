@@ -6,7 +6,6 @@ embeddings; filters with the payload computed in Python."""
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,11 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.requirements import require, skip_or_fail
+from helpers.requirements import require
 
 require("pymilvus")
 require("milvus_lite")
 
+from helpers.milvus_server import milvus_lite_server, stop  # noqa: E402
 from helpers.milvus_writer import SETTINGS, LookupModel, collection  # noqa: E402
 
 from modeling_testa.index_build import IndexBuild  # noqa: E402
@@ -36,53 +36,11 @@ ROOT = Path(__file__).resolve().parents[1]
 HELPERS = Path(__file__).resolve().parent / "helpers"
 
 
-def free_loopback_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def listening(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.settimeout(0.5)
-        return probe.connect_ex(("127.0.0.1", port)) == 0
-
-
-def stop(process: subprocess.Popen) -> None:
-    """Ends a process this test started (SIGTERM, then SIGKILL after 10 s)."""
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """A `milvus-lite server` bound to 127.0.0.1 on a free port; stopped whatever happens."""
-    executable = Path(sys.executable).with_name("milvus-lite")
-    if not executable.is_file():
-        skip_or_fail(f"no milvus-lite executable beside {sys.executable}", 'pip install -e ".[milvus]"')
-    port = free_loopback_port()
-    data = tmp_path_factory.mktemp("milvus_data")
-    log = open(data.parent / "milvus_server.log", "wb")  # noqa: SIM115
-    process = subprocess.Popen([str(executable), "server", "--host", "127.0.0.1", "--port", str(port),
-                                "--data-dir", str(data)], stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 60
-        while not listening(port):
-            if process.poll() is not None or time.monotonic() > deadline:
-                log.flush()
-                text = (data.parent / "milvus_server.log").read_text(errors="replace")[-2000:]
-                skip_or_fail(f"milvus-lite server did not start on 127.0.0.1:{port}: {text}",
-                             'pip install -e ".[milvus]"')
-            time.sleep(0.2)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        stop(process)
-        log.close()
+    with milvus_lite_server(tmp_path_factory.mktemp("milvus_data")) as uri:
+        yield uri
 
 
 def writer(uri: str, start: int, stop_row: int, delay: float) -> subprocess.Popen:

@@ -24,6 +24,7 @@ INSTALL = {
     "gradio_client": 'pip install -e ".[app]"',
     "playwright.sync_api": 'pip install -e ".[app]"',
     "pymilvus": 'pip install -e ".[milvus]"',
+    "hypothesis": 'pip install -e ".[test]"',
     "milvus_lite": 'pip install -e ".[milvus]"',
 }
 
