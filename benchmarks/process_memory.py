@@ -66,19 +66,42 @@ def high_water() -> int:
     return total
 
 
+def label(process: psutil.Process) -> str:
+    """``"main"`` for this process, else the script or module a child runs (e.g. ``worker_process.py``)."""
+    if process.pid == os.getpid():
+        return "main"
+    try:
+        arguments = process.cmdline()
+    except psutil.Error:
+        return "?"
+    scripts = [os.path.basename(a) for a in arguments[1:] if a.endswith(".py") or a.startswith(("-c", "-m"))]
+    return scripts[0] if scripts else os.path.basename(arguments[0]) if arguments else "?"
+
+
 class TreeMemory:
     """Samples the tree's resident memory every `interval` seconds while in the ``with`` block; `peak` is the highest
-    sum seen, `start` the sum when the block was entered."""
+    sum seen, `start` the sum when the block was entered, `process_peaks` every process' own highest RSS seen
+    (``{pid: (label, bytes)}``)."""
 
     def __init__(self, interval: float = 0.05) -> None:
         self.interval = interval
         self.start = self.peak = 0
+        self.process_peaks: dict[int, tuple[str, int]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True, name="tree-memory")
 
     def _sample(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, tree_rss())
+            total = 0
+            for process in tree_processes():
+                try:
+                    rss = process.memory_info().rss
+                except psutil.Error:
+                    continue
+                total += rss
+                if rss > self.process_peaks.get(process.pid, ("", 0))[1]:
+                    self.process_peaks[process.pid] = (label(process), rss)
+            self.peak = max(self.peak, total)
             time.sleep(self.interval)
 
     def __enter__(self) -> "TreeMemory":
