@@ -17,7 +17,9 @@ Every measurement runs in a fresh process (so every peak is its own; `benchmarks
 the process and its decoder helper or engine worker), windows of 20 s every 10 s:
 
 * ``plain:BACKEND``: the decoder's own plain sequential decode of every frame, default threads (as the library's
-  helper uses): PyAV ``for frame in container.decode(stream)``; decord ``VideoReader.next()`` to the end;
+  helper uses): PyAV ``for frame in container.decode(stream)``; decord ``VideoReader.next()`` to the end. It and the
+  next two are run in ``--rounds`` alternating rounds (medians reported), and timed by wall clock and by the CPU
+  seconds of the process tree, which a shared machine disturbs less;
 * ``frames:seek`` / ``frames:skip``: PyAV reading the windows' frames (the union) in this process, with seeking to
   the keyframe before a distant frame and without (skipping unneeded non-reference frames only): which is faster;
 * ``stream:BACKEND``: the library's decoding for an index (`moments.WindowStream` in the decoder helper, each frame
@@ -176,7 +178,7 @@ def window_frames(path: Path, num_frames: int) -> list[int]:
 
 def measure(kind: str, path: Path, args) -> dict:
     """One measurement (see the module docstring), in this process."""
-    from benchmarks.process_memory import TreeMemory, high_water
+    from benchmarks.process_memory import TreeMemory, high_water, tree_cpu_seconds
 
     result: dict = {"kind": kind, "video": path.name}
     setup = time.perf_counter()
@@ -188,14 +190,14 @@ def measure(kind: str, path: Path, args) -> dict:
                                progress_bar=False)
     result["setup_seconds"] = time.perf_counter() - setup
     with TreeMemory(interval=0.05) as memory:
-        begin = time.perf_counter()
+        begin, cpu = time.perf_counter(), tree_cpu_seconds()
         if kind.startswith("plain:"):
             result.update(plain_decode(path, kind.split(":")[1]))
         elif kind.startswith("frames:"):
             from modeling_testa.video_decoding_worker import PyAVReader
 
             wanted = window_frames(path, pipe.video_processor.num_frames)
-            begin = time.perf_counter()
+            begin, cpu = time.perf_counter(), tree_cpu_seconds()
             reader = PyAVReader(str(path), None, seek=kind == "frames:seek")
             result["frames"] = sum(1 for _ in reader.frames(wanted))
             result["seeks"] = reader.seeks
@@ -231,7 +233,7 @@ def measure(kind: str, path: Path, args) -> dict:
             index_main(["--model", args.model, "--videos", str(listing), "--store", str(store), "--window",
                         str(WINDOW), "--stride", str(STRIDE), "--num-workers", kind.split(":")[1], "--batch-size",
                         "8"])
-        result["seconds"] = time.perf_counter() - begin
+        result["seconds"], result["cpu_seconds"] = time.perf_counter() - begin, tree_cpu_seconds() - cpu
     result.update(start=memory.start, peak=memory.peak, high_water=high_water(), processes=memory.process_peaks)
     return result
 
@@ -266,13 +268,21 @@ def gib(value: float) -> str:
     return f"{value / GIB:.2f}"
 
 
+def median_of(results: list[dict], name: str, kind: str) -> dict | None:
+    """The run of `kind` on `name` with the median wall time (of the rounds)."""
+    runs = sorted((r for r in results if r["video_name"] == name and r["kind"] == kind), key=lambda r: r["seconds"])
+    return runs[len(runs) // 2] if runs else None
+
+
 def report(results: list[dict], backends: list[str]) -> None:
-    by = {(r["video_name"], r["kind"]): r for r in results}
+    by = {(r["video_name"], r["kind"]): median_of(results, r["video_name"], r["kind"]) for r in results}
     names = list(dict.fromkeys(r["video_name"] for r in results))
-    print("\n### Decoding: the library's against the decoder's own plain decode (same file, same threads)\n")
-    print("| video | decoder | plain decode, s (fps) | library decode for the index, s | library vs plain | "
-          "peak of the library's decode (tree), GiB | its decoder process, MiB |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    rounds = max(sum(r["kind"] == "plain:pyav" and r["video_name"] == name for r in results) for name in names)
+    print(f"\n### Decoding: the library's against the decoder's own plain decode (same file, same threads; median of "
+          f"{rounds} alternating rounds)\n")
+    print("| video | decoder | plain decode, s (fps) | library decode for the index, s | library vs plain (wall) | "
+          "library vs plain (CPU) | peak of the library's decode (tree), GiB | its decoder process, MiB |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for name in names:
         for backend in backends:
             plain, stream = by.get((name, f"plain:{backend}")), by.get((name, f"stream:{backend}"))
@@ -280,21 +290,23 @@ def report(results: list[dict], backends: list[str]) -> None:
                 continue
             helper = max([peak for label, peak in stream["processes"].values() if label != "main"], default=0)
             print(f"| {name} | {backend} | {plain['seconds']:.0f} ({plain['frames'] / plain['seconds']:.0f}) | "
-                  f"{stream['seconds']:.0f} | {plain['seconds'] / stream['seconds']:.2f}x | {gib(stream['peak'])} | "
+                  f"{stream['seconds']:.0f} | {plain['seconds'] / stream['seconds']:.2f}x | "
+                  f"{plain['cpu_seconds'] / stream['cpu_seconds']:.2f}x | {gib(stream['peak'])} | "
                   f"{helper / MIB:.0f} |")
     rows = [(name, by[(name, "frames:skip")], by[(name, "frames:seek")]) for name in names
             if (name, "frames:skip") in by and (name, "frames:seek") in by]
     if rows:
         print("\n### PyAV on the windows' frames: skipping non-reference frames only, and with seeking\n")
-        print("| video | frames read | skipping only, s | skipping + seeking, s (seeks) | speed-up |")
-        print("|---|---:|---:|---:|---:|")
+        print("| video | frames read | skipping only, s | skipping + seeking, s (seeks) | speed-up (wall) | "
+              "speed-up (CPU) |")
+        print("|---|---:|---:|---:|---:|---:|")
         for name, skip, seek in rows:
             print(f"| {name} | {skip['frames']} | {skip['seconds']:.1f} | {seek['seconds']:.1f} ({seek['seeks']}) | "
-                  f"{skip['seconds'] / seek['seconds']:.2f}x |")
+                  f"{skip['seconds'] / seek['seconds']:.2f}x | {skip['cpu_seconds'] / seek['cpu_seconds']:.2f}x |")
     print(f"\n### Indexing (windows of {WINDOW:g} s every {STRIDE:g} s)\n")
     print("| video | runtime | windows | wall, s | s per hour of video | waiting for decoding | encoder, s | "
-          "tree at start, GiB | tree peak, GiB | sum of process peaks, GiB |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "CPU, s | tree at start, GiB | tree peak, GiB | sum of process peaks, GiB |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name in names:
         for kind, runtime in (("index", "PyTorch fp32"), ("index:fast", "OpenVINO int8")):
             r = by.get((name, kind))
@@ -303,7 +315,7 @@ def report(results: list[dict], backends: list[str]) -> None:
             hours = VIDEOS[name][2] / 3600
             print(f"| {name} | {runtime} | {r['rows']} | {r['seconds']:.0f} | {r['seconds'] / hours:.0f} | "
                   f"{100 * r['decode_wait_seconds'] / r['seconds']:.0f}% | {r['encode_seconds']:.0f} | "
-                  f"{gib(r['start'])} | {gib(r['peak'])} | {gib(r['high_water'])} |")
+                  f"{r['cpu_seconds']:.0f} | {gib(r['start'])} | {gib(r['peak'])} | {gib(r['high_water'])} |")
     short, ten = by.get(("720p-2.5min", "index")), by.get(("720p-10min", "index"))
     if short and ten:
         print(f"\nGrowth: 10 min of 720p peaked at {gib(ten['peak'])} GiB, 2.5 min at {gib(short['peak'])} GiB: "
@@ -322,6 +334,7 @@ def main() -> None:
     parser.add_argument("--videos", default="360p,720p,1080p,720p-2.5min,720p-10min")
     parser.add_argument("--backends", default="pyav,decord")
     parser.add_argument("--skip", default="", help="measurements to leave out, e.g. plain:decord,train.index")
+    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds of the decoding comparisons")
     parser.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "testa" / "long_videos"))
     parser.add_argument("--engine-cache", default=str(Path.home() / ".cache" / "testa" / "engines"))
     parser.add_argument("--json", default=None, help="also write every measurement here")
@@ -345,9 +358,11 @@ def main() -> None:
         for name in names:
             kinds = []
             if name in ("360p", "720p", "1080p"):
-                for backend in backends:
-                    kinds += [f"plain:{backend}", f"stream:{backend}"]
-                kinds += ["frames:skip", "frames:seek", "index"]
+                for _ in range(args.rounds):  # alternating, so that both see the same load on a shared machine
+                    for backend in backends:
+                        kinds += [f"plain:{backend}", f"stream:{backend}"]
+                    kinds += ["frames:skip", "frames:seek"]
+                kinds += ["index"]
                 if name == "360p":
                     kinds += ["index:fast", "train.index:0", "train.index:2"]
             else:

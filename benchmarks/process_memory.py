@@ -47,6 +47,21 @@ def tree_rss() -> int:
     return total
 
 
+def tree_cpu_seconds() -> float:
+    """CPU seconds (user + system) the tree has used so far: this process, the children it has waited for (a
+    stopped helper), and its living descendants."""
+    me = psutil.Process(os.getpid())
+    times = me.cpu_times()
+    total = times.user + times.system + times.children_user + times.children_system
+    for process in tree_processes()[1:]:
+        try:
+            child = process.cpu_times()
+            total += child.user + child.system
+        except psutil.Error:
+            pass
+    return total
+
+
 def _vm_hwm(pid: int) -> int:
     with open(f"/proc/{pid}/status", encoding="ascii") as status:
         for line in status:
