@@ -26,6 +26,8 @@ the process and its decoder helper or engine worker), windows of 20 s every 10 s
   resized to the model's input size as it arrives), without the encoder; its speed beside the plain decode's;
 * ``index``: ``encode_videos(window=20, stride=10)`` with the model (PyTorch, decoder helper process): the peak, the
   wall time and the share of it the encoder waited for decoding;
+* ``moment:BACKEND``: `moments.moment_frames` for a strip of 6 frames at 50:00-50:20 (what the app shows for a
+  moment), twice: the first call starts the decoder helper;
 * ``index:fast``: the same with the fastest encoder runtime on this CPU (OpenVINO int8, docs/inference.md), for the
   time to index an hour of video;
 * ``train.index:N``: ``python -m train.index --window 20 --stride 10`` on two copies of the video with
@@ -201,6 +203,14 @@ def measure(kind: str, path: Path, args) -> dict:
             reader = PyAVReader(str(path), None, seek=kind == "frames:seek")
             result["frames"] = sum(1 for _ in reader.frames(wanted))
             result["seeks"] = reader.seeks
+        elif kind.startswith("moment:"):  # a strip of 6 frames at 50:00-50:20, as the app shows a moment
+            from modeling_testa.moments import moment_frames
+
+            backend = kind.split(":")[1]
+            for call in ("first_call", "second_call"):  # the first one starts the decoder helper
+                started = time.perf_counter()
+                moment_frames(path, 3000.0, 3020.0, num_frames=6, backend=backend)
+                result[f"{call}_seconds"] = time.perf_counter() - started
         elif kind.startswith("stream:"):
             from modeling_testa.moments import (
                 WindowStream,
@@ -316,6 +326,13 @@ def report(results: list[dict], backends: list[str]) -> None:
             print(f"| {name} | {runtime} | {r['rows']} | {r['seconds']:.0f} | {r['seconds'] / hours:.0f} | "
                   f"{100 * r['decode_wait_seconds'] / r['seconds']:.0f}% | {r['encode_seconds']:.0f} | "
                   f"{r['cpu_seconds']:.0f} | {gib(r['start'])} | {gib(r['peak'])} | {gib(r['high_water'])} |")
+    for name in names:
+        for backend in backends:
+            r = by.get((name, f"moment:{backend}"))
+            if r:
+                print(f"\nA strip of 6 frames at 50:00-50:20 of {name} (`moment_frames`, {backend}): "
+                      f"{r['first_call_seconds']:.2f} s in a fresh process (decoder helper started), "
+                      f"{r['second_call_seconds']:.2f} s the next time.")
     short, ten = by.get(("720p-2.5min", "index")), by.get(("720p-10min", "index"))
     if short and ten:
         print(f"\nGrowth: 10 min of 720p peaked at {gib(ten['peak'])} GiB, 2.5 min at {gib(short['peak'])} GiB: "
@@ -364,6 +381,7 @@ def main() -> None:
                     kinds += ["frames:skip", "frames:seek"]
                 kinds += ["index"]
                 if name == "360p":
+                    kinds += [f"moment:{backend}" for backend in backends]
                     kinds += ["index:fast", "train.index:0", "train.index:2"]
             else:
                 kinds = ["index"]

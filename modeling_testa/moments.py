@@ -425,15 +425,16 @@ def processor_stream_options(video_processor: Any) -> dict[str, Any]:
 
 def processor_frame_steps(video_processor: Any) -> tuple[Callable[[np.ndarray], Any], Callable[[list[Any]], Any]]:
     """`(prepare, finish)` for a `WindowStream` that gives a video processor's `pixel_values` per window: each frame
-    resized to the model's input size as it is decoded (kept uint8), each window finished (rescaled, normalised) when
-    handed out: `TestaVideoProcessor.frame_transforms`, so every window equals the processor's output for its frames."""
-    resize, finish = video_processor.frame_transforms()
+    resized to the model's input size and normalised as it is decoded (once, though overlapping windows share it),
+    each window the concatenation of its frames. The processor's own steps (`TestaVideoProcessor.frame_transforms`),
+    which work frame by frame, so every window equals the processor's output for its frames."""
+    resize, normalise = video_processor.frame_transforms()
 
     def prepare(frame: np.ndarray) -> torch.Tensor:
-        return resize(torch.from_numpy(frame)[None].permute(0, 3, 1, 2))
+        return normalise(resize(torch.from_numpy(frame)[None].permute(0, 3, 1, 2)))
 
     def finish_window(frames: list[torch.Tensor]) -> torch.Tensor:
-        return finish(torch.cat(frames))
+        return torch.cat(frames)
 
     return prepare, finish_window
 

@@ -60,7 +60,7 @@ from .engines import (
     check_exportable,
     cpu_has_bf16,
 )
-from .worker_process import WorkerProcess, read_message, signal_name, write_message
+from .worker_process import WorkerProcess, exit_with_parent, read_message, signal_name, write_message
 from .worker_process import serve as serve_requests
 
 
@@ -596,7 +596,9 @@ class EngineRequests:
 
 def serve() -> None:
     """The worker's loop (`worker_process.serve` with `EngineRequests`); errors are sent as ``("error", type name,
-    message, code)``. Returns at the end of its input (the caller closed the pipe or exited)."""
+    message, code)``. Returns at the end of its input (the caller closed the pipe or exited); killed with its caller
+    if an engine call hangs meanwhile."""
+    exit_with_parent()
     serve_requests(EngineRequests())
 
 

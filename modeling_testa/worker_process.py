@@ -152,6 +152,7 @@ class WorkerProcess:
         )
         self.starts += 1
         weakref.finalize(self, stop_process, self.process, self.grace)
+        widen_pipe(self.process.stdout.fileno())
         message = self.receive(time.monotonic() + timeout if timeout else None)
         if message[0] != "ready":
             raise OSError(f"{message[1]}: {message[2]}")
@@ -203,6 +204,21 @@ class WorkerProcess:
             return os.pread(self.log.fileno(), max(size - start, 0), start).decode("utf-8", "replace")
         except OSError:
             return ""
+
+
+PIPE_BYTES = 1 << 20
+"""The reply pipe's capacity asked for (Linux; 64 KiB by default): a decoded frame goes through in a few writes, and
+the helper decodes the next one while the caller reads."""
+
+
+def widen_pipe(fd: int) -> None:
+    """Asks the kernel for a `PIPE_BYTES` pipe (Linux ``F_SETPIPE_SZ``); keeps the default where it cannot."""
+    try:
+        import fcntl
+
+        fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), PIPE_BYTES)
+    except (ImportError, OSError):
+        pass
 
 
 def stop_process(process: subprocess.Popen, grace: float = 0.0) -> None:
