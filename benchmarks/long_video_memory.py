@@ -22,6 +22,7 @@ the process and its decoder helper or engine worker), windows of 20 s every 10 s
   seconds of the process tree, which a shared machine disturbs less;
 * ``frames:seek`` / ``frames:skip``: PyAV reading the windows' frames (the union) in this process, with seeking to
   the keyframe before a distant frame and without (skipping unneeded non-reference frames only): which is faster;
+  ``sparse:seek`` / ``sparse:skip`` the same for the model's frames of the whole video as one clip (a sparse read);
 * ``stream:BACKEND``: the library's decoding for an index (`moments.WindowStream` in the decoder helper, each frame
   resized to the model's input size as it arrives), without the encoder; its speed beside the plain decode's;
 * ``index``: ``encode_videos(window=20, stride=10)`` with the model (PyTorch, decoder helper process): the peak, the
@@ -195,12 +196,18 @@ def measure(kind: str, path: Path, args) -> dict:
         begin, cpu = time.perf_counter(), tree_cpu_seconds()
         if kind.startswith("plain:"):
             result.update(plain_decode(path, kind.split(":")[1]))
-        elif kind.startswith("frames:"):
+        elif kind.startswith(("frames:", "sparse:")):
+            from modeling_testa.video_decoding import sample_frame_indices
             from modeling_testa.video_decoding_worker import PyAVReader
 
-            wanted = window_frames(path, pipe.video_processor.num_frames)
+            num_frames = pipe.video_processor.num_frames
+            if kind.startswith("frames:"):
+                wanted = window_frames(path, num_frames)
+            else:  # the whole video as one clip: the processor's uniform sampling
+                total = PyAVReader(str(path), None).metadata["total_num_frames"]
+                wanted = sorted(set(sample_frame_indices(total, num_frames).tolist()))
             begin, cpu = time.perf_counter(), tree_cpu_seconds()
-            reader = PyAVReader(str(path), None, seek=kind == "frames:seek")
+            reader = PyAVReader(str(path), None, seek=kind.endswith(":seek"))
             result["frames"] = sum(1 for _ in reader.frames(wanted))
             result["seeks"] = reader.seeks
         elif kind.startswith("moment:"):  # a strip of 6 frames at 50:00-50:20, as the app shows a moment
@@ -303,16 +310,19 @@ def report(results: list[dict], backends: list[str]) -> None:
                   f"{stream['seconds']:.0f} | {plain['seconds'] / stream['seconds']:.2f}x | "
                   f"{plain['cpu_seconds'] / stream['cpu_seconds']:.2f}x | {gib(stream['peak'])} | "
                   f"{helper / MIB:.0f} |")
-    rows = [(name, by[(name, "frames:skip")], by[(name, "frames:seek")]) for name in names
-            if (name, "frames:skip") in by and (name, "frames:seek") in by]
+    rows = [(name, what, by[(name, f"{kind}:skip")], by[(name, f"{kind}:seek")]) for name in names
+            for kind, what in (("frames", "the windows' frames"), ("sparse", "one clip of the whole video"))
+            if (name, f"{kind}:skip") in by and (name, f"{kind}:seek") in by]
     if rows:
-        print("\n### PyAV on the windows' frames: skipping non-reference frames only, and with seeking\n")
+        print("\n### PyAV: skipping unneeded non-reference frames only, and with seeking to a distant frame's "
+              "keyframe\n")
         print("| video | frames read | skipping only, s | skipping + seeking, s (seeks) | speed-up (wall) | "
               "speed-up (CPU) |")
-        print("|---|---:|---:|---:|---:|---:|")
-        for name, skip, seek in rows:
-            print(f"| {name} | {skip['frames']} | {skip['seconds']:.1f} | {seek['seconds']:.1f} ({seek['seeks']}) | "
-                  f"{skip['seconds'] / seek['seconds']:.2f}x | {skip['cpu_seconds'] / seek['cpu_seconds']:.2f}x |")
+        print("|---|---|---:|---:|---:|---:|")
+        for name, what, skip, seek in rows:
+            print(f"| {name}: {what} | {skip['frames']} | {skip['seconds']:.1f} | {seek['seconds']:.1f} "
+                  f"({seek['seeks']}) | {skip['seconds'] / seek['seconds']:.2f}x | "
+                  f"{skip['cpu_seconds'] / seek['cpu_seconds']:.2f}x |")
     print(f"\n### Indexing (windows of {WINDOW:g} s every {STRIDE:g} s)\n")
     print("| video | runtime | windows | wall, s | s per hour of video | waiting for decoding | encoder, s | "
           "CPU, s | tree at start, GiB | tree peak, GiB | sum of process peaks, GiB |")
@@ -378,7 +388,7 @@ def main() -> None:
                 for _ in range(args.rounds):  # alternating, so that both see the same load on a shared machine
                     for backend in backends:
                         kinds += [f"plain:{backend}", f"stream:{backend}"]
-                    kinds += ["frames:skip", "frames:seek"]
+                    kinds += ["frames:skip", "frames:seek", "sparse:skip", "sparse:seek"]
                 kinds += ["index"]
                 if name == "360p":
                     kinds += [f"moment:{backend}" for backend in backends]
