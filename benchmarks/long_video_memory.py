@@ -186,7 +186,7 @@ def measure(kind: str, path: Path, args) -> dict:
     result: dict = {"kind": kind, "video": path.name}
     setup = time.perf_counter()
     pipe = None
-    if kind.startswith(("stream", "index", "frames")):
+    if kind.startswith(("stream", "index", "frames", "sparse")):
         pipe = load_pipeline(args, fast=kind == "index:fast")
         if kind == "index:fast":  # export and compile before the clock starts (cached on disk after the first run)
             pipe.encode_videos([str(video_path(Path(args.cache_dir), "720p-2.5min"))], window=WINDOW, stride=STRIDE,
