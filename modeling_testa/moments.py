@@ -258,6 +258,9 @@ class WindowStream:
         backend, isolate_decoder, decode_timeout, num_threads: as `video_decoding.decode_video` (decode_timeout is
             a stall limit), except that ``"auto"`` tries `STREAM_BACKENDS` (PyAV first); a decoder that fails or
             stalls mid-video is then followed by the next one, from the first frame not yet decoded.
+        long_read: the stream holds its decoder helper while its windows are used (an index encodes them): it
+            decodes in this process' helper for streams (`video_decoding.decoder_process`), so that short reads
+            (`decode_video`, `moment_frames`) in other threads never wait for it. False for a short read.
 
     Attributes (once iteration has begun): `metadata` (`VideoMetadata` of the decoder that opened the video: its
     `duration` is what the container declares, over which `windows` is planned when it is a function),
@@ -271,13 +274,13 @@ class WindowStream:
                  num_frames: int, prepare: Callable[[np.ndarray], Any] | None = None,
                  finish: Callable[[list[Any]], Any] | None = None, backend: str = "auto",
                  isolate_decoder: bool = True, decode_timeout: float | None = 120.0,
-                 num_threads: int | None = None) -> None:
+                 num_threads: int | None = None, long_read: bool = True) -> None:
         self.source = check_source(source)
         self.plan_windows, self.num_frames = windows, check_num_frames(num_frames)
         self.prepare = prepare or (lambda frame: frame)
         self.finish = finish or np.stack
         self.options = {"isolate_decoder": isolate_decoder, "decode_timeout": decode_timeout,
-                        "num_threads": num_threads}
+                        "num_threads": num_threads, "stream": long_read}
         self.backends = backends_to_try(backend, STREAM_BACKENDS)
         self.metadata = self.frame_times = self.duration = self.windows = None
 
@@ -465,7 +468,7 @@ def moment_frames(source: str | os.PathLike, start: float, end: float, num_frame
     check_num_frames(num_frames)
     if not (math.isfinite(start) and math.isfinite(end)) or not 0 <= start < end:
         raise ValueError(f"A moment needs 0 <= start < end seconds, got ({start!r}, {end!r}).")
-    (clip,) = list(WindowStream(source, [(float(start), float(end))], num_frames, **decode_options))
+    (clip,) = list(WindowStream(source, [(float(start), float(end))], num_frames, long_read=False, **decode_options))
     if clip.error is not None:
         raise clip.error
     return clip.frames
@@ -733,6 +736,8 @@ class WindowRowDecoder:
                    ) -> Iterator[tuple[int, torch.Tensor | None, Failure | None]]:
         """``(row, pixel_values or None, failure or None)`` for the rows of one video, in order, each window as
         soon as it is decoded."""
+        # whole-video rows first, before the stream opens the video (their tensors are one clip each)
+        whole = {row: self._whole(video, row, entries[row]) for row in rows if entries[row].start is None}
         moments = [row for row in rows if entries[row].start is not None]
         clips: Iterator[WindowClip] = iter(())
         if moments:
@@ -744,7 +749,7 @@ class WindowRowDecoder:
         for row in rows:
             entry = entries[row]
             if entry.start is None:
-                yield self._whole(video, row, entry)
+                yield whole.pop(row)
                 continue
             if unopened is not None:
                 yield self._failure(unopened, video, row, entry)

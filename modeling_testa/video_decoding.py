@@ -362,7 +362,10 @@ class VideoFrames:
         decode_timeout: the stall limit in seconds: the helper is killed when it makes no progress (opens, decodes
             a frame, demuxes) for this long, and `VideoDecodingTimeoutError` says where it was. None: no limit.
         num_threads: decoder threads (None or 0: the decoder chooses).
-        helper: the `DecoderProcess` to decode in (default: the calling thread's, `decoder_process`).
+        helper: the `DecoderProcess` to decode in (default: the calling thread's, `decoder_process`). A helper this
+            thread is already using for another open video is not waited for (that would never end): a helper of
+            this video's own serves it instead.
+        stream: the video is read whole while its frames are used (`decoder_process(stream=True)`).
 
     Attributes (after `open`): `metadata` (a `VideoMetadata`) and `frame_times` (every frame's presentation time in
     seconds from the first, from the container's timestamps, as float64; None where it has no usable ones); after `frames` is exhausted:
@@ -371,11 +374,12 @@ class VideoFrames:
     """
 
     def __init__(self, source: str, backend: str, isolate_decoder: bool = True, decode_timeout: float | None = 120.0,
-                 num_threads: int | None = None, helper: "DecoderProcess | None" = None) -> None:
+                 num_threads: int | None = None, helper: "DecoderProcess | None" = None, stream: bool = False) -> None:
         self.source, self.backend, self.timeout, self.num_threads = source, backend, decode_timeout, num_threads
         if helper is None and isolate_decoder and isolation_supported():
-            helper = decoder_process()
+            helper = decoder_process(stream)
         self.helper = helper
+        self.temporary = False
         self.reader = None
         self.metadata: VideoMetadata | None = None
         self.frame_times: np.ndarray | None = None
@@ -392,8 +396,10 @@ class VideoFrames:
     def open(self) -> VideoMetadata:
         """Opens the video and returns its metadata; raises `VideoDecodingError` naming the file."""
         if self.helper is not None:
+            if self.helper.holder == threading.get_ident():  # this thread is inside another video on it
+                self.helper, self.temporary = DecoderProcess(), True
             self.helper.lock.acquire()
-            self.locked = True
+            self.helper.holder, self.locked = threading.get_ident(), True
             try:
                 info = self.helper.open(self.backend, self.source, self.num_threads, self.timeout)
             except BaseException:
@@ -438,8 +444,10 @@ class VideoFrames:
         if self.helper is not None and self.locked:
             try:
                 self.helper.finish_video()
+                if self.temporary:
+                    self.helper.stop()
             finally:
-                self.locked = False
+                self.locked, self.helper.holder = False, None
                 self.helper.lock.release()
 
 
@@ -480,6 +488,7 @@ class DecoderProcess(WorkerProcess):
     def __init__(self) -> None:
         super().__init__(_helper_argv)
         self.lock = threading.Lock()
+        self.holder: int | None = None  # the thread that holds `lock` (an open `VideoFrames`)
         self.busy = False  # a request was sent and its reply not fully read: the protocol state is unknown
         self.ended: tuple[int, str | None] = (0, None)
         self.log_offset = 0
@@ -617,7 +626,7 @@ class DecoderProcess(WorkerProcess):
             return _sample_and_read(video, sample_indices_fn)
 
 
-_WORKER: DecoderProcess | None = None
+_SHARED: dict[bool, DecoderProcess] = {}  # this process' shared helpers: for short reads (False), for streams (True)
 _WORKER_LOCK = threading.Lock()
 _THREAD_WORKER = threading.local()
 _OWN_WORKERS: "weakref.WeakSet[DecoderProcess]" = weakref.WeakSet()
@@ -634,24 +643,26 @@ def own_decoder_process() -> DecoderProcess:
     return worker
 
 
-def decoder_process() -> DecoderProcess:
-    """The calling thread's own decoder helper (`own_decoder_process`), else this process' shared one (a new one
-    after `fork`, e.g. in DataLoader workers)."""
-    global _WORKER
+def decoder_process(stream: bool = False) -> DecoderProcess:
+    """The calling thread's own decoder helper (`own_decoder_process`), else one of this process' shared ones (new
+    ones after `fork`, e.g. in DataLoader workers): one for short reads (`decode_video`: a clip's frames, a moment's
+    strip), another for streams that hold their helper for a whole video while its windows are encoded
+    (``stream=True``: `moments.WindowStream`), so that a short read never waits for a long stream."""
     own = getattr(_THREAD_WORKER, "worker", None)
     if own is not None and own.owner_pid == os.getpid():
         return own
     with _WORKER_LOCK:
-        if _WORKER is None or _WORKER.owner_pid != os.getpid():
-            _WORKER = DecoderProcess()
-        return _WORKER
+        shared = _SHARED.get(stream)
+        if shared is None or shared.owner_pid != os.getpid():
+            shared = _SHARED[stream] = DecoderProcess()
+        return shared
 
 
 def shutdown_decoder_process() -> None:
-    """Stops this process' decoder helper processes (the shared one and the threads' own ones, see
-    `own_decoder_process`), if running (the shared one is restarted on demand)."""
+    """Stops this process' decoder helper processes (the shared ones and the threads' own ones, see
+    `own_decoder_process`), if running (the shared ones are restarted on demand)."""
     with _WORKER_LOCK:
-        workers = [_WORKER, *_OWN_WORKERS]
+        workers = [*_SHARED.values(), *_OWN_WORKERS]
     for worker in workers:
         if worker is not None and worker.owner_pid == os.getpid():
             # a video left open by an abandoned stream holds the lock: stop its helper anyway (at exit, above all)

@@ -256,28 +256,20 @@ class Replies:
         write_all(self.fd, data)
 
 
-def exit_with_parent() -> None:
+def exit_with_parent(interval: float = 0.5) -> None:
     """A helper ends when it reads end-of-file on stdin, but one hung inside a library call never reads it; if the
-    caller is killed meanwhile the helper would run forever. On Linux the kernel kills it with its parent
-    (``PR_SET_PDEATHSIG``); elsewhere a daemon thread exits when the parent process is gone."""
+    caller is killed meanwhile the helper would run forever. A daemon thread exits the helper once its parent process
+    is gone (checked every `interval` seconds; the decoders and engines release the GIL while they work).
+
+    Not Linux's ``PR_SET_PDEATHSIG``: it fires when the parent *thread* that started the helper ends, and any thread
+    of the caller may start a shared helper (a request thread, a decode-ahead thread) and end long before the caller."""
     import threading
 
     parent = os.getppid()
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-
-            libc = ctypes.CDLL(None, use_errno=True)
-            if libc.prctl(1, int(signal.SIGKILL), 0, 0, 0) == 0:  # 1 = PR_SET_PDEATHSIG
-                if os.getppid() != parent:  # the parent died before prctl: nothing would signal us
-                    os._exit(0)
-                return
-        except (OSError, AttributeError):
-            pass
 
     def watch() -> None:
         while os.getppid() == parent:
-            time.sleep(1.0)
+            time.sleep(interval)
         os._exit(0)
 
     threading.Thread(target=watch, daemon=True, name="exit-with-parent").start()

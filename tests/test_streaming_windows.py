@@ -234,3 +234,27 @@ def test_a_moment_far_into_a_long_file_is_decoded_from_its_keyframe(tmp_path, mo
     frames = moment_frames(hour, 3000, 3020, num_frames=6, backend="pyav", isolate_decoder=False)
     assert [read_long_index(f) for f in frames] == [6000 + i for i in uniform(40, 6)]
     assert counts["seeks"] >= 1 and counts["packets"] <= 7200 + 3 * 20, counts  # the probe, then about 2 GOPs
+
+
+# ---------------------------------------------------------------------------------------------- streams and short reads
+
+
+def test_short_reads_never_wait_for_a_stream_and_nested_reads_do_not_deadlock(long_video, fresh_decoder_process):
+    """A stream holds its decoder helper for the whole video while its windows are used (an index encodes them):
+    a moment's strip asked for meanwhile, in another thread, is decoded by the helper for short reads at once; in the
+    same thread, a read inside the stream gets a helper of its own instead of waiting for itself."""
+    import threading
+
+    stream = iter(WindowStream(long_video, plan_windows(600, 60, 60), 4, backend="pyav"))
+    first = next(stream)  # mid-video: the stream helper is held
+    strips = []
+    other = threading.Thread(target=lambda: strips.append(moment_frames(long_video, 500, 520, 2, backend="pyav")))
+    other.start()
+    other.join(120)
+    assert strips and [read_long_index(f) for f in strips[0]] == [1000 + i for i in uniform(40, 2)]
+    frames, _ = decode_video(long_video, lambda metadata: [5], backend="pyav")  # this thread, short read
+    nested = list(WindowStream(long_video, [(0.0, 60.0)], 4, backend="pyav"))  # this thread, another stream
+    assert read_long_index(frames[0]) == 5 and [read_long_index(f) for f in nested[0].frames] == uniform(120, 4)
+    clips = [first, *stream]
+    assert len(clips) == 10 and all(clip.error is None for clip in clips)
+    assert [read_long_index(f) for f in clips[-1].frames] == [1080 + i for i in uniform(120, 4)]

@@ -323,7 +323,7 @@ def _without_decord(tmp_path, monkeypatch) -> None:
 
 
 def _helper_pid() -> int | None:
-    worker_process = decoding._WORKER.process if decoding._WORKER is not None else None
+    worker_process = decoding.decoder_process().process
     return worker_process.pid if worker_process is not None and worker_process.poll() is None else None
 
 
@@ -348,7 +348,7 @@ def test_decoder_crash_is_an_exception(videos, tmp_path, monkeypatch, fresh_deco
     vp = TestaVideoProcessor(num_frames=4, video_backend=backend)
     with pytest.raises(VideoDecodingError, match=r"small\.mp4'" + message.format(signal=signal_name)):
         vp(videos["small"])
-    assert decoding._WORKER.process is None  # the crashed helper was reaped; this process goes on
+    assert decoding.decoder_process().process is None  # the crashed helper was reaped; this process goes on
     if scenario == "decord":  # "auto" falls back to PyAV, in a new helper, and still returns the exact frames
         out = TestaVideoProcessor(num_frames=4, video_backend="auto")(videos["small"], return_metadata=True, **RAW)
         assert out["video_metadata"][0].video_backend == "pyav" and _helper_pid() is not None
@@ -370,7 +370,7 @@ def test_decoder_hang_times_out(videos, tmp_path, monkeypatch, fresh_decoder_pro
     with pytest.raises(VideoDecodingTimeoutError, match=r"small\.mp4.*no progress for decode_timeout=3 s"):
         TestaVideoProcessor(num_frames=4, video_backend=backend, decode_timeout=3)(videos["small"])
     assert time.monotonic() - start < 20 * len(hit)
-    assert decoding._WORKER.process is None  # the hung helper was killed
+    assert decoding.decoder_process().process is None  # the hung helper was killed
     assert isinstance(VideoDecodingTimeoutError("x", "y"), (ValueError, TimeoutError))
 
 
@@ -388,6 +388,56 @@ def test_a_slow_helper_start_is_not_a_stall(videos, tmp_path, monkeypatch, fresh
         assert [read_index(f.permute(1, 2, 0).numpy()) for f in out["pixel_values"][0]] == uniform(50, 4)
         pids.add(_helper_pid())
     assert len(pids) == 1 and None not in pids  # started once (in 2 s), then reused
+
+
+def test_a_helper_ends_when_its_caller_is_killed_even_if_the_thread_that_started_it_ended_first(videos, tmp_path):
+    """A caller whose helper was started by a thread that has ended keeps its helper (a kernel parent-death signal
+    would have killed it with that thread); once the caller is killed (SIGKILL: no clean-up runs), the helper ends by
+    itself, even while hung in a decode."""
+    import signal
+    import subprocess
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import os, sys, threading, time
+        import modeling_testa.video_decoding as decoding
+        from pathlib import Path
+        text = Path(decoding._WORKER_SCRIPT).read_text()
+        hung = Path({str(tmp_path)!r}) / "hung" / "video_decoding_worker.py"
+        hung.parent.mkdir()
+        hung.write_text(text.replace({_STREAM_STEP!r}, "__import__('time').sleep(600)\\n        " + {_STREAM_STEP!r}))
+        thread = threading.Thread(target=lambda: decoding.decode_video({str(videos["small"])!r}, lambda m: [0]))
+        thread.start(); thread.join()  # started the shared helper, decoded, ended
+        decoding.decode_video({str(videos["small"])!r}, lambda m: [1])  # the helper is still there
+        decoding._WORKER_SCRIPT = str(hung)
+        decoding.shutdown_decoder_process()
+        threading.Thread(target=decoding.decode_video, args=({str(videos["small"])!r}, lambda m: [2]),
+                         kwargs={{"decode_timeout": None}}, daemon=True).start()
+        time.sleep(3)
+        print(decoding.decoder_process().process.pid, flush=True)
+        time.sleep(600)
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(decoding.__file__).parents[1]),
+                                                                     os.environ.get("PYTHONPATH")]))}
+    caller = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        helper = int(caller.stdout.readline())
+        os.kill(caller.pid, signal.SIGKILL)
+        caller.wait()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                status = Path(f"/proc/{helper}/status").read_text()
+            except OSError:
+                break  # gone
+            if "\nState:\tZ" in status:
+                break  # exited, not yet reaped by whoever adopted it
+            time.sleep(0.2)
+        else:
+            os.kill(helper, signal.SIGKILL)
+            pytest.fail("the hung helper outlived its killed caller by 60 s")
+    finally:
+        caller.kill()
 
 
 def test_helper_that_cannot_start_is_an_exception(videos, tmp_path, monkeypatch, fresh_decoder_process):
@@ -452,7 +502,7 @@ def test_exported_folder_decodes_in_its_own_helper_without_the_package(videos, t
             out = vp({str(videos["small"])!r}, video_backend=backend, return_metadata=True)
             assert out["video_metadata"][0].video_backend == backend
             assert out["pixel_values"].shape == (1, 4, 3, 224, 224)
-            process = module._WORKER.process
+            process = module.decoder_process().process
             assert process is not None and process.poll() is None
             print("HELPER", backend, process.pid, process.args[-1])
         text = open(module._WORKER_SCRIPT).read()
