@@ -783,17 +783,10 @@ def milvus_token(args: argparse.Namespace) -> str | None:
 def open_search_index(store: str, milvus: str | None, collection: str, token: str | None = None) -> Any:
     """The index ``--index`` names: the store, or with `milvus` (a Milvus Lite file or a server's URI) its collection
     `collection` as a `MilvusIndex`, logged in with `token` (a secured server's credentials; settings from the store,
-    tokens from the stores its rows name)."""
+    which the collection must share; tokens from the stores its rows name): `train.search.open_index`."""
     from train.search import open_index
 
-    if milvus is None:
-        return open_index(store)
-    from modeling_testa.milvus_home import MilvusHome
-    from modeling_testa.video_index import VideoIndex
-
-    index = VideoIndex.load(store, first_stage=False)  # Milvus is the first stage
-    return MilvusHome(milvus, collection, dim=index.dim, token=token).open(index.info,
-                                                                          tokens_from_stores=index.has_tokens)
+    return open_index(store, milvus, collection, token)
 
 
 def main(argv: list[str] | None = None) -> None:

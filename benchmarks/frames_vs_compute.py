@@ -1,19 +1,23 @@
 """More frames with TESTA vs fewer frames without, at the same encoder compute, over several training seeds.
 
     python -m benchmarks.frames_vs_compute --seeds 3 [--output docs/frames_vs_compute] [--work-dir outputs/fvc]
+        [--score-grid 0]
 
 Runs the demo's comparison (`train/demo.py`: the short-event task, variants (a) 8 frames without aggregation,
 (b) 16 frames with TESTA at the GMAC of (a), (c) 16 frames without aggregation) once per training seed on the same
 data, and prints mean +- standard deviation and the min-max range of every recall, the per-seed gain (b) - (a), and
 whether the smallest per-seed gain exceeds the spread of (a) and (b). Writes OUTPUT.md, OUTPUT.json and OUTPUT.png
 (recall against GMAC, error bars = min-max over seeds). About 13 minutes per seed on an idle 2-core CPU (one seed is
-`train/demo.py --upper-bound`: 765 s measured).
+`train/demo.py --upper-bound`: 765 s measured). ``--score-grid`` trains and evaluates every model under that merge
+rule (the models' config `score_grid`; default: the library's, 2^-10; 0: raw scores); only (b) merges, so only (b)
+depends on it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 from pathlib import Path
@@ -32,6 +36,8 @@ from train.demo import (
     train_variants,
 )
 
+from modeling_testa.aggregation import DEFAULT_SCORE_GRID
+
 METRICS = [f"{d}_R@{k}" for d in ("t2v", "v2t") for k in (1, 5, 10)]
 
 
@@ -48,6 +54,8 @@ def main() -> None:
     parser.add_argument("--output", type=Path, default=REPO / "docs" / "frames_vs_compute")
     parser.add_argument("--num-videos", type=int, default=512)
     parser.add_argument("--processes", type=int, default=1, help="as train/demo.py --processes")
+    parser.add_argument("--score-grid", type=float, default=None,
+                        help="the merge rule the models are trained with (config score_grid; default: the library's)")
     parser.add_argument("--replot", action="store_true",
                         help="only re-render OUTPUT.md/.png from OUTPUT.json (e.g. after installing matplotlib)")
     args = parser.parse_args()
@@ -67,7 +75,8 @@ def main() -> None:
     per_seed: dict[int, dict] = {}
     for seed in range(args.seeds):
         runs = args.work_dir / f"seed{seed}"
-        seconds = train_variants(keys, data_dir, runs, seed=seed, processes=args.processes)
+        overrides = () if args.score_grid is None else ("--set", f"model.vision_config.score_grid={args.score_grid}")
+        seconds = train_variants(keys, data_dir, runs, seed=seed, processes=args.processes, overrides=overrides)
         torch.set_num_threads(torch.get_num_threads())
         per_seed[seed] = {k: {**evaluate_variant(runs / k / "final", data_dir), "train_seconds": seconds[k]}
                           for k in keys}
@@ -81,10 +90,13 @@ def report(args, costs, keys, per_seed, data_dir, started, seen=None) -> None:
     """Prints and writes the table of the seeds done so far."""
     seen = seen or json.loads((data_dir / "metadata.json").read_text())["seen_share"]
     first = per_seed[0]["a"]
+    grid = DEFAULT_SCORE_GRID if args.score_grid is None else args.score_grid
+    rule = f"merge decisions on scores snapped to 2^{math.log2(grid):.0f}" if grid else "merge decisions on raw scores"
     lines = [
         f"Short-event retrieval ({first['num_videos']} test videos; chance R@1 {first['chance_R@1']:.1f}%, scene-only "
         f"R@1 25%; uniform sampling sees {100 * seen['8']:.0f}% of the flashes with 8 frames, {100 * seen['16']:.0f}% "
-        f"with 16), {len(per_seed)} training seeds on the same data. Cells: mean ± std (min–max).",
+        f"with 16), {len(per_seed)} training seeds on the same data, {rule} (score_grid={grid:g}). Cells: mean ± std "
+        "(min–max).",
         "",
         "| model | GMAC / video | vs (a) | tokens | " + " | ".join(METRICS) + " |",
         "|---|---|---|---|" + "---|" * len(METRICS),
@@ -108,7 +120,8 @@ def report(args, costs, keys, per_seed, data_dir, started, seen=None) -> None:
         f"Wall time {time.perf_counter() - started:.0f} s; training seconds per run (side by side): "
         + ", ".join(f"({k}) {statistics.fmean(per_seed[s][k]['train_seconds'] for s in per_seed):.0f}" for k in keys)
         + ".",
-        f"Command: `python -m benchmarks.frames_vs_compute --seeds {args.seeds}`",
+        f"Command: `python -m benchmarks.frames_vs_compute --seeds {args.seeds}"
+        + ("" if args.score_grid is None else f" --score-grid {args.score_grid:g}") + "`",
     ]
     text = "\n".join(lines)
     print("\n" + text)
@@ -116,7 +129,7 @@ def report(args, costs, keys, per_seed, data_dir, started, seen=None) -> None:
     args.output.with_suffix(".md").write_text(text + "\n")
     args.output.with_suffix(".json").write_text(json.dumps(
         {"costs": costs, "per_seed": per_seed, "gains_t2v_R@1": gains, "gain_beyond_spread": beyond,
-         "b_worst_above_a_best": separated,
+         "b_worst_above_a_best": separated, "score_grid": grid,
          "seen_share": seen, "wall_seconds": time.perf_counter() - started}, indent=1))
     points = {}
     for k in keys:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from modeling_testa import TestaForPreTraining, fused_aggregation
+from modeling_testa import TestaForPreTraining, TestaVisionModel, fused_aggregation, optimize_for_inference
 from modeling_testa.pipeline_testa import (
     VideoQuestionAnsweringPipeline,
     VideoTextRetrievalPipeline,
@@ -36,6 +36,16 @@ from tests.helpers.pipelines import build_qa, build_retrieval, tiny_processor, t
 QUESTIONS = ["what is the man doing?", "what colour is the car?"]
 CAPTIONS = ["a man surfs a large wave", "a red car drives by the sea"]
 ANSWERS = ["surfing", "red", "cooking a meal", "blue"]
+
+
+def with_kernels(model: torch.nn.Module, fused_kernels: str) -> torch.nn.Module:
+    """``model`` with every video encoder in it (a head's and its momentum copy's) run with the ``fused_kernels``
+    option (`optimize_for_inference`); ``"auto"`` leaves the model as it is."""
+    if fused_kernels != "auto":
+        for module in model.modules():
+            if isinstance(module, TestaVisionModel):
+                optimize_for_inference(module, fused_kernels=fused_kernels)
+    return model
 
 
 def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
@@ -83,8 +93,8 @@ def _train_steps(model: torch.nn.Module, batch: dict, steps: int, deferred: bool
 
 
 @torch.no_grad()
-def retrieval_outputs(out: dict[str, Any], processor, videos: list[str]) -> None:
-    model = build_retrieval()
+def retrieval_outputs(out: dict[str, Any], processor, videos: list[str], fused_kernels: str) -> None:
+    model = with_kernels(build_retrieval(), fused_kernels)
     ids, mask, pixels = _batch(processor, CAPTIONS, seed=0)
     _flatten("retrieval.itm", model(ids, pixels, mask), out)
     _flatten("retrieval.cosine", model(ids, pixels, mask, use_itm_head=False), out)
@@ -100,7 +110,7 @@ def retrieval_outputs(out: dict[str, Any], processor, videos: list[str]) -> None
     with torch.enable_grad():
         batch = {"input_ids": ids, "pixel_values": pixels, "attention_mask": mask, "video_ids": torch.tensor([0, 1])}
         for deferred in (False, True):
-            trained = build_retrieval()
+            trained = with_kernels(build_retrieval(), fused_kernels)
             _flatten(f"retrieval.train.deferred={deferred}", _train_steps(trained, batch, 3, deferred, seed=5), out)
             out[f"retrieval.train.deferred={deferred}.video_queue"] = trained.momentum.video_queue.clone()
             out[f"retrieval.train.deferred={deferred}.text_proj"] = trained.text_proj.weight.detach().clone()
@@ -114,8 +124,8 @@ def retrieval_outputs(out: dict[str, Any], processor, videos: list[str]) -> None
 
 
 @torch.no_grad()
-def qa_outputs(out: dict[str, Any], processor, videos: list[str]) -> None:
-    model = build_qa()
+def qa_outputs(out: dict[str, Any], processor, videos: list[str], fused_kernels: str) -> None:
+    model = with_kernels(build_qa(), fused_kernels)
     ids, mask, pixels = _batch(processor, QUESTIONS, seed=2)
     answers = processor.tokenizer(ANSWERS[:2], padding="longest", return_tensors="pt")
     _flatten("qa.forward", model(ids, pixels, mask, labels=answers["input_ids"],
@@ -136,10 +146,10 @@ def qa_outputs(out: dict[str, Any], processor, videos: list[str]) -> None:
 
 
 @torch.no_grad()
-def pretraining_outputs(out: dict[str, Any], processor) -> None:
+def pretraining_outputs(out: dict[str, Any], processor, fused_kernels: str) -> None:
     def build() -> TestaForPreTraining:
         torch.manual_seed(3)
-        return randomize(TestaForPreTraining(tiny_testa_config()), seed=3).eval()
+        return with_kernels(randomize(TestaForPreTraining(tiny_testa_config()), seed=3).eval(), fused_kernels)
 
     model = build()
     ids, mask, pixels = _batch(processor, CAPTIONS, seed=4)
@@ -160,16 +170,16 @@ def pretraining_outputs(out: dict[str, Any], processor) -> None:
         _flatten("pretraining.train.cap", trained(ids, pixels, mask).loss_cap, out)
 
 
-def record(output: Path) -> None:
+def record(output: Path, fused_kernels: str = "auto") -> None:
     torch.manual_seed(0)
     torch.use_deterministic_algorithms(True)
     processor = tiny_processor()
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as directory:
         videos = write_videos(Path(directory) / "videos")
-        retrieval_outputs(out, processor, videos)
-        qa_outputs(out, processor, videos)
-        pretraining_outputs(out, processor)
+        retrieval_outputs(out, processor, videos, fused_kernels)
+        qa_outputs(out, processor, videos, fused_kernels)
+        pretraining_outputs(out, processor, fused_kernels)
     out = {key.replace(directory, "<videos>") if isinstance(key, str) else key: (
         value.replace(directory, "<videos>") if isinstance(value, str) else value) for key, value in out.items()}
     torch.save(out, output)
@@ -197,14 +207,13 @@ def main() -> int:
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--output", type=Path, help="record the golden outputs into this file")
     group.add_argument("--compare", type=Path, nargs=2, metavar=("FIRST", "SECOND"), help="compare two files exactly")
-    parser.add_argument("--fused-kernels", choices=fused_aggregation.MODES, default="auto",
-                        help="fused_aggregation.MODE while recording: 'interpret' runs the fused merge kernels (the "
+    parser.add_argument("--fused-kernels", choices=fused_aggregation.FUSED_KERNELS, default="auto",
+                        help="the video encoders' fused_kernels option: 'interpret' runs the fused merge kernels (the "
                              "GPU path) through Triton's interpreter on the CPU")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.output is not None:
-        with fused_aggregation.fused_kernels(args.fused_kernels):
-            record(args.output)
+        record(args.output, args.fused_kernels)
         return 0
     return compare(*args.compare)
 

@@ -67,6 +67,7 @@ from modeling_testa import (
     TestaVisionModel,
     estimate_encoder_gmac,
     fused_aggregation,
+    optimize_for_inference,
 )
 from modeling_testa.aggregation import mode as deterministic_mode
 from benchmarks.encoder_args import encoder_settings
@@ -899,34 +900,35 @@ def render_same_mode(results: dict) -> list[str]:
 
 def run_fused_merge(ctx: Context, results: dict) -> None:
     """TESTA with its merge as fused Triton kernels (`modeling_testa.fused_aggregation`, the default on CUDA) against
-    the same encoder merging with PyTorch ops (``fused_aggregation.MODE = "off"``), at the headline frame count, bf16,
+    the same encoder merging with PyTorch ops (its runtime's ``fused_kernels="off"``), at the headline frame count, bf16,
     SDPA, batch 1 and the headline batch, run eagerly and replayed as a CUDA graph; and whether both took the same
     merges (source maps) and how far their outputs are apart."""
     frames, size = ctx.scale.headline_frames, ctx.scale.encoder["image_size"]
     results.update(frames=frames, dtype="bf16", attention="sdpa", entries=[])
     model = build_encoder(ctx, "testa", frames, "bf16", "sdpa")
+    # the same weights merging with PyTorch ops: the runtime's option (eager, as `model` runs without a runtime)
+    models = {"auto": model, "off": optimize_for_inference(copy.deepcopy(model), backend="torch-eager",
+                                                           fused_kernels="off")}
     for batch in sorted({ctx.scale.same_mode_batches[0], ctx.scale.headline_batch}):
         entry = dict(batch=batch)
         video = torch.randn(batch, frames, 3, size, size, device=ctx.device, dtype=torch.bfloat16)
         try:
             with torch.inference_mode():
-                with fused_aggregation.fused_kernels("off"):
-                    reference = model(pixel_values=video, trace_source=True)
+                reference = models["off"](pixel_values=video, trace_source=True)
                 launches = fused_aggregation.launches
                 fused = model(pixel_values=video, trace_source=True)
             entry["fused_launches"] = fused_aggregation.launches - launches  # 0: the kernels are not used here
             entry["same_merges"] = torch.equal(fused.source_map, reference.source_map)
             entry["max_abs_output_difference"] = (fused.last_hidden_state.float()
                                                   - reference.last_hidden_state.float()).abs().max().item()
-            for kernels in ("auto", "off"):
-                with fused_aggregation.fused_kernels(kernels):
-                    times, skipped = budgeted_forward_times(ctx, model, video)
-                    if times is None:
-                        entry[f"eager_{kernels}_skipped"] = skipped
-                        continue
-                    entry[f"eager_{kernels}_seconds"] = statistics.median(times)
-                    if ctx.device.startswith("cuda"):
-                        entry[f"graph_{kernels}_seconds"] = graph_replay_seconds(ctx, model, video)
+            for kernels, timed in models.items():
+                times, skipped = budgeted_forward_times(ctx, timed, video)
+                if times is None:
+                    entry[f"eager_{kernels}_skipped"] = skipped
+                    continue
+                entry[f"eager_{kernels}_seconds"] = statistics.median(times)
+                if ctx.device.startswith("cuda"):
+                    entry[f"graph_{kernels}_seconds"] = graph_replay_seconds(ctx, timed, video)
         except torch.cuda.OutOfMemoryError as error:
             entry["error"] = f"out of memory: {str(error)[:160]}"
         except Exception as error:  # a forward that cannot be captured: say why, keep what was measured
@@ -936,13 +938,13 @@ def run_fused_merge(ctx: Context, results: dict) -> None:
         ctx.save()
         del video
         ctx.free()
-    del model
+    del model, models
     ctx.free()
 
 
 def render_fused_merge(results: dict) -> list[str]:
     lines = [f"{results.get('frames')} frames, bf16, SDPA, TESTA (R_T=1, R_S=12): the merge as fused Triton kernels "
-             "(the default on CUDA) against PyTorch ops (`fused_aggregation.MODE = \"off\"`), in ms per forward, run "
+             "(the default on CUDA) against PyTorch ops (`fused_kernels=\"off\"`), in ms per forward, run "
              "eagerly and replayed as one captured CUDA graph; fused launches per forward (0: the kernels were not "
              "used on this device), whether both took the same merges, and their largest output difference.", "",
              "| batch | fused launches | same merges | max output difference | eager fused | eager PyTorch | "

@@ -59,7 +59,14 @@ from contextlib import contextmanager
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from modeling_testa import TestaVisionConfig, TestaVisionModel, aggregation, aggregation_block, fused_aggregation
+from modeling_testa import (
+    TestaVisionConfig,
+    TestaVisionModel,
+    aggregation,
+    aggregation_block,
+    fused_aggregation,
+    optimize_for_inference,
+)
 
 
 METADATA_ONLY = frozenset(
@@ -84,8 +91,7 @@ ISSUE_RULE_EXCLUDED = frozenset(
                  "reshape", "flatten", "unbind", "lift_fresh", "dropout", "_reshape_alias", "split", "t", "detach",
                  "alias", "as_strided", "empty", "narrow", "split_with_sizes")
 )
-AGGREGATION_FUNCTIONS = ("match_frames", "match_tokens", "merge_tokens", "_follow_frames", "_follow_patches",
-                         "size_bias")
+AGGREGATION_FUNCTIONS = ("match_frames", "match_tokens", "merge", "_follow_frames", "_follow_patches", "size_bias")
 IN_PLACE_SOURCE_ARGUMENT = {"scatter_add_": 3, "index_add_": 3, "scatter_": 3}
 
 
@@ -249,7 +255,9 @@ def merge_traffic(model: TestaVisionModel, video: torch.Tensor, backward: bool) 
 def fused_kernel_traffic(traffic: MergeTraffic):
     """Attributes every fused kernel's outputs to ``traffic`` as one call (what it writes), and hides the ops
     Triton's interpreter runs inside the launch."""
-    originals = {name: getattr(aggregation, name) for name in ("geometry_pairs", "merge_pairs")}
+    # where they are called from: the fused decisions (`fused_aggregation.fused_bipartite`) and the block's merge
+    originals = {(fused_aggregation, "geometry_pairs"): fused_aggregation.geometry_pairs,
+                 (aggregation_block, "merge_pairs"): aggregation_block.merge_pairs}
 
     def counted(name: str, function: Callable) -> Callable:
         def wrapper(*args, **kwargs):
@@ -265,12 +273,12 @@ def fused_kernel_traffic(traffic: MergeTraffic):
         return wrapper
 
     try:
-        for name, function in originals.items():  # where `aggregation` calls them
-            setattr(aggregation, name, counted(name, function))
+        for (module, name), function in originals.items():
+            setattr(module, name, counted(name, function))
         yield traffic
     finally:
-        for name, function in originals.items():
-            setattr(aggregation, name, function)
+        for (module, name), function in originals.items():
+            setattr(module, name, function)
 
 
 # ----------------------------------------------------------------------------------------------------- training
@@ -453,11 +461,11 @@ def main(argv: list[str] | None = None) -> dict:
                              "PyTorch)")
         with torch.inference_mode():
             reference = testa(pixel_values=video, trace_source=True)
-        with fused_aggregation.fused_kernels("interpret"):
-            with torch.inference_mode():  # also the warm-up: the interpreter's first launches are not counted
-                fused = testa(pixel_values=video, trace_source=True)
-            calls_testa = profile_calls(testa, video, args.backward, warm_up=False)
-            traffic = merge_traffic(testa, video, args.backward)
+        optimize_for_inference(testa, fused_kernels="interpret")  # the runtime's option: Triton's interpreter
+        with torch.inference_mode():  # also the warm-up: the interpreter's first launches are not counted
+            fused = testa(pixel_values=video, trace_source=True)
+        calls_testa = profile_calls(testa, video, args.backward, warm_up=False)
+        traffic = merge_traffic(testa, video, args.backward)
         checked = dict(source_map=torch.equal(fused.source_map, reference.source_map),
                        token_sizes=torch.equal(fused.token_sizes, reference.token_sizes),
                        max_difference=(fused.last_hidden_state.double()

@@ -1,5 +1,6 @@
 """Do the runtimes agree? One trained model, its videos, PyTorch fp32 eager against every other runtime, with the
-merge decisions on snapped scores (`modeling_testa.aggregation.SCORE_GRID`) and, for the "before", on raw scores.
+merge decisions on snapped scores (the model's `score_grid`, set per run with `set_aggregation`) and, for the
+"before", on raw scores.
 
     python -m benchmarks.runtime_agreement --model outputs/demo/runs/b/final --data outputs/demo/data \\
         [--split all] [--runtimes openvino-fp32 onnxruntime-fp32 openvino-int8 openvino-bf16 compile-fp32 \\
@@ -39,8 +40,6 @@ import copy
 import json
 import math
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -48,23 +47,13 @@ import torch.nn.functional as F
 
 import modeling_testa.aggregation as aggregation
 from modeling_testa import TestaForVideoTextRetrieval, optimize_for_inference
+from modeling_testa.aggregation import DEFAULT_SCORE_GRID
 from modeling_testa.processing_testa import TestaProcessor
 
 RUNTIMES = ("openvino-fp32", "onnxruntime-fp32", "openvino-int8", "onnxruntime-int8", "openvino-bf16", "torch-bf16",
             "compile-fp32", "compile-bf16")
 DEFAULT_RUNTIMES = ("openvino-fp32", "onnxruntime-fp32", "openvino-int8", "openvino-bf16", "compile-fp32",
                     "compile-bf16")
-
-
-@contextmanager
-def score_grid(name: str) -> Iterator[None]:
-    """`aggregation.SCORE_GRID` set to the grid ``name`` (see `grid_value`) inside the block, restored after it."""
-    previous = aggregation.SCORE_GRID
-    aggregation.SCORE_GRID = grid_value(name)
-    try:
-        yield
-    finally:
-        aggregation.SCORE_GRID = previous
 
 
 def grid_value(name: str) -> float:
@@ -118,7 +107,7 @@ def boundary_margins(model: TestaForVideoTextRetrieval, pixel_values: torch.Tens
     flip a decision by moving one of those scores across a boundary, so a video whose margin exceeds the runtimes'
     score differences keeps its decisions; an upper bound on the flips, since a flip also needs the two best to
     share or neighbour a cell."""
-    grid = aggregation.SCORE_GRID
+    grid = model.config.vision_config.score_grid
     margins = []
     recorded: list[torch.Tensor] = []
     round_to_grid = aggregation.round_to_grid
@@ -185,9 +174,10 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def evaluate(model_dir: Path, data_dir: Path, pixel_factor: float = 1.0) -> dict:
-    """The demo's test-split evaluation (`train.demo.evaluate_variant`'s code path: `train.evaluation`), with the
-    pixels scaled by ``pixel_factor`` before the encoder (1 + 1e-6: fp32's own noise)."""
+def evaluate(model_dir: Path, data_dir: Path, grid: str, pixel_factor: float = 1.0) -> dict:
+    """The demo's test-split evaluation (`train.demo.evaluate_variant`'s code path: `train.evaluation`) with the model
+    deciding on the grid ``grid`` (`grid_value`), the pixels scaled by ``pixel_factor`` before the encoder (1 + 1e-6:
+    fp32's own noise)."""
     from accelerate import Accelerator
 
     from benchmarks.fast_inference import perturb_pixels
@@ -197,6 +187,7 @@ def evaluate(model_dir: Path, data_dir: Path, pixel_factor: float = 1.0) -> dict
     recipe = load_recipe()
     recipe["data"]["dataset"] = str(data_dir)
     model = TestaForVideoTextRetrieval.from_pretrained(str(model_dir)).eval()
+    model.set_aggregation(score_grid=grid_value(grid))
     processor = TestaProcessor.from_pretrained(str(model_dir))
     recipe["data"]["num_frames"] = processor.video_processor.num_frames
     if pixel_factor != 1.0:
@@ -209,8 +200,7 @@ def retrieval(model_dir: Path, data_dir: Path, grids: list[str], noise_draws: in
     rows = []
     for grid in grids:
         for k in range(noise_draws + 1):
-            with score_grid(grid):
-                metrics = evaluate(model_dir, data_dir, 1 + k * 1e-6)
+            metrics = evaluate(model_dir, data_dir, grid, 1 + k * 1e-6)
             recall = {key: metrics[key] for key in sorted(metrics) if "_R@" in key and "chance" not in key}
             rows.append({"grid": grid, "pixels": f"x (1 + {k}e-6)" if k else "as decoded", **recall})
             print(f"grid {grid}, pixels {rows[-1]['pixels']}: " + ", ".join(f"{key} {value:.1f}"
@@ -220,8 +210,9 @@ def retrieval(model_dir: Path, data_dir: Path, grids: list[str], noise_draws: in
 
 def agreement_at_grid(args: argparse.Namespace, grid: str, model, pixel_values: torch.Tensor,
                       calibration: torch.Tensor, queries: torch.Tensor, report: dict) -> list[dict]:
-    """Every runtime against PyTorch eager fp32 at the grid in force (`score_grid`); boundary margins into
-    ``report``."""
+    """Every runtime against PyTorch eager fp32, the model deciding on the grid ``grid`` (`grid_value`); boundary
+    margins into ``report``."""
+    model.set_aggregation(score_grid=grid_value(grid))
     results = []
     reference = encode(model, pixel_values)
     if grid != "off":
@@ -249,8 +240,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--split", default="all", help="all, train or test")
     parser.add_argument("--limit", type=int, default=None, help="at most this many videos")
     parser.add_argument("--runtimes", nargs="+", default=list(DEFAULT_RUNTIMES), choices=RUNTIMES)
-    parser.add_argument("--grids", nargs="+", default=["off", str(round(-math.log2(aggregation.SCORE_GRID)))],
-                        help="'off' (raw scores) or k for a grid of 2^-k (default: off and the library's grid)")
+    parser.add_argument("--grids", nargs="+", default=["off", str(round(-math.log2(DEFAULT_SCORE_GRID)))],
+                        help="'off' (raw scores) or k for a grid of 2^-k (default: off and the library's default grid)")
     parser.add_argument("--queries", type=int, default=5)
     parser.add_argument("--calibration-videos", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1)
@@ -278,8 +269,7 @@ def main(argv: list[str] | None = None) -> dict:
             queries = model.get_text_features(text["input_ids"], text["attention_mask"]).pooler_output
         report["videos"], report["queries"] = len(rows), captions
         for grid in args.grids:
-            with score_grid(grid):
-                report["results"] += agreement_at_grid(args, grid, model, pixel_values, calibration, queries, report)
+            report["results"] += agreement_at_grid(args, grid, model, pixel_values, calibration, queries, report)
         print(table(report["results"]))
     if args.retrieval:
         report["retrieval"] = retrieval(args.model, args.data, args.grids, args.noise_draws)

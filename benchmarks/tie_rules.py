@@ -4,16 +4,18 @@ tie rule each, everything else equal (data, seed, recipe).
     python -m benchmarks.tie_rules [--rules lowest raw seed1 seed2 seed3] [--data outputs/demo/data] \\
         [--output-dir outputs/tie_rules] [--eval-only MODEL_DIR ...] [--json PATH]
 
-Merge decisions are taken on cosines snapped to `aggregation.SCORE_GRID`; equal snapped scores are ties, and the
+Merge decisions are taken on cosines snapped to the model's `score_grid`; equal snapped scores are ties, and the
 library sends them to the lowest index (``lowest``). The other rules, for this experiment only:
 
-* ``raw``: no snapping (``SCORE_GRID = 0``): near-ties are decided by rounding, differently on every runtime;
+* ``raw``: no snapping (``score_grid=0``, the library's own setting, saved with the model): near-ties are decided by
+  rounding, differently on every runtime;
 * ``seedK``: ties broken by a fixed pseudo-random order: a constant offset in [0, 0.45) grid steps per (A token,
   B token) pair, drawn from a generator seeded with K and the set sizes, added to the rounded scores. It is below
   half a step, so it never reorders scores that differ after snapping, and it is the same on every runtime;
 * ``nearest``: ties to the B token nearest in position (an offset of minus the distance, scaled below half a step).
 
-Every rule patches `aggregation.round_to_grid` (the one place where snapped scores are made) in the training process
+``raw`` is trained with ``--set model.vision_config.score_grid=0`` and evaluated with that setting. Every other rule
+patches `aggregation.round_to_grid` (the one place where snapped scores are made) in the training process
 (``train/finetune_retrieval.py`` with the demo's recipe and model (b)'s overrides, as `train/demo.py` runs it) and in
 the evaluation (the demo's test split, `train.evaluation.evaluate_retrieval`), so a model is always evaluated with the
 rule it was trained with. ``--eval-only`` evaluates existing model folders with every rule instead (no training).
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import math
 import subprocess
 import sys
 import time
@@ -53,11 +55,17 @@ def tie_offsets(num_a: int, num_b: int, rule: str) -> torch.Tensor | None:
     raise ValueError(f"Unknown tie rule {rule!r}; use one of {RULES} or seedK (K an integer).")
 
 
+def grid_of(rule: str) -> str:
+    """The score grid a model decides on under ``rule`` (`runtime_agreement.grid_value`'s names): ``raw`` is the
+    model's own setting ``score_grid=0``; every other rule snaps to the library's default grid."""
+    return "off" if rule == "raw" else str(round(-math.log2(aggregation.DEFAULT_SCORE_GRID)))
+
+
 def apply_rule(rule: str) -> None:
-    """Makes this process's matcher decide with ``rule``."""
+    """Makes this process's matcher break ties with ``rule`` (``raw`` needs nothing here: it is a setting of the
+    model, `grid_of`)."""
     tie_offsets(2, 2, rule)  # refuses an unknown rule before anything runs
     if rule == "raw":
-        aggregation.SCORE_GRID = 0.0
         return
     library_round = aggregation.round_to_grid
     cache: dict[tuple, torch.Tensor | None] = {}
@@ -92,7 +100,8 @@ def train(rule: str, data_dir: Path, output_dir: Path, seed: int) -> Path:
     out = output_dir / f"b_{rule}"
     command = [sys.executable, "-m", "benchmarks.tie_rules", "--worker-train", "--rule", rule, "--",
                str(REPO / "train" / "finetune_retrieval.py"), "--config", str(RECIPE), "--dataset", str(data_dir),
-               "--output-dir", str(out), "--no-eval", "--set", f"train.seed={seed}", *VARIANTS["b"].overrides()]
+               "--output-dir", str(out), "--no-eval", "--set", f"train.seed={seed}", *VARIANTS["b"].overrides(),
+               *(["--set", "model.vision_config.score_grid=0.0"] if rule == "raw" else [])]
     output_dir.mkdir(parents=True, exist_ok=True)
     log_path = output_dir / f"b_{rule}.log"
     with open(log_path, "w") as log:
@@ -125,7 +134,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         from benchmarks.runtime_agreement import evaluate as demo_evaluation
 
         apply_rule(args.rule)
-        metrics = demo_evaluation(args.worker_eval, args.data)
+        metrics = demo_evaluation(args.worker_eval, args.data, grid_of(args.rule))
         print(json.dumps({key: value for key, value in metrics.items() if "_R@" in key and "chance" not in key}))
         return []
     if args.worker_train:  # the demo's training script, run in this process under the rule

@@ -23,17 +23,10 @@ order. A protected first token (CLS) always stays first. Use ``trace_source`` (:
 
 import math
 import sys
-import threading
-import warnings
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-
-from .fused_aggregation import FLOAT_DTYPES as FUSED_DTYPES
-from .fused_aggregation import current_mode as fused_kernel_mode
-from .fused_aggregation import fits as fits_fused_kernel
-from .fused_aggregation import geometry_pairs, merge_pairs, triton_available
 
 
 class Bipartite(NamedTuple):
@@ -146,45 +139,51 @@ def _scaled_products(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Te
     kernel). A power-of-two scale is exact: the result is the product's own rounding, scaled."""
     if scale == 1.0:
         return a @ b.transpose(-1, -2)
+    if exporting():
+        # The same values (the scaling is exact), without baddbmm's ignored first argument: an exporter writes it as
+        # ``0 * input + scale * product``, an edge from the keys into the scores, through which the engines'
+        # selection of the matching's products (`engines.matching_matmuls`, walking up from the sorts) reached the
+        # key projections and kept 24 linear layers of ViT-B out of int8 (docs/inference.md).
+        return (a @ b.transpose(-1, -2)) * scale
     a3, b3 = a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:])
     # beta=0: the first argument (any broadcastable view, so that nothing is allocated for it) is ignored
     out = torch.baddbmm(a3[:1, :1, :1], a3, b3.transpose(-1, -2), beta=0.0, alpha=scale)
     return out.view(*a.shape[:-1], b.shape[-2])
 
 
-SCORE_GRID = 2.0**-10
-"""The grid that similarity scores are snapped to before any merge decision (:func:`snap_scores`).
+DEFAULT_SCORE_GRID = 2.0**-10
+"""The score grid a new model decides its merges on (`AggregationSettings.score_grid`, saved in its config); a
+constant, bound as the default where it is used (changing it after import changes nothing).
 
 Runtimes round differently (PyTorch eager or compiled, OpenVINO, ONNX Runtime, CUDA), so the scores of near-identical
 tokens (repeated frames, static backgrounds), which differ only by that rounding, would otherwise pick their partner
 and their rank by rounding noise: a different merge on every runtime. At 2^-10 the fp32 exports took PyTorch's
 decisions on all 512 videos of the demo's trained model, where raw scores gave other merges on 508 (docs/inference.md,
 "Agreement between runtimes", which also gives the effect on recall); only pairs whose cosines differ by less than
-about 0.001 are equated. Set it to 0 to decide on raw scores (what the benchmarks call "before")."""
+about 0.001 are equated. 0 decides on raw scores: what models saved before the setting existed were trained with."""
 
 
-def current_score_grid() -> float:
-    """:data:`SCORE_GRID` as it is now (it may be changed after import): what caches of compiled or exported graphs
-    key on. Raises a ValueError naming the allowed values unless it is 0 or a power of two (2^-k), the grids whose
-    scaling is exact, so that the matcher's scaled scores are the snapped cosines exactly."""
-    grid = SCORE_GRID
-    if grid != 0 and not (isinstance(grid, (int, float)) and grid > 0 and math.frexp(grid)[0] == 0.5):
-        raise ValueError(f"aggregation.SCORE_GRID is {grid!r}; it must be 0 (raw scores) or a power of two such as "
+def check_score_grid(grid: float) -> float:
+    """``grid`` as a float; raises a ValueError naming ``score_grid`` and the allowed values unless it is 0 (raw
+    scores) or a power of two (2^-k), the grids whose scaling is exact, so that the matcher's scaled scores are the
+    snapped cosines exactly."""
+    if isinstance(grid, bool) or not isinstance(grid, (int, float)) or (
+            grid != 0 and not (0 < grid <= 1 and math.frexp(grid)[0] == 0.5)):
+        raise ValueError(f"score_grid={grid!r} is not allowed; use 0 (raw scores) or a power of two up to 1, such as "
                          "2**-10 (the default), 2**-8 or 2**-12.")
-    return grid
+    return float(grid)
 
 
-def snap_scores(scores: torch.Tensor, grid: float | None = None) -> torch.Tensor:
-    """Rounds similarity scores to the nearest multiple of ``grid`` (default :data:`SCORE_GRID`, read at call time; a
-    power of two, so the scaling is exact), so that scores that differ only by rounding become equal and their ties go
-    to the lowest index, on every runtime. A grid of 0 returns the scores unchanged (the benchmarks' "before").
+def snap_scores(scores: torch.Tensor, grid: float) -> torch.Tensor:
+    """Rounds similarity scores to the nearest multiple of ``grid`` (a power of two, so the scaling is exact), so that
+    scores that differ only by rounding become equal and their ties go to the lowest index, on every runtime. A grid
+    of 0 returns the scores unchanged (raw scores).
 
     Cosines of identical tokens (1.0) and of orthogonal ones (0.0) sit at the centre of a grid cell, not on a boundary
     between cells. ``torch.round`` (ties to even) exports as ``Round`` to OpenVINO and ONNX, which round the same way.
     ``-inf`` (a protected token) stays ``-inf``.
     """
-    grid = SCORE_GRID if grid is None else grid
-    if grid == 0:
+    if check_score_grid(grid) == 0:
         return scores
     scale = 1.0 / grid
     return torch.round(scores * scale) / scale
@@ -252,7 +251,7 @@ def _decide(
 
 
 def best_partner(
-    scores: torch.Tensor, vote_dim: int | None, vote: str = "vote"
+    scores: torch.Tensor, vote_dim: int | None, vote: str = "vote", score_grid: float = DEFAULT_SCORE_GRID
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Best B partner of every A token: ``(score, index)``, each ``(*batch, nA)``.
 
@@ -261,12 +260,13 @@ def best_partner(
     partner and one score per frame. Ties go to the lowest frame index in both rules, so the result is deterministic
     and the same on every device.
 
-    Scores are snapped to :data:`SCORE_GRID` (:func:`snap_scores`), and the returned scores are snapped too, so the
-    caller's ranking of the pairs (a stable sort) also sends near-ties to the lowest index. ``vote="original"`` (the
-    released code's rule, for frames and, passed by `match_tokens`, for patches) decides on the raw scores.
-    (`geometry_matching` takes the same decisions on scores it computes in grid steps.)
+    Scores are snapped to ``score_grid`` (:func:`snap_scores`; 0: raw scores), and the returned scores are snapped
+    too, so the caller's ranking of the pairs (a stable sort) also sends near-ties to the lowest index.
+    ``vote="original"`` (the released code's rule, for frames and, passed by `match_tokens`, for patches) decides on
+    the raw scores whatever the grid. (`geometry_matching` takes the same decisions on scores it computes in grid
+    steps.)
     """
-    grid = 0.0 if vote == "original" else current_score_grid()
+    grid = 0.0 if vote == "original" else check_score_grid(score_grid)
     if not grid:
         return _decide(scores, vote_dim, vote, snapped=False)
     values, partner = _decide(scores * (1.0 / grid), vote_dim, vote, snapped=True)
@@ -274,7 +274,12 @@ def best_partner(
 
 
 def geometry_matching(
-    metric: torch.Tensor, r: int, protect_first: bool = False, vote_dim: int | None = None, vote: str = "vote"
+    metric: torch.Tensor,
+    r: int,
+    protect_first: bool = False,
+    vote_dim: int | None = None,
+    vote: str = "vote",
+    score_grid: float = DEFAULT_SCORE_GRID,
 ) -> Matching:
     """The paper's geometry-based aggregation (ToMe's bipartite soft matching). Adapted from TESTA `testa/merge.py`
     L15-L103 (`bipartite_soft_matching`, RenShuhuai-Andy/TESTA at 41b9486).
@@ -284,9 +289,8 @@ def geometry_matching(
 
     The decisions are those of :func:`best_partner` followed by a stable ranking, computed in about ten kernels: the
     keys are normalised once, the cosines come out of one matrix multiply already divided by the grid (a power of
-    two, so exactly), and are rounded to whole grid steps, which are only ever compared. Where
-    :func:`uses_fused_kernels` says so (CUDA, by default), the same decisions are one fused kernel
-    (:func:`.fused_aggregation.geometry_pairs`; not with ``vote_dim``).
+    two, so exactly), and are rounded to whole grid steps, which are only ever compared. (On CUDA the blocks take the
+    same decisions in one fused kernel instead: `aggregation_block.match_tokens`, :mod:`.fused_aggregation`.)
 
     Args:
         metric: ``(*batch, N, C)`` similarity features (attention keys averaged over heads). With ``vote_dim``,
@@ -296,26 +300,15 @@ def geometry_matching(
         vote_dim: the position axis to vote over (frame matching with ``frame_matching="vote"`` or ``"original"``).
             Callers skip the matcher when ``r == 0``: with ``r = 0`` it would still reorder the tokens.
         vote: how the positions decide, one of :data:`FRAME_VOTES` (used only with ``vote_dim``).
+        score_grid: the grid the scores are snapped to (:func:`snap_scores`; 0: raw scores), the model's
+            `AggregationSettings.score_grid`. ``vote="original"`` decides on raw scores whatever it is.
     """
-    grid = 0.0 if vote == "original" else current_score_grid()
-    first = int(protect_first)
-    if (vote_dim is None and uses_fused_kernels(metric) and metric.dtype in FUSED_DTYPES
-            and fits_fused_kernel(metric.shape[-2], r, first)):
-        return Matching(bipartite=_bipartite_fused(metric, r, first, grid))
-    return Matching(bipartite=_bipartite_in_pytorch(metric, r, first, grid, vote_dim, vote))
+    grid = 0.0 if vote == "original" else check_score_grid(score_grid)
+    return Matching(bipartite=_bipartite(metric, r, int(protect_first), grid, vote_dim, vote))
 
 
-def _bipartite_fused(metric: torch.Tensor, r: int, first: int, grid: float) -> Bipartite:
-    """`geometry_matching`'s decisions (``vote_dim=None``) as one fused kernel
-    (:func:`.fused_aggregation.geometry_pairs`)."""
-    unmerged, sources, partners = geometry_pairs(metric, r, first, 1.0 / grid if grid else 1.0, snap=bool(grid))
-    return Bipartite(unmerged, sources, partners, 2 * first, 1, first, metric.shape[-2])
-
-
-def _bipartite_in_pytorch(
-    metric: torch.Tensor, r: int, first: int, grid: float, vote_dim: int | None, vote: str
-) -> Bipartite:
-    """`geometry_matching`'s decisions in PyTorch ops (about ten kernels), whatever :func:`uses_fused_kernels` says."""
+def _bipartite(metric: torch.Tensor, r: int, first: int, grid: float, vote_dim: int | None, vote: str) -> Bipartite:
+    """`geometry_matching`'s decisions in PyTorch ops (about ten kernels)."""
     unit = _unit_vectors(metric)
     scores = _scaled_products(unit[..., ::2, :], unit[..., 1::2, :], 1.0 / grid if grid else 1.0)
     node_max, node_idx = _decide(scores, vote_dim, vote, snapped=bool(grid))
@@ -342,6 +335,7 @@ def importance_matching(
     vote_dim: int | None = None,
     prune: bool = False,
     vote: str = "vote",
+    score_grid: float = DEFAULT_SCORE_GRID,
 ) -> Matching:
     """The paper's importance-based aggregation (and the pruning baseline).
 
@@ -352,6 +346,7 @@ def importance_matching(
     Args:
         metric: as in :func:`geometry_matching`.
         importance: ``(*batch, N)`` attention received by every token.
+        score_grid: as in :func:`geometry_matching` (the partners are picked on snapped scores).
     """
     if protect_first:
         importance = importance.clone()
@@ -372,7 +367,7 @@ def importance_matching(
     scores = _cosine_scores(gather(src), gather(kept))
     if protect_first:  # the protected token is the first kept one: nothing merges into it either
         scores[..., 0] = -torch.inf
-    _, partner = best_partner(scores, vote_dim, vote)
+    _, partner = best_partner(scores, vote_dim, vote, score_grid)
     return Matching(kept=kept, sources=src, targets=partner)
 
 
@@ -401,6 +396,13 @@ def _as(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``weight`` as a factor of ``x``: one trailing axis for the hidden dimension, ``x``'s dtype."""
     weight = weight.unsqueeze(-1)
     return weight if weight.dtype == x.dtype else weight.to(x.dtype)
+
+
+def _add_at(t: torch.Tensor, index: torch.Tensor, values: torch.Tensor, in_place: bool) -> torch.Tensor:
+    """``t`` with ``values`` added at the token positions ``index`` (``(*batch, K)``, the token axis
+    ``index.ndim - 1``), in place or into a copy."""
+    axis, expanded = index.ndim - 1, _expand_index(index, values)
+    return t.scatter_add_(axis, expanded, values) if in_place else t.scatter_add(axis, expanded, values)
 
 
 def merge_bipartite(
@@ -433,17 +435,29 @@ def merge_bipartite(
     x_b, size_b = _every_other(x, pairs.b_start, axis), _every_other(size, pairs.b_start, axis)
     kept_rows, source_rows = a_rows.split([kept_a, num_sources], dim=axis)
     kept_sizes, source_sizes = a_sizes.split([kept_a, num_sources], dim=axis)
-    merged = torch.cat([_leading(x, pairs.protected, axis), kept_rows, x_b], dim=axis)
-    new_size = torch.cat([_leading(size, pairs.protected, axis), kept_sizes, size_b], dim=axis)
-    # Fresh tensors (cat outputs), so updating their B part in place costs no copy and autograd saves nothing of them.
-    # Through views of the B part, not at offset indices into the whole output: TorchInductor (torch 2.14, CPU)
-    # compiled the offset form wrongly in an encoder with bf16 linears (tests/test_inference.py, compiled bf16).
-    merged_b = merged.narrow(axis, pairs.protected + kept_a, x_b.shape[axis])
-    new_size_b = new_size.narrow(axis, pairs.protected + kept_a, x_b.shape[axis])
-    new_size_b.scatter_add_(axis, _expand_index(pairs.partners, source_sizes), source_sizes)
+
+    def assembled(a_part: torch.Tensor, b_part: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        return torch.cat([_leading(source, pairs.protected, axis), a_part, b_part], dim=axis)
+
+    # Eager: the output is assembled first (cat) and its B part updated in place: fresh tensors, so that costs no copy
+    # and autograd saves nothing of them. Through views of the B part, not at offset indices into the whole output:
+    # TorchInductor (torch 2.14, CPU) compiled the offset form wrongly in an encoder with bf16 linears
+    # (tests/test_inference.py, compiled bf16). Exported: the B part is updated out of place and the output assembled
+    # after, the same values; an exporter writes an in-place update of a view as a copy of the whole output
+    # (``slice_scatter``), which cost OpenVINO a tenth of the int8 encoder's time.
+    functional = exporting()
+    if functional:
+        merged_b, new_size_b = x_b, size_b
+    else:
+        merged, new_size = assembled(kept_rows, x_b, x), assembled(kept_sizes, size_b, size)
+        merged_b = merged.narrow(axis, pairs.protected + kept_a, x_b.shape[axis])
+        new_size_b = new_size.narrow(axis, pairs.protected + kept_a, x_b.shape[axis])
+    new_size_b = _add_at(new_size_b, pairs.partners, source_sizes, in_place=not functional)
     weight = source_sizes / _take(new_size_b, pairs.partners)
     update = (source_rows - _take(x_b, pairs.partners)) * _as(weight, x)
-    merged_b.scatter_add_(axis, _expand_index(pairs.partners, update), update)
+    merged_b = _add_at(merged_b, pairs.partners, update, in_place=not functional)
+    if functional:
+        merged, new_size = assembled(kept_rows, merged_b, x), assembled(kept_sizes, new_size_b, size)
     return merged, new_size, weight, a_index
 
 
@@ -487,98 +501,18 @@ class _BipartiteMerge(torch.autograd.Function):
         return grad_x, None, None, None, None, None, None, None, None
 
 
-def _exporting() -> bool:
-    """Whether an exporter or tracer records the ops (they must see the plain ATen ops, not ours)."""
+def exporting() -> bool:
+    """Whether an exporter or tracer records the ops (`torch.export`, the ONNX exporter, `torch.jit.trace`): they get
+    the functional forms that engines run well (`_scaled_products`, `merge_bipartite`) and never fused kernels."""
     onnx = sys.modules.get("torch.onnx")  # not imported means not exporting (importing it takes a while)
     return (torch.compiler.is_exporting() or (onnx is not None and onnx.is_in_onnx_export())
             or torch.jit.is_tracing())
 
 
-def _differentiable(x: torch.Tensor) -> bool:
-    """Whether the merge runs under autograd (not when exporting or tracing: exporters record the plain ops)."""
-    return x.requires_grad and torch.is_grad_enabled() and not _exporting()
-
-
-_fused_checks: dict[str, bool] = {}  # CUDA device -> whether the fused kernels agreed with the PyTorch path there
-_fused_check_lock = threading.Lock()
-
-
-def uses_fused_kernels(x: torch.Tensor) -> bool:
-    """Whether the geometry matching and merge of ``x`` run as fused Triton kernels (:mod:`.fused_aggregation`).
-
-    With :data:`.fused_aggregation.MODE` ``"auto"`` (the default): for CUDA tensors, when Triton imports, and once the
-    kernels have agreed with the PyTorch path on this device (:func:`check_fused_kernels`, run on first use, outside
-    CUDA-graph capture; if they disagree or fail to build, a warning says so and the PyTorch path is used). Never
-    while ``torch.compile`` or an exporter traces the model: those get the plain ATen ops. ``"interpret"`` also takes
-    CPU tensors, through Triton's interpreter (tests, kernel counts); ``"off"``: never.
-    """
-    mode = fused_kernel_mode()
-    if mode == "off" or (x.device.type != "cuda" and mode != "interpret"):  # the CPU's calls end here, cheaply
-        return False
-    if not triton_available() or torch.compiler.is_compiling() or _exporting():
-        return False
-    if x.device.type != "cuda":
-        return True  # "interpret"
-    device = str(x.device)
-    if device not in _fused_checks:
-        if torch.cuda.is_current_stream_capturing():  # a check would synchronise: the PyTorch path until then
-            return False
-        with _fused_check_lock:  # one check per device, however many threads start at once
-            if device not in _fused_checks:
-                _fused_checks[device] = check_fused_kernels(x.device)
-    return _fused_checks[device]
-
-
-def check_fused_kernels(device: torch.device | str, warn: bool = True) -> bool:
-    """Runs the fused kernels against the PyTorch path on ``device``, at the tile sizes ViT-B/16 at 224 px uses
-    (197 patch tokens, hidden 256 and more), for frames and for patches, in fp32 and bf16.
-
-    The keys are +-1 vectors of 64 channels, so every cosine is exactly ``1 - k / 32`` on any hardware (sums of
-    +-1/64), and scaled copies of a few of them, so that many scores tie exactly: the decisions, ties included, must
-    be identical. The merged features (random) must be within 1e-5 (fp32) or one bf16 step at their largest magnitude
-    (bf16) of the PyTorch path's, the sizes identical. Returns whether all agree; with ``warn``, a disagreement or a
-    failure to build is warned about, naming the reason (the caller then takes the PyTorch path). Changes no setting
-    (`MODE` included), so it is safe while other threads run."""
-    device = torch.device(device)
-    generator = torch.Generator().manual_seed(0)
-    try:
-        signs = torch.randint(0, 2, (6, 64), generator=generator).float() * 2 - 1
-        flips = torch.rand(6, 64, generator=generator) < torch.linspace(0, 0.5, 6).unsqueeze(-1)
-        directions = torch.where(flips, -signs, signs)  # distinct and tied cosines alike
-        pick = torch.randint(0, 6, (1, 2, 197), generator=generator)
-        scale = torch.randint(1, 4, (1, 2, 197, 1), generator=generator).float()
-        patch_keys = (directions[pick] * scale).to(device)  # [CLS, 196 patches] of 2 frames
-        frame_keys = patch_keys[:, 0, :32]  # 32 frames
-        cases = (
-            (patch_keys, torch.randn(1, 2, 196, 256, generator=generator), 12, 1),  # patches: (B, T, L, D)
-            (frame_keys, torch.randn(1, 32, 5, 64, generator=generator), 1, 0),  # frames: (B, T, L, D)
-        )
-        grid = current_score_grid()
-        for dtype in (torch.float32, torch.bfloat16):
-            for keys, features, r, first in cases:
-                x = features.to(device, dtype)
-                size = torch.randint(1, 4, x.shape[:-1], generator=generator).float().to(device)
-                expected = _bipartite_in_pytorch(keys, r, first, grid, None, "vote")
-                got = _bipartite_fused(keys, r, first, grid)
-                decided = all(torch.equal(getattr(got, name), getattr(expected, name))
-                              for name in ("unmerged", "sources", "partners"))
-                if first:  # the patch tensor has no CLS
-                    got, expected = (shift_protected(Matching(bipartite=p)).bipartite for p in (got, expected))
-                expected_x, expected_size = merge_bipartite(x, size, expected)[:2]
-                got_x, got_size = merge_pairs(x, size, got)
-                # bf16: the PyTorch path rounds every step to bf16 (the fused one rounds once): one bf16 step at the
-                # features' largest magnitude
-                tolerance = 1e-5 if dtype == torch.float32 else 2.0**-7 * x.abs().max().item()
-                if not (decided and torch.equal(got_size, expected_size)
-                        and torch.allclose(got_x.float(), expected_x.float(), rtol=0, atol=tolerance)):
-                    raise RuntimeError(f"they disagree with the PyTorch path in {dtype} (decisions identical: "
-                                       f"{decided})")
-    except Exception as error:  # noqa: BLE001 - any failure means: do not use them, and say why
-        if warn:
-            warnings.warn(f"TESTA's fused merge kernels are not used on {device}: {error}. The PyTorch path is used "
-                          "instead (set fused_aggregation.MODE = 'off' to skip this check).", stacklevel=2)
-        return False
-    return True
+def differentiable(x: torch.Tensor) -> bool:
+    """Whether the merge of ``x`` runs under autograd (not when exporting or tracing: exporters record the plain
+    ops)."""
+    return x.requires_grad and torch.is_grad_enabled() and not exporting()
 
 
 def merge_tokens(x: torch.Tensor, size: torch.Tensor, matching: Matching) -> tuple[torch.Tensor, torch.Tensor]:
@@ -602,18 +536,13 @@ def merge_tokens(x: torch.Tensor, size: torch.Tensor, matching: Matching) -> tup
     the copy of the kept tokens). Every target row becomes ``x_t + sum_j (x_j - x_t) s_j / S_t``, the size-weighted
     mean of the target and its sources j (``S_t``: their summed size), with the sizes merged by the same indices. A
     geometry matching is applied in the coordinates of its two sets (:func:`merge_bipartite`), an explicit one
-    (importance, pruning) through its ``kept``/``sources``/``targets``. At inference, where
-    :func:`uses_fused_kernels` says so (CUDA, by default), a geometry matching is applied by one fused kernel
-    (:func:`.fused_aggregation.merge_pairs`, computed in fp32 and rounded once: for a bf16 model within one bf16 step,
-    at the features' magnitude, of this path, which rounds every step).
+    (importance, pruning) through its ``kept``/``sources``/``targets``. (On CUDA at inference the blocks apply a
+    geometry matching with one fused kernel instead: `aggregation_block.merge`, :mod:`.fused_aggregation`.)
     """
     pairs = matching.bipartite
     if pairs is not None:
-        if _differentiable(x):
+        if differentiable(x):
             return _BipartiteMerge.apply(x, size, *pairs)
-        # what the kernel takes; `merge_pairs` checks the shapes against the matching and names a mismatch
-        if uses_fused_kernels(x) and x.dtype in FUSED_DTYPES and size.dtype == torch.float32 and x.numel() > 0:
-            return merge_pairs(x, size, pairs)
         return merge_bipartite(x, size, pairs)[:2]
     kept, sources, targets = matching.kept, matching.sources, matching.targets
     merged = _take(x, kept)
@@ -715,9 +644,11 @@ def attention_received(
 
 __all__ = [
     "Bipartite",
+    "DEFAULT_SCORE_GRID",
     "best_partner",
-    "check_fused_kernels",
-    "current_score_grid",
+    "check_score_grid",
+    "differentiable",
+    "exporting",
     "first_max",
     "FRAME_VOTES",
     "Matching",
@@ -727,11 +658,11 @@ __all__ = [
     "follow_patch_merge",
     "geometry_matching",
     "importance_matching",
-    "uses_fused_kernels",
     "merge_tokens",
     "mode",
     "output_slot_of_inputs",
     "shift_protected",
+    "merge_bipartite",
+    "round_to_grid",
     "snap_scores",
-    "SCORE_GRID",
 ]

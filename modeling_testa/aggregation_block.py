@@ -28,6 +28,10 @@ mode), then the MLP.
 
 Proportional attention adds ``log(size)`` to the attention logits, once something has been merged (before that every
 size is 1 and the bias is zero, so it is left out).
+
+Merge decisions are taken on the settings' ``score_grid`` (the model's rule). Where the ``fused_kernels`` option of
+the runtime allows (``"auto"``: CUDA at inference; :mod:`.fused_aggregation`), a geometry matching and its merge run
+as two fused kernels (`match_tokens`, `merge`); everywhere else as `aggregation`'s PyTorch functions.
 """
 
 from collections.abc import Callable
@@ -49,6 +53,8 @@ from .aggregation import (
     shift_protected,
 )
 from .aggregation_settings import AggregationSettings
+from .fused_aggregation import check_option as check_fused_kernels_option
+from .fused_aggregation import fused_bipartite, matches, merge_pairs, merges
 
 
 class AttentionOutput(NamedTuple):
@@ -146,22 +152,41 @@ def match_tokens(
     r: int,
     protect_first: bool,
     vote_dim: int | None = None,
+    fused_kernels: str = "auto",
 ) -> Matching:
-    """The matching of the configured strategy (geometry, importance or pruning). ``vote_dim`` marks per-position
-    frame scores, which are decided by ``settings.frame_matching``. The released rule (``"original"``) is passed for
-    patches too: it decides on raw scores, the others on snapped ones (`aggregation.FRAME_VOTES`)."""
+    """The matching of the configured strategy (geometry, importance or pruning), on scores snapped to
+    ``settings.score_grid``. ``vote_dim`` marks per-position frame scores, which are decided by
+    ``settings.frame_matching``. The released rule (``"original"``) is passed for patches too: it decides on raw
+    scores, the others on snapped ones (`aggregation.FRAME_VOTES`). A geometry matching without ``vote_dim`` is one
+    fused kernel where ``fused_kernels`` allows (`fused_aggregation.matches`)."""
     released = settings.frame_matching == "original"
     vote = settings.frame_matching if vote_dim is not None or released else "vote"
+    grid = 0.0 if released else settings.score_grid
     if not settings.uses_importance:
-        return geometry_matching(metric, r, protect_first=protect_first, vote_dim=vote_dim, vote=vote)
+        if vote_dim is None and matches(metric, r, int(protect_first), fused_kernels):
+            return Matching(bipartite=fused_bipartite(metric, r, int(protect_first), grid))
+        return geometry_matching(metric, r, protect_first=protect_first, vote_dim=vote_dim, vote=vote,
+                                 score_grid=grid)
     prune = settings.reduction_mode == "prune"
     return importance_matching(
-        metric, importance, r, protect_first=protect_first, vote_dim=vote_dim, prune=prune, vote=vote
+        metric, importance, r, protect_first=protect_first, vote_dim=vote_dim, prune=prune, vote=vote,
+        score_grid=grid,
     )
 
 
+def merge(x: torch.Tensor, size: torch.Tensor, matching: Matching, fused_kernels: str = "auto"
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`aggregation.merge_tokens`, or for a geometry matching one fused kernel where ``fused_kernels`` allows
+    (`fused_aggregation.merges`: computed in fp32 and rounded once, for a bf16 model within one bf16 step, at the
+    features' magnitude, of the PyTorch path, which rounds every step)."""
+    if matching.bipartite is not None and merges(x, size, fused_kernels):
+        return merge_pairs(x, size, matching.bipartite)
+    return merge_tokens(x, size, matching)
+
+
 def match_frames(
-    settings: AggregationSettings, keys: torch.Tensor, importance: torch.Tensor | None, r: int
+    settings: AggregationSettings, keys: torch.Tensor, importance: torch.Tensor | None, r: int,
+    fused_kernels: str = "auto",
 ) -> Matching:
     """Frame aggregation from per-position keys ``(B, L, T, C)`` and importance ``(B, L, T)`` or None.
 
@@ -173,7 +198,8 @@ def match_frames(
         metric, vote_dim = keys, -3
     if importance is not None:
         importance = importance.mean(dim=1)
-    return match_tokens(settings, metric, importance, r, protect_first=False, vote_dim=vote_dim)
+    return match_tokens(settings, metric, importance, r, protect_first=False, vote_dim=vote_dim,
+                        fused_kernels=fused_kernels)
 
 
 def _follow_frames(matching: Matching, frames_in: int, source_map, patches_per_frame: int):
@@ -195,11 +221,14 @@ def divided_block(
     index: int,
     state: TokenState,
     attentions: list | None = None,
+    fused_kernels: str = "auto",
 ) -> TokenState:
     """One divided space-time block with TESTA's aggregation (the five steps of the module docstring). With an
     ``attentions`` list, appends the block's ``(temporal, spatial)`` attention probabilities: temporal
     ``(batch * patches, heads, frames, frames)`` before the frame merge, spatial
-    ``(batch * frames', heads, 1 + patches, 1 + patches)`` after it."""
+    ``(batch * frames', heads, 1 + patches, 1 + patches)`` after it. ``fused_kernels``: the runtime's option
+    (`fused_aggregation.FUSED_KERNELS`)."""
+    check_fused_kernels_option(fused_kernels)
     cls, patches, sizes, source_map, merged = state
     batch, frames, patches_per_frame, hidden = patches.shape
     r_t, r_s = settings.reductions(index)
@@ -227,8 +256,8 @@ def divided_block(
         importance = temporal.importance
         if importance is not None:
             importance = importance.view(batch, patches_per_frame, frames)
-        matching = match_frames(settings, keys, importance, frame_reduction)
-        patches, sizes = merge_tokens(patches, sizes, matching)
+        matching = match_frames(settings, keys, importance, frame_reduction, fused_kernels)
+        patches, sizes = merge(patches, sizes, matching, fused_kernels)
         source_map = _follow_frames(matching, frames, source_map, patches_per_frame)
         frames, merged = patches.shape[1], True
 
@@ -259,8 +288,9 @@ def divided_block(
         importance = spatial.importance
         if importance is not None:
             importance = importance.view(batch, frames, patches_per_frame + 1)
-        matching = shift_protected(match_tokens(settings, keys, importance, patch_reduction, protect_first=True))
-        patches, sizes = merge_tokens(patches, sizes, matching)
+        matching = shift_protected(match_tokens(settings, keys, importance, patch_reduction, protect_first=True,
+                                                fused_kernels=fused_kernels))
+        patches, sizes = merge(patches, sizes, matching, fused_kernels)
         source_map = _follow_patches(matching, patches_per_frame, patches.shape[2], source_map)
         patches_per_frame, merged = patches.shape[2], True
 
@@ -277,11 +307,13 @@ def joint_block(
     index: int,
     state: TokenState,
     attentions: list | None = None,
+    fused_kernels: str = "auto",
 ) -> TokenState:
     """One joint-attention block: attention over ``[CLS?, all tokens]``, then TESTA's aggregation (time slices, then
     tokens within every slice) or, in joint mode, ToMe's merging over all tokens, then the MLP. With an
     ``attentions`` list, appends the block's ``(None, attention probabilities (batch, heads, tokens, tokens))``,
-    taken before the block merges."""
+    taken before the block merges. ``fused_kernels``: the runtime's option (`fused_aggregation.FUSED_KERNELS`)."""
+    check_fused_kernels_option(fused_kernels)
     cls, patches, sizes, source_map, merged = state
     batch, frames, per_frame, hidden = patches.shape
     has_cls, first = cls is not None, int(cls is not None)
@@ -309,8 +341,9 @@ def joint_block(
     keys, importance = attention.keys, attention.importance
 
     if joint and patch_reduction > 0:  # ToMe: all space-time tokens at once (frames == 1 here)
-        matching = match_tokens(settings, keys, importance, patch_reduction, protect_first=has_cls)
-        tokens, token_sizes = merge_tokens(tokens, token_sizes, matching)
+        matching = match_tokens(settings, keys, importance, patch_reduction, protect_first=has_cls,
+                                fused_kernels=fused_kernels)
+        tokens, token_sizes = merge(tokens, token_sizes, matching, fused_kernels)
         if source_map is not None:
             slots = output_slot_of_inputs(matching, per_frame + first)
             slots = slots[:, 1:] - 1 if has_cls else slots  # pruned slots stay < 0
@@ -323,11 +356,12 @@ def joint_block(
         patch_importance = importance[:, first:].view(batch, frames, per_frame) if importance is not None else None
         if frame_reduction > 0:  # time slices, every position with its own size weight
             slice_importance = patch_importance.transpose(1, 2) if patch_importance is not None else None
-            matching = match_frames(settings, patch_keys.transpose(1, 2), slice_importance, frame_reduction)
-            patch_keys = merge_tokens(patch_keys, sizes, matching)[0]  # the step below matches the merged keys
+            matching = match_frames(settings, patch_keys.transpose(1, 2), slice_importance, frame_reduction,
+                                    fused_kernels)
+            patch_keys = merge(patch_keys, sizes, matching, fused_kernels)[0]  # the step below matches merged keys
             if patch_importance is not None:
-                patch_importance = merge_tokens(patch_importance.unsqueeze(-1), sizes, matching)[0].squeeze(-1)
-            patches, sizes = merge_tokens(patches, sizes, matching)
+                patch_importance = merge(patch_importance.unsqueeze(-1), sizes, matching, fused_kernels)[0].squeeze(-1)
+            patches, sizes = merge(patches, sizes, matching, fused_kernels)
             source_map = _follow_frames(matching, frames, source_map, per_frame)
             frames = patches.shape[1]
         if patch_reduction > 0:  # tokens within every time slice
@@ -337,10 +371,11 @@ def joint_block(
                 if patch_importance is not None:
                     cls_importance = importance[:, None, :1].expand(-1, frames, -1)
                     slice_importance = torch.cat([cls_importance, patch_importance], dim=2)
-            matching = match_tokens(settings, metric, slice_importance, patch_reduction, protect_first=has_cls)
+            matching = match_tokens(settings, metric, slice_importance, patch_reduction, protect_first=has_cls,
+                                    fused_kernels=fused_kernels)
             if has_cls:
                 matching = shift_protected(matching)
-            patches, sizes = merge_tokens(patches, sizes, matching)
+            patches, sizes = merge(patches, sizes, matching, fused_kernels)
             source_map = _follow_patches(matching, per_frame, patches.shape[2], source_map)
             per_frame = patches.shape[2]
         tokens = patches.flatten(1, 2)
@@ -383,6 +418,7 @@ __all__ = [
     "joint_block",
     "match_frames",
     "match_tokens",
+    "merge",
     "sequence",
     "size_bias",
     "token_sizes_with_cls",

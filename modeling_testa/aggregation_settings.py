@@ -11,13 +11,13 @@ is for configs: `TestaVisionConfig` defaults to R_T=1, R_S=12, so configs (and s
 ``aggregation_dims="spatial"`` / ``"joint"`` / ``"temporal"`` have always carried a reduction that the encoder ignores;
 they still load, with a warning, and run with that reduction at 0 (:func:`switched_off_reductions`).
 
-This module imports only `aggregation` (for the merge caps), so that the config can use it: Hub remote code,
-flat relative imports only.
+This module imports only `aggregation` (for the merge caps and the score grid), so that the config can use it: Hub
+remote code, flat relative imports only.
 """
 
 from dataclasses import dataclass, fields, replace
 
-from .aggregation import capped_reduction
+from .aggregation import DEFAULT_SCORE_GRID, capped_reduction, check_score_grid
 
 
 AGGREGATION_STRATEGIES = ("geometry", "importance")
@@ -99,6 +99,8 @@ class AggregationSettings:
         spatial_reduction: R_S per block, patches merged within every frame; in joint mode the space-time tokens
             merged.
         aggregation_strategy, reduction_mode, aggregation_dims, frame_matching: one of `CHOICES`.
+        score_grid: the grid merge decisions are taken on (0 or a power of two; 0: raw scores): the rule the model
+            was trained with, part of the model (`aggregation.check_score_grid`).
         proportional_attention: add log(token size) to the attention logits.
         trace_source: return the output token of every input patch.
     """
@@ -109,12 +111,14 @@ class AggregationSettings:
     reduction_mode: str = "merge"
     aggregation_dims: str = "temporal+spatial"
     frame_matching: str = "mean"
+    score_grid: float = DEFAULT_SCORE_GRID
     proportional_attention: bool = False
     trace_source: bool = False
 
     def __post_init__(self):
         for name, allowed in CHOICES.items():
             check_choice(getattr(self, name), allowed, name)
+        object.__setattr__(self, "score_grid", check_score_grid(self.score_grid))
         for name in ("proportional_attention", "trace_source"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"`{name}` must be a bool, got {getattr(self, name)!r}.")

@@ -25,6 +25,21 @@ from .aggregation_settings import (
 )
 
 
+RAW_SCORES = 0.0
+"""The ``score_grid`` of a saved config that has none: it was saved before the setting existed, when merge decisions
+were taken on raw scores."""
+
+
+def with_saved_rule(vision_config: dict) -> dict:
+    """A saved vision config as a dict, with ``score_grid`` set to :data:`RAW_SCORES` where it has none (a model saved
+    before the setting existed was trained on raw scores: it must not be served under another rule)."""
+    if "score_grid" in vision_config:
+        return vision_config
+    logger.info("The config has no score_grid (saved before the setting existed): the model decides its merges on raw "
+                "scores (score_grid=0), as it was trained.")
+    return {**vision_config, "score_grid": RAW_SCORES}
+
+
 # Whether transformers builds a composite config's sub-configs from `sub_configs_defaults` (newer 5.x releases). Older
 # ones (e.g. 5.17) read the `sub_configs` mapping and leave the building to the config (see `TestaConfig`).
 BUILDS_SUB_CONFIGS = hasattr(PreTrainedConfig, "sub_configs_defaults")
@@ -83,6 +98,13 @@ class TestaVisionConfig(PreTrainedConfig):
             runs `torch.mode` on the GPU too, whose tie rule is unspecified (pytorch #90261), so GPU runs of the
             released code cannot be reproduced bit for bit; `"original"` reproduces the CPU run, deterministically on
             every device.
+        score_grid (`float`, defaults to `2**-10`): merge decisions are taken on similarity scores rounded to
+            multiples of this grid (0 or a power of two), so that scores that differ only by rounding tie, and ties
+            go to the lowest index, on every runtime (PyTorch eager or compiled, OpenVINO, ONNX Runtime, CUDA). `0`
+            decides on raw scores. It is the rule the model was trained with and part of the model: saved and loaded
+            with it. **A config saved without it** (a model saved before the setting existed) **loads with `0`, raw
+            scores**, which is what models before the grid were trained with (`from_dict`). `frame_matching="original"`
+            decides on raw scores whatever it is.
         proportional_attention (`bool`, defaults to `False`): add log(token size) to the attention logits (ToMe). Off
             in the paper and in all original checkpoints.
         trace_source (`bool`, defaults to `False`): return `source_map`, the output token of every input patch.
@@ -114,12 +136,19 @@ class TestaVisionConfig(PreTrainedConfig):
     reduction_mode: str = DEFAULTS["reduction_mode"]
     aggregation_dims: str = DEFAULTS["aggregation_dims"]
     frame_matching: str = DEFAULTS["frame_matching"]
+    score_grid: float | int = DEFAULTS["score_grid"]
     proportional_attention: bool = DEFAULTS["proportional_attention"]
     trace_source: bool = DEFAULTS["trace_source"]
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
         self.check_aggregation_settings()
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        """As transformers' `from_dict`, with one rule for saved configs: one without ``score_grid`` loads with raw
+        scores (`with_saved_rule`)."""
+        return super().from_dict(with_saved_rule(config_dict), **kwargs)
 
     def check_aggregation_settings(self) -> None:
         """Raises `ValueError` with an explanation for any inconsistent setting."""
@@ -218,6 +247,15 @@ class TestaConfig(PreTrainedConfig):
         self.text_config.encoder_hidden_size = self.vision_config.hidden_size
         self.check_heads()
 
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        """As transformers' `from_dict`, with one rule for saved configs: a vision config without ``score_grid`` loads
+        with raw scores (`with_saved_rule`)."""
+        vision = config_dict.get("vision_config")
+        if isinstance(vision, dict):
+            config_dict = {**config_dict, "vision_config": with_saved_rule(vision)}
+        return super().from_dict(config_dict, **kwargs)
+
     @property
     def max_position_embeddings(self) -> int:
         """The longest text the model reads (`text_config.max_position_embeddings`), also at the top level, where
@@ -266,6 +304,7 @@ def token_schedule(
 
 
 __all__ = [
+    "RAW_SCORES",
     "AGGREGATION_DIMS",
     "AGGREGATION_FIELDS",
     "AGGREGATION_STRATEGIES",
@@ -276,4 +315,5 @@ __all__ = [
     "check_choice",
     "per_layer",
     "token_schedule",
+    "with_saved_rule",
 ]

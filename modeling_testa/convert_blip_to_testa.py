@@ -77,7 +77,9 @@ def testa_config_from_blip(
         image_size: input resolution (defaults to BLIP's).
         enc_token_id: id of [ENC] (defaults to the token after [DEC], i.e. 30523 for BLIP's 30524-word vocabulary).
         **overrides: `TestaVisionConfig` fields (`temporal_reduction`, `spatial_reduction`, ...) and `TestaConfig`
-            fields (`queue_size`, `k_test`, ...).
+            fields (`queue_size`, `k_test`, ...). BLIP merges no tokens, so it has no merge rule of its own: the
+            converted encoder, a TESTA model to fine-tune, takes the library's default `score_grid` unless one is
+            given here.
     """
     vision, text = blip_config.vision_config, copy.deepcopy(blip_config.text_config)
     vision_fields = set(TestaVisionConfig.__dataclass_fields__)

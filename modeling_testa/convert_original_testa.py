@@ -10,7 +10,9 @@ interleaved ``[R_T, R_S] * 12`` (``[1, 12] * 12`` is the paper's 32-frame "f1p12
 
 Frames are matched with ``frame_matching="original"`` by default: the released code's own rule (majority vote for the
 destination, ``torch.mode`` of the positions' best similarities for the pair score, as it runs on CPU), so a converted
-checkpoint computes what the released code computes. ``--frame-matching mean|vote`` picks another rule.
+checkpoint computes what the released code computes. ``--frame-matching mean|vote`` picks another rule. Whatever the
+frame rule, a converted model decides on raw scores (``score_grid=0``): the released code was trained on them, with no
+grid (`TestaVisionConfig.score_grid`).
 
 Every checkpoint key is accounted for: mapped to our name, dropped with a stated reason (queues, momentum copies that
 `save_pretrained` does not keep, ``temporal_scaling``, the original loader's junk ``temporal_temporal_*`` keys), or
@@ -27,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from transformers import BlipTextConfig
 
-from .configuration_testa import FRAME_MATCHINGS, TestaConfig, TestaVisionConfig
+from .configuration_testa import FRAME_MATCHINGS, RAW_SCORES, TestaConfig, TestaVisionConfig
 from .convert_blip_to_testa import resize_position_embedding, save_processor
 from .modeling_testa import TestaForPreTraining, TestaForVideoQA, TestaForVideoTextRetrieval, TestaPreTrainedModel
 from .momentum import QUEUE_BUFFERS, legacy_key
@@ -265,6 +267,7 @@ def convert_original_testa(
         temporal_reduction=r_t,
         spatial_reduction=r_s,
         frame_matching=frame_matching,
+        score_grid=RAW_SCORES,  # the released code decides every merge on raw scores
     )
     vision_settings.update({k: config_overrides.pop(k) for k in list(config_overrides) if k in vision_fields})
     vision_config = TestaVisionConfig(**vision_settings)

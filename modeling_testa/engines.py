@@ -2,9 +2,11 @@
 
 `optimize_for_inference(model, backend="openvino" | "onnxruntime", precision=...)` (in `inference.py`) gives a model's
 `TestaVisionModel` a runtime (`runtimes.OpenVINORuntime`, `runtimes.OnnxRuntimeRuntime`) that runs an
-`ExportedEncoder`: the whole encoder (embeddings, every block with its
-frame and patch matching and merging, the final LayerNorm) is one graph, exported once per input shape (frames,
-height, width; the batch is dynamic) and kept on disk.
+`ExportedEncoder` with its engine. **One class per engine** (`OpenVINOEngine`, `OnnxRuntimeEngine`, registered in
+`ENGINES`, as Optimum has one model class per engine) owns everything that engine does: its export, int8
+quantization, loading, running, file names, package extra and the settings it cannot express. The whole encoder
+(embeddings, every block with its frame and patch matching and merging, the final LayerNorm) is one graph, exported
+once per input shape (frames, height, width; the batch is dynamic) and kept on disk.
 
 **Export.** `torch.export` traces the encoder for the settings it has (one R per block, the strategy, ...): the token
 counts after every merge are fixed by the settings and the input shape, so the graph is static but for the batch.
@@ -28,10 +30,13 @@ Exported fp32 equals PyTorch fp32: same merge decisions (the source map), same o
   whose results decide the matching (`matching_matmuls`: the key similarities, and Eq. 1's attention for the
   importance strategy) are excluded from quantization and stay fp32, and so is the temporal attention's output
   branch (its projection and ``temporal_fc``: `attention_output_matmuls`), whose int8 error flipped merge decisions
-  on repeated frames; for ONNX Runtime, whose export has the attention unfused, the attention's own products
-  (queries times keys, probabilities times values: `attention_product_matmuls`) stay fp32 too, as NNCF leaves
-  OpenVINO's fused attention; activation scales are static, so a video's embedding does not depend on the other
-  videos of its batch.
+  on repeated frames. For OpenVINO that branch is folded into one layer first (`fold_linear_pairs`: the two are
+  linear maps in a row at inference), computed in bf16 where the CPU has bf16 instructions: it then costs about
+  what it cost in int8. For ONNX Runtime, whose export has the attention unfused and whose quantization has no
+  SmoothQuant, the attention's own products (queries times keys, probabilities times values:
+  `attention_product_matmuls`) and the projections that compute the matching's keys (`key_projection_matmuls`)
+  stay fp32 too. Activation scales are static, so a video's embedding does not depend on the other videos of its
+  batch.
 
 **Cache.** An export is saved under ``cache_dir`` (default ``$HF_HOME/testa/engines``) in a folder named by
 `cache_key`: the weights' SHA-256, the full vision config (aggregation settings included), the input shape, backend,
@@ -39,7 +44,7 @@ precision, the calibration videos' SHA-256 (int8) and the library versions. A ch
 `set_aggregation` after `optimize_for_inference` is picked up at the next call.
 
 What an export cannot express is refused by name: ``output_hidden_states`` and ``output_attentions`` by the runtime
-(`runtimes.ExportedRuntime`), the settings listed in `UNSUPPORTED_SETTINGS` by `check_exportable`.
+(`runtimes.ExportedRuntime`), the settings an engine lists in ``unsupported_settings`` by `Engine.check_settings`.
 
 This file is Hub remote code (the pipelines import `inference`, which imports it): flat relative imports only.
 """
@@ -53,26 +58,18 @@ import sys
 import threading
 from collections import deque
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, ClassVar, Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .aggregation import current_score_grid, snap_scores
+from .aggregation import snap_scores
 from .aggregation_block import sequence, token_sizes_with_cls
 from .modeling_testa_vision import TestaVisionModelOutput
 
 
 logger = logging.getLogger(__name__)
-
-EXTRAS = {"openvino": ("openvino", ("openvino", "nncf")), "onnxruntime": ("onnxruntime", ("onnxruntime", "onnx",
-                                                                                          "onnxscript"))}
-"""exported backend -> (the package extra that installs it, the modules it needs); `runtimes.py`'s runtime classes
-declare these as theirs."""
-
-UNSUPPORTED_SETTINGS: dict[str, tuple[str, ...]] = {}
-"""backend -> config settings ``"name=value"`` that its exporter cannot express (refused by `check_exportable`)."""
 
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 INT8_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
@@ -113,29 +110,22 @@ def cpu_has_vnni(flags: set[str] | None = None) -> bool:
 
 
 class EncoderGraph(nn.Module):
-    """What is exported: ``pixel_values -> (last_hidden_state, token_sizes[, source_map])`` of a `TestaVisionModel`
-    with its settings at export time (``source_map`` when ``trace_source``)."""
+    """What is exported (or captured as a CUDA graph): ``pixel_values -> (last_hidden_state, token_sizes[,
+    source_map])`` of a `TestaVisionModel` with its settings at export time (``source_map`` when ``trace_source``;
+    ``fused_kernels``: the capturing runtime's option, `fused_aggregation.FUSED_KERNELS`; exporters never see them)."""
 
-    def __init__(self, vision_model: nn.Module, trace_source: bool) -> None:
+    def __init__(self, vision_model: nn.Module, trace_source: bool, fused_kernels: str = "auto") -> None:
         super().__init__()
         self.vision_model = vision_model
         self.trace_source = trace_source
+        self.fused_kernels = fused_kernels
 
     def forward(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, ...]:
         model = self.vision_model  # its blocks, not its forward (which hands calls to the model's runtime)
-        state = model.run_blocks(pixel_values, model.aggregation_settings(self.trace_source))
+        state = model.run_blocks(pixel_values, model.aggregation_settings(self.trace_source),
+                                 fused_kernels=self.fused_kernels)
         outputs = (model.post_layernorm(sequence(state)), token_sizes_with_cls(state))
         return outputs + ((state.source_map,) if self.trace_source else ())
-
-
-def check_exportable(vision_model: nn.Module, backend: str) -> None:
-    """Raises `ValueError` naming a setting of the model that the backend's exporter cannot express."""
-    config = vision_model.config
-    for setting in UNSUPPORTED_SETTINGS.get(backend, ()):
-        name, value = setting.split("=")
-        if str(getattr(config, name)) == value:
-            raise ValueError(f"backend={backend!r} cannot export a TESTA encoder with {setting}; use backend='torch' "
-                             "for this setting.")
 
 
 def default_calibration_videos(frames: int, height: int, width: int, count: int = 4, channels: int = 3,
@@ -181,7 +171,7 @@ def tensor_fingerprint(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
 def graph_code_fingerprint() -> str:
     """SHA-256 of the source of the modules that define the exported graph (the encoder, its blocks, the matching and
     merging, the export itself): a graph exported by other code is never reused (it could merge other tokens than the
-    PyTorch model does). The score grid the decisions are taken on is keyed separately, per export (`folder_for`)."""
+    PyTorch model does). The score grid the decisions are taken on is a setting of the config, keyed with it."""
     defining = (snap_scores, sequence, TestaVisionModelOutput)  # aggregation, aggregation_block, the vision model
     modules = [sys.modules[item.__module__] for item in defining] + [sys.modules[__name__]]
     digest = hashlib.sha256()
@@ -190,14 +180,14 @@ def graph_code_fingerprint() -> str:
     return digest.hexdigest()
 
 
-def library_versions(backend: str) -> dict[str, str]:
-    """The versions an export depends on (torch, transformers, the backend's packages) and the code that defines the
-    graph (`graph_code_fingerprint`)."""
+def library_versions(packages: Iterable[str] = ()) -> dict[str, str]:
+    """The versions an export depends on (torch, transformers, the engine's ``packages``) and the code that defines
+    the graph (`graph_code_fingerprint`)."""
     import transformers
 
     versions = {"torch": torch.__version__, "transformers": transformers.__version__,
                 "graph_code": graph_code_fingerprint()}
-    for module in EXTRAS.get(backend, (None, ()))[1]:
+    for module in packages:
         versions[module] = getattr(__import__(module), "__version__", "?")
     return versions
 
@@ -236,6 +226,22 @@ def matching_matmuls(nodes: dict[str, tuple[str, list[str]]], matmul_types: tupl
     Args:
         nodes: ``name -> (op type, names of the nodes producing its inputs)``.
     """
+    return first_matmuls_above(nodes, [name for name, (kind, _) in nodes.items() if kind in sort_types], matmul_types)
+
+
+def key_projection_matmuls(nodes: dict[str, tuple[str, list[str]]], matmul_types: tuple[str, ...] = ("MatMul",)
+                           ) -> list[str]:
+    """The matrix multiplies that compute the matching's keys: walking up from the inputs of every
+    `matching_matmuls` product, each path stops at the first matrix multiply (the attentions' query-key-value
+    projections). ONNX Runtime's int8 keeps them in fp32 (`quantize_onnx`): without SmoothQuant its per-tensor
+    activation scale moved the demo's merge decisions (three videos below cosine 0.99)."""
+    starts = [i for name in matching_matmuls(nodes, matmul_types) for i in nodes[name][1] if i in nodes]
+    return first_matmuls_above(nodes, starts, matmul_types)
+
+
+def first_matmuls_above(nodes: dict[str, tuple[str, list[str]]], starts: Iterable[str],
+                        matmul_types: tuple[str, ...] = ("MatMul",)) -> list[str]:
+    """The first matrix multiply on every path up from ``starts`` (a start that is one is its own)."""
     found = set()
 
     def upwards(name: str) -> Iterable[str]:
@@ -245,7 +251,7 @@ def matching_matmuls(nodes: dict[str, tuple[str, list[str]]], matmul_types: tupl
             return ()
         return (i for i in inputs if i in nodes)
 
-    walk_graph((name for name, (kind, _) in nodes.items() if kind in sort_types), upwards)
+    walk_graph(starts, upwards)
     return sorted(found)
 
 
@@ -317,6 +323,78 @@ def attention_output_matmuls(nodes: dict[str, tuple[str, list[str]]], matmul_typ
     return sorted(set().union(*[c for c in chains if len(c) >= min_chain]))
 
 
+FOLDED_SUFFIX = "/testa_folded"
+"""The end of the friendly name of a linear layer that `fold_linear_pairs` made of two."""
+
+
+def _linear_parts(node: Any) -> tuple[Any, Any] | None:
+    """``(weight (out, in) float64, the input)`` of a matrix multiply by a constant fp32 weight, else None."""
+    import numpy as np
+
+    if node.get_type_name() != "MatMul" or node.get_attributes()["transpose_a"]:
+        return None
+    weight = node.input_value(1).get_node()
+    if weight.get_type_name() != "Constant" or weight.get_output_element_type(0).get_type_name() != "f32":
+        return None
+    matrix = np.asarray(weight.get_data(), dtype=np.float64)
+    if matrix.ndim != 2:
+        return None
+    return (matrix if node.get_attributes()["transpose_b"] else matrix.T), node.input_value(0)
+
+
+def _only_consumer(node: Any) -> Any | None:
+    targets = list(node.output(0).get_target_inputs())
+    return targets[0].get_node() if len(targets) == 1 else None
+
+
+def _constant_bias(node: Any) -> Any | None:
+    """The constant vector an ``Add`` adds (a linear layer's bias), else None."""
+    import numpy as np
+
+    if node is None or node.get_type_name() != "Add":
+        return None
+    constants = [node.input_value(i).get_node() for i in range(2)
+                 if node.input_value(i).get_node().get_type_name() == "Constant"]
+    return np.asarray(constants[0].get_data(), dtype=np.float64).reshape(-1) if len(constants) == 1 else None
+
+
+def fold_linear_pairs(model: Any, names: Iterable[str]) -> list[str]:
+    """Folds, in an OpenVINO model, every pair of linear layers among ``names`` whose first feeds only the second
+    (through its bias at most) into one layer: ``(x W1^T + b1) W2^T = x (W2 W1)^T + W2 b1``, the products computed in
+    float64 and stored in fp32. The second layer's bias stays where it is. Returns the names of the layers of
+    ``names`` the model has now: the folded ones (the first layer's name and `FOLDED_SUFFIX`) and those left alone.
+
+    Why: at inference the temporal attention's projection feeds ``temporal_fc`` directly, two linear maps in a row.
+    int8 keeps that branch out of quantization (`attention_output_matmuls`), and as one layer it costs half as much
+    (docs/inference.md, "Speed of the exported encoders")."""
+    from openvino import opset13 as ops
+
+    names = set(names)
+    by_name = {node.get_friendly_name(): node for node in model.get_ops()}
+    remaining = set(names)
+    for name in sorted(names):
+        first = by_name[name]
+        first_parts = _linear_parts(first)
+        after = _only_consumer(first)
+        bias = _constant_bias(after)
+        second = _only_consumer(after) if bias is not None else after
+        second_parts = _linear_parts(second) if second is not None else None
+        if first_parts is None or second_parts is None or second.get_friendly_name() not in names:
+            continue
+        if bias is not None and bias.shape[0] != first_parts[0].shape[0]:  # not one bias per output
+            continue
+        (w1, x), (w2, _) = first_parts, second_parts
+        folded = ops.matmul(x, ops.constant((w2 @ w1).astype("float32")), False, True)
+        folded.set_friendly_name(name + FOLDED_SUFFIX)
+        output = folded if bias is None else ops.add(folded, ops.constant((w2 @ bias).astype("float32")))
+        for target in list(second.output(0).get_target_inputs()):
+            target.replace_source_output(output.output(0))
+        remaining -= {name, second.get_friendly_name()}
+        remaining.add(name + FOLDED_SUFFIX)
+    model.validate_nodes_and_infer_types()
+    return sorted(remaining)
+
+
 def attention_product_matmuls(nodes: dict[str, tuple[str, list[str]]], matmul_types: tuple[str, ...] = ("MatMul",),
                                softmax_types: tuple[str, ...] = ("Softmax",)) -> list[str]:
     """The attention's own matrix products in an unfused graph: queries times keys (the first matrix multiply above
@@ -345,7 +423,7 @@ def onnx_nodes(graph: Any) -> dict[str, tuple[str, list[str]]]:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Export and quantization, per backend
+# The engines: one class each
 # ----------------------------------------------------------------------------------------------------------------------
 
 
@@ -356,33 +434,6 @@ def export_program(graph: EncoderGraph, example: torch.Tensor) -> Any:
         return torch.export.export(graph, (example,), dynamic_shapes=({0: batch},))
 
 
-def export_openvino(graph: EncoderGraph, example: torch.Tensor, folder: Path) -> Path:
-    """Converts the encoder to OpenVINO IR (fp32 weights) in ``folder``; returns the ``.xml`` path."""
-    import openvino as ov
-
-    model = ov.convert_model(export_program(graph, example))
-    path = folder / "encoder.xml"
-    ov.save_model(model, str(path), compress_to_fp16=False)
-    return path
-
-
-def quantize_openvino(path: Path, calibration: torch.Tensor, folder: Path) -> Path:
-    """NNCF post-training int8 of an OpenVINO IR, calibrated on ``calibration`` (one video per sample), the
-    matching's matrix multiplies excluded; returns the int8 ``.xml`` path."""
-    import nncf
-    import openvino as ov
-
-    model = openvino_core().read_model(str(path))
-    nodes = openvino_nodes(model)
-    ignored = sorted(set(matching_matmuls(nodes)) | set(attention_output_matmuls(nodes, min_chain=2)))
-    dataset = nncf.Dataset([video[None].numpy() for video in calibration])
-    quantized = nncf.quantize(model, dataset, model_type=nncf.ModelType.TRANSFORMER, subset_size=len(calibration),
-                              ignored_scope=nncf.IgnoredScope(names=ignored, validate=False))
-    out = folder / "encoder_int8.xml"
-    ov.save_model(quantized, str(out), compress_to_fp16=False)
-    return out
-
-
 def sort_as_topk(self, stable: bool = False, dim: int = -1, descending: bool = False):
     """ONNX translation of ``aten.sort.stable``: `TopK` over the whole axis. ONNX's TopK puts the lower index first
     among equal values, which is what a stable sort does."""
@@ -391,44 +442,6 @@ def sort_as_topk(self, stable: bool = False, dim: int = -1, descending: bool = F
     k = op.Gather(op.Shape(self), op.Constant(value_ints=[dim]))
     values, indices = op.TopK(self, k, axis=dim, largest=descending, sorted=True)
     return values, indices
-
-
-def export_onnx(graph: EncoderGraph, example: torch.Tensor, folder: Path) -> Path:
-    """Exports the encoder to ONNX (opset 18) in ``folder``; returns the ``.onnx`` path."""
-    path = folder / "encoder.onnx"
-    outputs = ["last_hidden_state", "token_sizes"] + (["source_map"] if graph.trace_source else [])
-    torch.onnx.export(graph, (example,), str(path), dynamo=True, opset_version=18, input_names=["pixel_values"],
-                      output_names=outputs, dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=1024)},),
-                      custom_translation_table={torch.ops.aten.sort.stable: sort_as_topk}, verbose=False,
-                      external_data=False)
-    return path
-
-
-def quantize_onnx(path: Path, calibration: torch.Tensor, folder: Path) -> Path:
-    """ONNX Runtime static int8 (QDQ, symmetric weights per channel, activations per tensor), calibrated on
-    ``calibration``; the matching's matrix multiplies, the temporal attention's output branch and the attention's own
-    products (`attention_product_matmuls`) are excluded; returns the int8 ``.onnx`` path."""
-    import onnx
-    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
-
-    nodes = onnx_nodes(onnx.load(str(path), load_external_data=False).graph)
-    ignored = sorted(set(matching_matmuls(nodes, matmul_types=("MatMul", "Gemm")))
-                     | set(attention_output_matmuls(nodes, matmul_types=("MatMul", "Gemm"), attention_types=(),
-                                                  min_chain=2))
-                     | set(attention_product_matmuls(nodes, matmul_types=("MatMul", "Gemm"))))
-
-    class Reader(CalibrationDataReader):
-        def __init__(self) -> None:
-            self.samples = iter([{"pixel_values": video[None].numpy()} for video in calibration])
-
-        def get_next(self):
-            return next(self.samples, None)
-
-    out = folder / "encoder_int8.onnx"
-    quantize_static(str(path), str(out), Reader(), quant_format=QuantFormat.QDQ, op_types_to_quantize=["MatMul",
-                    "Gemm"], per_channel=True, weight_type=QuantType.QInt8, activation_type=QuantType.QUInt8,
-                    nodes_to_exclude=ignored, extra_options={"MatMulConstBOnly": True})
-    return out
 
 
 _OPENVINO_CORE: list = []
@@ -454,8 +467,9 @@ def openvino_core() -> Any:
         return _OPENVINO_CORE[0]
 
 
-def linear_layers_in_bf16(model: Any) -> int:
-    """Makes every matrix multiply by a constant weight (the encoder's linear layers) compute in bf16 inside an
+def linear_layers_in_bf16(model: Any, selected: Callable[[str], bool] | None = None) -> int:
+    """Makes every matrix multiply by a constant weight (the encoder's linear layers; with ``selected``, those whose
+    friendly name it accepts) compute in bf16 inside an
     OpenVINO model: its input and weight are converted to bf16 and its output back to fp32, so the CPU plugin, compiled
     with the f32 hint, runs these layers with bf16 kernels and everything else (LayerNorms, residuals, attention,
     the matching's similarities and rounding, the merge) in fp32, as PyTorch's bf16 (`linear_layers.Bf16Linear`)
@@ -473,6 +487,8 @@ def linear_layers_in_bf16(model: Any) -> int:
         weight = node.input_value(1) if node.get_type_name() == "MatMul" else None
         if weight is None or weight.get_node().get_type_name() != "Constant":
             continue
+        if selected is not None and not selected(node.get_friendly_name()):
+            continue
         attributes = node.get_attributes()
         product = ops.matmul(ops.convert(node.input_value(0), "bf16"), ops.convert(weight, "bf16"),
                              attributes["transpose_a"], attributes["transpose_b"])
@@ -485,44 +501,221 @@ def linear_layers_in_bf16(model: Any) -> int:
     return converted
 
 
-class CompiledGraph:
-    """One exported graph loaded by its runtime: ``numpy pixel_values -> list of numpy outputs``."""
+class Engine:
+    """One inference engine that runs the exported encoder on the CPU, as one class: what it is called and needs
+    (``name``, ``extra``, ``packages``), the precisions it offers, the settings it cannot express, its file names,
+    how it exports (`export`), quantizes to int8 (`quantize`), reads its graphs (`graph_nodes`), and, as an
+    instance, one loaded graph (``numpy pixel_values -> list of numpy outputs``). The exported runtimes
+    (`runtimes.ExportedRuntime`) and `ExportedEncoder` use an engine only through this interface; `ENGINES` is the
+    registry.
 
-    def __init__(self, backend: str, path: Path, precision: str) -> None:
-        self.backend = backend
-        if backend == "openvino":
-            core = openvino_core()
-            model = core.read_model(str(path))
-            if precision == "bf16":
-                linear_layers_in_bf16(model)
-            # The hint is f32 for every precision: int8 graphs keep their other parts in fp32, and bf16 is in the
-            # graph itself (`linear_layers_in_bf16`), since the plugin's bf16 hint would round everything else too.
-            # As many threads as PyTorch uses (`torch.set_num_threads`), so that comparisons are like for like.
-            self.compiled = core.compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32",
-                                                              "PERFORMANCE_HINT": "LATENCY",
-                                                              "INFERENCE_NUM_THREADS": torch.get_num_threads()})
-        else:
-            import onnxruntime as ort
+    Class attributes:
+        name: the ``backend`` name `optimize_for_inference` knows it by.
+        extra, packages: the package extra that installs it, and the modules it needs.
+        precisions: the precisions it offers (bf16 where the CPU has bf16 instructions: `check_precision`).
+        graph_file: the fp32 graph's file name; int8's adds ``_int8`` (`file_name`).
+        unsupported_settings: config settings ``"name=value"`` its exporter cannot express (refused by
+            `check_settings`).
+        matmul_types, attention_types, quantizer_type: its graphs' node types of a matrix multiply, of a fused
+            attention and of a quantization step (what the selections of the matching's products read).
+    """
 
-            options = ort.SessionOptions()
-            options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-            options.intra_op_num_threads = torch.get_num_threads()
-            self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    name: ClassVar[str] = ""
+    extra: ClassVar[str] = ""
+    packages: ClassVar[tuple[str, ...]] = ()
+    precisions: ClassVar[tuple[str, ...]] = ("fp32", "int8")
+    graph_file: ClassVar[str] = ""
+    unsupported_settings: ClassVar[tuple[str, ...]] = ()
+    matmul_types: ClassVar[tuple[str, ...]] = ("MatMul",)
+    attention_types: ClassVar[tuple[str, ...]] = ()
+    quantizer_type: ClassVar[str] = ""
 
-    def __call__(self, pixel_values):
-        if self.backend == "openvino":
-            result = self.compiled(pixel_values)
-            return [result[i] for i in range(len(result))]
+    @classmethod
+    def file_name(cls, precision: str) -> str:
+        """The file of the graph of ``precision`` in its cache folder (bf16 loads the fp32 file)."""
+        stem, suffix = cls.graph_file.rsplit(".", 1)
+        return f"{stem}_int8.{suffix}" if precision == "int8" else cls.graph_file
+
+    @classmethod
+    def check_settings(cls, vision_model: nn.Module) -> None:
+        """Raises `ValueError` naming a setting of the model this engine cannot export (checked again at every
+        export: `set_aggregation` may change them)."""
+        config = vision_model.config
+        for setting in cls.unsupported_settings:
+            name, value = setting.split("=")
+            if str(getattr(config, name)) == value:
+                raise ValueError(f"backend={cls.name!r} cannot export a TESTA encoder with {setting}; use "
+                                 "backend='torch' for this setting.")
+
+    @classmethod
+    def check_precision(cls, precision: str) -> None:
+        """Raises `ValueError` for a precision this CPU cannot run fast (bf16 without bf16 instructions)."""
+        if precision == "bf16" and not cpu_has_bf16():
+            raise ValueError(f"precision='bf16' with backend={cls.name!r} needs a CPU with bf16 instructions "
+                             f"({' or '.join(BF16_FLAGS)}); this CPU has neither, and emulated bf16 is slower than "
+                             "fp32. Use precision='int8' or 'fp32'.")
+
+    @classmethod
+    def versions(cls) -> dict[str, str]:
+        """What an export by this engine depends on (`library_versions` of its packages)."""
+        return library_versions(cls.packages)
+
+    @classmethod
+    def export(cls, graph: EncoderGraph, example: torch.Tensor, folder: Path) -> Path:
+        """Exports the fp32 graph into ``folder`` (as `file_name` ``("fp32")``); returns its path."""
+        raise NotImplementedError
+
+    @classmethod
+    def quantize(cls, path: Path, calibration: torch.Tensor, folder: Path) -> Path:
+        """int8 of the fp32 graph at ``path``, calibrated on ``calibration`` (one video per sample), the matching's
+        products and the temporal attention's output branch left out; returns the int8 graph's path."""
+        raise NotImplementedError
+
+    @classmethod
+    def graph_nodes(cls, path: Path) -> dict[str, tuple[str, list[str]]]:
+        """``name -> (op type, names of the nodes producing its inputs)`` of the graph file ``path``."""
+        raise NotImplementedError
+
+    def __init__(self, path: Path, precision: str) -> None:
+        """Loads the graph at ``path`` to run it in ``precision``, with as many threads as PyTorch uses
+        (`torch.set_num_threads`), so that comparisons are like for like."""
+        raise NotImplementedError
+
+    def __call__(self, pixel_values: Any) -> list[Any]:
+        raise NotImplementedError
+
+
+class OpenVINOEngine(Engine):
+    """OpenVINO on the CPU: IR converted from `torch.export`; fp32 (the ``f32`` inference hint: on CPUs with bf16
+    instructions its default is bf16), bf16 (the linear layers in bf16, in the graph: `linear_layers_in_bf16`), int8
+    by NNCF."""
+
+    name = "openvino"
+    extra = "openvino"
+    packages = ("openvino", "nncf")
+    precisions = ("fp32", "bf16", "int8")
+    graph_file = "encoder.xml"
+    attention_types = ("ScaledDotProductAttention",)
+    quantizer_type = "FakeQuantize"
+
+    @classmethod
+    def export(cls, graph: EncoderGraph, example: torch.Tensor, folder: Path) -> Path:
+        import openvino as ov
+
+        model = ov.convert_model(export_program(graph, example))
+        path = folder / cls.file_name("fp32")
+        ov.save_model(model, str(path), compress_to_fp16=False)
+        return path
+
+    @classmethod
+    def quantize(cls, path: Path, calibration: torch.Tensor, folder: Path) -> Path:
+        """NNCF post-training int8 (transformer preset). Left in fp32: the matching's products
+        (`matching_matmuls`) and the temporal attention's output branch, folded into one layer first
+        (`fold_linear_pairs`; bf16 where the CPU has it, when loaded)."""
+        import nncf
+        import openvino as ov
+
+        model = openvino_core().read_model(str(path))
+        temporal_branch = fold_linear_pairs(model, attention_output_matmuls(openvino_nodes(model), min_chain=2))
+        ignored = sorted(set(matching_matmuls(openvino_nodes(model))) | set(temporal_branch))
+        dataset = nncf.Dataset([video[None].numpy() for video in calibration])
+        quantized = nncf.quantize(model, dataset, model_type=nncf.ModelType.TRANSFORMER, subset_size=len(calibration),
+                                  ignored_scope=nncf.IgnoredScope(names=ignored, validate=False))
+        out = folder / cls.file_name("int8")
+        ov.save_model(quantized, str(out), compress_to_fp16=False)
+        return out
+
+    @classmethod
+    def graph_nodes(cls, path: Path) -> dict[str, tuple[str, list[str]]]:
+        return openvino_nodes(openvino_core().read_model(str(path)))
+
+    def __init__(self, path: Path, precision: str) -> None:
+        core = openvino_core()
+        model = core.read_model(str(path))
+        if precision == "bf16":
+            linear_layers_in_bf16(model)
+        elif precision == "int8" and cpu_has_bf16():  # int8's fp32 exception, at twice fp32's speed
+            linear_layers_in_bf16(model, selected=lambda name: name.endswith(FOLDED_SUFFIX))
+        # The hint is f32 for every precision: int8 graphs keep their other parts in fp32, and bf16 is in the graph
+        # itself (`linear_layers_in_bf16`), since the plugin's bf16 hint would round everything else too.
+        self.compiled = core.compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32",
+                                                          "PERFORMANCE_HINT": "LATENCY",
+                                                          "INFERENCE_NUM_THREADS": torch.get_num_threads()})
+
+    def __call__(self, pixel_values: Any) -> list[Any]:
+        result = self.compiled(pixel_values)
+        return [result[i] for i in range(len(result))]
+
+
+class OnnxRuntimeEngine(Engine):
+    """ONNX Runtime on the CPU: ONNX (opset 18) by the dynamo exporter, a stable sort written as `TopK`
+    (`sort_as_topk`); fp32, int8 by its static quantization (QDQ)."""
+
+    name = "onnxruntime"
+    extra = "onnxruntime"
+    packages = ("onnxruntime", "onnx", "onnxscript")
+    precisions = ("fp32", "int8")
+    graph_file = "encoder.onnx"
+    matmul_types = ("MatMul", "Gemm")
+    quantizer_type = "DequantizeLinear"
+
+    @classmethod
+    def export(cls, graph: EncoderGraph, example: torch.Tensor, folder: Path) -> Path:
+        path = folder / cls.file_name("fp32")
+        outputs = ["last_hidden_state", "token_sizes"] + (["source_map"] if graph.trace_source else [])
+        torch.onnx.export(graph, (example,), str(path), dynamo=True, opset_version=18, input_names=["pixel_values"],
+                          output_names=outputs, dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=1024)},),
+                          custom_translation_table={torch.ops.aten.sort.stable: sort_as_topk}, verbose=False,
+                          external_data=False)
+        return path
+
+    @classmethod
+    def quantize(cls, path: Path, calibration: torch.Tensor, folder: Path) -> Path:
+        """Static int8 (QDQ, symmetric weights per channel, activations per tensor). Left in fp32: the matching's
+        products, the projections that compute its keys (`key_projection_matmuls`), the temporal attention's output
+        branch and the attention's own products (`attention_product_matmuls`)."""
+        from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+
+        nodes, kinds = cls.graph_nodes(path), cls.matmul_types
+        ignored = sorted(set(matching_matmuls(nodes, matmul_types=kinds))
+                         | set(key_projection_matmuls(nodes, matmul_types=kinds))
+                         | set(attention_output_matmuls(nodes, matmul_types=kinds, attention_types=cls.attention_types,
+                                                      min_chain=2))
+                         | set(attention_product_matmuls(nodes, matmul_types=kinds)))
+
+        class Reader(CalibrationDataReader):
+            def __init__(self) -> None:
+                self.samples = iter([{"pixel_values": video[None].numpy()} for video in calibration])
+
+            def get_next(self):
+                return next(self.samples, None)
+
+        out = folder / cls.file_name("int8")
+        quantize_static(str(path), str(out), Reader(), quant_format=QuantFormat.QDQ, op_types_to_quantize=list(kinds),
+                        per_channel=True, weight_type=QuantType.QInt8, activation_type=QuantType.QUInt8,
+                        nodes_to_exclude=ignored, extra_options={"MatMulConstBOnly": True})
+        return out
+
+    @classmethod
+    def graph_nodes(cls, path: Path) -> dict[str, tuple[str, list[str]]]:
+        import onnx
+
+        return onnx_nodes(onnx.load(str(path), load_external_data=False).graph)
+
+    def __init__(self, path: Path, precision: str) -> None:
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.intra_op_num_threads = torch.get_num_threads()
+        self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+    def __call__(self, pixel_values: Any) -> list[Any]:
         return self.session.run(None, {"pixel_values": pixel_values})
 
 
-def export_graph(vision_model: nn.Module, backend: str, shape: tuple[int, ...], trace_source: bool,
-                 folder: Path) -> Path:
-    """Exports the fp32 graph into ``folder``; returns its path."""
-    folder.mkdir(parents=True, exist_ok=True)
-    graph = EncoderGraph(vision_model, trace_source).eval()
-    example = torch.zeros(2, *shape)  # batch 2: a batch of 1 would be specialised by the tracer
-    return (export_openvino if backend == "openvino" else export_onnx)(graph, example, folder)
+ENGINES: dict[str, type[Engine]] = {engine.name: engine for engine in (OpenVINOEngine, OnnxRuntimeEngine)}
+"""The engines by ``backend`` name (`runtimes.py`'s exported runtimes run one each)."""
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -540,23 +733,23 @@ class ExportedEncoder:
 
     Args:
         vision_model: the `TestaVisionModel` (kept to export new shapes or settings).
-        backend: ``"openvino"`` or ``"onnxruntime"``.
-        precision: ``"fp32"``, ``"bf16"`` (OpenVINO) or ``"int8"`` (the runtime checked it).
+        engine: the engine that exports, quantizes and runs it (an `Engine` class, e.g. `OpenVINOEngine`).
+        precision: one of the engine's precisions (the runtime checked it).
         cache_dir: where exports are kept (default `default_cache_dir`).
         calibration: ``(videos, frames, channels, height, width)`` normalised pixel values for int8 calibration
             (default: `default_calibration_videos` at each exported shape).
     """
 
-    def __init__(self, vision_model: nn.Module, backend: str, precision: str, cache_dir: str | os.PathLike | None = None,
-                 calibration: torch.Tensor | None = None) -> None:
+    def __init__(self, vision_model: nn.Module, engine: type[Engine], precision: str,
+                 cache_dir: str | os.PathLike | None = None, calibration: torch.Tensor | None = None) -> None:
         self.vision_model = vision_model
-        self.backend = backend
+        self.engine = engine
         self.precision = precision
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self.calibration = calibration
         self.weights_sha256 = tensor_fingerprint(sorted(vision_model.state_dict().items()))
-        self.versions = library_versions(backend)
-        self.graphs: dict[str, CompiledGraph] = {}
+        self.versions = engine.versions()
+        self.graphs: dict[str, Engine] = {}
         self.exports = 0  # how many graphs this encoder exported (the rest came from the cache)
 
     def calibration_for(self, shape: tuple[int, ...]) -> torch.Tensor | None:
@@ -575,47 +768,46 @@ class ExportedEncoder:
         """The cache folder of the graph for this input shape and the model's current settings, and the
         calibration videos (int8). bf16 is the fp32 graph with its linear layers made bf16 when compiled
         (`linear_layers_in_bf16`): it shares fp32's folder."""
-        check_exportable(self.vision_model, self.backend)
+        self.engine.check_settings(self.vision_model)  # `set_aggregation` may have changed them since
         precision = precision or self.precision
         precision = "fp32" if precision == "bf16" else precision
         calibration = self.calibration_for(shape) if precision == "int8" else None
         calibration_sha = None if calibration is None else tensor_fingerprint([("calibration", calibration)])
-        versions = {**self.versions, "score_grid": repr(current_score_grid())}  # read now: it may have changed
-        key = cache_key(self.weights_sha256, config_settings(self.vision_model), self.backend, precision, shape,
-                        trace_source, calibration_sha, versions)
-        return self.cache_dir / f"{self.backend}-{precision}-{key[:24]}", calibration
+        name = self.engine.name
+        key = cache_key(self.weights_sha256, config_settings(self.vision_model), name, precision, shape,
+                        trace_source, calibration_sha, self.versions)
+        return self.cache_dir / f"{name}-{precision}-{key[:24]}", calibration
 
     def exported_path(self, shape: tuple[int, ...], trace_source: bool, precision: str) -> Path:
         """The graph file for ``precision`` (exported, or quantized from the fp32 export, when not cached)."""
         folder, calibration = self.folder_for(shape, trace_source, precision)
-        name = {"openvino": "encoder.xml", "onnxruntime": "encoder.onnx"}[self.backend]
-        if precision == "int8":
-            name = name.replace("encoder.", "encoder_int8.")
-        path, done = folder / name, folder / "done.json"
+        engine = self.engine
+        path, done = folder / engine.file_name(precision), folder / "done.json"
         if done.exists():
             return path
+        folder.mkdir(parents=True, exist_ok=True)
         if precision == "int8":
             fp32 = self.exported_path(shape, trace_source, "fp32")
-            logger.warning("Quantizing the TESTA encoder for %s (int8, input %s); it is cached in %s.", self.backend,
+            logger.warning("Quantizing the TESTA encoder for %s (int8, input %s); it is cached in %s.", engine.name,
                            shape, folder)
-            folder.mkdir(parents=True, exist_ok=True)
-            path = (quantize_openvino if self.backend == "openvino" else quantize_onnx)(fp32, calibration, folder)
+            path = engine.quantize(fp32, calibration, folder)
         else:
-            logger.warning("Exporting the TESTA encoder to %s (input %s); it is cached in %s.", self.backend, shape,
+            logger.warning("Exporting the TESTA encoder to %s (input %s); it is cached in %s.", engine.name, shape,
                            folder)
-            path = export_graph(self.vision_model, self.backend, shape, trace_source, folder)
+            graph = EncoderGraph(self.vision_model, trace_source).eval()
+            path = engine.export(graph, torch.zeros(2, *shape), folder)  # batch 2: the tracer would specialise 1
             self.exports += 1
-        done.write_text(json.dumps({"shape": list(shape), "backend": self.backend, "precision": precision,
+        done.write_text(json.dumps({"shape": list(shape), "backend": engine.name, "precision": precision,
                                     "trace_source": trace_source, "weights_sha256": self.weights_sha256,
                                     "versions": self.versions, "platform": platform.platform()}, indent=1))
         return path
 
-    def graph_for(self, shape: tuple[int, ...], trace_source: bool) -> CompiledGraph:
-        """The compiled graph for this input shape and the model's current settings (exported when not cached)."""
+    def graph_for(self, shape: tuple[int, ...], trace_source: bool) -> Engine:
+        """The loaded graph for this input shape and the model's current settings (exported when not cached)."""
         folder = self.folder_for(shape, trace_source)[0]
         if folder.name not in self.graphs:
             path = self.exported_path(shape, trace_source, self.precision)
-            self.graphs[folder.name] = CompiledGraph(self.backend, path, self.precision)
+            self.graphs[folder.name] = self.engine(path, self.precision)
         return self.graphs[folder.name]
 
     def __call__(self, pixel_values: torch.Tensor, trace_source: bool | None = None, return_dict: bool | None = None):
@@ -637,23 +829,34 @@ class ExportedEncoder:
 
 
 __all__ = [
-    "EXTRAS",
+    "ENGINES",
     "EncoderGraph",
+    "Engine",
     "ExportedEncoder",
-    "UNSUPPORTED_SETTINGS",
+    "FOLDED_SUFFIX",
+    "OnnxRuntimeEngine",
+    "OpenVINOEngine",
     "attention_output_matmuls",
     "attention_product_matmuls",
     "cache_key",
-    "check_exportable",
     "cpu_flags",
     "cpu_has_bf16",
     "cpu_has_vnni",
     "default_cache_dir",
     "default_calibration_videos",
+    "export_program",
     "fed_by",
+    "first_matmuls_above",
+    "fold_linear_pairs",
+    "graph_code_fingerprint",
+    "key_projection_matmuls",
+    "library_versions",
     "linear_layers_in_bf16",
     "matching_matmuls",
+    "onnx_nodes",
     "openvino_core",
+    "openvino_nodes",
+    "sort_as_topk",
     "tensor_fingerprint",
     "walk_graph",
 ]

@@ -26,27 +26,41 @@ argmax's combine function as numpy's first-maximum argmax: the compiled combine 
 trusted to break ties the same way, and the once-per-device check (`aggregation.check_fused_kernels`, exact ties
 included) verifies it on the GPU before use.
 
-`.aggregation` uses them for CUDA tensors at inference (no autograd: training keeps the PyTorch merge and its
-hand-written backward), when Triton imports, and after checking them once per device against the PyTorch path; see
-:data:`MODE`. On the CPU they run only through Triton's interpreter (``MODE = "interpret"``), which is how the tests
-and ``benchmarks.merge_kernels --fused`` run the very same kernel code without a GPU.
+**When they run** is an option of the runtime that runs the encoder (``optimize_for_inference(model,
+fused_kernels=...)``, one of :data:`FUSED_KERNELS`; a model without a runtime uses ``"auto"``), handed down to the
+blocks, which ask :func:`uses_fused_kernels`: with ``"auto"``, for CUDA tensors at inference (no autograd: training
+keeps the PyTorch merge and its hand-written backward), when Triton imports, and after the kernels agreed once per
+device with the PyTorch path (:func:`check_fused_kernels`). On the CPU they run only through Triton's interpreter
+(``"interpret"``), which is how the tests and ``benchmarks.merge_kernels --fused`` run the very same kernel code
+without a GPU. Nothing here is a process-wide switch.
 """
 
 import importlib
 import math
 import os
 import threading
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 
 import torch
 
+from .aggregation import (
+    DEFAULT_SCORE_GRID,
+    Bipartite,
+    Matching,
+    differentiable,
+    exporting,
+    geometry_matching,
+    merge_bipartite,
+    shift_protected,
+)
 
-MODES = ("auto", "off", "interpret")
-MODE = "auto"
-"""When the fused kernels run: ``"auto"`` (CUDA tensors at inference, when Triton imports and the kernels agreed with
-the PyTorch path on this device), ``"off"`` (never: the PyTorch path everywhere) or ``"interpret"`` (also CPU
-tensors, through Triton's interpreter: slow, for tests and kernel counts). Set it, or use :func:`fused_kernels`."""
+
+FUSED_KERNELS = ("auto", "off", "interpret")
+"""The values of the ``fused_kernels`` option: ``"auto"`` (CUDA tensors at inference, when Triton imports and the
+kernels agreed with the PyTorch path on this device), ``"off"`` (never: the PyTorch path everywhere) or
+``"interpret"`` (also CPU tensors, through Triton's interpreter: slow, for tests and kernel counts)."""
 
 MAX_SCORE_TILE = 128 * 128
 """The largest ``A x B`` score block one matching program holds (both sides padded to a power of two): ViT-B/16 at
@@ -64,26 +78,16 @@ _build_lock = threading.Lock()
 _kernels: dict[bool, tuple] = {}  # interpreted or not -> (pairs kernel, merge kernel), decorated on first use
 launches = 0
 """Fused kernel launches so far in this process (what ``benchmarks.merge_kernels --fused`` counts)."""
+_checked: dict[str, bool] = {}  # CUDA device -> whether the kernels agreed with the PyTorch path there (a fact, kept)
+_check_lock = threading.Lock()
 
 
-def current_mode() -> str:
-    """:data:`MODE` as it is now; raises a ValueError naming the allowed values for any other."""
-    if MODE not in MODES:
-        raise ValueError(f"fused_aggregation.MODE is {MODE!r}; use one of {MODES}.")
-    return MODE
-
-
-@contextmanager
-def fused_kernels(mode: str) -> Iterator[None]:
-    """Sets :data:`MODE` for a ``with`` block (``"auto"``, ``"off"`` or ``"interpret"``) and restores it after."""
-    global MODE
-    if mode not in MODES:
-        raise ValueError(f"Unknown fused kernel mode {mode!r}; use one of {MODES}.")
-    previous, MODE = MODE, mode
-    try:
-        yield
-    finally:
-        MODE = previous
+def check_option(fused_kernels: str) -> str:
+    """``fused_kernels`` itself; raises a ValueError naming the option and the allowed values for any other."""
+    if fused_kernels not in FUSED_KERNELS:
+        raise ValueError(f"fused_kernels={fused_kernels!r} is not allowed; use one of "
+                         f"{', '.join(map(repr, FUSED_KERNELS))}.")
+    return fused_kernels
 
 
 def triton_available() -> bool:
@@ -364,5 +368,112 @@ def merge_pairs(x: torch.Tensor, size: torch.Tensor, pairs) -> tuple[torch.Tenso
     return merged, new_size
 
 
-__all__ = ["FLOAT_DTYPES", "MAX_SCORE_TILE", "MODE", "MODES", "compile_for_gpu", "current_mode", "fits",
-           "fused_kernels", "geometry_pairs", "merge_pairs", "triton_available"]
+# ----------------------------------------------------------------------------------------------------------------------
+# When they run, and the check before they do
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def uses_fused_kernels(x: torch.Tensor, fused_kernels: str = "auto") -> bool:
+    """Whether the geometry matching and merge of ``x`` run as the fused kernels, under the runtime's
+    ``fused_kernels`` option (:data:`FUSED_KERNELS`).
+
+    ``"auto"``: for CUDA tensors, when Triton imports, and once the kernels have agreed with the PyTorch path on this
+    device (:func:`check_fused_kernels`, run on first use, outside CUDA-graph capture; if they disagree or fail to
+    build, a warning says so and the PyTorch path is used). ``"interpret"`` also takes CPU tensors, through Triton's
+    interpreter; ``"off"``: never. Never while ``torch.compile`` or an exporter traces the model: those get the plain
+    ATen ops. (The merge also stays PyTorch's under autograd: :func:`merges`.)"""
+    if check_option(fused_kernels) == "off" or (x.device.type != "cuda" and fused_kernels != "interpret"):
+        return False  # the CPU's calls end here, cheaply
+    if not triton_available() or torch.compiler.is_compiling() or exporting():
+        return False
+    if x.device.type != "cuda":
+        return True  # "interpret"
+    device = str(x.device)
+    if device not in _checked:
+        if torch.cuda.is_current_stream_capturing():  # a check would synchronise: the PyTorch path until then
+            return False
+        with _check_lock:  # one check per device, however many threads start at once
+            if device not in _checked:
+                _checked[device] = check_fused_kernels(x.device)
+    return _checked[device]
+
+
+def fused_bipartite(metric: torch.Tensor, r: int, first: int, score_grid: float) -> Bipartite:
+    """:func:`.aggregation.geometry_matching`'s decisions (``vote_dim=None``) as one fused kernel
+    (:func:`geometry_pairs`)."""
+    unmerged, sources, partners = geometry_pairs(metric, r, first, 1.0 / score_grid if score_grid else 1.0,
+                                                 snap=bool(score_grid))
+    return Bipartite(unmerged, sources, partners, 2 * first, 1, first, metric.shape[-2])
+
+
+def matches(metric: torch.Tensor, r: int, first: int, fused_kernels: str) -> bool:
+    """Whether a geometry matching of ``metric`` (``vote_dim=None``) takes :func:`fused_bipartite`."""
+    return (uses_fused_kernels(metric, fused_kernels) and metric.dtype in FLOAT_DTYPES
+            and fits(metric.shape[-2], r, first))
+
+
+def merges(x: torch.Tensor, size: torch.Tensor, fused_kernels: str) -> bool:
+    """Whether a geometry matching is applied to ``x`` by :func:`merge_pairs` (what the kernel takes; it checks the
+    shapes against the matching and names a mismatch): not under autograd, where training keeps the PyTorch merge
+    and its hand-written backward (the decisions are fused there too)."""
+    return (uses_fused_kernels(x, fused_kernels) and not differentiable(x) and x.dtype in FLOAT_DTYPES
+            and size.dtype == torch.float32 and x.numel() > 0)
+
+
+def check_fused_kernels(device: torch.device | str, warn: bool = True) -> bool:
+    """Runs the fused kernels against the PyTorch path on ``device``, at the tile sizes ViT-B/16 at 224 px uses
+    (197 patch tokens, hidden 256 and more), for frames and for patches, in fp32 and bf16, on snapped scores (the
+    default grid) and on raw ones.
+
+    The keys are +-1 vectors of 64 channels, so every cosine is exactly ``1 - k / 32`` on any hardware (sums of
+    +-1/64), and scaled copies of a few of them, so that many scores tie exactly: the decisions, ties included, must
+    be identical. The merged features (random) must be within 1e-5 (fp32) or one bf16 step at their largest magnitude
+    (bf16) of the PyTorch path's, the sizes identical. Returns whether all agree; with ``warn``, a disagreement or a
+    failure to build is warned about, naming the reason (the caller then takes the PyTorch path). Changes no
+    setting, so it is safe while other threads run."""
+    device = torch.device(device)
+    generator = torch.Generator().manual_seed(0)
+    try:
+        signs = torch.randint(0, 2, (6, 64), generator=generator).float() * 2 - 1
+        flips = torch.rand(6, 64, generator=generator) < torch.linspace(0, 0.5, 6).unsqueeze(-1)
+        directions = torch.where(flips, -signs, signs)  # distinct and tied cosines alike
+        pick = torch.randint(0, 6, (1, 2, 197), generator=generator)
+        scale = torch.randint(1, 4, (1, 2, 197, 1), generator=generator).float()
+        patch_keys = (directions[pick] * scale).to(device)  # [CLS, 196 patches] of 2 frames
+        frame_keys = patch_keys[:, 0, :32]  # 32 frames
+        cases = (
+            (patch_keys, torch.randn(1, 2, 196, 256, generator=generator), 12, 1),  # patches: (B, T, L, D)
+            (frame_keys, torch.randn(1, 32, 5, 64, generator=generator), 1, 0),  # frames: (B, T, L, D)
+        )
+        for grid in (DEFAULT_SCORE_GRID, 0.0):
+            for dtype in (torch.float32, torch.bfloat16):
+                for keys, features, r, first in cases:
+                    x = features.to(device, dtype)
+                    size = torch.randint(1, 4, x.shape[:-1], generator=generator).float().to(device)
+                    expected = geometry_matching(keys, r, protect_first=bool(first), score_grid=grid).bipartite
+                    got = fused_bipartite(keys, r, first, grid)
+                    decided = all(torch.equal(getattr(got, name), getattr(expected, name))
+                                  for name in ("unmerged", "sources", "partners"))
+                    if first:  # the patch tensor has no CLS
+                        got, expected = (shift_protected(Matching(bipartite=p)).bipartite for p in (got, expected))
+                    expected_x, expected_size = merge_bipartite(x, size, expected)[:2]
+                    got_x, got_size = merge_pairs(x, size, got)
+                    # bf16: the PyTorch path rounds every step to bf16 (the fused one rounds once): one bf16 step at
+                    # the features' largest magnitude
+                    tolerance = 1e-5 if dtype == torch.float32 else 2.0**-7 * x.abs().max().item()
+                    if not (decided and torch.equal(got_size, expected_size)
+                            and torch.allclose(got_x.float(), expected_x.float(), rtol=0, atol=tolerance)):
+                        raise RuntimeError(f"they disagree with the PyTorch path in {dtype}, score grid {grid} "
+                                           f"(decisions identical: {decided})")
+    except Exception as error:  # noqa: BLE001 - any failure means: do not use them, and say why
+        if warn:
+            warnings.warn(f"TESTA's fused merge kernels are not used on {device}: {error}. The PyTorch path is used "
+                          "instead (optimize_for_inference(..., fused_kernels='off') skips this check).",
+                          stacklevel=2)
+        return False
+    return True
+
+
+__all__ = ["FLOAT_DTYPES", "FUSED_KERNELS", "MAX_SCORE_TILE", "check_fused_kernels", "check_option", "compile_for_gpu",
+           "fits", "fused_bipartite", "geometry_pairs", "matches", "merge_pairs", "merges", "triton_available",
+           "uses_fused_kernels"]

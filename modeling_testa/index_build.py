@@ -229,8 +229,9 @@ def describe_plan(plan: RowPlan, given: int, shard_size: int | None, num_process
     closed = len(plan.shards) - len(plan.open_shards)
     if len(plan.rows) > len(plan.added):  # the home held rows before this build
         notes.append(f"resuming: {closed} of {len(plan.shards)} shards closed")
-        notes.append(f"{given - len(plan.added)} of the {given} given videos already in the store, {len(plan.added)} "
-                     "added")
+        unit = "rows" if moments else "videos"
+        notes.append(f"{given - len(plan.added)} of the {given} given {unit} already in the store, "
+                     f"{len(plan.added)} added")
     return (f"Indexing {rows} into {len(plan.shards)} shards{size} on {num_processes} process(es)"
             f"{'; ' if notes else ''}{'; '.join(notes)}.")
 
@@ -365,8 +366,8 @@ class IndexBuild:
             token = broadcast_object(lock.token)
             self.collective(lambda: None if main or token is None else check_lock_token(lock.directory, token))
             plan = self.collective(lambda: self.prepare(entries) if main else None)
-            if not main:
-                plan = self.home.read_plan()
+            self.settings = broadcast_object(self.settings)  # what the home holds, on every process
+            plan = self.collective(lambda: plan if main else self.home.read_plan())  # every process calls it
             started = time.perf_counter()
             stats = self.collective(lambda: self.encode(model, plan, decode))
             seconds = time.perf_counter() - started
@@ -437,13 +438,15 @@ class IndexBuild:
 
     def upsert_mirror(self, plan: RowPlan) -> None:
         """Step 5: the store's closed shards into the mirror: the main process alone for a mirror one process must
-        own (a Milvus Lite file), else each process its shards. Upserts: a repeated build rewrites the same rows."""
-        barrier()
+        own (a Milvus Lite file), else each process its shards (all closed: every process has passed the gather
+        after its encoding). Upserts: a repeated build rewrites the same rows."""
         world, me = world_size(), rank()
         shards = range(len(plan.shards)) if self.mirror.single_process else \
             range(me, len(plan.shards), world)
         if self.mirror.single_process and me != 0:
             return
+        if me != 0:  # the main process checked it: here it is reached, and told the settings its rows carry
+            self.mirror.check_settings(self.settings, create=False)
         count = sum(self.mirror.upsert_store_shard(self.home.directory, *plan.shards[s], s, plan.rows) for s in shards)
         logger.info("Upserted %d rows into %s.", count, self.mirror.location)
 

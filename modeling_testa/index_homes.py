@@ -139,10 +139,6 @@ class RowPlan:
     open_shards: list[int]
     added: list[int] = field(default_factory=list)
 
-    @property
-    def rows_to_write(self) -> int:
-        return sum(self.shards[s][1] - self.shards[s][0] for s in self.open_shards)
-
 
 # ---------------------------------------------------------------------------------------------------- the interfaces
 
@@ -283,10 +279,11 @@ class InMemoryHome:
     def check_settings(self, settings: dict[str, Any], replace: bool = False) -> dict[str, Any]:
         if self.index is None:
             return dict(settings)
-        if self.store_tokens != self.index.has_tokens:
-            raise IndexSettingsError("The index", f"The index {'holds' if self.index.has_tokens else 'does not hold'} "
-                                                  f"tokens; encode with store_tokens={self.index.has_tokens} to grow it.")
-        if self.index.has_tokens and self.token_dtype is not None and self.index.tokens.dtype != self.token_dtype:
+        holds = self.index.has_tokens
+        if self.store_tokens != holds:
+            raise IndexSettingsError("The index", f"The index {'holds' if holds else 'does not hold'} tokens; encode "
+                                                  f"with store_tokens={holds} to grow it.")
+        if holds and self.token_dtype is not None and self.index.tokens.dtype != self.token_dtype:
             raise IndexSettingsError("The index", f"The index holds {self.index.tokens.dtype} tokens; grow it with "
                                                   f"token_dtype={self.index.tokens.dtype} (or leave it unset).")
         check_settings("The index", self.index.info, settings)

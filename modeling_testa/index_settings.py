@@ -16,6 +16,7 @@ This file is Hub remote code: flat relative imports only, absolute imports of in
 import hashlib
 import json
 import os
+import weakref
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -23,12 +24,14 @@ from typing import Any
 import torch
 
 from .store_lock import LOCK_FILE
-from .video_store import PLAN_FILE, STORE_INFO_FILE, is_video_store, read_json_file, store_metadata
+from .video_store import PLAN_FILE, forget_rows, is_video_store, read_json_file, store_metadata
 
 SETTINGS_FILE = "index_settings.json"
 """A store's settings, written when its first build starts (`check_store_folder`)."""
 
 
+MODEL_KEYS = ("model_weights_sha256", "name_or_path", "model")
+"""The settings that tell which model encoded an index: a store that records none of them cannot be grown."""
 SCRATCH_KEY = "scratch"
 """Recorded by a build that replaces a store's rows (the training evaluation's): such a store is not grown."""
 
@@ -44,13 +47,25 @@ class IndexSettingsError(ValueError):
         super().__init__(message)
 
 
+FINGERPRINTS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, str]]" = weakref.WeakKeyDictionary()
+"""A model's last `weights_fingerprint`, with the version counters of its tensors then (a cache: any change to the
+weights, an optimizer step or a load, bumps a counter)."""
+
+
 def weights_fingerprint(model: torch.nn.Module) -> str:
-    """SHA-256 of the model's parameters and buffers (names, shapes, dtypes and bytes)."""
+    """SHA-256 of the model's parameters and buffers (names, shapes, dtypes and bytes); about a second for ViT-B, once
+    per model and version of its weights."""
+    state = sorted(model.state_dict().items())
+    versions = tuple((name, tensor._version, tensor.data_ptr()) for name, tensor in state)
+    cached = FINGERPRINTS.get(model)
+    if cached is not None and cached[0] == versions:
+        return cached[1]
     digest = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
+    for name, tensor in state:
         tensor = tensor.detach().cpu().contiguous().reshape(-1)
         digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
         digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    FINGERPRINTS[model] = (versions, digest.hexdigest())
     return digest.hexdigest()
 
 
@@ -90,6 +105,7 @@ class IndexInfo:
         default=None, metadata=config_setting(lambda c: c.vision_config.temporal_reduction_per_layer))
     spatial_reduction: list[int] | None = field(
         default=None, metadata=config_setting(lambda c: c.vision_config.spatial_reduction_per_layer))
+    score_grid: float | None = field(default=None, metadata=config_setting(lambda c: c.vision_config.score_grid))
     precision: str | None = None
     token_dtype: str | None = None
     window: float | None = field(default=None, metadata=WHOLE_VIDEOS_IS_A_VALUE)
@@ -180,20 +196,28 @@ def check_store_folder(directory: str | os.PathLike, settings: dict[str, Any], r
     - A store (`replace` False): its recorded settings must equal `settings` (`check_settings`; a setting this build
       leaves unset, e.g. ``token_dtype``, takes the store's); the recorded ones are returned, with the build's keys
       the store did not record added (written with the next plan, `StoreHome.plan`; nothing is written here).
-    - A store with `replace` (the training evaluation's scratch store, or a store a killed run began): its plan and
-      index are forgotten, `settings` recorded.
-    - Anything else (a non-empty folder that holds no store, a store whose settings are unknown): refused.
+    - With `replace` (the training evaluation's scratch store): a scratch store, or a store that records no model (an
+      earlier evaluation's), forgets its rows (`video_store.forget_rows`); `settings` are recorded.
+    - Anything else (a non-empty folder that holds no store, a store whose model is unknown, a store that is not a
+      scratch store for `replace`): refused.
 
     Raises `IndexSettingsError` naming the folder; nothing in it changes then."""
     directory = Path(directory)
     recorded = recorded_store_settings(directory)
     if recorded is not None and not replace:
-        if not recorded or recorded.get(SCRATCH_KEY):
+        if recorded.get(SCRATCH_KEY):
             raise IndexSettingsError(directory, f"{str(directory)!r} holds a training evaluation's scratch store "
                                                 "(rewritten by every evaluation), so it cannot be grown: use a new "
                                                 "folder.")
+        if not any(recorded.get(key) for key in MODEL_KEYS):
+            raise IndexSettingsError(directory, f"{str(directory)!r} holds a video store that does not record which "
+                                                "model encoded it (an earlier evaluation's store), so it cannot be "
+                                                "grown: use a new folder.")
         check_settings(directory, recorded, settings)
         return {**settings, **recorded}
+    if recorded is not None and not recorded.get(SCRATCH_KEY) and any(recorded.get(key) for key in MODEL_KEYS):
+        raise IndexSettingsError(directory, f"{str(directory)!r} holds a video store: an evaluation's scratch store "
+                                            "rewrites its folder, so give it a new or empty one.")
     if directory.exists() and not directory.is_dir():
         raise IndexSettingsError(directory, f"{str(directory)!r} is a file; give a folder for the store.")
     others = sorted(p.name for p in directory.iterdir() if p.name != LOCK_FILE) if directory.is_dir() else []
@@ -203,8 +227,7 @@ def check_store_folder(directory: str | os.PathLike, settings: dict[str, Any], r
         raise IndexSettingsError(directory, f"{str(directory)!r} holds {what} ({', '.join(others[:5])}"
                                             f"{', ...' if len(others) > 5 else ''}): give a new or empty folder.")
     directory.mkdir(parents=True, exist_ok=True)
-    for name in (PLAN_FILE, STORE_INFO_FILE):  # a replaced store's rows (its shard writers remove the rest)
-        (directory / name).unlink(missing_ok=True)
+    forget_rows(directory)  # a replaced store's rows
     settings = {**settings, SCRATCH_KEY: True} if replace else dict(settings)
     write_json_atomically(directory / SETTINGS_FILE, settings)
     return settings
@@ -217,6 +240,6 @@ def write_json_atomically(path: Path, value: Any) -> None:
     temporary.replace(path)
 
 
-__all__ = ["SCRATCH_KEY", "SETTINGS_FILE", "IndexInfo", "IndexSettingsError", "check_settings", "check_store_folder",
+__all__ = ["MODEL_KEYS", "SCRATCH_KEY", "SETTINGS_FILE", "IndexInfo", "IndexSettingsError", "check_settings", "check_store_folder",
            "config_setting", "describe_differences", "json_value", "recorded_store_settings", "settings_differences",
            "weights_fingerprint", "write_json_atomically"]

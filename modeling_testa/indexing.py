@@ -483,8 +483,8 @@ class DecodeAhead:
 
 
 __all__ = [
-    "FAILURE_CODES", "ON_ERROR", "SUMMARY_FAILURES", "DecodeAhead", "DecodeEach", "DecodeVideos", "DecodedBatch", "EncodingStats",
-    "Failure",
+    "FAILURE_CODES", "ON_ERROR", "SUMMARY_FAILURES", "DecodeAhead", "DecodeEach", "DecodeVideos", "DecodedBatch",
+    "EncodingStats", "Failure",
     "InMemorySink", "Sink", "check_on_error", "decode_or_failure", "encode_videos", "failure_code", "failure_reason",
     "failure_summary", "is_media_error", "looks_like_video", "mp4_is_truncated",
 ]

@@ -42,15 +42,14 @@ pipe = pipeline("video-text-retrieval", model=folder, precision="int8")  # the s
 This file is Hub remote code (the pipelines import it): flat relative imports only.
 """
 
+import inspect
 import logging
-import os
 from typing import Any
 
-import torch
 from torch import nn
 
 from .linear_layers import Bf16Linear, Int8DynamicLinear
-from .runtimes import BACKENDS, INT8_DEPRECATION, RUNTIMES, choose
+from .runtimes import BACKENDS, INT8_DEPRECATION, OPTION_DEFAULTS, RUNTIMES, RuntimeOptions, choose
 from .saving import INFERENCE_ATTRIBUTE
 
 
@@ -72,17 +71,8 @@ def _vision_model(model: nn.Module) -> nn.Module:
     return model if "TestaVisionModel" in _class_names(model) else model.vision_model
 
 
-def optimize_for_inference(
-    model: nn.Module,
-    precision: str = "fp32",
-    *,
-    backend: str = "torch",
-    compile: bool = False,
-    include_text: bool = False,
-    cache_dir: str | os.PathLike | None = None,
-    calibration: torch.Tensor | None = None,
-    isolate: bool = False,
-) -> nn.Module:
+def optimize_for_inference(model: nn.Module, precision: str = "fp32", *, backend: str = "torch",
+                           **options: Any) -> nn.Module:
     r"""Prepares a TESTA model for fast inference, in place, and returns it (the same object, in `eval()` mode).
 
     The video encoder is then run by a runtime (`runtimes.py`), picked by ``backend`` and held by the vision model's
@@ -109,20 +99,10 @@ def optimize_for_inference(
               (`engines.ExportedEncoder`; CPU; fp32, bf16 (OpenVINO, CPUs with bf16 instructions) or int8); the text
               modules stay PyTorch fp32. Needs the `openvino` / `onnxruntime` extra. The graph of each input shape is
               exported on first use (minutes for ViT-B) and cached in `cache_dir`.
-        cache_dir (`str`, *optional*): where exported graphs are kept (default `$HF_HOME/testa/engines`); engine
-            backends only.
-        calibration (`torch.Tensor`, *optional*): `(videos, frames, channels, height, width)` normalised pixel values
-            that calibrate int8 for the engine backends (a few videos of the target domain; default: synthetic
-            videos, `engines.default_calibration_videos`).
-        compile (`bool`, defaults to `False`): also `torch.compile` every encoder block (weights frozen; eager
-            runtime). The first forward of each input shape compiles (minutes for ViT-B on a small CPU). Skipped with
-            a warning when no C++ compiler is found. Tested with `"fp32"`.
-        include_text (`bool`, defaults to `False`): also convert the linear layers of the text encoder/decoder
-            (PyTorch runtimes).
-        isolate (`bool`, defaults to `False`): run the engine (`"openvino"`, `"onnxruntime"`) in a worker process
-            of its own (`runtimes.EngineProcess`): a native crash of the engine then raises `EngineProcessError` in
-            the caller instead of killing it, and the next call starts a new worker. For processes that live long
-            (the app and `train.index` do it by default); a call costs the pipe transfer of its pixels.
+        **options: the runtime's options, declared once in `runtimes.RuntimeOptions` (names, defaults, meaning):
+            `compile`, `include_text` (PyTorch eager), `cache_dir`, `calibration`, `isolate` (the exported
+            runtimes), `fused_kernels` (the PyTorch runtimes: `"auto"`, `"off"`, `"interpret"`). An option the
+            runtime does not take is refused unless it is left at its default.
 
     Returns:
         The same model. Its outputs API is unchanged. Its `save_pretrained` raises: an optimized model is for
@@ -141,7 +121,8 @@ def optimize_for_inference(
             f"optimize_for_inference takes a TESTA model ({', '.join(MODEL_CLASSES)}), got {type(model).__name__}."
         )
     vision = _vision_model(model)
-    runtime_class, precision = choose(backend, precision, vision, compile)
+    options = RuntimeOptions.of(options)  # unknown names refused before anything is done
+    runtime_class, precision = choose(backend, precision, vision, options["compile"])
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r} is not supported; allowed values are "
                          f"{', '.join(map(repr, PRECISIONS))} and 'auto'.")
@@ -151,8 +132,6 @@ def optimize_for_inference(
             f"This {type(model).__name__} was already prepared with optimize_for_inference ({previous}); load the "
             "original model again to choose other settings."
         )
-    options = {"compile": compile, "include_text": include_text, "cache_dir": cache_dir, "calibration": calibration,
-               "isolate": isolate}
     runtime_class.check(vision, precision, options, backend)
     model.eval()
     runtime = runtime_class(vision, precision, **{name: options[name] for name in runtime_class.options})
@@ -162,6 +141,14 @@ def optimize_for_inference(
     vision.runtime = runtime
     _mark_optimized(model, settings)
     return model
+
+
+# The options are keywords of the signature `help()` and `inspect.signature` show, built from their one declaration.
+optimize_for_inference.__signature__ = inspect.signature(optimize_for_inference).replace(parameters=[
+    *[p for p in inspect.signature(optimize_for_inference).parameters.values() if p.kind != p.VAR_KEYWORD],
+    *[inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                        annotation=RuntimeOptions.__annotations__[name]) for name, default in OPTION_DEFAULTS.items()],
+])
 
 
 def _mark_optimized(model: nn.Module, settings: dict) -> None:

@@ -21,6 +21,7 @@ This file is Hub remote code: flat relative imports only, absolute imports of in
 
 import hashlib
 import json
+import logging
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -32,12 +33,24 @@ from .index_homes import IndexEntry, NoLock, RowPlan, new_rows
 from .index_settings import IndexSettingsError, check_settings
 from .indexing import Failure
 
+logger = logging.getLogger(__name__)
+
 NO_TIME = -1.0
 """`start`/`end` of a whole video in Milvus (which has no null scalars in every deployment)."""
 SETTINGS_PROPERTY = "testa.index_settings"
 """The collection property that records the settings its rows were built with (`index_settings.IndexInfo`)."""
 FIELDS = ("key", "embedding", "video", "folder", "dataset", "start", "end", "store", "row")
 """The fields of a collection this module makes (another program's collection is refused)."""
+
+
+NOT_IN_MILVUS = ("token_dtype", "segments", "scratch")
+"""Settings of a store that its Milvus rows do not carry (the tokens stay in the store): neither recorded nor
+compared."""
+
+
+def milvus_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """The settings a collection records and compares (`NOT_IN_MILVUS` left out)."""
+    return {key: value for key, value in settings.items() if key not in NOT_IN_MILVUS}
 
 
 class MilvusHomeError(IndexSettingsError):
@@ -182,10 +195,11 @@ class MilvusHome:
         described = self.call("cannot be described", "describe_collection", self.collection)
         names = {f.get("name") for f in described.get("fields", [])}
         properties = described.get("properties") or {}
-        if not set(FIELDS) <= names or SETTINGS_PROPERTY not in properties:
+        if not set(FIELDS) <= names:
             raise MilvusHomeError(self.location, f"{self.location} was made by another program (fields "
-                                                 f"{sorted(names)}, no {SETTINGS_PROPERTY!r} property): index into "
-                                                 "another collection.")
+                                                 f"{sorted(names)}): index into another collection.")
+        if SETTINGS_PROPERTY not in properties:
+            return {}  # this module's fields, written before collections recorded their settings
         vector = next(f for f in described["fields"] if f.get("name") == "embedding")
         dim = int((vector.get("params") or {}).get("dim", 0))
         settings = json.loads(properties[SETTINGS_PROPERTY])
@@ -200,8 +214,14 @@ class MilvusHome:
         (naming every difference); creates the collection, recording `settings`, when there is none (unless
         `create` is False: the check alone). Returns the settings the collection holds (`settings` when it does not
         exist yet). Call it before anything is encoded."""
+        settings = milvus_settings(settings)
         dim = settings.get("projection_dim") or self.dim
         recorded = self.recorded_settings()
+        if recorded == {}:
+            raise MilvusHomeError(self.location, f"{self.location} was written by an earlier version of this library, "
+                                                 "which recorded no settings: the model of its rows is unknown, so "
+                                                 "nothing is added to it. Index into another collection (this one is "
+                                                 "still searched).")
         if recorded is None and not create:
             return dict(settings)
         if recorded is None:
@@ -238,7 +258,7 @@ class MilvusHome:
         schema.add_field("row", DataType.INT64)  # the row in that store
         index_params = self.client.prepare_index_params()
         index_params.add_index("embedding", metric_type="IP", **self.index_params)
-        recorded = {key: value for key, value in settings.items() if key != "segments"}
+        recorded = milvus_settings(settings)
         # the settings are part of the creation: no other writer ever sees the collection without them
         self.call("cannot create the collection", "create_collection", self.collection, schema=schema,
                   index_params=index_params,
@@ -328,12 +348,21 @@ class MilvusHome:
         if recorded is None:
             raise MilvusHomeError(self.location, f"{self.location} does not exist: index into it first "
                                                  "(python -m train.index ... --milvus URI).")
-        if info:
-            check_settings(self.location, recorded, info)
+        if recorded == {}:
+            logger.warning("%s records no settings (written by an earlier version): searched as it is, with no check "
+                           "that its rows come from the model that searches it.", self.location)
+        elif info:
+            check_settings(self.location, recorded, milvus_settings(info))
         self.call("cannot be flushed", "flush", self.collection)
         self.call("cannot be loaded", "load_collection", self.collection)
         count = int(self.call("cannot be counted", "get_collection_stats", self.collection)["row_count"])
         return MilvusIndex(self, {**recorded, **dict(info or {})}, list(self.failures), tokens_from_stores, count)
+
+
+def search_params(params: dict[str, Any], k: int) -> dict[str, Any]:
+    """A search's parameters for `k` results: an HNSW beam (``ef``) at least `k` wide (servers refuse a narrower
+    one)."""
+    return {**params, "ef": max(int(params["ef"]), k)} if "ef" in params else dict(params)
 
 
 class _Gathered:
@@ -443,7 +472,7 @@ class MilvusIndex:
             "cannot be searched", "search", self.home.collection, data=queries.tolist(),
             limit=max(1, min(int(k), self.max_results)), filter=milvus_filter(filters),
             output_fields=["video", "dataset", "start", "end", "embedding", "store", "row"],
-            search_params={"metric_type": "IP", "params": self.home.search_params})
+            search_params={"metric_type": "IP", "params": search_params(self.home.search_params, int(k))})
         self.hits, self.hit_vectors = [], []
         width = max((len(hits) for hits in results), default=0)
         scores = torch.full((len(results), width), float("-inf"))

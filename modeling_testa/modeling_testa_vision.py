@@ -269,16 +269,15 @@ class TestaVisionLayer(GradientCheckpointingLayer):
         merged: bool,
         settings: AggregationSettings,
         attentions: list | None = None,
+        fused_kernels: str = "auto",
     ) -> tuple:
         """Takes and returns the fields of a `TokenState` as a plain tuple of positional values: gradient
         checkpointing with `use_reentrant=True` only carries gradients through positional tensors, and returns
-        tuples."""
+        tuples. ``fused_kernels``: the runtime's option (`fused_aggregation.FUSED_KERNELS`)."""
         state = TokenState(cls, patches, sizes, source_map, merged)
-        if settings.aggregation_dims == "joint":
-            state = joint_block(TESTA_JOINT_HOST, self, settings, self.layer_index, state, attentions)
-        else:
-            state = divided_block(TESTA_DIVIDED_HOST, self, settings, self.layer_index, state, attentions)
-        return tuple(state)
+        block = joint_block if settings.aggregation_dims == "joint" else divided_block
+        host = TESTA_JOINT_HOST if settings.aggregation_dims == "joint" else TESTA_DIVIDED_HOST
+        return tuple(block(host, self, settings, self.layer_index, state, attentions, fused_kernels))
 
 
 class TestaPreTrainedModel(TestaHubMixin, PreTrainedModel):
@@ -392,11 +391,13 @@ class TestaVisionModel(TestaPreTrainedModel):
         last_layer: int | None = None,
         hidden_states: list | None = None,
         attentions: list | None = None,
+        fused_kernels: str = "auto",
     ) -> TokenState:
         """Embeds ``pixel_values`` and runs blocks ``0 .. last_layer`` (all by default); returns the tokens before
         the final LayerNorm. With a ``hidden_states`` list, the sequence after the embeddings and after every block
         is appended to it; with an ``attentions`` list, every block's ``(temporal or None, spatial or joint)``
-        attention probabilities."""
+        attention probabilities. ``fused_kernels``: when the merges run as fused GPU kernels, the runtime's option
+        (`fused_aggregation.FUSED_KERNELS`; ``"auto"``: on CUDA at inference)."""
         self.check_pixel_values(pixel_values)
         cls, patches = self.embeddings(pixel_values)
         state = initial_state(cls, patches, settings)
@@ -406,7 +407,7 @@ class TestaVisionModel(TestaPreTrainedModel):
                 hidden_states.append(sequence(state))
                 state = with_sequence(state, hidden_states[-1])
             if index < len(layers):
-                state = TokenState(*layers[index](*state, settings, attentions))
+                state = TokenState(*layers[index](*state, settings, attentions, fused_kernels))
         return state
 
     @can_return_tuple
@@ -440,12 +441,14 @@ class TestaVisionModel(TestaPreTrainedModel):
         return self.eager_forward(pixel_values, output_hidden_states, output_attentions, trace_source)
 
     def eager_forward(self, pixel_values: torch.Tensor, output_hidden_states: bool = False,
-                      output_attentions: bool = False, trace_source: bool | None = None) -> TestaVisionModelOutput:
-        """The forward as PyTorch runs it, module by module (what `forward` does without a `runtime`)."""
+                      output_attentions: bool = False, trace_source: bool | None = None,
+                      fused_kernels: str = "auto") -> TestaVisionModelOutput:
+        """The forward as PyTorch runs it, module by module (what `forward` does without a `runtime`;
+        ``fused_kernels``: `run_blocks`)."""
         all_hidden_states = [] if output_hidden_states else None
         attentions = [] if output_attentions else None
         state = self.run_blocks(pixel_values, self.aggregation_settings(trace_source), hidden_states=all_hidden_states,
-                                attentions=attentions)
+                                attentions=attentions, fused_kernels=fused_kernels)
         last_hidden_state = self.post_layernorm(sequence(state))
         divided = self.config.aggregation_dims != "joint"
         return TestaVisionModelOutput(

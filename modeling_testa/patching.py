@@ -531,6 +531,7 @@ def apply_testa(
     reduction_mode: str = DEFAULTS["reduction_mode"],
     aggregation_dims: str = DEFAULTS["aggregation_dims"],
     frame_matching: str = DEFAULTS["frame_matching"],
+    score_grid: float = DEFAULTS["score_grid"],
     proportional_attention: bool | None = None,
     trace_source: bool = DEFAULTS["trace_source"],
 ) -> nn.Module:
@@ -550,6 +551,8 @@ def apply_testa(
             `"merge"`/`"prune"`, `"mean"`/`"vote"`/`"original"`).
         aggregation_dims: `"temporal+spatial"` (default), `"temporal"`, `"spatial"`, or `"joint"` (ToMe over all
             space-time tokens; VideoMAE and ViViT only).
+        score_grid: the grid merge decisions are taken on, as in `TestaVisionConfig` (default 2^-10: near-ties decided
+            alike on every runtime; 0: raw scores).
         proportional_attention: add log(token size) to the attention logits. Default (None): off for TimeSformer (as
             in the TESTA paper), on for the joint-attention models (as ToMe does).
         trace_source: return `source_map` (see the module docstring).
@@ -568,6 +571,7 @@ def apply_testa(
         reduction_mode=reduction_mode,
         aggregation_dims=aggregation_dims,
         frame_matching=frame_matching,
+        score_grid=score_grid,
         proportional_attention=proportional_attention,
         trace_source=trace_source,
     )

@@ -523,8 +523,7 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         window, stride = check_window_options(window, stride)
         directory = store_dir if store_dir is not None else getattr(getattr(index, "store", None), "directory", None)
         num_frames = int(video_kwargs.get("num_frames", self.video_processor.num_frames))
-        with_weights = directory is not None or "model_weights_sha256" in (getattr(index, "info", None) or {})
-        settings = build_settings(self.model, num_frames, with_weights=with_weights, window=window, stride=stride,
+        settings = build_settings(self.model, num_frames, window=window, stride=stride,
                                   token_dtype=token_dtype if directory is not None else None)
         if directory is not None:
             home = StoreHome(directory)
@@ -571,9 +570,13 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
             if arrays:
                 raise ValueError(f"`index=` tells the videos already in the index by their paths; videos{arrays[:3]} "
                                  "are in-memory videos, which have none.")
-        if (store_dir is not None or getattr(index, "store", None) is not None) and not store_tokens:
+        stored = store_dir is not None or getattr(index, "store", None) is not None
+        if stored and not store_tokens:
             raise ValueError("A store holds the tokens: `store_dir` (or a store-backed `index`) cannot be combined "
                              "with store_tokens=False.")
+        if stored and arrays:
+            raise ValueError(f"A store tells its videos by their paths; videos{arrays[:3]} are in-memory videos, "
+                             "which have none: index them in memory (no `store_dir`).")
         if window is not None:
             unsupported = sorted(set(video_kwargs) - {"num_frames"})
             if unsupported:

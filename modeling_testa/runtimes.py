@@ -23,7 +23,9 @@ name               class                         devices      precisions        
 
 Each class declares what it cannot do as class attributes (``devices``, ``precisions``, ``options``, ``outputs``,
 ``packages``), and `EncoderRuntime.check` turns them into one error naming the runtime, the option and the allowed
-values. ``precision="auto"`` asks the runtime (`EncoderRuntime.auto_precision`): int8 on the CPU, bf16 on CUDA.
+values. An exported runtime takes its name, precisions and packages from its engine (`engines.Engine`, one class per
+engine). The options themselves are declared once, in `RuntimeOptions`. ``precision="auto"`` asks the runtime
+(`EncoderRuntime.auto_precision`): int8 on the CPU, bf16 on CUDA.
 
 **CUDA graphs** (`CudaGraphRuntime`). The token counts after every merge are fixed by the settings and the input
 shape, so the whole encoder (embeddings, every block with its matching and merging, the final LayerNorm) can be
@@ -43,32 +45,67 @@ import os
 import sys
 import threading
 import warnings
+from dataclasses import dataclass, fields
 from typing import Any, Callable, ClassVar
 
 import torch
 from torch import nn
 
-from .aggregation import current_score_grid
-from .fused_aggregation import current_mode as fused_kernel_mode
 from .aggregation_settings import AGGREGATION_FIELDS
+from .fused_aggregation import check_option as check_fused_kernels_option
 from .linear_layers import compile_blocks, convert_linears
-from .engines import (
-    BF16_FLAGS,
-    EXTRAS,
-    EncoderGraph,
-    ExportedEncoder,
-    check_exportable,
-    cpu_has_bf16,
-)
+from .engines import EncoderGraph, Engine, ExportedEncoder, OnnxRuntimeEngine, OpenVINOEngine
 from .worker_process import WorkerProcess, exit_with_parent, read_message, signal_name, write_message
 from .worker_process import serve as serve_requests
 
 
 logger = logging.getLogger(__name__)
 
-OPTION_DEFAULTS = {"compile": False, "include_text": False, "cache_dir": None, "calibration": None, "isolate": False}
-"""The optional arguments of `optimize_for_inference` a runtime may take, with their defaults (an option left at its
-default is never refused)."""
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """The optional arguments of `optimize_for_inference`, declared once: their names, types and defaults. A runtime
+    takes those in its ``options``; one left at its default is never refused (`EncoderRuntime.check`).
+
+    Attributes:
+        compile: `torch.compile` every encoder block (weights frozen; eager runtime). The first forward of each input
+            shape compiles (minutes for ViT-B on a small CPU); skipped with a warning when no C++ compiler is found.
+        include_text: also convert the linear layers of the text encoder/decoder (PyTorch runtimes).
+        cache_dir: where exported graphs are kept (default ``$HF_HOME/testa/engines``); exported runtimes.
+        calibration: ``(videos, frames, channels, height, width)`` normalised pixel values that calibrate int8 for the
+            exported runtimes (a few videos of the target domain; default: synthetic videos,
+            `engines.default_calibration_videos`).
+        isolate: run the engine of an exported runtime in a worker process of its own (`EngineProcess`): a native
+            crash of the engine then raises `EngineProcessError` in the caller instead of killing it, and the next
+            call starts a new worker. For processes that live long (the app and `train.index` do it by default); a
+            call costs the pipe transfer of its pixels.
+        fused_kernels: when the merges run as fused GPU kernels (PyTorch runtimes): ``"auto"`` (on CUDA at
+            inference, once checked on the device), ``"off"`` (PyTorch ops) or ``"interpret"`` (Triton's interpreter,
+            CPU tensors too: tests and kernel counts); `fused_aggregation.FUSED_KERNELS`.
+    """
+
+    compile: bool = False
+    include_text: bool = False
+    cache_dir: str | os.PathLike | None = None
+    calibration: torch.Tensor | None = None
+    isolate: bool = False
+    fused_kernels: str = "auto"
+
+    @classmethod
+    def of(cls, options: dict[str, Any]) -> dict[str, Any]:
+        """Every option, ``options`` over the defaults, as a dict; raises `ValueError` naming an unknown option (and
+        the allowed ones) or a bad ``fused_kernels``."""
+        unknown = sorted(set(options) - set(OPTION_DEFAULTS))
+        if unknown:
+            raise ValueError(f"{', '.join(f'`{n}`' for n in unknown)}: not an option of optimize_for_inference; its "
+                             f"options are {', '.join(f'`{n}`' for n in OPTION_DEFAULTS)} (runtimes.RuntimeOptions).")
+        complete = {**OPTION_DEFAULTS, **options}
+        check_fused_kernels_option(complete["fused_kernels"])
+        return complete
+
+
+OPTION_DEFAULTS: dict[str, Any] = {option.name: option.default for option in fields(RuntimeOptions)}
+"""`RuntimeOptions`' defaults by name."""
 
 INT8_DEPRECATION = (
     "optimize_for_inference(precision='int8', backend='torch') uses PyTorch's legacy quantized kernels "
@@ -77,6 +114,12 @@ INT8_DEPRECATION = (
     "faster: docs/inference.md)."
 )
 """The warning of the legacy torch int8 path."""
+
+
+def is_default(name: str, value: Any) -> bool:
+    """Whether ``value`` is the default of option ``name`` (`OPTION_DEFAULTS`; a tensor never is)."""
+    default = OPTION_DEFAULTS[name]
+    return value is default or (not isinstance(value, torch.Tensor) and value == default)
 
 
 def _quoted(values) -> str:
@@ -99,7 +142,7 @@ class EncoderRuntime:
         name: the name `optimize_for_inference(backend=...)` knows it by.
         devices: the device types it runs on (``None``: any).
         precisions: the precisions it offers (int8 on the CPU only: every int8 kernel here is a CPU kernel).
-        options: the optional arguments of `optimize_for_inference` it takes (`OPTION_DEFAULTS`).
+        options: the optional arguments of `optimize_for_inference` it takes (`RuntimeOptions`).
         outputs: the optional outputs it can give (``output_hidden_states``, ``output_attentions``).
         falls_back: whether the optional outputs it cannot give run eager instead (``True``) or are refused.
         exported: whether it runs an exported graph (other kernels than PyTorch's: other embeddings, to rounding).
@@ -172,7 +215,8 @@ class EncoderRuntime:
             raise ValueError(f"{cls.label(backend)} runs on {' or '.join(cls.devices)}; the model is on {device}. "
                              f"Backends for {device}: {_quoted(names_for_device(device))}.")
         cls.check_precision(precision, device, backend)
-        given = [name for name, value in options.items() if value is not None and value is not False]
+        options = RuntimeOptions.of(options)
+        given = [name for name, value in options.items() if not is_default(name, value)]
         refused = [name for name in given if name not in cls.options]
         if refused:
             takers = [n for n, c in RUNTIMES.items() if set(refused) <= set(c.options)]
@@ -194,7 +238,7 @@ class EncoderRuntime:
     def __init__(self, vision_model: nn.Module, precision: str, **options: Any) -> None:
         self.vision_model = vision_model
         self.precision = precision
-        self.options = {**OPTION_DEFAULTS, **options}
+        self.options = RuntimeOptions.of(options)
 
     def prepare(self, model: nn.Module) -> dict[str, Any]:
         """Converts ``model`` (the vision model or the head holding it) in place; returns what to record in its
@@ -247,7 +291,7 @@ class TorchEagerRuntime(EncoderRuntime):
     name = "torch-eager"
     devices = None
     precisions = ("fp32", "bf16", "int8")
-    options = ("compile", "include_text")
+    options = ("compile", "include_text", "fused_kernels")
 
     @classmethod
     def check_model(cls, vision_model: nn.Module, precision: str, options: dict[str, Any],
@@ -266,7 +310,8 @@ class TorchEagerRuntime(EncoderRuntime):
     def __call__(self, pixel_values, output_hidden_states=False, output_attentions=False, trace_source=None):
         if getattr(self, "compiled", False) and compiles_wrongly(self.vision_model):  # set_aggregation since
             raise ValueError(COMPILED_IMPORTANCE_REFUSAL)
-        return self.vision_model.eager_forward(pixel_values, output_hidden_states, output_attentions, trace_source)
+        return self.vision_model.eager_forward(pixel_values, output_hidden_states, output_attentions, trace_source,
+                                               self.options["fused_kernels"])
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -310,7 +355,7 @@ class CudaGraphRuntime(EncoderRuntime):
     name = "cuda-graphs"
     devices = ("cuda",)
     precisions = ("fp32", "bf16")
-    options = ("include_text",)
+    options = ("include_text", "fused_kernels")
     outputs = ()
     falls_back = True
 
@@ -332,13 +377,12 @@ class CudaGraphRuntime(EncoderRuntime):
                 "max_graphs": self.max_graphs}
 
     def key(self, pixel_values: torch.Tensor, trace_source: bool) -> tuple:
-        """What a graph is specific to: the input's shape, dtype and device, source tracing, and the aggregation
-        settings (`set_aggregation` after `optimize_for_inference` gives other token counts: another graph)."""
+        """What a graph is specific to: the input's shape, dtype and device, source tracing, and the model's
+        aggregation settings, its score grid included (`set_aggregation` after `optimize_for_inference` gives other
+        token counts or other decisions: another graph). The merge's kernels are this runtime's own option, fixed
+        for its life."""
         settings = self.vision_model.aggregation_settings(trace_source)
-        # the score grid and the merge's kernels (fused or PyTorch ops) are baked into a captured graph: another grid
-        # or `fused_aggregation.MODE` (set later) is another graph
-        return (tuple(pixel_values.shape), pixel_values.dtype, str(pixel_values.device), repr(settings),
-                current_score_grid(), fused_kernel_mode())
+        return (tuple(pixel_values.shape), pixel_values.dtype, str(pixel_values.device), repr(settings))
 
     def fallback_reason(self, key: tuple, output_hidden_states: bool, output_attentions: bool) -> str | None:
         """Why this call runs eager, or ``None`` when a graph serves it."""
@@ -363,7 +407,7 @@ class CudaGraphRuntime(EncoderRuntime):
 
     def graph_function(self, trace_source: bool) -> Callable[[torch.Tensor], tuple[torch.Tensor, ...]]:
         """``pixel_values -> (last_hidden_state, token_sizes[, source_map])``: what is captured."""
-        graph = EncoderGraph(self.vision_model, trace_source)
+        graph = EncoderGraph(self.vision_model, trace_source, self.options["fused_kernels"])
 
         def function(pixel_values: torch.Tensor) -> tuple[torch.Tensor, ...]:
             with torch.no_grad():
@@ -399,7 +443,8 @@ class CudaGraphRuntime(EncoderRuntime):
         if reason is not None:
             self.log_fallback(key, reason)
             self.calls[key] = self.calls.get(key, 0) + 1
-            return model.eager_forward(pixel_values, output_hidden_states, output_attentions, trace_source)
+            return model.eager_forward(pixel_values, output_hidden_states, output_attentions, trace_source,
+                                       self.options["fused_kernels"])
         outputs = self.replay(key, pixel_values, trace)
         last_hidden_state = outputs[0]
         return TestaVisionModelOutput(last_hidden_state=last_hidden_state, pooler_output=last_hidden_state[:, 0],
@@ -413,31 +458,38 @@ class CudaGraphRuntime(EncoderRuntime):
 
 class ExportedRuntime(EncoderRuntime):
     """The encoder exported with its merging as one graph per input shape, run by an engine on the CPU
-    (`engines.ExportedEncoder`: export, int8 quantization, the cache). The text modules stay PyTorch fp32."""
+    (`engines.ExportedEncoder`: export, int8 quantization, the cache). The text modules stay PyTorch fp32. A subclass
+    names its ``engine`` (an `engines.Engine`), which declares the name, precisions, extra and packages: the
+    runtime takes them from it."""
 
+    engine: ClassVar[type[Engine]]
     devices = ("cpu",)
     options = ("cache_dir", "calibration", "isolate")
     outputs = ()
     exported = True
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        engine = cls.__dict__.get("engine")
+        if engine is not None:  # declared once, by the engine
+            cls.name, cls.precisions, cls.extra, cls.packages = engine.name, engine.precisions, engine.extra, \
+                engine.packages
+
     @classmethod
     def check_model(cls, vision_model: nn.Module, precision: str, options: dict[str, Any],
                     backend: str | None = None) -> None:
-        if precision == "bf16" and not cpu_has_bf16():
-            raise ValueError(f"precision='bf16' with backend={cls.name!r} needs a CPU with bf16 instructions "
-                             f"({' or '.join(BF16_FLAGS)}); this CPU has neither, and emulated bf16 is slower than "
-                             "fp32. Use precision='int8' or 'fp32'.")
+        cls.engine.check_precision(precision)
         calibration = options.get("calibration")
         if calibration is not None and (not isinstance(calibration, torch.Tensor) or calibration.ndim != 5):
             raise ValueError("`calibration` must be a tensor of normalised videos (videos, frames, channels, height, "
                              f"width); got {getattr(calibration, 'shape', type(calibration).__name__)}.")
-        check_exportable(vision_model, cls.name)
+        cls.engine.check_settings(vision_model)
 
     def __init__(self, vision_model: nn.Module, precision: str, **options: Any) -> None:
         super().__init__(vision_model, precision, **options)
         self.process = EngineProcess(self) if self.options["isolate"] else None
         self.encoder = None if self.process else ExportedEncoder(
-            vision_model, self.name, precision, cache_dir=self.options["cache_dir"],
+            vision_model, self.engine, precision, cache_dir=self.options["cache_dir"],
             calibration=self.options["calibration"])
 
     def prepare(self, model: nn.Module) -> dict[str, Any]:
@@ -451,19 +503,15 @@ class ExportedRuntime(EncoderRuntime):
 
 
 class OpenVINORuntime(ExportedRuntime):
-    """OpenVINO on the CPU: fp32, bf16 (CPUs with AVX-512 BF16 or AMX), int8 by NNCF (see `engines.py`)."""
+    """OpenVINO on the CPU: fp32, bf16 (CPUs with AVX-512 BF16 or AMX), int8 by NNCF (`engines.OpenVINOEngine`)."""
 
-    name = "openvino"
-    precisions = ("fp32", "bf16", "int8")
-    extra, packages = EXTRAS["openvino"]
+    engine = OpenVINOEngine
 
 
 class OnnxRuntimeRuntime(ExportedRuntime):
-    """ONNX Runtime on the CPU: fp32, int8 by its static quantization (see `engines.py`)."""
+    """ONNX Runtime on the CPU: fp32, int8 by its static quantization (`engines.OnnxRuntimeEngine`)."""
 
-    name = "onnxruntime"
-    precisions = ("fp32", "int8")
-    extra, packages = EXTRAS["onnxruntime"]
+    engine = OnnxRuntimeEngine
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -608,12 +656,9 @@ def serve() -> None:
 
 
 RUNTIMES: dict[str, type[EncoderRuntime]] = {
-    "torch-eager": TorchEagerRuntime,
-    "cuda-graphs": CudaGraphRuntime,
-    "openvino": OpenVINORuntime,
-    "onnxruntime": OnnxRuntimeRuntime,
+    runtime.name: runtime for runtime in (TorchEagerRuntime, CudaGraphRuntime, OpenVINORuntime, OnnxRuntimeRuntime)
 }
-"""The runtimes by name."""
+"""The runtimes by name (the exported ones by their engine's name, `engines.ENGINES`)."""
 
 BACKENDS = ("torch", "openvino", "onnxruntime", "torch-eager", "cuda-graphs")
 """The values `optimize_for_inference(backend=...)` accepts: the runtimes' names, and ``"torch"`` (`resolve`)."""
@@ -678,7 +723,9 @@ __all__ = [
     "INT8_DEPRECATION",
     "OnnxRuntimeRuntime",
     "OpenVINORuntime",
+    "OPTION_DEFAULTS",
     "RUNTIMES",
+    "RuntimeOptions",
     "TorchEagerRuntime",
     "auto_precision",
     "choose",

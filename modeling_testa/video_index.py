@@ -16,7 +16,7 @@ import hashlib
 import json
 import logging
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +25,18 @@ import torch
 from safetensors.torch import save_file
 
 from .index_filters import matches
-from .index_settings import IndexInfo, IndexSettingsError, check_store_folder, recorded_store_settings
+from .index_settings import (
+    IndexInfo,
+    IndexSettingsError,
+    check_settings,
+    check_store_folder,
+    recorded_store_settings,
+    write_json_atomically,
+)
 from .indexing import Failure
 from .store_lock import StoreLock
 from .video_store import (
+    PLAN_FILE,
     STORE_INFO_FILE,
     DamagedStoreError,
     VideoStoreWriter,
@@ -349,17 +357,6 @@ class FirstStage:
                            index.ntotal, index.d)
             return None
         return cls(index, meta["kind"], meta.get("parameters", {}), rows, embeddings.shape[0], meta["fingerprint"])
-
-
-SHARED_INFO_SETTINGS = tuple(f.name for f in fields(IndexInfo))
-"""The settings `IndexInfo` declares (kept for code that named them)."""
-
-
-def differing_settings(first: dict[str, Any], second: dict[str, Any], keys: tuple[str, ...] = SHARED_INFO_SETTINGS
-                       ) -> dict[str, tuple]:
-    """The settings whose values differ between two `info` dicts (`IndexInfo.differences`; `keys` limits them)."""
-    differing = IndexInfo.from_dict(first).differences(IndexInfo.from_dict(second))
-    return {key: value for key, value in differing.items() if key in keys}
 
 
 ROW_FIELDS = ("dataset",)
@@ -692,11 +689,7 @@ class VideoIndex:
         for name, (mine, theirs) in fields.items():
             if mine != theirs:
                 raise ValueError(f"Cannot add an index with {name} {theirs} to one with {name} {mine}.")
-        differing = self.index_info.differences(other.index_info)
-        if differing:
-            key, (mine, theirs) = next(iter(differing.items()))
-            raise ValueError(f"Cannot add an index built with info[{key!r}] = {theirs!r} to one built with "
-                             f"info[{key!r}] = {mine!r} (differing settings: {sorted(differing)}).")
+        check_settings("The index", self.info, other.info)  # the one comparison of settings
 
     def grow_first_stage(self, new_embeddings: torch.Tensor, first_row: int) -> None:
         """After `add`: adds the new vectors to the kept first stage, or drops it (rebuilt on the next search) when
@@ -783,8 +776,17 @@ class VideoIndex:
     def _write_store(self, directory: Path, dtype: torch.dtype, chunk: int = 64) -> None:
         valid = self.valid
         extra = self.failures if self.store is None else []  # failed rows after the videos
-        total = len(self) + len(extra)
-        writer = VideoStoreWriter(directory, 0, 0, total, token_dtype=dtype)
+        keys = self.row_keys() + [failure.key for failure in extra]
+        row_fields = {key: values + [getattr(failure, key, None) for failure in extra]
+                      for key, values in self.row_fields.items()}
+        segments = None
+        if any(start is not None for _, start, _ in keys):  # rows' (start, end), None for whole videos
+            segments = [None if start is None else [start, end] for _, start, end in keys]
+        # the rows' plan first, as every store build writes it: a save killed halfway is resumed by the next build
+        # (`index_homes.StoreHome`) with these rows, in this order, never with others under these row numbers
+        write_json_atomically(directory / PLAN_FILE, {"videos": [key[0] for key in keys], "shards": [[0, len(keys)]],
+                                                      "row_fields": row_fields, "segments": segments})
+        writer = VideoStoreWriter(directory, 0, 0, len(keys), token_dtype=dtype)
         failures = {failure.index: failure for failure in self.failures} if self.store is not None else {}
         for start in range(0, len(self), chunk):
             rows = [i for i in range(start, min(start + chunk, len(self))) if valid[i]]
@@ -798,12 +800,7 @@ class VideoIndex:
         for j, failure in enumerate(extra):
             writer.add_failure(len(self) + j, failure.video, failure.reason, code=failure.code)
         writer.close()
-        row_fields = {key: values + [getattr(failure, key, None) for failure in extra]
-                      for key, values in self.row_fields.items()}
-        info = dict(self.info)
-        keys = self.row_keys() + [failure.key for failure in extra]
-        if any(start is not None for _, start, _ in keys):  # rows' (start, end), None for whole videos
-            info["segments"] = [None if start is None else [start, end] for _, start, end in keys]
+        info = dict(self.info, **({"segments": segments} if segments is not None else {}))
         finalize_store(directory, [key[0] for key in keys], 1, info, row_fields=row_fields or None)
 
     @classmethod
@@ -915,7 +912,6 @@ __all__ = [
     "FIRST_STAGE_INFO_FILE",
     "INDEX_INFO_FILE",
     "INDEX_TENSORS_FILE",
-    "SHARED_INFO_SETTINGS",
     "FirstStage",
     "VideoIndex",
     "faiss_module",

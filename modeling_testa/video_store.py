@@ -321,6 +321,15 @@ class VideoStoreWriter:
         (self.directory / _shard_name("shard", self.shard, "json")).write_text(json.dumps(meta), encoding="utf-8")
 
 
+def forget_rows(directory: str | os.PathLike) -> None:
+    """Makes a folder's store forget its rows before it is written anew (`index_settings.check_store_folder` with
+    ``replace``): its plan, its index and every shard's closed marker, so that no shard of the old rows counts as
+    written (each shard's writer removes the rest of its files when it starts)."""
+    directory = Path(directory)
+    for path in (directory / PLAN_FILE, directory / STORE_INFO_FILE, *directory.glob("shard-*.json")):
+        path.unlink(missing_ok=True)
+
+
 def missing_shards(directory: str | os.PathLike, num_shards: int) -> list[int]:
     """The shards among ``0..num_shards-1`` whose writer has not closed them in ``directory``."""
     return [s for s in range(num_shards) if not (Path(directory) / _shard_name("shard", s, "json")).is_file()]

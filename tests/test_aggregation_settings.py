@@ -175,3 +175,104 @@ def test_the_config_flops_and_patching_use_the_same_schedule():
     with torch.no_grad():
         tokens = videomae(torch.randn(1, 8, 3, 32, 32)).last_hidden_state.shape[1]
     assert tokens == grid[-1][0] * grid[-1][1]
+
+
+# ------------------------------------------------------------------------------- the merge rule is part of the model
+
+
+def near_static_videos() -> torch.Tensor:
+    """Four videos of 8 near-identical frames (a still shot with a little sensor noise): their frame scores differ
+    only past the third decimal, so the rule decides the merges (raw scores: the noise; the grid: the lowest index)."""
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(4, 1, 3, 32, 32, generator=generator) + 1e-3 * torch.randn(4, 8, 3, 32, 32,
+                                                                                   generator=generator)
+
+
+def merges(model: TestaVisionModel) -> torch.Tensor:
+    with torch.no_grad():
+        return model(near_static_videos(), trace_source=True).source_map
+
+
+def rule_model(score_grid: float) -> TestaVisionModel:
+    from helpers.models import randomize
+
+    torch.manual_seed(0)
+    model = TestaVisionModel(vision_config(temporal_reduction=2, spatial_reduction=3, score_grid=score_grid)).eval()
+    return randomize(model, seed=0)
+
+
+def test_the_rule_decides_the_merges_of_near_ties():
+    raw, snapped = merges(rule_model(0.0)), merges(rule_model(2.0**-10))
+    assert (raw != snapped).flatten(1).any(1).any()  # the case is there: the rule changes merges
+    assert torch.equal(snapped, merges(rule_model(2.0**-10)))
+
+
+@pytest.mark.parametrize("score_grid", [0.0, 2.0**-10, 2.0**-6])
+def test_the_rule_round_trips_through_save_pretrained(score_grid, tmp_path):
+    model = rule_model(score_grid)
+    model.save_pretrained(tmp_path)
+    loaded = TestaVisionModel.from_pretrained(tmp_path).eval()
+    assert loaded.config.score_grid == score_grid and loaded.aggregation_settings().score_grid == score_grid
+    assert torch.equal(merges(loaded), merges(model))
+
+
+def test_the_rule_round_trips_in_a_heads_config(tmp_path):
+    from helpers.pipelines import tiny_testa_config
+
+    from modeling_testa import TestaConfig, TestaForVideoTextRetrieval
+
+    config = tiny_testa_config()
+    config.vision_config.score_grid = 2.0**-8
+    model = TestaForVideoTextRetrieval(config)
+    model.set_aggregation(score_grid=0.0)  # the head, its encoder and its momentum copy
+    assert model.vision_model.config.score_grid == 0.0 == model.momentum.vision_model.config.score_grid
+    model.save_pretrained(tmp_path)
+    for loaded in (TestaConfig.from_pretrained(tmp_path), TestaForVideoTextRetrieval.from_pretrained(tmp_path).config):
+        assert loaded.vision_config.score_grid == 0.0
+
+
+def test_a_config_saved_without_the_rule_loads_with_raw_scores(tmp_path, caplog):
+    """A model saved before `score_grid` existed was trained on raw scores: it must not be served under the grid."""
+    import json
+
+    from transformers import AutoConfig
+
+    from modeling_testa import TestaConfig
+
+    model = rule_model(2.0**-10)
+    model.save_pretrained(tmp_path / "vision")
+    TestaConfig().save_pretrained(tmp_path / "head")
+    for path, section in ((tmp_path / "vision" / "config.json", None), (tmp_path / "head" / "config.json",
+                                                                        "vision_config")):
+        saved = json.loads(path.read_text())
+        del (saved[section] if section else saved)["score_grid"]
+        path.write_text(json.dumps(saved))
+    caplog.set_level(logging.INFO, logger="modeling_testa.configuration_testa")
+    loaded = TestaVisionModel.from_pretrained(tmp_path / "vision").eval()
+    assert loaded.config.score_grid == 0.0 and "no score_grid (saved before the setting existed)" in caplog.text
+    assert torch.equal(merges(loaded), merges(rule_model(0.0)))  # decided on raw scores, as it was trained
+    assert TestaConfig.from_pretrained(tmp_path / "head").vision_config.score_grid == 0.0
+    assert TestaVisionConfig.from_pretrained(tmp_path / "head").score_grid == 0.0  # its vision part alone
+    assert AutoConfig.from_pretrained(tmp_path / "head").vision_config.score_grid == 0.0
+    # a new config has the grid, and saving writes it, so the rule is never lost again
+    assert TestaConfig().vision_config.score_grid == 2.0**-10
+    loaded.save_pretrained(tmp_path / "again")
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["score_grid"] == 0.0
+
+
+def test_set_aggregation_takes_the_rule_and_refuses_a_bad_one():
+    model = rule_model(2.0**-10)
+    before = merges(model)
+    with pytest.raises(ValueError, match=r"score_grid=0.001 is not allowed; use 0 \(raw scores\) or a power of two"):
+        model.set_aggregation(score_grid=0.001)
+    assert model.config.score_grid == 2.0**-10 and torch.equal(merges(model), before)  # unchanged on error
+    model.set_aggregation(score_grid=0.0)
+    assert torch.equal(merges(model), merges(rule_model(0.0)))
+
+
+def test_apply_testa_takes_the_rule():
+    from modeling_testa.patching import get_testa_settings
+
+    model = apply_testa(timesformer(), temporal_reduction=1, spatial_reduction=2, score_grid=0.0)
+    assert get_testa_settings(model).score_grid == 0.0
+    assert get_testa_settings(apply_testa(timesformer(), 1, 2)).score_grid == 2.0**-10

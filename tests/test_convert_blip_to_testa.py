@@ -26,6 +26,8 @@ def test_blip_conversion_carries_settings_and_initialises_time_like_timesformer(
         assert getattr(vision, name) == getattr(blip_vision, name), name
     assert model.vision_model.layers[0].layer_norm1.eps == 3e-4
     assert (vision.num_frames, vision.temporal_reduction, vision.spatial_reduction) == (6, 1, 2)
+    # BLIP merges nothing: its converted encoder is a TESTA model to train, under the library's default rule
+    assert vision.score_grid == 2.0**-10
     assert model.config.text_config.to_dict() | {"encoder_hidden_size": 32} == blip.config.text_config.to_dict()
     assert (model.config.dec_token_id, model.config.enc_token_id, model.config.queue_size) == (DEC, ENC, 12)
     assert model.config.projection_dim == blip.config.image_text_hidden_size

@@ -42,6 +42,10 @@ def test_original_retrieval_checkpoint_converts_and_accounts_for_every_key(tmp_p
     assert isinstance(model, TestaForVideoTextRetrieval)
     vision = model.config.vision_config
     assert vision.temporal_reduction == [1, 0] and vision.spatial_reduction == [3, 2]
+    # the released code decides on raw scores: so does the converted model, whatever its frame rule (issue 45)
+    assert vision.score_grid == 0.0 and vision.frame_matching == "original"
+    assert convert_original_testa(path, text_config=TEXT_OVERRIDES, enc_token_id=ENC, frame_matching="mean")[
+        0].config.vision_config.score_grid == 0.0
     assert (vision.num_frames, vision.image_size, vision.num_attention_heads) == (FRAMES, 32, HEADS)
     assert (model.config.queue_size, model.config.k_test, model.config.projection_dim) == (8, 16, 16)
     # Every key is mapped or dropped with a reason; nothing is unmapped or missing.
@@ -132,5 +136,6 @@ def test_original_cli_writes_a_loadable_folder(tmp_path, monkeypatch):
     original_main(["--checkpoint", str(tmp_path / "ckpt.pth"), "--output-dir", str(tmp_path / "out")])
     reloaded = TestaForVideoTextRetrieval.from_pretrained(tmp_path / "out").eval()
     assert reloaded.config.vision_config.spatial_reduction == [3, 2]
+    assert reloaded.config.vision_config.score_grid == 0.0  # saved with the model
     torch.testing.assert_close(reloaded.itm_head.weight, state["itm_head.weight"])
     torch.testing.assert_close(reloaded.temp.detach(), state["temp"])

@@ -179,5 +179,5 @@ def test_loss_error_on_one_process_is_raised_on_every_process(tmp_path):
             pytest.fail("a process hung after the loss raised on another process")
     outcomes = [(tmp_path / f"error{rank}.txt").read_text() for rank in range(WORLD)]
     assert outcomes[0].startswith("ValueError: Cannot draw a hard negative"), outcomes
-    assert outcomes[1].startswith("RuntimeError: another process raised"), outcomes
+    assert outcomes[1].startswith("PeerError: another process raised"), outcomes
     assert "Cannot draw a hard negative" in outcomes[1] and "0:" in outcomes[1]

@@ -184,20 +184,75 @@ def test_attention_product_matmuls_are_the_two_products_around_each_softmax():
 
 
 @needs["openvino"]
-def test_the_temporal_branch_is_found_by_what_it_computes():
+def test_the_temporal_branch_is_found_by_what_it_computes(exported_program):
     """The layers int8 keeps in fp32 besides the matching are the temporal attention's projection and `temporal_fc`
     of every block, read independently from the exported program's module stack (an OpenVINO node keeps the FX node
     name). `test_int8_stays_within_the_contract_with_matching_in_fp32` checks that no quantization step feeds them."""
-    import openvino as ov
 
-    model = _vision_model()
-    program = engines.export_program(engines.EncoderGraph(model, True).eval(), torch.zeros(2, 8, 3, 32, 32))
+    model, (program, converted) = _vision_model(), exported_program
     expected = {node.name for node in program.graph.nodes if node.target == torch.ops.aten.linear.default
                 and list(node.meta["nn_module_stack"].values())[-1][0].endswith(("temporal_attention.projection",
                                                                                   "temporal_fc"))}
     assert len(expected) == 2 * model.config.num_hidden_layers
-    found = engines.attention_output_matmuls(engines.openvino_nodes(ov.convert_model(program)), min_chain=2)
+    found = engines.attention_output_matmuls(engines.openvino_nodes(converted), min_chain=2)
     assert {name.split("/")[0] for name in found} == expected
+
+
+
+@pytest.fixture(scope="module")
+def exported_program():
+    """`_vision_model()`'s graph as `torch.export` gives it (source map traced) and as OpenVINO converts it, once for
+    the tests that read graphs (they take copies of the OpenVINO model)."""
+    import openvino as ov
+
+    program = engines.export_program(engines.EncoderGraph(_vision_model(), True).eval(), torch.zeros(2, 8, 3, 32, 32))
+    return program, ov.convert_model(program)
+
+
+def _linear_layers(nodes: dict) -> set[str]:
+    return {name for name, (kind, inputs) in nodes.items() if kind == "MatMul" and inputs
+            and nodes.get(inputs[-1], ("",))[0] == "Constant"}
+
+
+@needs["openvino"]
+def test_the_matching_products_of_an_export_are_similarities_only_not_linear_layers(exported_program):
+    """Issue 45: the cosines were scaled by `baddbmm`, whose ignored first argument (a view of the keys) an exporter
+    writes as ``0 * input``, so the walk up from the sorts reached the key projections and int8 kept all 24 qkv layers
+    of ViT-B in fp32 (int8 twice as slow). The matching's products are one similarity per matching, and no layer."""
+    model = _vision_model()
+    nodes = engines.openvino_nodes(exported_program[1].clone())
+    deciding = matching_matmuls(nodes)
+    assert len(deciding) == 2 * model.config.num_hidden_layers  # a frame and a patch matching per block
+    assert not set(deciding) & _linear_layers(nodes)
+    # the keys' projections are one step further up: the attentions' qkv layers, two per block
+    keys = engines.key_projection_matmuls(nodes)
+    assert len(keys) == 2 * model.config.num_hidden_layers and set(keys) <= _linear_layers(nodes)
+
+
+@needs["openvino"]
+def test_folding_the_temporal_branch_keeps_the_outputs_and_halves_its_layers(exported_program):
+    """`fold_linear_pairs` makes the temporal attention's projection and `temporal_fc` (with biases, random here as
+    in a trained model) one layer per block: the folded graph gives the unfolded graph's outputs to fp32 rounding."""
+    model = _vision_model()
+    assert all(layer.temporal_attention.projection.bias.abs().sum() > 0 for layer in model.layers)
+    plain, folded = exported_program[1].clone(), exported_program[1].clone()
+    branch = engines.attention_output_matmuls(engines.openvino_nodes(folded), min_chain=2)
+    remaining = engines.fold_linear_pairs(folded, branch)
+    assert len(branch) == 2 * len(remaining) == 2 * model.config.num_hidden_layers
+    assert all(name.endswith(engines.FOLDED_SUFFIX) for name in remaining)
+    nodes = engines.openvino_nodes(folded)
+    assert set(remaining) <= _linear_layers(nodes)
+    assert len(_linear_layers(nodes)) == len(_linear_layers(engines.openvino_nodes(plain))) - len(remaining)
+    video = _video().numpy()
+    core = engines.openvino_core()
+    (plain_out, _, plain_map), (out, _, source_map) = (
+        core.compile_model(graph, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})(video).to_tuple()
+        for graph in (plain, folded))
+    with torch.no_grad():
+        reference = model(torch.from_numpy(video), trace_source=True)
+    assert (source_map == plain_map).all() and (source_map == reference.source_map.numpy()).all()
+    torch.testing.assert_close(torch.from_numpy(out), torch.from_numpy(plain_out), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(torch.from_numpy(out), reference.last_hidden_state, atol=1e-4, rtol=1e-4)
 
 
 def test_cache_key_changes_with_every_setting():
@@ -212,19 +267,23 @@ def test_cache_key_changes_with_every_setting():
 
 
 
-def test_an_export_of_other_merge_code_or_another_score_grid_is_not_reused(monkeypatch, tmp_path):
-    """The cache key covers the graph's code and the score grid (read at each lookup), so a graph exported before the
-    merge decisions changed (for example raw scores, before snapping) is exported again rather than silently reused."""
-    from modeling_testa import aggregation, engines
-
+def test_an_export_of_other_merge_code_or_another_score_grid_is_not_reused(tmp_path):
+    """The cache key covers the graph's code and the model's score grid (a setting of its config, read at each
+    lookup), so a graph exported for other merge decisions (for example raw scores) is exported again rather than
+    silently reused."""
     code = engines.graph_code_fingerprint()
-    assert code == engines.graph_code_fingerprint() and engines.library_versions("openvino")["graph_code"] == code
-    encoder = ExportedEncoder(_vision_model(), "openvino", "fp32", cache_dir=tmp_path)
+    assert code == engines.graph_code_fingerprint() and engines.OpenVINOEngine.versions()["graph_code"] == code
+    model = _vision_model()
+    encoder = ExportedEncoder(model, engines.OpenVINOEngine, "fp32", cache_dir=tmp_path)
     shape = (8, 3, 32, 32)
     folder = encoder.folder_for(shape, False)[0]
     assert encoder.folder_for(shape, False)[0] == folder
-    monkeypatch.setattr(aggregation, "SCORE_GRID", 0.0)
-    assert encoder.folder_for(shape, False)[0] != folder
+    model.set_aggregation(score_grid=0.0)
+    raw = encoder.folder_for(shape, False)[0]
+    assert raw != folder
+    model.set_aggregation(score_grid=2.0**-10)
+    assert encoder.folder_for(shape, False)[0] == folder
+
 
 def test_default_calibration_videos_are_deterministic_and_normalised_scale():
     a = engines.default_calibration_videos(8, 32, 32)
@@ -260,13 +319,14 @@ def test_openvino_fp32_equals_pytorch_and_the_cache_follows_the_settings(cache_d
     assert changed.last_hidden_state.shape != out.last_hidden_state.shape
 
     # another encoder on the same weights and settings loads both graphs from the cache: no export
-    again = ExportedEncoder(copy.deepcopy(model), "openvino", "fp32", cache_dir=cache_dir)
+    again = ExportedEncoder(copy.deepcopy(model), engines.OpenVINOEngine, "fp32", cache_dir=cache_dir)
     with torch.no_grad():
         loaded = again(_video(), trace_source=True)
     assert again.exports == 0
     assert torch.equal(loaded.last_hidden_state, changed.last_hidden_state)
     # other weights are another model: exported again
-    other = ExportedEncoder(_vision_model(seed=5, spatial_reduction=2), "openvino", "fp32", cache_dir=cache_dir)
+    other = ExportedEncoder(_vision_model(seed=5, spatial_reduction=2), engines.OpenVINOEngine, "fp32",
+                            cache_dir=cache_dir)
     assert other.folder_for((8, 3, 32, 32), True)[0] != again.folder_for((8, 3, 32, 32), True)[0]
 
 
@@ -297,31 +357,34 @@ def test_int8_stays_within_the_contract_with_matching_in_fp32(backend, cache_dir
     assert float(cosine.min()) >= 0.98  # the int8 quality contract (benchmarks/fast_inference.py)
     # the graph is quantized, but no quantization step feeds the matrix multiplies that decide the matching, nor the
     # temporal attention's output branch
-    int8, fp32 = (encoder.folder_for((8, 3, 32, 32), True, precision)[0] for precision in ("int8", "fp32"))
-    if backend == "openvino":
-        import openvino as ov
-
-        nodes, exported = (engines.openvino_nodes(ov.Core().read_model(str(path)))
-                           for path in (int8 / "encoder_int8.xml", fp32 / "encoder.xml"))
-        quantizer, matmuls, attentions = "FakeQuantize", ("MatMul",), ("ScaledDotProductAttention",)
-    else:
-        import onnx
-
-        nodes, exported = (engines.onnx_nodes(onnx.load(str(path)).graph)
-                           for path in (int8 / "encoder_int8.onnx", fp32 / "encoder.onnx"))
-        quantizer, matmuls, attentions = "DequantizeLinear", ("MatMul", "Gemm"), ()
+    engine = engines.ENGINES[backend]
+    nodes, exported = (engine.graph_nodes(encoder.folder_for((8, 3, 32, 32), True, precision)[0]
+                                          / engine.file_name(precision)) for precision in ("int8", "fp32"))
+    quantizer, matmuls, attentions = engine.quantizer_type, engine.matmul_types, engine.attention_types
     deciding = matching_matmuls(nodes, matmul_types=matmuls)
     # found on the fp32 graph, as the quantizer does (in the int8 graph, quantize steps sit between the nodes)
     temporal_branch = engines.attention_output_matmuls(exported, matmul_types=matmuls, attention_types=attentions,
                                                        min_chain=2)
+    assert len(temporal_branch) == 2 * 2  # projection, temporal_fc; 2 blocks
+    keys = engines.key_projection_matmuls(exported, matmul_types=matmuls)  # the qkv layers, 2 per block
+    assert len(keys) == 2 * 2 and set(keys) <= set(nodes)
     # ONNX: the attention's own products (queries x keys, probabilities x values) of both branches of both blocks;
     # OpenVINO fuses the attention, and NNCF leaves it in fp32
     products = engines.attention_product_matmuls(exported, matmul_types=matmuls)
     assert len(products) == (0 if backend == "openvino" else 2 * 2 * 2) and set(products) <= set(nodes)
     assert deciding and sum(kind == quantizer for kind, _ in nodes.values()) > 0
-    assert len(temporal_branch) == 2 * 2 and set(temporal_branch) <= set(nodes)  # projection, temporal_fc; 2 blocks
+
+    def quantized(name: str) -> bool:
+        return any(nodes[i][0] == quantizer for i in nodes[name][1])
+
+    if backend == "openvino":  # the branch is one folded layer per block, and the key projections are int8
+        temporal_branch = [name for name in nodes if name.endswith(engines.FOLDED_SUFFIX)]
+        assert len(temporal_branch) == 2 and all(map(quantized, keys))
+    else:  # ONNX Runtime keeps the key projections in fp32 (`engines.key_projection_matmuls`)
+        assert set(temporal_branch) <= set(nodes)
+        products += keys
     for name in deciding + temporal_branch + products:
-        assert all(nodes[i][0] != quantizer for i in nodes[name][1]), name
+        assert not quantized(name), name
 
 
 # ---------------------------------------------------------------------------------------- pipelines and train.index
@@ -438,13 +501,13 @@ import gc, os, signal, sys
 import numpy as np
 import openvino as ov
 import openvino.opset13 as ops
-from modeling_testa.engines import CompiledGraph
+from modeling_testa.engines import OpenVINOEngine
 
 parameter = ops.parameter([2, 4], np.float32)
 ov.save_model(ov.Model([ops.relu(parameter)], [parameter]), sys.argv[1])
 graphs = []
 for _ in range(2):  # as two encoders (or two input shapes) load their graphs, each run once
-    graphs.append(CompiledGraph("openvino", sys.argv[1], "fp32"))
+    graphs.append(OpenVINOEngine(sys.argv[1], "fp32"))
     graphs[-1](np.ones((2, 4), np.float32))
 for index in (0, 1):  # freed first in, first out (garbage collection may free them in any order)
     graphs[index] = None

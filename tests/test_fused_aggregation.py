@@ -8,14 +8,14 @@ float64 re-computation of the size-weighted average for the merged rows, and han
 import pytest
 import torch
 
-from modeling_testa import TestaVisionConfig, TestaVisionModel, aggregation, fused_aggregation
+from modeling_testa import TestaVisionConfig, TestaVisionModel, aggregation, fused_aggregation, optimize_for_inference
 
 
 pytestmark = pytest.mark.skipif(not fused_aggregation.triton_available(), reason="Triton is not installed")
+GRID = aggregation.DEFAULT_SCORE_GRID
 
 
-def fused_pairs(metric: torch.Tensor, r: int, protect_first: bool) -> aggregation.Bipartite:
-    grid = aggregation.current_score_grid()
+def fused_pairs(metric: torch.Tensor, r: int, protect_first: bool, grid: float = GRID) -> aggregation.Bipartite:
     first = int(protect_first)
     return aggregation.Bipartite(
         *fused_aggregation.geometry_pairs(metric, r, first, 1.0 / grid if grid else 1.0, bool(grid)),
@@ -23,9 +23,8 @@ def fused_pairs(metric: torch.Tensor, r: int, protect_first: bool) -> aggregatio
     )
 
 
-def pytorch_pairs(metric: torch.Tensor, r: int, protect_first: bool) -> aggregation.Bipartite:
-    with fused_aggregation.fused_kernels("off"):
-        return aggregation.geometry_matching(metric, r, protect_first=protect_first).bipartite
+def pytorch_pairs(metric: torch.Tensor, r: int, protect_first: bool, grid: float = GRID) -> aggregation.Bipartite:
+    return aggregation.geometry_matching(metric, r, protect_first=protect_first, score_grid=grid).bipartite
 
 
 def assert_same_decisions(got: aggregation.Bipartite, expected: aggregation.Bipartite) -> None:
@@ -64,23 +63,21 @@ def test_decisions_equal_the_pytorch_path(shape, r, protect_first, keys):
     assert_same_decisions(fused_pairs(metric, r, protect_first), pytorch_pairs(metric, r, protect_first))
 
 
-def test_rounding_ties_go_to_even_as_torch_round(monkeypatch):
+def test_rounding_ties_go_to_even_as_torch_round():
     # +-1 vectors of 64 channels: every cosine is exactly 1 - k / 32, so on a grid of 2^-4 the scaled scores are
     # 16 - k / 2: half of them sit exactly between two grid steps, where the kernel must round as torch.round does
-    monkeypatch.setattr(aggregation, "SCORE_GRID", 2.0**-4)
     generator = torch.Generator().manual_seed(3)
     base = torch.randint(0, 2, (4, 1, 1, 64), generator=generator).float() * 2 - 1
     flips = torch.rand(4, 6, 41, 64, generator=generator) < 0.05  # a few channels flipped: cosines near 1
     metric = torch.where(flips, -base, base)
     scaled = metric[..., ::2, :] @ metric[..., 1::2, :].transpose(-1, -2) / 64 * 16
     assert (scaled.frac().abs() == 0.5).any()  # the case is there
-    assert_same_decisions(fused_pairs(metric, 10, True), pytorch_pairs(metric, 10, True))
+    assert_same_decisions(fused_pairs(metric, 10, True, 2.0**-4), pytorch_pairs(metric, 10, True, 2.0**-4))
 
 
-def test_raw_scores_without_a_grid(monkeypatch):
-    monkeypatch.setattr(aggregation, "SCORE_GRID", 0.0)
+def test_raw_scores_without_a_grid():
     metric = torch.randn(2, 4, 33, 16)
-    assert_same_decisions(fused_pairs(metric, 8, True), pytorch_pairs(metric, 8, True))
+    assert_same_decisions(fused_pairs(metric, 8, True, 0.0), pytorch_pairs(metric, 8, True, 0.0))
 
 
 def weighted_average_float64(x: torch.Tensor, size: torch.Tensor, pairs: aggregation.Bipartite):
@@ -136,8 +133,7 @@ def test_merge_equals_the_weighted_average(dtype, layout):
     # computed in fp32 and rounded once: within half a step of the dtype of the exact value (and an fp32 margin)
     step = torch.finfo(dtype).eps * expected_x.abs().clamp_min(1e-3)
     assert ((merged.double() - expected_x).abs() <= step * 0.5 + 1e-6).all()
-    with fused_aggregation.fused_kernels("off"):
-        pytorch_x, pytorch_size = aggregation.merge_bipartite(x, size, pairs)[:2]
+    pytorch_x, pytorch_size = aggregation.merge_bipartite(x, size, pairs)[:2]
     assert torch.equal(new_size, pytorch_size)
     untouched = (new_size == pytorch_size) & (merged == pytorch_x).all(-1)
     assert untouched.float().mean() > 0.5  # unmerged rows and targets without sources: exact copies
@@ -179,10 +175,10 @@ def test_merge_checks_its_inputs_and_takes_empty_batches():
     assert merged.shape == (0, 3, 20, 16) and sizes.shape == (0, 3, 20)
 
 
-def tiny_encoder(dtype: torch.dtype = torch.float32) -> TestaVisionModel:
+def tiny_encoder(dtype: torch.dtype = torch.float32, **settings) -> TestaVisionModel:
     config = TestaVisionConfig(num_frames=8, image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=3,
                                num_attention_heads=2, intermediate_size=64, temporal_reduction=1,
-                               spatial_reduction=4)
+                               spatial_reduction=4, **settings)
     return TestaVisionModel(config).to(dtype).eval()
 
 
@@ -192,15 +188,18 @@ def static_video(batch: int) -> torch.Tensor:
     return video
 
 
-@pytest.mark.parametrize("batch", [1, 2])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_encoder_takes_the_same_merges(batch, dtype):
-    model, video = tiny_encoder(dtype), static_video(batch).to(dtype)
+@pytest.mark.parametrize("batch, dtype, score_grid", [(1, torch.float32, GRID), (2, torch.float32, GRID),
+                                                     (1, torch.bfloat16, GRID), (2, torch.bfloat16, GRID),
+                                                     (1, torch.float32, 0.0)])
+def test_encoder_takes_the_same_merges(batch, dtype, score_grid):
+    """The fused kernels are the runtime's option (`optimize_for_inference(fused_kernels=...)`), and decide on the
+    model's own score grid."""
+    model, video = tiny_encoder(dtype, score_grid=score_grid), static_video(batch).to(dtype)
     with torch.no_grad():
         expected = model(pixel_values=video, trace_source=True)
         launches = fused_aggregation.launches
-        with fused_aggregation.fused_kernels("interpret"):
-            got = model(pixel_values=video, trace_source=True)
+        optimize_for_inference(model, "fp32", fused_kernels="interpret")  # "fp32": the model as it is
+        got = model(pixel_values=video, trace_source=True)
     assert fused_aggregation.launches - launches == 2 * 6  # 3 blocks x (frames, patches) x (decide, merge)
     assert torch.equal(got.source_map, expected.source_map) and torch.equal(got.token_sizes, expected.token_sizes)
     tolerance = 1e-5 if dtype == torch.float32 else 0.05
@@ -219,43 +218,46 @@ class LastHiddenState(torch.nn.Module):
 def test_training_tracing_and_off_take_the_pytorch_path():
     model, video = tiny_encoder(), static_video(1)
     launches = fused_aggregation.launches
-    with fused_aggregation.fused_kernels("interpret"):
-        model(pixel_values=video).last_hidden_state.sum().backward()  # autograd: the merge with its backward
-        assert fused_aggregation.launches - launches == 6  # the decisions only (no gradient flows through them)
-        with torch.no_grad():
-            traced = torch.jit.trace(LastHiddenState(model), video, check_trace=False)
-        assert fused_aggregation.launches - launches == 6  # a tracer records the plain ATen ops
+    interpreted = optimize_for_inference(tiny_encoder(), fused_kernels="interpret")
+    interpreted.load_state_dict(model.state_dict())
+    interpreted.train()  # autograd: the merge with its backward
+    interpreted(pixel_values=video).last_hidden_state.sum().backward()
+    assert fused_aggregation.launches - launches == 6  # the decisions only (no gradient flows through them)
+    interpreted.eval()
+    with torch.no_grad():
+        traced = torch.jit.trace(LastHiddenState(interpreted), video, check_trace=False)
+    assert fused_aggregation.launches - launches == 6  # a tracer records the plain ATen ops
     with torch.no_grad():
         torch.testing.assert_close(traced(video), model(pixel_values=video).last_hidden_state)
-        with fused_aggregation.fused_kernels("off"):
-            model(pixel_values=video)
+        optimize_for_inference(model, fused_kernels="off")(pixel_values=video)
     assert fused_aggregation.launches - launches == 6
-    assert not aggregation.uses_fused_kernels(video)  # "auto" (the default) on a CPU tensor
+    assert not fused_aggregation.uses_fused_kernels(video)  # "auto" (the default) on a CPU tensor
 
 
-def test_mode_is_checked():
-    with pytest.raises(ValueError, match="'auto', 'off', 'interpret'"):
-        with fused_aggregation.fused_kernels("always"):
-            pass
+def test_the_option_is_checked_naming_the_allowed_values():
+    message = "fused_kernels='always' is not allowed; use one of 'auto', 'off', 'interpret'"
+    with pytest.raises(ValueError, match=message):
+        optimize_for_inference(tiny_encoder(), fused_kernels="always")
+    with pytest.raises(ValueError, match=message):
+        tiny_encoder().eager_forward(static_video(1), fused_kernels="always")
+    with pytest.raises(ValueError, match=message):
+        fused_aggregation.uses_fused_kernels(torch.zeros(1), "always")
 
 
 def test_self_check_passes_and_reports_a_disagreement(monkeypatch):
-    with fused_aggregation.fused_kernels("interpret"):
-        assert aggregation.check_fused_kernels("cpu")
-        assert fused_aggregation.MODE == "interpret"  # the check changes no setting
-        real = fused_aggregation.merge_pairs
-        monkeypatch.setattr(aggregation, "merge_pairs", lambda *a: (real(*a)[0] * 1.01, real(*a)[1]))
-        with pytest.warns(UserWarning, match="not used on cpu: they disagree with the PyTorch path in torch.float32"):
-            assert not aggregation.check_fused_kernels("cpu")
+    assert fused_aggregation.check_fused_kernels("cpu")
+    real = fused_aggregation.merge_pairs
+    monkeypatch.setattr(fused_aggregation, "merge_pairs", lambda *a: (real(*a)[0] * 1.01, real(*a)[1]))
+    with pytest.warns(UserWarning, match="not used on cpu: they disagree with the PyTorch path in torch.float32, "
+                                         "score grid 0.0009765625"):
+        assert not fused_aggregation.check_fused_kernels("cpu")
 
 
 def test_matchings_too_large_for_one_program_take_the_pytorch_path():
     assert fused_aggregation.fits(197) and not fused_aggregation.fits(785)  # 224 px fits, 448 px does not
     metric = torch.randn(1, 1, 785, 8)
-    launches = fused_aggregation.launches
-    with fused_aggregation.fused_kernels("interpret"):
-        aggregation.geometry_matching(metric, 12, protect_first=True)
-    assert fused_aggregation.launches == launches
+    assert not fused_aggregation.matches(metric, 12, 1, "interpret")
+    assert fused_aggregation.matches(metric[..., :197, :], 12, 1, "interpret")
     with pytest.raises(ValueError, match="do not fit one program"):
         fused_aggregation.geometry_pairs(metric, 12, 1, 1024.0, True)
 

@@ -338,3 +338,162 @@ def test_the_milvus_token_reaches_pymilvus_from_the_option_and_the_environment(m
 
     search_main(["--store", str(tmp_path / "store"), "--milvus", db, "--json", "a query"])
     assert seen and set(seen) == {"from-the-environment"}
+
+
+def test_two_evaluations_into_one_store_dir_each_encode_their_own_model(pipe, tmp_path):
+    """The evaluation's scratch store holds the model of the last evaluation, not the first one's shards (their
+    closed markers once made the second evaluation publish the first one's embeddings); a folder holding a real store
+    is refused, and left as it was."""
+    from accelerate import Accelerator
+
+    from modeling_testa.indexing import DecodeVideos
+    from train.evaluation import encode_to_store
+
+    videos = [str(write_noise_video(tmp_path / "videos" / f"clip{i}.mp4", seed=i)) for i in range(3)]
+    second = build_retrieval(seed=7)
+    for model in (pipe.model, second):
+        store, _ = encode_to_store(model, videos, DecodeVideos(pipe.video_processor, 4), Accelerator(cpu=True),
+                                   tmp_path / "eval", batch_size=2, token_dtype=torch.float32)
+        fresh = VideoTextRetrievalPipeline(model=model, processor=tiny_processor(), device="cpu").encode_videos(videos)
+        torch.testing.assert_close(store.embeddings, fresh.embeddings, rtol=0, atol=1e-5)
+        store.close()
+    real = tmp_path / "real"
+    pipe.encode_videos(videos, store_dir=real)
+    before = snapshot(real)
+    with pytest.raises(IndexSettingsError, match="holds a video store: an evaluation's scratch store rewrites"):
+        encode_to_store(pipe.model, videos, DecodeVideos(pipe.video_processor, 4), Accelerator(cpu=True), real,
+                        batch_size=2)
+    assert snapshot(real) == before
+
+
+def test_a_save_killed_halfway_is_finished_with_its_own_rows(pipe, tmp_path, monkeypatch):
+    """`VideoIndex.save(as_store=True)` writes its rows' plan before its shard, so the next build into that folder
+    resumes it with the save's rows in the save's order (a build in another order once took the journal's rows for
+    other videos, and published one video under another's name)."""
+    from modeling_testa.video_store import VideoStoreWriter
+
+    videos = [str(write_noise_video(tmp_path / "videos" / f"clip{i}.mp4", seed=i)) for i in range(4)]
+    broken = tmp_path / "videos" / "broken.mp4"
+    broken.write_text("not a video")
+    index = pipe.encode_videos([videos[2], str(broken), videos[0], videos[3]], token_dtype=torch.float32)
+
+    def killed(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(VideoStoreWriter, "add_failure", killed)  # after the encoded rows, before the failed one
+    with pytest.raises(KeyboardInterrupt):
+        index.save(tmp_path / "saved", as_store=True)
+    monkeypatch.undo()
+    grown = pipe.encode_videos(sorted([*videos, str(broken)]), store_dir=tmp_path / "saved")
+    fresh = pipe.encode_videos(videos, token_dtype=torch.float32)
+    by_name = dict(zip(fresh.names, fresh.embeddings, strict=True))
+    valid = grown.valid
+    assert {grown.names[i] for i in range(len(grown)) if valid[i]} == set(videos)
+    for i in range(len(grown)):
+        if valid[i]:
+            torch.testing.assert_close(grown.embeddings[i], by_name[grown.names[i]], rtol=0, atol=1e-5)
+    assert [f.video for f in grown.failures] == [str(broken)]
+
+
+def test_milvus_takes_stores_of_either_token_dtype_and_searches_collections_of_earlier_versions(
+        milvus_modules, model_folder, tmp_path, caplog):
+    """The tokens stay in the stores: two stores of one model with float16 and float32 tokens share a collection. A
+    collection written before collections recorded their settings is searched (with a warning) but takes no rows."""
+    pymilvus, _ = milvus_modules
+    from modeling_testa.milvus_home import MilvusHome, MilvusHomeError
+    from train.search import open_index
+
+    folder = tmp_path / "videos"
+    for i in range(3):
+        write_noise_video(folder / f"clip{i}.mp4", seed=i)
+    db = str(tmp_path / "videos.db")
+    train_index(model_folder, folder, tmp_path / "fp32", "--milvus", db)
+    from train.index import main as index_main
+
+    index_main(["--model", str(model_folder), "--videos", str(folder), "--store", str(tmp_path / "fp16"),
+                "--num-workers", "0", "--token-dtype", "float16", "--milvus", db])
+    assert len(MilvusHome(db).open().all_rows()) == 3
+    home = MilvusHome(db)
+    home.check_settings({**VideoIndex.load(tmp_path / "fp32").info, "projection_dim": 16})
+    client = pymilvus.MilvusClient(db)
+    client.drop_collection("old")
+    client.close()
+    earlier = MilvusHome(db, "old")
+    earlier.create_collection(16, {})  # this module's fields ...
+    earlier.call("cannot drop the property", "drop_collection_properties", "old",
+                 property_keys=["testa.index_settings"])  # ... without the recorded settings, as before
+    with pytest.raises(MilvusHomeError, match="written by an earlier version"):
+        MilvusHome(db, "old").check_settings({"projection_dim": 16})
+    with caplog.at_level("WARNING"):
+        searched = open_index(str(tmp_path / "fp32"), db, "old")
+    assert len(searched) == 0 and "records no settings" in caplog.text
+
+
+@pytest.mark.parametrize("milvus", ["lite file", "server"])
+def test_train_index_on_two_processes_mirrors_into_milvus(milvus_modules, model_folder, tmp_path, milvus):
+    """A Lite file takes one process at a time: the main process upserts every shard into it (each process opening
+    it made the second one die with "Open local milvus failed"). A server takes each process' own shards (the
+    processes that did not check the collection once refused to write, after everything was encoded)."""
+    import contextlib
+
+    from helpers.milvus_server import milvus_lite_server
+    from helpers.pipelines import INDEX_LAUNCH_2
+
+    from modeling_testa.milvus_home import MilvusHome
+
+    folder = tmp_path / "videos"
+    for i in range(6):
+        write_noise_video(folder / f"clip{i}.mp4", seed=50 + i)
+    (tmp_path / "milvus").mkdir()
+    served = milvus_lite_server(tmp_path / "milvus") if milvus == "server" else contextlib.nullcontext()
+    with served as uri:
+        uri = uri or str(tmp_path / "videos.db")
+        result = subprocess.run([*INDEX_LAUNCH_2, "--model", str(model_folder), "--videos", str(folder), "--store",
+                                 str(tmp_path / "store"), "--num-workers", "0", "--shard-size", "2", "--milvus", uri],
+                                capture_output=True, text=True, cwd=ROOT, timeout=900,
+                                env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+        assert result.returncode == 0, result.stderr[-3000:]
+        rows = MilvusHome(uri).open().all_rows()
+    assert sorted(row["video"] for row in rows) == sorted(str(p) for p in folder.glob("*.mp4"))
+    assert VideoIndex.load(tmp_path / "store").num_encoded == 6
+
+
+def test_a_store_that_does_not_say_which_model_encoded_it_is_not_grown(pipe, tmp_path):
+    """An earlier evaluation's store records only its frames; an index saved from memory records its weights' hash,
+    so a model retrained into the same folder is refused (it once added its rows to the other model's)."""
+    from modeling_testa.video_store import VideoStoreWriter, finalize_store
+
+    videos = [str(write_noise_video(tmp_path / "videos" / f"clip{i}.mp4", seed=i)) for i in range(3)]
+    legacy = tmp_path / "legacy_eval"
+    with VideoStoreWriter(legacy, 0, 0, 1, token_dtype=torch.float16) as writer:
+        out = pipe.model.get_video_tokens(pipe.video_processor(videos=[videos[0]])["pixel_values"])
+        features = pipe.model.get_video_features(video_tokens=out.last_hidden_state,
+                                                 video_token_sizes=out.token_sizes).pooler_output
+        writer.add_batch([0], out.last_hidden_state, out.token_sizes, features)
+    finalize_store(legacy, videos[:1], 1, {"num_frames": 4})
+    with pytest.raises(IndexSettingsError, match="does not record which model encoded it"):
+        pipe.encode_videos(videos, store_dir=legacy)
+    saved = tmp_path / "saved"
+    pipe.encode_videos(videos[:2]).save(saved, as_store=True)
+    retrained = VideoTextRetrievalPipeline(model=build_retrieval(seed=3), processor=tiny_processor(), device="cpu")
+    with pytest.raises(IndexSettingsError, match="model_weights_sha256"):
+        retrained.encode_videos(videos, store_dir=saved)
+    assert pipe.encode_videos(videos, store_dir=saved).stats["videos"] == 1  # the same model grows it
+
+
+def test_an_index_refuses_a_model_under_another_merge_rule(pipe, tmp_path):
+    """The rule the merges were decided by (`score_grid`) is a setting of the index: growing or searching it with the
+    same weights under another rule is refused, naming it, before anything is encoded."""
+    videos = [str(write_noise_video(tmp_path / "videos" / f"clip{i}.mp4", seed=i)) for i in range(2)]
+    index = pipe.encode_videos(videos[:1], store_dir=tmp_path / "store")
+    assert index.info["score_grid"] == pipe.model.config.vision_config.score_grid == 2.0**-10
+    raw = build_retrieval()
+    raw.load_state_dict(pipe.model.state_dict())
+    raw.set_aggregation(score_grid=0.0)
+    other = VideoTextRetrievalPipeline(model=raw, processor=tiny_processor(), device="cpu")
+    before = snapshot(tmp_path / "store")
+    with pytest.raises(IndexSettingsError, match=r"score_grid: the index has 0.0009765625, this build 0.0"):
+        other.encode_videos(videos, store_dir=tmp_path / "store")
+    assert snapshot(tmp_path / "store") == before
+    with pytest.raises(ValueError, match="score_grid = 0.0009765625, but this model has score_grid = 0.0"):
+        other.search(QUERY, VideoIndex.load(tmp_path / "store"))

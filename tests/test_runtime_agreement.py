@@ -21,9 +21,8 @@ import torch.nn.functional as F
 from helpers.models import randomize, tiny_vision_config
 from helpers.requirements import skip_or_fail
 
-import modeling_testa.aggregation as aggregation
 from modeling_testa import TestaVisionModel, optimize_for_inference
-from modeling_testa.aggregation import SCORE_GRID, best_partner, first_max, geometry_matching, snap_scores
+from modeling_testa.aggregation import DEFAULT_SCORE_GRID, best_partner, first_max, geometry_matching, snap_scores
 from processing.realistic_videos import (
     KINDS,
     normalise,
@@ -57,12 +56,6 @@ def _clips(kinds=REPEATING, seeds=(0, 1)) -> torch.Tensor:
     return torch.stack([realistic_pixel_values(kind, frames=8, size=32, seed=s) for s in seeds for kind in kinds])
 
 
-@pytest.fixture
-def raw_scores(monkeypatch):
-    """Decisions on raw scores, as before snapping (the benchmarks' "before")."""
-    monkeypatch.setattr(aggregation, "SCORE_GRID", 0.0)
-
-
 # --------------------------------------------------------------------------------------------------- the snapping
 
 
@@ -70,15 +63,16 @@ def test_snapping_rounds_to_the_grid_as_python_does_in_float64():
     values = torch.tensor([0.0, 1.0, -1.0, 0.3, 0.70000005, 0.6999999, 0.123456, -0.5 + 1e-7, 0.99999994],
                           dtype=torch.float32)
     expected = [round(v * 1024) / 1024 for v in values.double().tolist()]  # Python rounds half to even too
-    assert SCORE_GRID == 2.0**-10
-    assert snap_scores(values).tolist() == expected
-    assert snap_scores(values.double()).dtype == torch.float64
+    grid = DEFAULT_SCORE_GRID
+    assert grid == 2.0**-10
+    assert snap_scores(values, grid).tolist() == expected
+    assert snap_scores(values.double(), grid).dtype == torch.float64
     halfway = torch.tensor([0.5, 1.5, 2.5, -0.5]) / 1024  # exactly between two grid points: to the even one
-    assert (snap_scores(halfway) * 1024).tolist() == [0.0, 2.0, 2.0, -0.0]
-    assert snap_scores(torch.tensor([-math.inf])).item() == -math.inf  # a protected token stays out
+    assert (snap_scores(halfway, grid) * 1024).tolist() == [0.0, 2.0, 2.0, -0.0]
+    assert snap_scores(torch.tensor([-math.inf]), grid).item() == -math.inf  # a protected token stays out
     # identical tokens (cosine 1 give or take rounding) sit in the middle of a grid cell, not on a boundary
     near_one = torch.tensor([1 - 3e-7, 1.0, 1 + 3e-7])
-    assert snap_scores(near_one).tolist() == [1.0, 1.0, 1.0]
+    assert snap_scores(near_one, grid).tolist() == [1.0, 1.0, 1.0]
     assert torch.equal(snap_scores(values, grid=0.0), values)
 
 
@@ -94,7 +88,7 @@ def test_a_near_tie_goes_to_the_lowest_index_and_the_released_rule_keeps_raw_sco
     assert best_partner(per_position, -3, "vote")[1].tolist() == [1]
 
 
-def test_pairs_that_tie_after_snapping_merge_in_input_order(monkeypatch):
+def test_pairs_that_tie_after_snapping_merge_in_input_order():
     # four A tokens (even positions) scoring 0.8 against B to within 1e-6, the last one highest
     noise = torch.tensor([3e-6, 2e-6, 1e-6, 0.0])
     metric = torch.zeros(8, 2)
@@ -103,16 +97,16 @@ def test_pairs_that_tie_after_snapping_merge_in_input_order(monkeypatch):
     matching = geometry_matching(metric[None], r=2)
     assert matching.sources.tolist() == [[0, 2]]  # the two first A tokens, in input order
     assert matching.targets.tolist() == [[2, 2]]  # into B token 0 (output slot 4 - 2 = 2)
-    monkeypatch.setattr(aggregation, "SCORE_GRID", 0.0)
-    assert geometry_matching(metric[None], r=2).sources.tolist() == [[6, 4]]  # raw scores: the noise decides
+    raw = geometry_matching(metric[None], r=2, score_grid=0.0)
+    assert raw.sources.tolist() == [[6, 4]]  # raw scores: the noise decides
 
 
-def test_the_released_rule_is_unchanged_by_snapping(monkeypatch):
+def test_the_released_rule_is_unchanged_by_snapping():
     model = _converted_like_model(frame_matching="original", temporal_reduction=2, spatial_reduction=4)
     video = _clips(seeds=(0,))
     with torch.no_grad():
         snapped = model(video, trace_source=True)
-        monkeypatch.setattr(aggregation, "SCORE_GRID", 0.0)
+        model.set_aggregation(score_grid=0.0)
         raw = model(video, trace_source=True)
     assert torch.equal(snapped.source_map, raw.source_map)
     assert torch.equal(snapped.last_hidden_state, raw.last_hidden_state)
@@ -212,9 +206,9 @@ def test_exported_fp32_takes_pytorchs_merge_decisions_on_every_kind(backend, ove
 
 
 @pytest.mark.slow
-def test_on_raw_scores_the_export_disagrees_so_the_agreement_test_can_fail(tmp_path, raw_scores):
+def test_on_raw_scores_the_export_disagrees_so_the_agreement_test_can_fail(tmp_path):
     _needs("openvino")
-    model, video = _converted_like_model(), _clips()
+    model, video = _converted_like_model(score_grid=0.0), _clips()
     with torch.no_grad():
         reference = model(video, trace_source=True)
     out = _exported(model, "openvino", tmp_path, video)
@@ -328,22 +322,27 @@ def test_compiled_encoder_takes_eagers_merge_decisions_in_fp32():
 
 
 @pytest.mark.slow
-def test_on_raw_scores_compiled_matching_disagrees_so_the_compile_test_can_fail(raw_scores):
+def test_on_raw_scores_compiled_matching_disagrees_so_the_compile_test_can_fail():
     metric = _frame_metric()
-    eager = geometry_matching(metric, r=3)
+    eager = geometry_matching(metric, r=3, score_grid=0.0)
     torch._dynamo.reset()
-    compiled = torch.compile(geometry_matching, backend="inductor", fullgraph=True)(metric, r=3)
+    compiled = torch.compile(geometry_matching, backend="inductor", fullgraph=True)(metric, r=3, score_grid=0.0)
     assert not torch.equal(compiled.sources, eager.sources)  # inductor's rounding picked other merges
 
 
-def test_a_grid_that_is_not_a_power_of_two_is_refused_naming_the_allowed_values(monkeypatch):
-    """The matcher scales the cosines by 1 / SCORE_GRID inside its matrix multiply, which is exact only for powers of
-    two: any other grid (0.001, a natural choice) would decide some boundary cases differently from `snap_scores`."""
+def test_a_grid_that_is_not_a_power_of_two_is_refused_naming_the_allowed_values():
+    """The matcher scales the cosines by 1 / score_grid inside its matrix multiply, which is exact only for powers of
+    two: any other grid (0.001, a natural choice) would decide some boundary cases differently from `snap_scores`.
+    The config refuses it as the matcher does."""
     metric = torch.randn(1, 8, 4)
-    for grid in (1e-3, 0.3, -(2.0**-10)):
-        monkeypatch.setattr(aggregation, "SCORE_GRID", grid)
-        with pytest.raises(ValueError, match=r"must be 0 \(raw scores\) or a power of two such as 2\*\*-10"):
-            geometry_matching(metric, 2)
-    for grid in (0.0, 2.0**-6, 2.0**-12):
-        monkeypatch.setattr(aggregation, "SCORE_GRID", grid)
-        geometry_matching(metric, 2)
+    message = r"score_grid=.* is not allowed; use 0 \(raw scores\) or a power of two up to 1, such as 2\*\*-10"
+    for grid in (1e-3, 0.3, -(2.0**-10), 2.0):
+        with pytest.raises(ValueError, match=message):
+            geometry_matching(metric, 2, score_grid=grid)
+        with pytest.raises(ValueError, match=message):
+            tiny_vision_config(score_grid=grid)
+    with pytest.raises(ValueError, match=message):
+        geometry_matching(metric, 2, score_grid=True)
+    for grid in (0.0, 0, 2.0**-6, 2.0**-12, 1.0):
+        geometry_matching(metric, 2, score_grid=grid)
+        assert tiny_vision_config(score_grid=grid).aggregation_settings().score_grid == grid

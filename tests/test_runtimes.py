@@ -96,6 +96,50 @@ def test_every_runtime_is_registered_by_its_name_and_declares_what_it_can_do():
     assert OnnxRuntimeRuntime.precisions == ("fp32", "int8")
 
 
+
+def test_one_class_per_engine_declares_what_its_runtime_offers():
+    """Issue 45: each engine (`engines.ENGINES`) owns its name, precisions, extra, packages and file names, and its
+    runtime takes them from it: nothing about an engine is declared twice."""
+    from modeling_testa import engines
+
+    exported = {name: runtime for name, runtime in RUNTIMES.items() if runtime.exported}
+    assert set(exported) == set(engines.ENGINES)
+    for name, runtime in exported.items():
+        engine = engines.ENGINES[name]
+        assert runtime.engine is engine
+        assert (runtime.name, runtime.precisions, runtime.extra, runtime.packages) == (
+            engine.name, engine.precisions, engine.extra, engine.packages)
+        assert engine.file_name("int8") != engine.file_name("fp32") == engine.file_name("bf16") == engine.graph_file
+
+
+def test_no_engine_is_told_apart_by_its_name_outside_the_registry():
+    """What differs between the engines is in their classes: no module of the package compares a backend with an
+    engine's name (``backend == "openvino"``)."""
+    import re
+    from pathlib import Path
+
+    from modeling_testa import engines
+
+    package = Path(runtimes.__file__).parent
+    names = "|".join(engines.ENGINES)
+    comparison = re.compile(rf"""(==|!=|\bin)\s*\(?\s*["']({names})["']|["']({names})["']\s*(==|!=)""")
+    found = [f"{path.name}:{number}" for path in sorted(package.glob("*.py"))
+             for number, line in enumerate(path.read_text().splitlines(), 1) if comparison.search(line)]
+    assert found == []
+
+
+def test_the_options_are_declared_once():
+    """Issue 45: `RuntimeOptions` declares the options; `optimize_for_inference`'s signature and every runtime's
+    ``options`` come from it, and an unknown option is refused naming the allowed ones."""
+    import inspect
+
+    signature = inspect.signature(optimize_for_inference).parameters
+    assert {name: signature[name].default for name in runtimes.OPTION_DEFAULTS} == runtimes.OPTION_DEFAULTS
+    assert set(signature) == {"model", "precision", "backend", *runtimes.OPTION_DEFAULTS}
+    with pytest.raises(ValueError, match=r"`cache_directory`: not an option of optimize_for_inference; its options "
+                                         r"are `compile`, `include_text`, `cache_dir`"):
+        optimize_for_inference(_vision_model(), "fp32", cache_directory="x")
+
 def test_torch_is_cuda_graphs_on_a_gpu_and_eager_elsewhere():
     assert resolve("torch", "cpu") is TorchEagerRuntime
     assert resolve("torch", "cuda") is CudaGraphRuntime
@@ -146,7 +190,7 @@ def test_the_stores_label_names_the_engine_only_for_exported_graphs():
     ("torch", "fp16", {}, r"precision='fp16' is not supported; allowed values are 'fp32', 'bf16', 'int8' and 'auto'"),
     ("torch", "fp32", {"calibration": torch.zeros(1)},
      r"`calibration` is not an option of backend='torch' \(runtime 'torch-eager'\) \(its options: `compile`, "
-     r"`include_text`\); backends that take it: 'openvino', 'onnxruntime'"),
+     r"`include_text`, `fused_kernels`\); backends that take it: 'openvino', 'onnxruntime'"),
     ("torch", "fp32", {"isolate": True}, r"`isolate` is not an option of backend='torch'"),
     ("openvino", "fp32", {"compile": True, "include_text": True},
      r"`compile` and `include_text` are not options of backend='openvino' \(its options: `cache_dir`, "
@@ -256,6 +300,46 @@ def test_changed_aggregation_settings_get_their_own_graph(graphs):
         _assert_same_output(got, reference(video, trace_source=True))
     assert len(model.runtime.graphs) == 2
 
+
+
+def test_a_graph_keys_on_the_models_score_grid(graphs):
+    """Issue 45: the score grid is the model's setting, so `set_aggregation(score_grid=...)` after
+    `optimize_for_inference` is another graph (the grid is baked into the captured decisions), which equals the
+    eager model under that grid."""
+    reference = _vision_model()
+    model = optimize_for_inference(_vision_model(), "fp32", backend=graphs)
+    video = _video()
+    with torch.no_grad():
+        model(video), model(video)
+        key = model.runtime.key(video, False)
+        for target in (model, reference):
+            target.set_aggregation(score_grid=0.0)
+        assert model.runtime.key(video, False) != key
+        for _ in range(2):
+            got = model(video, trace_source=True)
+        _assert_same_output(got, reference(video, trace_source=True))
+    assert len(model.runtime.graphs) == 2
+
+
+def test_the_fused_kernels_are_the_graph_runtimes_option(graphs):
+    """What a graph captures runs the merges as the runtime's ``fused_kernels`` option says (here Triton's
+    interpreter, as the CPU stand-in of a GPU), with the same decisions and outputs as the PyTorch path."""
+    from modeling_testa import fused_aggregation
+
+    if not fused_aggregation.triton_available():
+        pytest.skip("Triton is not installed")
+    reference = _vision_model()
+    model = optimize_for_inference(_vision_model(), "fp32", backend=graphs, fused_kernels="interpret")
+    assert model.runtime.options["fused_kernels"] == "interpret"
+    video = _video()
+    launches = fused_aggregation.launches
+    with torch.no_grad():
+        for _ in range(2):  # eager warm-up, then captured: both fused
+            got = model(video, trace_source=True)
+        expected = reference(video, trace_source=True)
+    assert fused_aggregation.launches > launches
+    assert torch.equal(got.source_map, expected.source_map) and torch.equal(got.token_sizes, expected.token_sizes)
+    torch.testing.assert_close(got.last_hidden_state, expected.last_hidden_state, rtol=1e-5, atol=1e-5)
 
 def test_bf16_graphs_replay_the_bf16_model_and_threads_take_turns(graphs):
     eager = optimize_for_inference(_vision_model(), "bf16", backend="torch-eager")

@@ -339,6 +339,21 @@ def test_search_refuses_an_index_of_another_model_and_caps_top_k(pipe, videos):
         pipe.search(QUERIES[0], recorded)
 
 
+def test_an_index_refuses_a_model_with_another_merge_rule(videos):
+    """Issue 45: the index records the rule (`score_grid`) its videos were encoded with; searching it, or growing it,
+    with a model under another rule is refused, naming both (the same videos would have merged other tokens)."""
+    pipe = VideoTextRetrievalPipeline(model=build_retrieval(), processor=tiny_processor(), device="cpu")
+    index = pipe.encode_videos(videos[:2])
+    assert index.info["score_grid"] == 2.0**-10
+    pipe.model.set_aggregation(score_grid=0.0)
+    with pytest.raises(ValueError, match=r"encoded with score_grid = 0.0009765625, but this model has score_grid = 0.0"):
+        pipe.search(QUERIES[0], index)
+    with pytest.raises(ValueError, match=r"score_grid: the index has 0.0009765625, this call 0.0"):
+        pipe.encode_videos(videos[2:3], index=index)
+    assert len(index) == 2  # nothing changed
+    pipe.model.set_aggregation(score_grid=2.0**-10)  # the rule it was built with: searched and grown again
+    assert pipe.search(QUERIES[0], index) and len(pipe.encode_videos(videos[2:3], index=index)) == 3
+
 def mapped_file(address: int) -> str:
     """The file mapped at `address` in this process (Linux's /proc/self/maps), "" when none."""
     with open("/proc/self/maps") as maps:

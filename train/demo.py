@@ -121,9 +121,10 @@ def _last_step(log: Path) -> int:
 
 
 def train_variants(keys: list[str], data_dir: Path, runs_dir: Path, seed: int = 0, max_steps: int | None = None,
-                   processes: int = 1, recipe_path: Path = RECIPE) -> dict[str, float]:
+                   processes: int = 1, recipe_path: Path = RECIPE, overrides: tuple[str, ...] = ()) -> dict[str, float]:
     """Trains the variants and returns each run's training wall time (logs: ``runs_dir/<key>.log``, models:
-    ``runs_dir/<key>/final``).
+    ``runs_dir/<key>/final``). ``overrides``: more ``--set key=value`` arguments for every run (e.g. the score
+    grid).
 
     ``processes=1``: the runs go side by side, one single-process ``accelerate launch`` each (one thread each), so
     that they share the cores fairly. ``processes=N > 1``: one after the other, each an N-process ``accelerate launch
@@ -145,20 +146,21 @@ def train_variants(keys: list[str], data_dir: Path, runs_dir: Path, seed: int = 
     try:
         for group in groups:
             seconds.update(_train_group(group, launch, env, data_dir, runs_dir, seed, max_steps, recipe_path, bar,
-                                        steps_per_run, keys))
+                                        steps_per_run, keys, overrides))
     finally:
         bar.close()
     return seconds
 
 
-def _train_group(group, launch, env, data_dir, runs_dir, seed, max_steps, recipe_path, bar, steps_per_run, keys):
+def _train_group(group, launch, env, data_dir, runs_dir, seed, max_steps, recipe_path, bar, steps_per_run, keys,
+                 overrides=()):
     procs, started, seconds, logs = {}, {}, {}, {}
     try:
         for key in group:
             out = runs_dir / key
             command = launch + [str(REPO / "train" / "finetune_retrieval.py"), "--config", str(recipe_path),
                                 "--dataset", str(data_dir), "--output-dir", str(out), "--no-eval",
-                                "--set", f"train.seed={seed}", *VARIANTS[key].overrides()]
+                                "--set", f"train.seed={seed}", *VARIANTS[key].overrides(), *overrides]
             if max_steps:
                 command += ["--max-steps", str(max_steps)]
             if (out / "train_log.jsonl").exists():

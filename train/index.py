@@ -14,8 +14,10 @@ ones continue after their last journaled batch, so no video is encoded twice or 
 videos already in the store (by path, failed ones included) are skipped, the new ones are appended as new shards
 (sorted, after the store's own videos; ``index_plan.json`` records the order and the shards) and encoded the same
 way, resumably, on any number of processes. Until the grown store is complete, its previous index stays readable.
-A store built with other settings (model weights, frames, R_T/R_S, precision, token dtype, shard size) is refused,
-naming what differs, and nothing in it changes.
+A store built with other settings (model weights, frames, R_T/R_S, precision, token dtype, window and stride) is
+refused, naming what differs, and nothing in it changes; the shard size may differ (it shapes only the new shards).
+The same store grows from `VideoTextRetrievalPipeline.encode_videos(store_dir=...)` too: both run the library's one
+build (`modeling_testa.index_build.IndexBuild`).
 
 A video that cannot be read (missing, empty, not a video, truncated, no frames, decoder crash or timeout) is data, not
 an error: it is recorded with its reason (`modeling_testa.indexing.FAILURE_CODES`), never encoded again, never
