@@ -368,9 +368,9 @@ class VideoFrames:
         stream: the video is read whole while its frames are used (`decoder_process(stream=True)`).
 
     Attributes (after `open`): `metadata` (a `VideoMetadata`) and `frame_times` (every frame's presentation time in
-    seconds from the first, from the container's timestamps, as float64; None where it has no usable ones); after `frames` is exhausted:
-    `reached` (one past the last frame index the decoder got to) and `end_error` (the decoder's reason when it stopped
-    before the end of the data, else None).
+    seconds from the first, from the container's timestamps, as float64; None where it has no usable ones). After
+    `frames` is exhausted: `reached` (one past the last frame index the decoder got to) and `end_error` (the
+    decoder's reason when it stopped before the end of the data, else None).
     """
 
     def __init__(self, source: str, backend: str, isolate_decoder: bool = True, decode_timeout: float | None = 120.0,
