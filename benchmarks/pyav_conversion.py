@@ -4,8 +4,9 @@
 
 `modeling_testa.video_decoding_worker` converts decoded frames to RGB through one `VideoReformatter` per decode call
 (`RGBConverter`); before, every frame went through ``frame.to_ndarray(format="rgb24")``, which sets up a new
-conversion each time. This times `pyav_collect_skipping` (the decode path the processor uses for PyAV) both ways,
-on the same files, alternating the two in every round, one thread, and checks that the pixels are identical:
+conversion each time. This times `PyAVReader.frames` (the decode path the processor uses for PyAV: skipping unneeded
+non-reference frames, seeking to a distant frame's keyframe) both ways, on the same files, alternating the two in
+every round, one thread, and checks that the pixels are identical:
 
 * the demo's videos (`processing.short_events`: 64 px, 96-144 frames, a keyframe a second), 8 and 16 frames each;
 * the 60-second 400x224 videos of `decode_speed.py` (shapes and noise backgrounds, 1800 frames), 32 frames each.
@@ -45,7 +46,7 @@ def uniform(total: int, samples: int) -> list[int]:
 
 def decode_all(jobs, converter_class) -> list[dict]:
     worker.RGBConverter = converter_class
-    return [worker.pyav_collect_skipping(path, wanted, sorted_pts, 1) for path, wanted, sorted_pts in jobs]
+    return [dict(reader.frames(wanted)) for reader, wanted in jobs]
 
 
 def compare(name: str, jobs, rounds: int) -> None:
@@ -53,8 +54,8 @@ def compare(name: str, jobs, rounds: int) -> None:
     try:
         outputs = {way: decode_all(jobs, cls) for way, cls in WAYS.items()}  # warm-up, and the pixel check
         first, second = outputs.values()
-        if any(a is None or b is None for a, b in zip(first, second)):
-            raise RuntimeError(f"{name}: the skipping decoder could not produce every frame")
+        if any(len(a) != len(wanted) or len(b) != len(wanted) for a, b, (_, wanted) in zip(first, second, jobs)):
+            raise RuntimeError(f"{name}: the reader could not produce every frame")
         identical = all(np.array_equal(a[i], b[i]) for a, b in zip(first, second) for i in a)
         times = {way: [] for way in WAYS}
         for _ in range(rounds):
@@ -84,21 +85,21 @@ def main() -> None:
         for video in make_videos(num_videos=args.short_event_videos, seed=0):
             path = os.path.join(tmp, f"{video.video_id}.mp4")
             encode_video(video, path)
-            short.append((path, worker.pyav_probe(path)["sorted_pts"]))
+            short.append(worker.PyAVReader(path, 1))
         long = []
         for content in ("shapes", "noise"):
             path = os.path.join(tmp, f"{content}.mp4")
             make_video(path, 60, 30, content)
-            long.append((content, path, worker.pyav_probe(path)["sorted_pts"]))
+            long.append((content, worker.PyAVReader(path, 1)))
         print(f"{args.rounds} alternating rounds, one thread; median ms per video\n")
         print("| videos | count | new conversion per frame (ms) | one reused converter (ms) | speed-up | same pixels |")
         print("|---|---|---|---|---|---|")
         for frames in (8, 16):
-            jobs = [(path, uniform(len(pts), frames), pts) for path, pts in short]
+            jobs = [(reader, uniform(reader.metadata["total_num_frames"], frames)) for reader in short]
             compare(f"short-event demo videos (64 px, 96-144 frames), {frames} frames each", jobs, args.rounds)
-        for content, path, pts in long:
-            compare(f"decode_speed.py {content} video (400x224, 1800 frames), 32 frames", [(path, uniform(len(pts), 32),
-                                                                                            pts)], args.rounds)
+        for content, reader in long:
+            compare(f"decode_speed.py {content} video (400x224, 1800 frames), 32 frames",
+                    [(reader, uniform(reader.metadata["total_num_frames"], 32))], args.rounds)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ from .distributed import barrier, broadcast_object, gather_objects, raise_on_eve
 from .index_homes import Decoder, IndexEntry, IndexHome, RowPlan, StoreHome, as_entries
 from .index_settings import IndexInfo, IndexSettingsError, write_json_atomically
 from .indexing import DecodeAhead, DecodedBatch, EncodingStats, Failure, encode_videos
-from .moments import DecodeWindowRows, plan_windows, probe_duration, rebatch, video_groups
+from .moments import WindowRowDecoder, plan_windows, probe_duration, rebatch
 from .saving import INFERENCE_ATTRIBUTE
 from .store_lock import StoreLockedError, check_lock_token
 from .video_store import journaled_count, journaled_failures
@@ -124,11 +124,13 @@ class FileDecoder:
     """The build's decoder (`index_homes.Decoder`): decodes the rows asked for, `batch_size` at a time, in order.
 
     Whole-video rows are decoded by ``collate([(position, video), ...])`` (e.g. `indexing.DecodeVideos`, or the
-    pipeline's own, which takes in-memory videos too); rows that are moments by `moments.DecodeWindowRows`, each
-    video once for all its consecutive rows. With ``num_workers``, decoding runs ahead of the encoder: in DataLoader
-    worker processes (``worker_processes=True``: `train.index`, the evaluation) or in threads, each with a decoder
-    process of its own from ``thread_initializer`` (the pipeline). Every failure is named by its row (`IndexEntry.name`)
-    and carries its moment.
+    pipeline's own, which takes in-memory videos too); with ``num_workers``, decoding runs ahead of the encoder: in
+    DataLoader worker processes (``worker_processes=True``: `train.index`, the evaluation) or in threads, each with a
+    decoder process of its own from ``thread_initializer`` (the pipeline). Rows that are moments go to
+    `moments.WindowRowDecoder`: each video streamed once for all its consecutive rows, its windows handed out as they
+    complete, in ``num_workers`` threads with decoder processes of their own (whatever ``worker_processes`` says: the
+    stream's memory is bounded per worker). Every failure is named by its row (`IndexEntry.name`) and carries its
+    moment.
 
     Args:
         collate: ``[(position, video)] -> DecodedBatch`` for whole videos.
@@ -148,13 +150,12 @@ class FileDecoder:
         self.worker_processes, self.thread_initializer = worker_processes, thread_initializer
 
     def __call__(self, entries: list[IndexEntry], positions: list[int]) -> Iterable[DecodedBatch]:
-        if any(entries[p].start is not None for p in positions):
-            segments = [None if entry.start is None else [entry.start, entry.end] for entry in entries]
-            collate = DecodeWindowRows(self.video_processor, self.num_frames, segments, self.on_error)
-            items: list[Any] = video_groups(positions, [entry.name(i) for i, entry in enumerate(entries)])
-        else:
-            collate = self.collate
-            items = [(p, entries[p].video) for p in positions]
+        if any(entries[p].start is not None for p in positions):  # streamed, windows handed out as they complete
+            yield from WindowRowDecoder(self.video_processor, self.num_frames, self.batch_size, self.num_workers,
+                                        self.on_error)(entries, positions)
+            return
+        collate = self.collate
+        items = [(p, entries[p].video) for p in positions]
         for indices, pixel_values, failures in rebatch(self.decoded(collate, items), self.batch_size):
             yield indices, pixel_values, [dataclasses.replace(
                 f, video=entries[f.index].name(f.index), start=entries[f.index].start, end=entries[f.index].end)

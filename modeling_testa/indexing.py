@@ -42,7 +42,7 @@ FAILURE_CODES = {
     "truncated": "a video container that ends before its last box (an interrupted download or copy)",
     "no_frames": "the video stream holds no decodable frame",
     "decoder_crash": "the decoder process crashed or stopped",
-    "timeout": "decoding took longer than decode_timeout; the decoder process was killed",
+    "timeout": "the decoder made no progress for decode_timeout seconds (a stall); the decoder process was killed",
     "unreadable": "any other reason the decoders give (corrupt data, no video stream, no permission)",
     "unknown": "recorded by an earlier version, which kept the reason but not its code",
 }

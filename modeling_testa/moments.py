@@ -1,38 +1,62 @@
-"""Moments of long videos: windows planned in seconds, decoded in one pass, and search results per moment.
+"""Moments of long videos: windows planned in seconds, decoded in one streaming pass, and search results per moment.
 
 * `plan_windows` cuts a video of `duration` seconds into windows of `window` seconds every `stride` seconds (the last
   one ends at the video's end; a video no longer than one window is one window, the whole video).
-* `window_frame_indices` chooses the frames a window needs (uniform segment midpoints inside the window).
-* `decode_windows` decodes a video **once** for all its windows: the union of every window's frames is asked from the
-  decoder in a single call (one open, one forward pass; frames shared by overlapping windows are decoded once), then
-  cut into windows. Decoding each window on its own would re-open the file, and a decoder that cannot seek cheaply
-  (PyAV here decodes forward from the start) would re-decode the video up to every window: quadratic in its length.
-* `window_pixel_values` turns those frames into a model's `pixel_values`, one clip per window.
+* `frames_in_window` chooses the frames a window needs from the frames' **timestamps** (uniform segment midpoints of
+  the frames shown inside the window), so variable-frame-rate files are cut at the right times.
+* `WindowStream` decodes a video **once, front to back**, for all its windows (`video_decoding.VideoFrames`: the
+  decoder is asked for the union of the windows' frames and streams them in order; PyAV seeks to the keyframe before
+  a distant frame and skips frames nobody needs). Each frame is prepared as it arrives (by a model's video processor:
+  resized to its input size, `TestaVideoProcessor.frame_transforms`) and kept only while a window that needs it is
+  still open; overlapping windows share their frames; a window is handed out as soon as its last frame is in. Memory
+  is therefore bounded by the open windows at the model's input size, whatever the video's length.
+* Windows the video's data does not reach (a truncated file, a decoder that stopped) come out as failures naming the
+  time where decoding ended, never as copies of the last frame. A decoder that crashes or stalls mid-video fails the
+  windows it did not reach (``"auto"`` first continues with the next decoder from where the first stopped).
+* `WindowRowDecoder` is the index builder's decoder (`index_homes.Decoder`) for rows that are moments: each video
+  streamed once for its rows, windows encoded in batches as they complete (in `num_workers` threads, one video each,
+  each with a decoder process of its own).
+* `decode_windows` / `window_pixel_values` collect every window of one video (raw frames / model input), `moment_frames`
+  decodes one moment (a strip of frames; seeking makes it cheap anywhere in a long file).
 * `format_time` writes seconds as ``h:mm:ss``; `best_moment_per_video` keeps each video's best moment of a ranking.
-
-Memory: `decode_windows` holds every window's frames at the video's own resolution at once,
-``windows x num_frames x height x width x 3`` bytes (an hour in 30 s windows of 8 frames at 640x360: 120 x 8 x 0.7 MB,
-about 0.66 GB).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
+import queue
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from .indexing import check_on_error, decode_or_failure
-from .video_decoding import decode_video, sample_frame_indices
+from .indexing import DecodedBatch, Failure, check_on_error, is_media_error
+from .video_decoding import (
+    VideoDecodingError,
+    VideoFrames,
+    backends_to_try,
+    check_backend_installed,
+    check_source,
+    combined_error,
+    format_time,
+    own_decoder_process,
+    sample_frame_indices,
+)
 
 
 # Times closer than this (seconds) are the same time: keeps 0.1 + 0.2 from planning an extra window.
 TIME_TOLERANCE = 1e-6
+
+STREAM_BACKENDS = ("pyav", "decord")
+"""The decoders ``backend="auto"`` tries when streaming a video's windows, in this order. PyAV first: it holds one
+frame at a time whatever the consumer's pace, and seeks over what no window needs; decord decodes ahead of a slow
+consumer into its own buffers (its helper process grew to 740 MB on an hour of 640x360 while an index was encoded,
+PyAV's stayed at 65 MB; see docs/moments.md)."""
 
 
 def check_window_options(window: float | None, stride: float | None) -> tuple[float | None, float | None]:
@@ -49,6 +73,13 @@ def check_window_options(window: float | None, stride: float | None) -> tuple[fl
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
             raise ValueError(f"`{name}` must be a positive number of seconds, got {value!r}.")
     return float(window), float(window if stride is None else stride)
+
+
+def check_num_frames(num_frames: Any) -> int:
+    """`num_frames` after checking that it is a positive int (a `ValueError` naming it otherwise)."""
+    if isinstance(num_frames, bool) or not isinstance(num_frames, int) or num_frames < 1:
+        raise ValueError(f"`num_frames` must be a positive int, got {num_frames!r}.")
+    return num_frames
 
 
 def plan_windows(duration: float, window: float, stride: float) -> list[tuple[float, float]]:
@@ -75,12 +106,248 @@ def plan_windows(duration: float, window: float, stride: float) -> list[tuple[fl
     return [(float(start), float(start + window)) for start in starts]
 
 
-def window_frame_indices(start: float, end: float, fps: float, total_num_frames: int, num_frames: int) -> np.ndarray:
-    """`num_frames` frame indices inside the window `[start, end)` seconds: the uniform segment midpoints of the
-    window's frames (`sample_frame_indices`), as a whole clip would be sampled. Frame `i` is shown at `i / fps`."""
-    first = min(int(round(start * fps)), total_num_frames - 1)
-    stop = min(max(int(round(end * fps)), first + 1), total_num_frames)
+def frames_in_window(times: np.ndarray, start: float, end: float, num_frames: int,
+                     duration: float | None = None) -> np.ndarray | None:
+    """`num_frames` frame indices for the window `[start, end)` seconds of a video whose frames are shown at `times`
+    (sorted seconds): the uniform segment midpoints (`sample_frame_indices`) of the frames shown inside the window,
+    as a whole clip would be sampled; the frame on screen at `start` for a window shorter than one frame. None when
+    the window starts at or after `duration` (where the frames end; default `data_end(times)`)."""
+    times = np.asarray(times, dtype=np.float64)
+    if not len(times) or start >= (data_end(times) if duration is None else duration) - TIME_TOLERANCE:
+        return None
+    first = int(np.searchsorted(times, start - TIME_TOLERANCE, "left"))
+    stop = int(np.searchsorted(times, end - TIME_TOLERANCE, "left"))
+    if stop <= first:  # no frame starts inside the window: the one on screen at its start
+        first = max(int(np.searchsorted(times, start + TIME_TOLERANCE, "right")) - 1, 0)
+        stop = first + 1
     return first + sample_frame_indices(stop - first, num_frames, "uniform")
+
+
+def window_frame_indices(start: float, end: float, fps: float, total_num_frames: int, num_frames: int) -> np.ndarray:
+    """`frames_in_window` for a constant frame rate: frame `i` is shown at `i / fps`. Raises `ValueError` for a
+    window that starts after the last frame."""
+    indices = frames_in_window(np.arange(total_num_frames) / fps, start, end, num_frames, total_num_frames / fps)
+    if indices is None:
+        raise ValueError(f"The window {start:g}-{end:g} s starts after the last of the video's {total_num_frames} "
+                         f"frames at {fps:g} fps.")
+    return indices
+
+
+def data_end(times: np.ndarray, fps: float | None = None) -> float:
+    """Where a video's frames end, in seconds: the last frame's time plus its duration (the step before it, else
+    ``1 / fps``, else 0)."""
+    if len(times) > 1:
+        step = float(times[-1] - times[-2])
+    else:
+        step = 1.0 / fps if fps else 0.0
+    return float(times[-1]) + step
+
+
+# ------------------------------------------------------------------------------------------------------ streaming
+
+
+@dataclass
+class WindowClip:
+    """One window of a `WindowStream`: its frames (as the stream's `finish` made them), or why it has none.
+
+    Attributes:
+        position: the window's position in the stream's plan.
+        start, end: seconds.
+        frame_indices: the video frames it holds (None when it has none).
+        frames: the prepared frames, finished (None for a failure).
+        error: a `VideoDecodingError` naming the video, the window and where decoding ended (None when decoded).
+    """
+
+    position: int
+    start: float
+    end: float
+    frame_indices: np.ndarray | None = None
+    frames: Any = None
+    error: VideoDecodingError | None = None
+
+
+class WindowAssembly:
+    """Assembles a stream of decoded frames (in increasing index order) into windows, in the windows' order, keeping a
+    frame only while a window still to hand out needs it.
+
+    Args:
+        source: the video (for error messages).
+        windows: `(start, end)` seconds of every window.
+        plan: each window's frame indices, or None for a window the video's data does not reach.
+        times: every frame's time (seconds), for messages.
+        total: the frames the video declares.
+        finish: turns a window's prepared frames (a list, in order) into its `WindowClip.frames`.
+    """
+
+    def __init__(self, source: str, windows: list[tuple[float, float]], plan: list[np.ndarray | None],
+                 times: np.ndarray, total: int, finish: Callable[[list[Any]], Any]) -> None:
+        self.source, self.windows, self.plan, self.times, self.total = source, windows, plan, times, total
+        self.finish = finish
+        self.last_use: dict[int, int] = {}
+        for position, indices in enumerate(plan):
+            for index in [] if indices is None else indices.tolist():
+                self.last_use[index] = position
+        self.wanted = sorted(self.last_use)
+        self.frames: dict[int, Any] = {}
+        self.received = -1  # the highest frame index received
+        self.next = 0  # the next window to hand out
+        self.ended: VideoDecodingError | None = None  # why no more frames will come
+
+    def pending(self) -> list[int]:
+        """The frames still to receive."""
+        return [index for index in self.wanted if index > self.received]
+
+    def add(self, index: int, frame: Any) -> None:
+        """A decoded (and prepared) frame."""
+        if self.last_use.get(index, -1) >= self.next:
+            self.frames[index] = frame
+        self.received = max(self.received, index)
+
+    def end(self, error: VideoDecodingError) -> None:
+        """No more frames will come, because of `error` (the windows still waiting fail with it)."""
+        self.ended = error
+
+    def _where(self) -> str:
+        if self.received < 0:
+            return "before its first frame"
+        return f"at {format_time(float(self.times[self.received]))} (frame {self.received + 1} of {self.total})"
+
+    def ready(self) -> Iterator[WindowClip]:
+        """The windows that can be handed out now, in order: complete ones, and ones that can no longer be."""
+        while self.next < len(self.windows):
+            position, (start, end), indices = self.next, self.windows[self.next], self.plan[self.next]
+            moment = f"{format_time(start)}-{format_time(end)}"
+            if indices is None:
+                reach = format_time(data_end(self.times, None)) if len(self.times) else "0:00:00"
+                clip = WindowClip(position, start, end, error=VideoDecodingError(
+                    self.source, f"the moment {moment} lies past the end of the video's decodable data at {reach} "
+                                 f"({len(self.times)} of the {self.total} frames it declares)", code="no_frames"))
+            elif int(indices[-1]) <= self.received:
+                missing = [int(i) for i in indices if int(i) not in self.frames]
+                if missing:
+                    clip = WindowClip(position, start, end, indices, error=VideoDecodingError(
+                        self.source, f"frame {missing[0]} of the moment {moment} could not be decoded",
+                        code="unreadable"))
+                else:
+                    clip = WindowClip(position, start, end, indices,
+                                      frames=self.finish([self.frames[int(i)] for i in indices]))
+            elif self.ended is not None:
+                clip = WindowClip(position, start, end, indices, error=VideoDecodingError(
+                    self.source, f"decoding stopped {self._where()}, before the end of the moment {moment}: "
+                                 f"{self.ended.reason}", self.ended.backend, code=self.ended.code))
+            else:
+                return
+            self.next += 1
+            for index in [i for i in self.frames if self.last_use[i] < self.next]:
+                del self.frames[index]
+            yield clip
+
+
+class WindowStream:
+    """The windows of one video, decoded in one streaming pass and handed out in order as they complete (see the
+    module docstring). Iterate it once: `WindowClip` per window.
+
+    Args:
+        source: a video file (or URL).
+        windows: `(start, end)` seconds of the windows, or a function of the video's duration that plans them (e.g.
+            ``lambda d: plan_windows(d, 30, 15)``).
+        num_frames: frames per window.
+        prepare: applied to each decoded frame (uint8 RGB ``(H, W, 3)`` array) as it arrives, e.g. a resize to the
+            model's input size; default: kept as is.
+        finish: turns a window's prepared frames (a list, in order) into its frames; default: `np.stack`.
+        backend, isolate_decoder, decode_timeout, num_threads: as `video_decoding.decode_video` (decode_timeout is
+            a stall limit), except that ``"auto"`` tries `STREAM_BACKENDS` (PyAV first); a decoder that fails or
+            stalls mid-video is then followed by the next one, from the first frame not yet decoded.
+        long_read: the stream holds its decoder helper while its windows are used (an index encodes them): it
+            decodes in this process' helper for streams (`video_decoding.decoder_process`), so that short reads
+            (`decode_video`, `moment_frames`) in other threads never wait for it. False for a short read.
+
+    Attributes (once iteration has begun): `metadata` (`VideoMetadata` of the decoder that opened the video: its
+    `duration` is what the container declares, over which `windows` is planned when it is a function),
+    `frame_times` (seconds), `duration` (where the frames the decoder found end), `windows` (the plan).
+
+    Raises (when iterated): `FileNotFoundError` or `VideoDecodingError` when no decoder can open the video, a
+    `ValueError` for a video without a frame rate or timestamps.
+    """
+
+    def __init__(self, source: str | os.PathLike, windows: list[tuple[float, float]] | Callable[[float], list],
+                 num_frames: int, prepare: Callable[[np.ndarray], Any] | None = None,
+                 finish: Callable[[list[Any]], Any] | None = None, backend: str = "auto",
+                 isolate_decoder: bool = True, decode_timeout: float | None = 120.0,
+                 num_threads: int | None = None, long_read: bool = True) -> None:
+        self.source = check_source(source)
+        self.plan_windows, self.num_frames = windows, check_num_frames(num_frames)
+        self.prepare = prepare or (lambda frame: frame)
+        self.finish = finish or np.stack
+        self.options = {"isolate_decoder": isolate_decoder, "decode_timeout": decode_timeout,
+                        "num_threads": num_threads, "stream": long_read}
+        self.backends = backends_to_try(backend, STREAM_BACKENDS)
+        self.metadata = self.frame_times = self.duration = self.windows = None
+
+    def _open(self, backends: list[str], failures: list[tuple[str, VideoDecodingError]]) -> VideoFrames | None:
+        """The video opened with the first of `backends` that can (the others' failures added to `failures`)."""
+        while backends:
+            name = backends.pop(0)
+            try:
+                check_backend_installed(name)
+                video = VideoFrames(self.source, name, **self.options)
+                video.open()
+                return video
+            except VideoDecodingError as error:
+                failures.append((name, error))
+        return None
+
+    def _assembly(self, video: VideoFrames) -> WindowAssembly:
+        metadata = self.metadata = video.metadata
+        times = video.frame_times
+        if times is None or not len(times):
+            if not metadata.fps:
+                raise ValueError(f"Cutting {self.source!r} into windows of seconds needs its frame rate or its "
+                                 "frames' timestamps; it has neither.")
+            times = np.arange(metadata.total_num_frames) / metadata.fps
+        if not len(times):
+            raise VideoDecodingError(self.source, "the video stream contains no frames", video.backend,
+                                     code="no_frames")
+        self.frame_times, self.duration = times, data_end(times, metadata.fps)
+        # planned over the duration the container declares, as an index plans its rows: a truncated file's windows
+        # past its data then fail, naming where the data ends
+        declared = metadata.duration or self.duration
+        planned = self.plan_windows(declared) if callable(self.plan_windows) else list(self.plan_windows)
+        self.windows = [(float(start), float(end)) for start, end in planned]
+        step = self.duration - float(times[-1])  # one frame: the tolerance on where the data ends
+        plan = [frames_in_window(times, start, end, self.num_frames, self.duration)
+                if end <= self.duration + step + TIME_TOLERANCE else None for start, end in self.windows]
+        return WindowAssembly(self.source, self.windows, plan, times, int(metadata.total_num_frames), self.finish)
+
+    def __iter__(self) -> Iterator[WindowClip]:
+        backends, failures = list(self.backends), []
+        video = self._open(backends, failures)
+        if video is None:
+            raise combined_error(self.source, failures)
+        try:
+            assembly = self._assembly(video)
+            yield from assembly.ready()
+            while assembly.next < len(self.windows):
+                try:
+                    for index, frame in video.frames(assembly.pending()):
+                        assembly.add(index, self.prepare(frame))
+                        yield from assembly.ready()
+                    reason = f"FFmpeg: {video.end_error}" if video.end_error else "the video's data ends there"
+                    assembly.end(VideoDecodingError(self.source, reason, video.backend,
+                                                    code="unreadable" if video.end_error else "no_frames"))
+                except VideoDecodingError as error:  # a crash, a stall, an error: the next decoder goes on from here
+                    video.close()
+                    failures.append((video.backend, error))
+                    video = self._open(backends, failures)
+                    if video is None:
+                        assembly.end(combined_error(self.source, failures))
+                yield from assembly.ready()
+        finally:
+            if video is not None:
+                video.close()
+
+
+# ------------------------------------------------------------------------------------------------ one video, whole
 
 
 @dataclass
@@ -89,42 +356,38 @@ class VideoWindows:
 
     Attributes:
         source: the video file.
-        windows: `(start, end)` seconds of every window.
-        frames: uint8 `(len(windows), num_frames, height, width, 3)` RGB frames of every window.
+        windows: `(start, end)` seconds of every window decoded.
+        frames: every decoded window's frames, stacked: uint8 `(len(windows), num_frames, height, width, 3)` RGB
+            (`decode_windows`), or `pixel_values` `(len(windows), num_frames, 3, h, w)` (`window_pixel_values`).
         frame_indices: int64 `(len(windows), num_frames)`: which frame of the video each one is.
-        fps: the video's frame rate.
-        total_num_frames: the frames of the video.
+        fps: the video's (average) frame rate.
+        total_num_frames: the frames the video declares.
+        duration: where its decodable frames end, in seconds.
+        failures: `(start, end, VideoDecodingError)` of every planned window that could not be decoded (e.g. past the
+            end of a truncated file's data).
     """
 
     source: str
     windows: list[tuple[float, float]]
-    frames: np.ndarray
+    frames: Any
     frame_indices: np.ndarray
-    fps: float
+    fps: float | None
     total_num_frames: int
-
-    @property
-    def duration(self) -> float:
-        return self.total_num_frames / self.fps
+    duration: float
+    failures: list[tuple[float, float, VideoDecodingError]] = field(default_factory=list)
 
 
-def windows_sampler(window: float, stride: float, num_frames: int, source: str,
-                    planned: list[tuple[float, float]] | None = None):
-    """A `sample_indices_fn` for `decode_video` that plans the windows from the video's metadata (or takes the
-    `planned` ones), remembers the plan (`sampler.plan`, updated if the decoder samples again over a truncated file),
-    and asks for every window's frames at once."""
-
-    def sampler(metadata: Any) -> np.ndarray:
-        total, fps = int(metadata.total_num_frames), metadata.fps
-        if not fps:
-            raise ValueError(f"Cutting {source!r} into windows of seconds needs its frame rate, which is unknown.")
-        windows = list(planned) if planned is not None else plan_windows(total / fps, window, stride)
-        indices = np.stack([window_frame_indices(s, e, fps, total, num_frames) for s, e in windows])
-        sampler.plan = (windows, indices, float(fps), total)
-        return indices.reshape(-1)
-
-    sampler.plan = None
-    return sampler
+def collect_windows(stream: WindowStream, stack: Callable[[list[Any]], Any] = np.stack) -> VideoWindows:
+    """Every window of `stream`, decoded ones stacked (`stack`), failed ones listed; raises the first window's error
+    when none could be decoded."""
+    clips = list(stream)
+    decoded = [clip for clip in clips if clip.error is None]
+    if not decoded:
+        raise clips[0].error if clips else ValueError(f"No window was planned for {stream.source!r}.")
+    return VideoWindows(stream.source, [(clip.start, clip.end) for clip in decoded],
+                        stack([clip.frames for clip in decoded]), np.stack([clip.frame_indices for clip in decoded]),
+                        stream.metadata.fps, int(stream.metadata.total_num_frames), stream.duration,
+                        [(clip.start, clip.end, clip.error) for clip in clips if clip.error is not None])
 
 
 def decode_windows(
@@ -132,22 +395,19 @@ def decode_windows(
     window: float,
     stride: float | None = None,
     num_frames: int = 8,
-    fetch: Any = None,
     windows: list[tuple[float, float]] | None = None,
     **decode_options: Any,
 ) -> VideoWindows:
     """Decodes `source` once and cuts it into windows of `window` seconds every `stride` seconds (default: `window`),
-    each with `num_frames` frames.
+    each with `num_frames` RGB frames at the video's resolution (`WindowStream`; this collects them all: for long
+    videos, stream them, or use `window_pixel_values`, which keeps them at the model's input size).
 
     Args:
         source: a video file (or URL).
-        window, stride: seconds (see `plan_windows`).
+        window, stride: seconds (see `plan_windows`), planned over the video's decodable duration.
         num_frames: frames per window.
-        fetch: the decoding function, ``fetch(source, sample_indices_fn=...) -> (frames, metadata)``: default
-            `decode_video` with `decode_options` (``backend``, ``isolate_decoder``, ``decode_timeout``,
-            ``num_threads``); a video processor's ``fetch_videos`` uses its own decoder settings.
-        windows: `(start, end)` seconds planned beforehand (e.g. by `plan_window_rows`), cut instead of planning
-            from the decoded video's metadata (frames past the video's end are its last frames).
+        windows: `(start, end)` seconds planned beforehand (e.g. by `plan_window_rows`), cut instead.
+        decode_options: ``backend``, ``isolate_decoder``, ``decode_timeout``, ``num_threads`` (`WindowStream`).
 
     Raises:
         `ValueError` for bad options or a video without a known frame rate (naming the file); the decoder's
@@ -156,54 +416,65 @@ def decode_windows(
     window, stride = check_window_options(window, stride)
     if window is None:
         raise ValueError("`window` (seconds per window) is required.")
-    if isinstance(num_frames, bool) or not isinstance(num_frames, int) or num_frames < 1:
-        raise ValueError(f"`num_frames` must be a positive int, got {num_frames!r}.")
-    source = os.fspath(source)
-    sampler = windows_sampler(window, stride, num_frames, source, windows)
-    if fetch is None:
-        frames, _ = decode_video(source, sample_indices_fn=sampler, **decode_options)
-    else:
-        frames, _ = fetch(source, sample_indices_fn=sampler)
-    windows, indices, fps, total = sampler.plan
-    frames = np.asarray(frames).reshape(len(windows), num_frames, *np.asarray(frames).shape[1:])
-    return VideoWindows(source, windows, frames, indices, fps, total)
+    plan = windows if windows is not None else (lambda duration: plan_windows(duration, window, stride))
+    return collect_windows(WindowStream(source, plan, check_num_frames(num_frames), **decode_options))
 
 
-def moment_frames(source: str | os.PathLike, start: float, end: float, num_frames: int = 6,
-                  **decode_options: Any) -> np.ndarray:
-    """`num_frames` RGB frames `(num_frames, H, W, 3)` spread over `[start, end)` seconds of a video (uniform segment
-    midpoints), e.g. a strip that shows a moment. `decode_options` go to `decode_video`."""
-    if isinstance(num_frames, bool) or not isinstance(num_frames, int) or num_frames < 1:
-        raise ValueError(f"`num_frames` must be a positive int, got {num_frames!r}.")
-    if not (math.isfinite(start) and math.isfinite(end)) or not 0 <= start < end:
-        raise ValueError(f"A moment needs 0 <= start < end seconds, got ({start!r}, {end!r}).")
-    source = os.fspath(source)
+def processor_stream_options(video_processor: Any) -> dict[str, Any]:
+    """The decoder settings of a video processor (`TestaVideoProcessor`), as `WindowStream` takes them."""
+    return {"backend": video_processor.video_backend, "isolate_decoder": video_processor.isolate_decoder,
+            "decode_timeout": video_processor.decode_timeout, "num_threads": video_processor.decode_threads}
 
-    def sample(metadata: Any) -> np.ndarray:
-        if not metadata.fps:
-            raise ValueError(f"Finding {start:g}-{end:g} s in {source!r} needs its frame rate, which is unknown.")
-        return window_frame_indices(start, end, metadata.fps, metadata.total_num_frames, num_frames)
 
-    frames, _ = decode_video(source, sample_indices_fn=sample, **decode_options)
-    return frames
+def processor_frame_steps(video_processor: Any) -> tuple[Callable[[np.ndarray], Any], Callable[[list[Any]], Any]]:
+    """`(prepare, finish)` for a `WindowStream` that gives a video processor's `pixel_values` per window: each frame
+    resized to the model's input size and normalised as it is decoded (once, though overlapping windows share it),
+    each window the concatenation of its frames. The processor's own steps (`TestaVideoProcessor.frame_transforms`),
+    which work frame by frame, so every window equals the processor's output for its frames."""
+    resize, normalise = video_processor.frame_transforms()
+
+    def prepare(frame: np.ndarray) -> torch.Tensor:
+        return normalise(resize(torch.from_numpy(frame)[None].permute(0, 3, 1, 2)))
+
+    def finish_window(frames: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(frames)
+
+    return prepare, finish_window
 
 
 def window_pixel_values(video_processor: Any, source: str | os.PathLike, window: float, stride: float | None = None,
                         num_frames: int | None = None, windows: list[tuple[float, float]] | None = None
                         ) -> tuple[VideoWindows, torch.Tensor]:
     """Every window of `source` as model input: `(windows, pixel_values)` with `pixel_values`
-    `(len(windows), num_frames, 3, H, W)`, decoded once with the processor's decoder settings and transformed as the
-    processor transforms a whole clip (resize, crop, normalise)."""
-    num_frames = int(num_frames or video_processor.num_frames)
+    `(len(windows), num_frames, 3, H, W)` (also `windows.frames`), decoded once with the processor's decoder settings,
+    each frame resized to the model's input size as it is decoded, and transformed as the processor transforms a
+    whole clip (resize, crop, normalise)."""
+    window, stride = check_window_options(window, stride)
+    if window is None:
+        raise ValueError("`window` (seconds per window) is required.")
+    plan = windows if windows is not None else (lambda duration: plan_windows(duration, window, stride))
+    prepare, finish = processor_frame_steps(video_processor)
+    stream = WindowStream(source, plan, check_num_frames(int(num_frames or video_processor.num_frames)), prepare,
+                          finish, **processor_stream_options(video_processor))
+    cut = collect_windows(stream, torch.stack)
+    return cut, cut.frames
 
-    def fetch(path: str, sample_indices_fn: Any) -> tuple[np.ndarray, Any]:
-        return video_processor.fetch_videos(path, sample_indices_fn=lambda metadata: sample_indices_fn(metadata))
 
-    cut = decode_windows(source, window, stride, num_frames, fetch=fetch, windows=windows)
-    # every window already holds exactly `num_frames` frames: uniform sampling of T out of T keeps them all, in order
-    pixel_values = video_processor(videos=list(cut.frames), num_frames=num_frames, frame_sampling="uniform",
-                                   return_tensors="pt")["pixel_values"]
-    return cut, pixel_values
+def moment_frames(source: str | os.PathLike, start: float, end: float, num_frames: int = 6,
+                  **decode_options: Any) -> np.ndarray:
+    """`num_frames` RGB frames `(num_frames, H, W, 3)` spread over `[start, end)` seconds of a video (uniform segment
+    midpoints of the frames shown then), e.g. a strip that shows a moment. PyAV seeks to the keyframe before the
+    moment, so this costs about one GOP wherever the moment lies. `decode_options` as `WindowStream`'s."""
+    check_num_frames(num_frames)
+    if not (math.isfinite(start) and math.isfinite(end)) or not 0 <= start < end:
+        raise ValueError(f"A moment needs 0 <= start < end seconds, got ({start!r}, {end!r}).")
+    (clip,) = list(WindowStream(source, [(float(start), float(end))], num_frames, long_read=False, **decode_options))
+    if clip.error is not None:
+        raise clip.error
+    return clip.frames
+
+
+# ------------------------------------------------------------------------------------------------ refining
 
 
 def frame_spans(start: float, end: float, num_frames: int) -> list[tuple[float, float]]:
@@ -246,20 +517,28 @@ def refine_moment(spans: list[tuple[float, float]], scores: Any, level: float = 
     return float(spans[order[first]][0]), float(max(spans[order[i]][1] for i in range(first, last + 1)))
 
 
+# ------------------------------------------------------------------------------------------- rows of an index
+
+
 def probe_duration(source: str | os.PathLike) -> float:
-    """A video's duration in seconds from its container (PyAV: declared frames, else packets, over the frame rate;
-    no frame is decoded), as the PyAV decoder will count its frames. Raises `ValueError` naming the file."""
-    from .video_decoding_worker import DecodeFailure, pyav_probe
+    """A video's duration in seconds from its container (PyAV: the frames it declares, else its packets, over the
+    frame rate; no frame is decoded). Raises `ValueError` naming the file."""
+    from .video_decoding_worker import DecodeFailure, pyav_open, pyav_probe
 
     source = os.fspath(source)
     try:
-        info = pyav_probe(source)
+        container, stream = pyav_open(source, 1)
+        with container:
+            rate = stream.average_rate or stream.guessed_rate
+            total, fps = int(stream.frames or 0), (float(rate) if rate else None)
+        if not total:  # not declared: count the packets
+            info = pyav_probe(source)
+            total = info["packets"]
     except (DecodeFailure, OSError, ImportError) as error:
         raise ValueError(f"Cannot read the duration of {source!r}: {error}") from error
-    total = info["declared_frames"] or info["packets"]
-    if not total or not info["fps"]:
-        raise ValueError(f"Cannot read the duration of {source!r}: {total} frames at {info['fps']} fps.")
-    return total / info["fps"]
+    if not total or not fps:
+        raise ValueError(f"Cannot read the duration of {source!r}: {total} frames at {fps} fps.")
+    return total / fps
 
 
 def plan_window_rows(videos: list[str], window: float, stride: float | None,
@@ -297,49 +576,107 @@ def video_groups(rows: Iterable[int], names: list[str]) -> list[tuple[str, list[
     return groups
 
 
-class DecodeWindowRows:
-    """DataLoader collation for an index of moments built row by row (`train.index --window`): takes
-    ``[(video, rows)]`` (from `video_groups`) and decodes each video once for the windows of its rows
-    (``segments[row]``; a `None` segment is the whole video), returning a `indexing.DecodedBatch` over rows. A video
-    that cannot be read fails all its rows (``on_error="skip"``) or raises."""
+class ThreadedStreams:
+    """Runs the generators ``make(i)`` for ``i in range(count)`` in ``num_workers`` threads and yields all items of
+    stream 0, then of stream 1, ...: while one stream is consumed, the next ones run ahead, each into a queue of at
+    most `max_items` items (so memory stays bounded: ``num_workers x max_items`` items and what each generator holds).
+    A context manager: leaving it stops the streams (their generators are closed) and what `thread_initializer`
+    started (``.stop()``). An exception in a stream is raised where its items are consumed."""
 
-    def __init__(self, video_processor: Any, num_frames: int, segments: list[list[float] | None],
-                 on_error: str = "skip"):
-        self.video_processor, self.num_frames, self.segments = video_processor, num_frames, segments
-        self.on_error = check_on_error(on_error)
+    _ITEM, _END, _ERROR = range(3)
 
-    def decode(self, video: str, rows: list[int]) -> torch.Tensor:
-        """One clip per row, in the rows' order: the whole video for a row without a segment, else its window (a
-        video may have both kinds of rows, given as entries)."""
-        planned = [self.segments[row] for row in rows]
-        whole = None
-        if any(segment is None for segment in planned):
-            whole = self.video_processor(videos=[video], num_frames=self.num_frames, frame_sampling="uniform",
-                                         return_tensors="pt")["pixel_values"]
-            if all(segment is None for segment in planned):
-                return whole.expand(len(rows), *whole.shape[1:]).clone() if len(rows) > 1 else whole
-        windows = [(float(segment[0]), float(segment[1])) for segment in planned if segment is not None]
-        window = max(end - start for start, end in windows)
-        clips = iter(window_pixel_values(self.video_processor, video, window, window, self.num_frames,
-                                         windows=windows)[1])
-        return torch.stack([whole[0] if segment is None else next(clips) for segment in planned])
+    def __init__(self, make: Callable[[int], Iterator[Any]], count: int, num_workers: int, max_items: int,
+                 thread_initializer: Callable[[], Any] | None = None) -> None:
+        self.make, self.count, self.num_workers, self.max_items = make, count, num_workers, max(1, max_items)
+        self.thread_initializer = thread_initializer
+        self.stopped = threading.Event()
+        self.started: list[Any] = []
+        self.executor: ThreadPoolExecutor | None = None
 
-    def __call__(self, groups: list[tuple[str, list[int]]]):
-        indices, pixels, failures = [], [], []
-        for video, rows in groups:
-            decoded, failure = decode_or_failure(lambda: self.decode(video, rows), rows[0], video,  # noqa: B023
-                                                 self.on_error)
-            if failure is not None:
-                failures += [dataclasses.replace(failure, index=row) for row in rows]
+    def _initialize_thread(self) -> None:
+        if self.thread_initializer is not None:
+            started = self.thread_initializer()
+            if started is not None:
+                self.started.append(started)
+
+    def __enter__(self) -> ThreadedStreams:
+        self.executor = ThreadPoolExecutor(self.num_workers, thread_name_prefix="testa-windows",
+                                           initializer=self._initialize_thread)
+        return self
+
+    def _put(self, items: queue.Queue, entry: tuple[int, Any]) -> bool:
+        while not self.stopped.is_set():
+            try:
+                items.put(entry, timeout=0.1)
+                return True
+            except queue.Full:
                 continue
-            indices += rows
-            pixels.append(decoded)
-        return indices, (torch.cat(pixels) if pixels else None), failures
+        return False
+
+    def _produce(self, i: int, items: queue.Queue) -> None:
+        stream = self.make(i)
+        try:
+            for item in stream:
+                if not self._put(items, (self._ITEM, item)):
+                    return
+            self._put(items, (self._END, None))
+        except BaseException as error:  # noqa: BLE001 - raised in the consumer
+            self._put(items, (self._ERROR, error))
+        finally:
+            stream.close()
+
+    def __iter__(self) -> Iterator[Any]:
+        queues: dict[int, queue.Queue] = {}
+
+        def start(i: int) -> None:
+            queues[i] = queue.Queue(self.max_items)
+            self.executor.submit(self._produce, i, queues[i])
+
+        for i in range(min(self.count, self.num_workers)):
+            start(i)
+        for i in range(self.count):
+            items = queues.pop(i)
+            while True:
+                kind, item = items.get()
+                if kind == self._ERROR:
+                    raise item
+                if kind == self._END:
+                    break
+                yield item
+            if i + self.num_workers < self.count:
+                start(i + self.num_workers)
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.stopped.set()
+        if self.executor is not None:
+            self.executor.shutdown(wait=True, cancel_futures=True)
+        for started in self.started:
+            started.stop()
+
+
+def batched_rows(rows: Iterable[tuple[int, torch.Tensor | None, Failure | None]], batch_size: int
+                 ) -> Iterator[DecodedBatch]:
+    """``(row, pixel_values or None, failure or None)`` items regrouped into `indexing.DecodedBatch` es of at most
+    `batch_size` decoded rows; failures go out with the next batch."""
+    indices: list[int] = []
+    pixels: list[torch.Tensor] = []
+    failures: list[Failure] = []
+    for row, pixel_values, failure in rows:
+        if failure is not None:
+            failures.append(failure)
+            continue
+        indices.append(row)
+        pixels.append(pixel_values)
+        if len(indices) == batch_size:
+            yield indices, torch.stack(pixels), failures
+            indices, pixels, failures = [], [], []
+    if indices or failures:
+        yield indices, (torch.stack(pixels) if pixels else None), failures
 
 
 def rebatch(batches: Iterable[Any], batch_size: int) -> Iterator[Any]:
-    """`indexing.DecodedBatch` es regrouped into batches of at most `batch_size` rows (a long video's windows split
-    over several encoder forwards, short ones joined); failures pass with the next batch."""
+    """`indexing.DecodedBatch` es regrouped into batches of at most `batch_size` rows (short videos joined, a long
+    one split over several encoder forwards); failures pass with the next batch."""
     indices: list[int] = []
     pixels: list[torch.Tensor] = []
     failures: list[Any] = []
@@ -355,14 +692,91 @@ def rebatch(batches: Iterable[Any], batch_size: int) -> Iterator[Any]:
         yield indices, (torch.stack(pixels) if pixels else None), failures
 
 
-def format_time(seconds: float | None) -> str:
-    """``h:mm:ss`` (whole seconds, rounded down), e.g. ``3725.4 -> "1:02:05"``; ``"-"`` for None (a whole video)."""
-    if seconds is None:
-        return "-"
-    if not math.isfinite(seconds) or seconds < 0:
-        raise ValueError(f"A time must be a non-negative number of seconds, got {seconds!r}.")
-    whole = int(seconds + TIME_TOLERANCE)
-    return f"{whole // 3600}:{whole // 60 % 60:02d}:{whole % 60:02d}"
+class WindowRowDecoder:
+    """The index builder's decoder (`index_homes.Decoder`: ``decode(entries, positions)`` -> `indexing.DecodedBatch`
+    es) for rows that are moments of video files (``entry.start``/``entry.end`` seconds; None: the whole video).
+
+    The rows of one video (consecutive positions, `video_groups`) are decoded in one `WindowStream`: each frame
+    resized to the model's input size as it is decoded (`processor_frame_steps`), kept while an open window needs it,
+    and every window handed to the encoder as soon as it is complete, `batch_size` windows at a time, so the index
+    fills while the video is still decoding and memory does not grow with its length. With `num_workers`, that many
+    videos are decoded at once in threads (`ThreadedStreams`, each with a decoder process of its own), each at most
+    `batch_size` windows ahead of the encoder. A row that cannot be decoded (the file, or only its moment: past the
+    end of a truncated file's data, after a decoder stopped) is a `Failure` with the row's start and end
+    (``on_error="skip"``), or raises (``"raise"``).
+
+    Args:
+        video_processor: a `TestaVideoProcessor` (its decoder settings and `frame_transforms`).
+        num_frames: frames per row.
+        batch_size: rows per batch.
+        num_workers: videos decoded at once in threads (0: in the calling thread).
+        on_error: ``"skip"`` or ``"raise"``.
+    """
+
+    def __init__(self, video_processor: Any, num_frames: int, batch_size: int = 8, num_workers: int = 0,
+                 on_error: str = "skip") -> None:
+        self.video_processor, self.num_frames = video_processor, check_num_frames(num_frames)
+        self.batch_size, self.num_workers = batch_size, num_workers
+        self.on_error = check_on_error(on_error)
+
+    def _failure(self, error: BaseException, video: str, row: int, entry: Any) -> tuple[int, None, Failure]:
+        if self.on_error == "raise" or not is_media_error(error):
+            raise error
+        return row, None, Failure.from_error(error, video, row, start=entry.start, end=entry.end)
+
+    def _whole(self, video: str, row: int, entry: Any) -> tuple[int, torch.Tensor | None, Failure | None]:
+        try:
+            pixel_values = self.video_processor(videos=[video], num_frames=self.num_frames, frame_sampling="uniform",
+                                                return_tensors="pt")["pixel_values"][0]
+        except Exception as error:  # noqa: BLE001 - a media error becomes the row's failure, others raise
+            return self._failure(error, video, row, entry)
+        return row, pixel_values, None
+
+    def video_rows(self, video: str, rows: list[int], entries: list[Any]
+                   ) -> Iterator[tuple[int, torch.Tensor | None, Failure | None]]:
+        """``(row, pixel_values or None, failure or None)`` for the rows of one video, in order, each window as
+        soon as it is decoded."""
+        # whole-video rows first, before the stream opens the video (their tensors are one clip each)
+        whole = {row: self._whole(video, row, entries[row]) for row in rows if entries[row].start is None}
+        moments = [row for row in rows if entries[row].start is not None]
+        clips: Iterator[WindowClip] = iter(())
+        if moments:
+            prepare, finish = processor_frame_steps(self.video_processor)
+            clips = iter(WindowStream(video, [(float(entries[r].start), float(entries[r].end)) for r in moments],
+                                      self.num_frames, prepare, finish,
+                                      **processor_stream_options(self.video_processor)))
+        unopened: BaseException | None = None
+        for row in rows:
+            entry = entries[row]
+            if entry.start is None:
+                yield whole.pop(row)
+                continue
+            if unopened is not None:
+                yield self._failure(unopened, video, row, entry)
+                continue
+            try:
+                clip = next(clips)
+            except (OSError, VideoDecodingError) as error:  # the video cannot be opened: every moment fails
+                unopened = error
+                yield self._failure(error, video, row, entry)
+                continue
+            if clip.error is not None:
+                yield self._failure(clip.error, video, row, entry)
+            else:
+                yield row, clip.frames, None
+        for _ in clips:  # let the stream read the decoder's end, so its helper serves the next video
+            pass
+
+    def __call__(self, entries: list[Any], positions: list[int]) -> Iterator[DecodedBatch]:
+        groups = video_groups(positions, [entry.name(i) for i, entry in enumerate(entries)])
+        if self.num_workers == 0:
+            rows = (item for video, group in groups for item in self.video_rows(video, group, entries))
+            yield from batched_rows(rows, self.batch_size)
+            return
+        streams = ThreadedStreams(lambda g: self.video_rows(*groups[g], entries), len(groups), self.num_workers,
+                                  self.batch_size, own_decoder_process)
+        with streams:
+            yield from batched_rows(streams, self.batch_size)
 
 
 def best_moment_per_video(results: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -379,21 +793,34 @@ def best_moment_per_video(results: Iterable[Mapping[str, Any]]) -> list[dict[str
     return grouped
 
 
+
 __all__ = [
-    "DecodeWindowRows",
+    "STREAM_BACKENDS",
     "VideoWindows",
-    "plan_window_rows",
-    "probe_duration",
-    "rebatch",
-    "video_groups",
+    "WindowAssembly",
+    "WindowClip",
+    "WindowRowDecoder",
+    "WindowStream",
+    "ThreadedStreams",
+    "batched_rows",
     "best_moment_per_video",
+    "check_num_frames",
     "check_window_options",
+    "collect_windows",
+    "data_end",
     "decode_windows",
     "format_time",
     "frame_spans",
+    "frames_in_window",
     "moment_frames",
-    "refine_moment",
+    "plan_window_rows",
     "plan_windows",
+    "probe_duration",
+    "processor_frame_steps",
+    "processor_stream_options",
+    "rebatch",
+    "refine_moment",
+    "video_groups",
     "window_frame_indices",
     "window_pixel_values",
 ]

@@ -491,8 +491,9 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
                 window): another setting is refused, naming the difference, before anything is encoded.
             window (`float`, *optional*): index moments instead of whole videos: every video file is cut into
                 windows of this many seconds (planned from its duration, `moments.plan_windows`; a video shorter
-                than one window is one entry), each video decoded once for all its windows
-                (`moments.DecodeWindowRows`), and each window is one row of the index with its `start` and `end`
+                than one window is one entry), each video streamed once for all its windows
+                (`moments.WindowRowDecoder`: memory bounded by the windows still open, whatever the video's
+                length), and each window is one row of the index with its `start` and `end`
                 (`VideoIndex.segments`); `search` then returns moments. Paths only, in memory or in a store (as
                 `python -m train.index --window` writes one); `num_frames` is the only video argument taken. With
                 `num_workers`, the next videos are decoded (each in one pass) in threads while the current windows

@@ -42,15 +42,9 @@ This file is Hub remote code (the pipelines import `inference`, which imports it
 
 import logging
 import os
-import pickle
-import signal
-import struct
-import subprocess
 import sys
-import tempfile
 import threading
 import warnings
-import weakref
 from dataclasses import dataclass, fields
 from typing import Any, Callable, ClassVar
 
@@ -61,6 +55,8 @@ from .aggregation_settings import AGGREGATION_FIELDS
 from .fused_aggregation import check_option as check_fused_kernels_option
 from .linear_layers import compile_blocks, convert_linears
 from .engines import EncoderGraph, Engine, ExportedEncoder, OnnxRuntimeEngine, OpenVINOEngine
+from .worker_process import WorkerProcess, exit_with_parent, read_message, signal_name, write_message
+from .worker_process import serve as serve_requests
 
 
 logger = logging.getLogger(__name__)
@@ -524,41 +520,13 @@ class OnnxRuntimeRuntime(ExportedRuntime):
 #
 # With ``isolate=True`` an exported runtime runs its engine (export, quantization, compilation, inference) in a worker
 # process: ``python -c`` importing this package's `runtimes` and calling `serve`, which talks to the caller over pipes
-# with length-prefixed pickles. A native crash of the engine then kills the worker only: the caller gets an
-# `EngineProcessError` naming the signal and the worker's log, and the next call starts a new worker. The app and
-# `train.index` run exported engines this way by default.
+# with length-prefixed pickles (`worker_process`, the kit the decoder's helper process runs on too). A native crash of
+# the engine then kills the worker only: the caller gets an `EngineProcessError` naming the signal and the worker's
+# log, and the next call starts a new worker. The app and `train.index` run exported engines this way by default.
 
 
 class EngineProcessError(RuntimeError):
     """The engine's worker process died or could not start."""
-
-
-def write_message(fd: int, obj: Any) -> None:
-    """Sends one message of the worker protocol: its pickle, after its length (8 bytes, little-endian)."""
-    payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    data = memoryview(struct.pack("<Q", len(payload)) + payload)
-    while data:
-        data = data[os.write(fd, data):]
-
-
-def _read_exactly(fd: int, size: int) -> bytes | None:
-    buffer = bytearray(size)
-    view = memoryview(buffer)
-    while view:
-        n = os.readv(fd, [view])
-        if n == 0:
-            return None
-        view = view[n:]
-    return bytes(buffer)
-
-
-def read_message(fd: int) -> Any:
-    """The next message, or `EOFError` when the other side closed the pipe."""
-    header = _read_exactly(fd, 8)
-    payload = None if header is None else _read_exactly(fd, struct.unpack("<Q", header)[0])
-    if payload is None:
-        raise EOFError
-    return pickle.loads(payload)
 
 
 def _package_root() -> str:
@@ -571,19 +539,16 @@ _WORKER_CODE = "import importlib, sys; sys.path.insert(0, sys.argv[1]); importli
 _ERRORS = {"ValueError": ValueError, "TypeError": TypeError, "ImportError": ImportError, "OSError": OSError}
 
 
-class EngineProcess:
-    """The caller's side of one engine worker (see above). Thread-safe (one call at a time); started at the first
-    call, after a crash, and anew in a forked child (which must not share its parent's pipes)."""
+class EngineProcess(WorkerProcess):
+    """The caller's side of one engine worker (see above; the process itself is `worker_process.WorkerProcess`'s).
+    Thread-safe (one call at a time); started at the first call, after a crash, and anew in a forked child."""
 
     LOG_TAIL = 2000
 
     def __init__(self, runtime: "ExportedRuntime") -> None:
+        super().__init__([sys.executable, "-c", _WORKER_CODE, _package_root(), __name__], grace=10.0)
         self.runtime = runtime
         self.lock = threading.Lock()
-        self.process: subprocess.Popen | None = None
-        self.owner_pid = os.getpid()
-        self.log = None
-        self.starts = 0
 
     def init_message(self) -> dict[str, Any]:
         vision = self.runtime.vision_model
@@ -593,46 +558,24 @@ class EngineProcess:
                 "cache_dir": self.runtime.options["cache_dir"], "calibration": self.runtime.options["calibration"],
                 "threads": torch.get_num_threads()}
 
-    def start(self) -> None:
-        self.log = tempfile.TemporaryFile()
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", _WORKER_CODE, _package_root(), __name__], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=self.log, bufsize=0, close_fds=True, start_new_session=True,
-            env={**os.environ, "PYTHONSAFEPATH": "1"})
-        self.starts += 1
-        weakref.finalize(self, _stop_process, self.process)
+    def start_engine(self) -> None:
+        try:
+            self.start()
+        except (EOFError, OSError, TimeoutError) as error:
+            raise self.died("starting") from error
         reply = self.request(("init", self.init_message()), "starting")
         if reply[0] != "ready":
             raise EngineProcessError(f"the {self.runtime.name} worker did not start: {reply}")
 
-    def stop(self) -> None:
-        process, self.process = self.process, None
-        if process is not None:
-            _stop_process(process)
-
     def log_tail(self) -> str:
-        if self.log is None:
-            return ""
-        self.log.seek(0, os.SEEK_END)
-        size = self.log.tell()
-        self.log.seek(max(0, size - self.LOG_TAIL))
-        return self.log.read().decode(errors="replace").strip()
+        return self.log_since(max_chars=self.LOG_TAIL).strip()
 
     def died(self, doing: str) -> EngineProcessError:
-        process = self.process
-        try:
-            code = process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            code = None
-        self.stop()
-        if code is not None and code < 0:
-            try:
-                how = f"killed by {signal.Signals(-code).name}"
-            except ValueError:
-                how = f"killed by signal {-code}"
-        else:
-            how = f"exit code {code}" if code is not None else "stopped answering"
+        code = self.exit_code(timeout=10)
         tail = self.log_tail()
+        self.stop()
+        how = f"killed by {signal_name(code)}" if signal_name(code) else (
+            f"exit code {code}" if code is not None else "stopped answering")
         return EngineProcessError(
             f"The {self.runtime.name} engine's worker process died while {doing} ({how}); this process is unharmed, "
             "and the next call starts a new worker." + (f" The worker's log ends with: {tail}" if tail else ""))
@@ -655,31 +598,15 @@ class EngineProcess:
         trace = bool(vision.config.trace_source if trace_source is None else trace_source)
         settings = {name: getattr(vision.config, name) for name in AGGREGATION_FIELDS if hasattr(vision.config, name)}
         with self.lock:
-            if os.getpid() != self.owner_pid:  # a forked child: its parent's worker is not ours to talk to
-                self.process, self.owner_pid = None, os.getpid()
-            if self.process is not None and self.process.poll() is not None:
-                logger.warning("%s", self.died("idle"))  # it died between calls: said, and replaced
-            if self.process is None:
-                self.start()
+            if not self.running():  # not started, died between calls (said, and replaced), or a forked child's
+                if self.process is not None:
+                    logger.warning("%s", self.died("idle"))
+                self.start_engine()
             batch = pixel_values.detach().float().cpu().contiguous()
             reply = self.request(("encode", batch, trace, settings), f"encoding a batch of shape {tuple(batch.shape)}")
         last_hidden_state, token_sizes, source_map = reply[1]
         return TestaVisionModelOutput(last_hidden_state=last_hidden_state, pooler_output=last_hidden_state[:, 0],
                                       token_sizes=token_sizes, source_map=source_map)
-
-
-def _stop_process(process: subprocess.Popen) -> None:
-    """Closes the worker's pipes (it exits at end of input) and kills it if it has not exited within 10 s."""
-    for stream in (process.stdin, process.stdout):
-        try:
-            stream.close()
-        except Exception:  # noqa: BLE001 - already closed
-            pass
-    try:
-        process.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
 
 
 def _worker_runtime(init: dict[str, Any]) -> "ExportedRuntime":
@@ -693,34 +620,34 @@ def _worker_runtime(init: dict[str, Any]) -> "ExportedRuntime":
                                      calibration=init["calibration"])
 
 
-def serve() -> None:
-    """The worker's loop: ``("init", settings)`` -> ``("ready",)``; ``("encode", pixel_values, trace_source,
-    aggregation settings)`` -> ``("ok", (last_hidden_state, token_sizes, source_map))``; errors -> ``("error", type
-    name, message)``. Returns at the end of its input (the caller closed the pipe or exited)."""
-    replies = os.dup(1)
-    os.dup2(2, 1)  # whatever the libraries print goes to the log, not into the replies
-    runtime = None
-    while True:
-        try:
-            message = read_message(0)
-        except EOFError:
+class EngineRequests:
+    """The worker's request handler: ``("init", settings)`` -> ``("ready",)``; ``("encode", pixel_values,
+    trace_source, aggregation settings)`` -> ``("ok", (last_hidden_state, token_sizes, source_map))``."""
+
+    def __init__(self) -> None:
+        self.runtime = None
+
+    def __call__(self, message: tuple, replies: Any) -> None:
+        if message[0] == "init":
+            self.runtime = _worker_runtime(message[1])
+            replies.send(("ready",))
             return
-        try:
-            if message[0] == "init":
-                runtime = _worker_runtime(message[1])
-                reply = ("ready",)
-            else:
-                _, pixel_values, trace, settings = message
-                vision = runtime.vision_model
-                changed = {k: v for k, v in settings.items() if getattr(vision.config, k) != v}
-                if changed:
-                    vision.set_aggregation(**changed)
-                with torch.no_grad():
-                    out = runtime.encoder(pixel_values, trace_source=trace)
-                reply = ("ok", (out.last_hidden_state, out.token_sizes, out.source_map))
-        except Exception as error:  # noqa: BLE001 - sent to the caller, which raises it
-            reply = ("error", type(error).__name__, f"{error}")
-        write_message(replies, reply)
+        _, pixel_values, trace, settings = message
+        vision = self.runtime.vision_model
+        changed = {k: v for k, v in settings.items() if getattr(vision.config, k) != v}
+        if changed:
+            vision.set_aggregation(**changed)
+        with torch.no_grad():
+            out = self.runtime.encoder(pixel_values, trace_source=trace)
+        replies.send(("ok", (out.last_hidden_state, out.token_sizes, out.source_map)))
+
+
+def serve() -> None:
+    """The worker's loop (`worker_process.serve` with `EngineRequests`); errors are sent as ``("error", type name,
+    message, code)``. Returns at the end of its input (the caller closed the pipe or exited); killed with its caller
+    if an engine call hangs meanwhile."""
+    exit_with_parent()
+    serve_requests(EngineRequests())
 
 
 # ----------------------------------------------------------------------------------------------------------------------

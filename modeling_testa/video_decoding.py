@@ -4,14 +4,19 @@
   and `frames_for_fps` how many frames a frame rate asks for.
 * `decode_video` opens a file or URL, lets a caller's function choose the frame indices from the video's metadata, and
   decodes them with decord or PyAV (`backend="auto"`: decord, then PyAV if decord is missing or fails on the file).
+* `VideoFrames` is one video opened with one decoder: its metadata and every frame's time (`frame_times`, from the
+  container's timestamps), then the frames asked for, streamed in order as they are decoded, so a caller keeps only
+  what it still needs (`moments` cuts long videos into windows this way). PyAV skips frames that are not needed and
+  seeks to the keyframe before a distant one; decord seeks by itself.
 * `VideoDecodingError` (a `ValueError`) and `VideoDecodingTimeoutError` name the file and give the decoder's reason.
 
 Decord and PyAV are C libraries around FFmpeg: decord has upstream reports of segmentation faults and aborts on some
 corrupt files and of endless "rewind" loops, and the PyAV fallback is typically asked to read the very file that just
 failed in decord. On POSIX systems **both** backends therefore run in one long-lived helper process by default
-(`isolate_decoder=True`; the helper is the sibling script `video_decoding_worker.py`, run by path), with a time limit
-per video (`decode_timeout`), so that a crash or a hang in either decoder raises a `VideoDecodingError` naming the file
-in the caller instead of killing or blocking it. With `isolate_decoder=False`, or where no helper process can be
+(`isolate_decoder=True`; the helper is the sibling `worker_process.py` run by path, serving
+`video_decoding_worker.py`), with a stall limit (`decode_timeout`: seconds without progress, however long the video),
+so that a crash or a hang in either decoder raises a `VideoDecodingError` naming the file and where the decoder was,
+in the caller, instead of killing or blocking it. With `isolate_decoder=False`, or where no helper process can be
 started (not POSIX), the same readers run in process. `own_decoder_process` gives a thread a helper of its own (parallel
 decoding); `shutdown_decoder_process` stops the helpers.
 
@@ -21,19 +26,15 @@ This file is Hub remote code (exported with `video_processing_testa.py`): siblin
 import atexit
 import errno
 import logging
+import math
 import os
 import pickle
 import re
-import select
-import signal
-import struct
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -42,6 +43,7 @@ from transformers.video_utils import VideoMetadata
 
 # `from .module import ...` (not `from . import module`): transformers exports the files named this way with the code
 from .video_decoding_worker import DecodeFailure, TruncatedVideo, import_av, import_decord, open_reader
+from .worker_process import START_TIMEOUT, WorkerGone, WorkerProcess, signal_name
 
 
 try:  # POSIX only; without it the decoders run in process
@@ -90,7 +92,7 @@ class VideoDecodingError(ValueError):
 
 
 class VideoDecodingTimeoutError(VideoDecodingError, TimeoutError):
-    """Decoding took longer than `decode_timeout` seconds; the decoder process was killed."""
+    """The decoder made no progress for `decode_timeout` seconds (a stall); the decoder process was killed."""
 
     code = "timeout"
 
@@ -210,7 +212,7 @@ def _is_url(source: str) -> bool:
     return source.lower().startswith(_URL_SCHEMES)
 
 
-def _check_source(source: str | os.PathLike) -> str:
+def check_source(source: str | os.PathLike) -> str:
     """Normalises a path/URL and raises early, with the path, for missing, non-regular and empty files."""
     source = os.fspath(source)
     if not isinstance(source, str):
@@ -262,6 +264,23 @@ def _clean_decoder_message(message: str) -> str:
     return " | ".join(lines[:2]) if lines else str(message).strip()
 
 
+def format_time(seconds: float | None) -> str:
+    """``h:mm:ss`` (whole seconds, rounded down), e.g. ``3725.4 -> "1:02:05"``; ``"-"`` for None (a whole video)."""
+    if seconds is None:
+        return "-"
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"A time must be a non-negative number of seconds, got {seconds!r}.")
+    whole = int(seconds + 1e-6)
+    return f"{whole // 3600}:{whole // 60 % 60:02d}:{whole % 60:02d}"
+
+
+def _where(frames_reached: int, seconds_reached: float | None, total: int | None) -> str:
+    """``"0:41:12 (frame 74160 of 108000)"``: how far a decoder got."""
+    of = f" of {total}" if total else ""
+    at = f"{format_time(seconds_reached)} " if seconds_reached is not None else ""
+    return f"{at}(frame {frames_reached}{of})"
+
+
 def _finish(
     frames_unique: np.ndarray, inverse: np.ndarray, indices: np.ndarray, metadata: VideoMetadata
 ) -> tuple[np.ndarray, VideoMetadata]:
@@ -273,227 +292,326 @@ def _finish(
     return np.ascontiguousarray(frames), metadata
 
 
-def _sample_and_read(
-    source: str,
-    backend: str,
-    info: dict[str, Any],
-    sample_indices_fn: Callable[[VideoMetadata], Any],
-    read: Callable[[np.ndarray], np.ndarray],
-    close: Callable[[], None],
-) -> tuple[np.ndarray, VideoMetadata]:
-    """The part of decoding that runs in this process, whichever process runs the decoder.
+def _read_all(video: "VideoFrames", unique: np.ndarray) -> np.ndarray:
+    """The frames `unique` (sorted, distinct) of an opened video, stacked; `TruncatedVideo` when the decoder's data
+    ends before the last of them."""
+    frames = dict(video.frames(unique))
+    missing = [int(i) for i in unique if int(i) not in frames]
+    if missing:
+        if missing[0] < video.reached:  # a frame inside the data could not be decoded: not a truncation
+            raise VideoDecodingError(video.source, f"frame {missing[0]} could not be decoded"
+                                     + (f" (FFmpeg: {video.end_error})" if video.end_error else ""), video.backend)
+        raise TruncatedVideo(video.reached, video.end_error)
+    return np.stack([frames[int(i)] for i in unique])
 
-    Builds the metadata from the opened video's `info`, samples the indices here (this process' RNG), and reads the
-    frames with `read`. A PyAV file that turns out truncated (`TruncatedVideo`: fewer frames than declared) is sampled
-    again over the frames that are really there. `close` releases the opened video when no read follows.
-    """
-    total, fps = int(info["total_num_frames"]), info["fps"]
-    metadata = VideoMetadata(
-        total_num_frames=total,
-        fps=fps,
-        width=info.get("width"),
-        height=info.get("height"),
-        duration=total / fps if fps else None,
-        video_backend=backend,
-    )
+
+def _sample_and_read(
+    video: "VideoFrames", sample_indices_fn: Callable[[VideoMetadata], Any]
+) -> tuple[np.ndarray, VideoMetadata]:
+    """Samples the indices of an opened video here (this process' RNG) from its metadata and reads the frames. A
+    video that turns out truncated (`TruncatedVideo`: fewer frames than declared) is sampled again over the frames
+    that are really there."""
+    source, backend, metadata = video.source, video.backend, video.metadata
+    total, fps = metadata.total_num_frames, metadata.fps
     if total <= 0:
-        close()
         what = "no decodable frames" if backend == "decord" else "no frames"
         raise VideoDecodingError(source, f"the video stream contains {what}", backend, code="no_frames")
-    try:
-        indices = check_frame_indices(sample_indices_fn(metadata), total, source)
-    except BaseException:
-        close()
-        raise
+    indices = check_frame_indices(sample_indices_fn(metadata), total, source)
     unique, inverse = np.unique(indices, return_inverse=True)
     try:
-        frames = read(unique)
+        frames = _read_all(video, unique)
     except TruncatedVideo as exc:
-        logger.warning(
-            "Only %d of the %d frames declared by %r could be decoded%s; sampling from those.",
-            exc.decoded, total, source, f" (FFmpeg: {exc.error})" if exc.error else "",
-        )
+        ffmpeg = f" (FFmpeg: {exc.error})" if exc.error else ""
+        if exc.decoded <= 0:
+            raise VideoDecodingError(source, f"the video stream contains no decodable frames{ffmpeg}", backend,
+                                     code="no_frames") from None
+        logger.warning("Only %d of the %d frames declared by %r could be decoded%s; sampling from those.",
+                       exc.decoded, total, source, ffmpeg)
         metadata.total_num_frames = exc.decoded
         metadata.duration = exc.decoded / fps if fps else None
-        try:
-            indices = check_frame_indices(sample_indices_fn(metadata), exc.decoded, source)
-        except BaseException:
-            close()
-            raise
+        indices = check_frame_indices(sample_indices_fn(metadata), exc.decoded, source)
         unique, inverse = np.unique(indices, return_inverse=True)
-        frames = read(unique)
+        try:
+            frames = _read_all(video, unique)
+        except TruncatedVideo:
+            raise VideoDecodingError(source, f"decoding is not reproducible{ffmpeg}", backend) from None
     return _finish(frames, inverse, indices, metadata)
 
 
-def _decode_in_process(
-    source: str, backend: str, sample_indices_fn: Callable[[VideoMetadata], Any], num_threads: int | None
-) -> tuple[np.ndarray, VideoMetadata]:
-    """Decodes in this process (no protection against decoder crashes or hangs); decoder errors name the file."""
+def _reader_errors(source: str, backend: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` with the in-process decoders' errors raised as `VideoDecodingError` naming the file."""
+    try:
+        return fn(*args)
+    except ImportError:
+        raise
+    except DecodeFailure as exc:
+        raise VideoDecodingError(source, str(exc), backend, code=exc.code) from exc
+    except Exception as exc:  # DECORDError, av.FFmpegError, RuntimeError, ...
+        raise VideoDecodingError(source, _clean_decoder_message(exc), backend) from exc
 
-    def call(fn: Callable[..., Any], *args: Any) -> Any:
-        try:
-            return fn(*args)
-        except (ImportError, TruncatedVideo):
-            raise
-        except DecodeFailure as exc:
-            raise VideoDecodingError(source, str(exc), backend, code=exc.code) from exc
-        except Exception as exc:  # DECORDError, av.FFmpegError, RuntimeError, ...
-            raise VideoDecodingError(source, _clean_decoder_message(exc), backend) from exc
 
-    reader = call(open_reader, backend, source, num_threads)
-    return _sample_and_read(
-        source, backend, reader.metadata, sample_indices_fn, lambda unique: call(reader.read, unique), lambda: None
-    )
+class VideoFrames:
+    """One video opened with one decoder, in this process or in a decoder helper process: its `metadata`, then the
+    frames asked for, streamed (`frames`). A context manager; the helper (the calling thread's, see
+    `decoder_process`) serves this video only until it is closed.
+
+    Args:
+        source: a checked path or URL.
+        backend: ``"decord"`` or ``"pyav"``.
+        isolate_decoder: decode in the helper process (where supported).
+        decode_timeout: the stall limit in seconds: the helper is killed when it makes no progress (opens, decodes
+            a frame, demuxes) for this long, and `VideoDecodingTimeoutError` says where it was. None: no limit.
+        num_threads: decoder threads (None or 0: the decoder chooses).
+        helper: the `DecoderProcess` to decode in (default: the calling thread's, `decoder_process`). A helper this
+            thread is already using for another open video is not waited for (that would never end): a helper of
+            this video's own serves it instead.
+        stream: the video is read whole while its frames are used (`decoder_process(stream=True)`).
+
+    Attributes (after `open`): `metadata` (a `VideoMetadata`) and `frame_times` (every frame's presentation time in
+    seconds from the first, from the container's timestamps, as float64; None where it has no usable ones). After
+    `frames` is exhausted: `reached` (one past the last frame index the decoder got to) and `end_error` (the
+    decoder's reason when it stopped before the end of the data, else None).
+    """
+
+    def __init__(self, source: str, backend: str, isolate_decoder: bool = True, decode_timeout: float | None = 120.0,
+                 num_threads: int | None = None, helper: "DecoderProcess | None" = None, stream: bool = False) -> None:
+        self.source, self.backend, self.timeout, self.num_threads = source, backend, decode_timeout, num_threads
+        if helper is None and isolate_decoder and isolation_supported():
+            helper = decoder_process(stream)
+        self.helper = helper
+        self.temporary = False
+        self.reader = None
+        self.metadata: VideoMetadata | None = None
+        self.frame_times: np.ndarray | None = None
+        self.reached, self.end_error = 0, None
+        self.locked = False
+
+    def __enter__(self) -> "VideoFrames":
+        self.open()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def open(self) -> VideoMetadata:
+        """Opens the video and returns its metadata; raises `VideoDecodingError` naming the file."""
+        if self.helper is not None:
+            if self.helper.holder == threading.get_ident():  # this thread is inside another video on it
+                self.helper, self.temporary = DecoderProcess(), True
+            self.helper.lock.acquire()
+            self.helper.holder, self.locked = threading.get_ident(), True
+            try:
+                info = self.helper.open(self.backend, self.source, self.num_threads, self.timeout)
+            except BaseException:
+                self.close()
+                raise
+        else:
+            self.reader = _reader_errors(self.source, self.backend, open_reader, self.backend, self.source,
+                                         self.num_threads)
+            info = self.reader.metadata
+        total, fps = int(info["total_num_frames"]), info["fps"]
+        self.metadata = VideoMetadata(total_num_frames=total, fps=fps, width=info.get("width"),
+                                      height=info.get("height"), duration=total / fps if fps else None,
+                                      video_backend=self.backend)
+        times = info.get("frame_times")
+        self.frame_times = None if times is None else np.asarray(times, dtype=np.float64)
+        return self.metadata
+
+    def frames(self, wanted: Any) -> Iterator[tuple[int, np.ndarray]]:
+        """Yields ``(index, frame)`` (uint8 RGB ``(H, W, 3)``) for the sorted, distinct indices `wanted`, in order, as
+        they are decoded. Ends early where the video's data ends (see `reached`, `end_error`): a frame asked for
+        and not given is not decodable. Raises `VideoDecodingError` if the decoder fails, crashes or stalls."""
+        wanted = [int(i) for i in wanted]
+        if self.helper is not None:
+            stream = self.helper.stream(wanted, self.source, self.backend, self.timeout, self.frame_times,
+                                        self.metadata.total_num_frames)
+            for item in stream:
+                yield item
+            self.reached, self.end_error = self.helper.ended
+            return
+        reader = self.reader
+        frames = reader.frames(wanted)
+        while True:
+            item = _reader_errors(self.source, self.backend, next, frames, None)
+            if item is None:
+                break
+            yield item
+        self.reached, self.end_error = reader.reached, reader.error
+
+    def close(self) -> None:
+        """Releases the video (and the helper, which is stopped if a stream was left unfinished)."""
+        self.reader = None
+        if self.helper is not None and self.locked:
+            try:
+                self.helper.finish_video()
+                if self.temporary:
+                    self.helper.stop()
+            finally:
+                self.locked, self.helper.holder = False, None
+                self.helper.lock.release()
 
 
 # --- the decoder helper process ---------------------------------------------------------------------------------------
 #
-# Both backends run in a long-lived helper process (`python video_decoding_worker.py`, a sibling module run by path,
-# which imports only numpy and the decoder libraries) that talks to this process over pipes with length-prefixed
-# pickles. If a decoder crashes (segfault, C++ abort) or hangs, only the helper dies or is killed; the caller gets a
-# `VideoDecodingError` and the next call starts a new helper. Starting the helper costs ~0.2 s once per process; each
-# video then costs only the pipe transfer of its frames.
+# Both backends run in a long-lived helper process (`worker_process.py` run by path, serving the sibling
+# `video_decoding_worker.py`, which imports only numpy and the decoder libraries) that talks to this process over
+# pipes (`worker_process`). If a decoder crashes (segfault, C++ abort) or stops making progress, only the helper dies
+# or is killed; the caller gets a `VideoDecodingError` and the next call starts a new helper. Starting the helper
+# costs ~0.3 s once per process (its own limit, `worker_process.START_TIMEOUT`, not the stall limit); each video
+# then costs only the pipe transfer of its frames.
 
 _WORKER_SCRIPT = os.path.abspath(sys.modules[open_reader.__module__].__file__)
-"""The helper's script (the `video_decoding_worker.py` next to this file, also in an exported Hub folder)."""
+"""The helper's request handler (the `video_decoding_worker.py` next to this file, also in an exported Hub folder)."""
 
-
-class _WorkerGone(Exception):
-    """The decoder process closed its pipe (it exited or crashed)."""
-
-
-def _read_into(fd: int, view: memoryview, deadline: float | None) -> None:
-    """Fills `view` from `fd`; raises `_WorkerGone` on EOF and `TimeoutError` once `deadline` has passed."""
-    while view:
-        if deadline is not None:
-            remaining = deadline - time.monotonic()
-            ready = select.select([fd], [], [], max(remaining, 0.0))[0] if remaining > 0 else []
-            if not ready:
-                raise TimeoutError
-        n = os.readv(fd, [view])
-        if n == 0:
-            raise _WorkerGone
-        view = view[n:]
+_KIT_SCRIPT = os.path.abspath(sys.modules[WorkerProcess.__module__].__file__)
+"""The helper's main script (`worker_process.py`, next to this file)."""
 
 
 def isolation_supported() -> bool:
     """Whether decoders can run in a helper process here (POSIX: needs `select` on pipes and a Python executable)."""
-    return os.name == "posix" and fcntl is not None and bool(sys.executable) and os.path.isfile(_WORKER_SCRIPT)
+    return (os.name == "posix" and fcntl is not None and bool(sys.executable) and os.path.isfile(_WORKER_SCRIPT)
+            and os.path.isfile(_KIT_SCRIPT))
 
 
-class DecoderProcess:
+def _helper_argv() -> list[str]:
+    return [sys.executable, _KIT_SCRIPT, _WORKER_SCRIPT]
+
+
+class DecoderProcess(WorkerProcess):
     """The client side of one decoder helper process (`video_decoding_worker.py`), which decodes with decord or PyAV.
 
     By default every thread of a Python process shares one (re-created after `fork`); `own_decoder_process` gives a
-    thread one of its own. Thread-safe: one video at a time. The helper starts at the first `decode` and is started
-    again after a crash, a hang or `stop()`.
+    thread one of its own. One video at a time (`lock`, held by `VideoFrames` from open to close). The helper starts
+    at the first video and is started again after a crash, a stall or `stop()`.
     """
 
-    _LOG_LIMIT = 1 << 20  # truncate the captured decoder log beyond 1 MiB
-
     def __init__(self) -> None:
+        super().__init__(_helper_argv)
         self.lock = threading.Lock()
-        self.owner_pid = os.getpid()
-        self.process: subprocess.Popen | None = None
-        self.log = None
+        self.holder: int | None = None  # the thread that holds `lock` (an open `VideoFrames`)
         self.busy = False  # a request was sent and its reply not fully read: the protocol state is unknown
-
-    # process management
-    def _start(self, deadline: float | None) -> None:
-        self.log = tempfile.TemporaryFile()
-        flags = fcntl.fcntl(self.log.fileno(), fcntl.F_GETFL)
-        fcntl.fcntl(self.log.fileno(), fcntl.F_SETFL, flags | os.O_APPEND)  # the worker appends; we pread
-        self.busy = False
-        self.process = subprocess.Popen(
-            [sys.executable, _WORKER_SCRIPT],
-            # Run by path, the script's folder (this package, or a Hub code folder) would come first on the helper's
-            # import path, where a sibling file could shadow a module that numpy, decord or PyAV import; Python 3.11+
-            # leaves it out with PYTHONSAFEPATH.
-            env={**os.environ, "PYTHONSAFEPATH": "1"},
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            bufsize=0,
-            close_fds=True,
-            start_new_session=True,  # Ctrl-C in a terminal goes to the caller only
-        )
-        message = self._receive(deadline)
-        if message[0] != "ready":
-            raise OSError(f"{message[1]}: {message[2]}")
-
-    def stop(self) -> None:
-        """Kills the helper process (if any) and forgets it."""
-        process, self.process = self.process, None
-        if process is not None:
-            try:
-                process.kill()
-                process.wait(timeout=10)
-            except Exception:
-                pass
-            for stream in (process.stdin, process.stdout):
-                try:
-                    stream.close()
-                except Exception:
-                    pass
-        if self.log is not None:
-            self.log.close()
-            self.log = None
+        self.ended: tuple[int, str | None] = (0, None)
+        self.log_offset = 0
 
     def _exit_description(self, backend: str) -> str:
-        process = self.process
-        try:
-            code = process.wait(timeout=5)
-        except Exception:
+        code = self.exit_code()
+        if code is None:
             return "the decoder process stopped responding"
-        if code < 0:
-            try:
-                name = signal.Signals(-code).name
-            except ValueError:
-                name = f"signal {-code}"
+        name = signal_name(code)
+        if name:
             return f"the {backend} decoder crashed ({name})"
         return f"the decoder process exited unexpectedly (exit code {code})"
 
-    # protocol
-    def _send(self, obj: Any) -> None:
-        payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        data = memoryview(struct.pack("<Q", len(payload)) + payload)
-        fd = self.process.stdin.fileno()
-        while data:
-            data = data[os.write(fd, data):]
-
-    def _receive(self, deadline: float | None) -> Any:
-        fd = self.process.stdout.fileno()
-        header = bytearray(8)
-        _read_into(fd, memoryview(header), deadline)
-        payload = bytearray(struct.unpack("<Q", header)[0])
-        _read_into(fd, memoryview(payload), deadline)
-        return pickle.loads(payload)
-
-    def _log_size(self) -> int:
-        size = os.fstat(self.log.fileno()).st_size
-        if size > self._LOG_LIMIT:
-            os.ftruncate(self.log.fileno(), 0)
-            size = 0
-        return size
-
-    def _log_since(self, offset: int, max_lines: int = 3) -> str:
-        try:
-            size = os.fstat(self.log.fileno()).st_size
-            text = os.pread(self.log.fileno(), max(size - offset, 0), offset).decode("utf-8", "replace")
-        except Exception:
-            return ""
-        lines = [_FFMPEG_ADDRESS.sub("]", _DECORD_PREFIX.sub("", line.strip())) for line in text.splitlines()]
+    def _log_tail(self, offset: int, max_lines: int = 3) -> str:
+        lines = [_FFMPEG_ADDRESS.sub("]", _DECORD_PREFIX.sub("", line.strip()))
+                 for line in self.log_since(offset).splitlines()]
         return " | ".join([line for line in lines if line][-max_lines:])
 
-    def _error(self, source: str, backend: str, message: tuple, log_offset: int) -> VideoDecodingError:
-        _, kind, text, final, code = message
-        reason = text if final else _clean_decoder_message(text)
+    def _ensure_started(self, source: str, backend: str) -> None:
+        if self.running() and not self.busy:
+            return
+        self.stop()
+        self.busy = False
+        try:
+            self.start()
+        except (WorkerGone, TimeoutError, OSError, ValueError, pickle.UnpicklingError) as exc:
+            if self.process is not None and isinstance(exc, WorkerGone):
+                description = self._exit_description(backend)
+            elif isinstance(exc, TimeoutError):
+                description = f"it did not answer within {START_TIMEOUT:g} s"
+            else:
+                description = str(exc) or type(exc).__name__
+            tail = self._log_tail(0)
+            description += f"; decoder log: {tail}" if tail else ""
+            self.stop()
+            raise VideoDecodingError(
+                source, f"could not start the decoder process: {description}", backend, code="decoder_crash"
+            ) from None
+
+    def _request(self, message: tuple, source: str, backend: str, timeout: float | None,
+                 where: Callable[[], str] = lambda: "") -> Iterator[tuple]:
+        """Sends `message` and yields its replies until a final one (not ``"progress"`` or ``"frame"``), a frame's
+        message with its pixels. Each reply must come within `timeout` seconds of the one before (the stall limit).
+        The helper's failures are raised as `VideoDecodingError` naming `source`."""
+        try:
+            self.busy = True
+            self.send(message)
+            while True:
+                reply = self.receive(time.monotonic() + timeout if timeout else None)
+                if reply[0] == "frame":
+                    frame = np.empty(reply[2], dtype=np.dtype(reply[3]))
+                    self.receive_into(memoryview(frame).cast("B"), time.monotonic() + timeout if timeout else None)
+                    reply = (reply[0], reply[1], frame)
+                elif reply[0] == "error":
+                    self.busy = False
+                    raise self._error(source, backend, reply)
+                final = reply[0] not in ("progress", "frame")
+                if final:
+                    self.busy = False
+                yield reply
+                if final:
+                    return
+        except VideoDecodingError:
+            raise
+        except (WorkerGone, BrokenPipeError):
+            description = self._exit_description(backend)
+            tail = self._log_tail(self.log_offset)
+            self.stop()
+            raise VideoDecodingError(
+                source, description + (f"; decoder log: {tail}" if tail else ""), backend, code="decoder_crash"
+            ) from None
+        except TimeoutError:
+            self.stop()
+            at = where()
+            raise VideoDecodingTimeoutError(
+                source, f"the decoder made no progress for decode_timeout={timeout:g} s"
+                + (f" at {at}" if at else "") + "; the decoder process was killed", backend,
+            ) from None
+
+    def _error(self, source: str, backend: str, message: tuple) -> VideoDecodingError:
+        _, kind, text, code = message
+        reason = text if kind == "DecodeFailure" else _clean_decoder_message(text)
         if kind == "ImportError":
             reason = f"the decoder process cannot import it: {reason}"
-        tail = self._log_since(log_offset)
+        tail = self._log_tail(self.log_offset)
         if tail and tail not in reason:
             reason = f"{reason} (decoder log: {tail})"
         return VideoDecodingError(source, reason, backend, code=code)
+
+    def open(self, backend: str, source: str, num_threads: int | None, timeout: float | None) -> dict[str, Any]:
+        """Opens `source` in the helper (started if needed); returns its metadata. Call with `lock` held."""
+        self._ensure_started(source, backend)
+        self.log_offset = self.log_mark()
+        replies = self._request(("open", backend, source, int(num_threads or 0)), source, backend, timeout,
+                                lambda: "opening it")
+        return [reply for reply in replies if reply[0] == "metadata"][0][1]
+
+    def stream(self, wanted: list[int], source: str, backend: str, timeout: float | None,
+               times: np.ndarray | None = None, total: int | None = None) -> Iterator[tuple[int, np.ndarray]]:
+        """Streams the frames `wanted` of the open video, ``(index, frame)`` in order; `ended` then holds
+        ``(frames reached, the decoder's error or None)``. `times` and `total` (the video's frame times and frame
+        count) let a stall's error say where the decoder was. Call with `lock` held."""
+        progress = [0, None]
+
+        def where() -> str:
+            return _where(progress[0], progress[1], total)
+
+        for reply in self._request(("stream", wanted), source, backend, timeout, where):
+            if reply[0] == "progress":
+                progress[:] = reply[1:]
+            elif reply[0] == "frame":
+                index = reply[1]
+                progress[:] = [index + 1, float(times[index]) if times is not None and index < len(times) else None]
+                yield index, reply[2]
+            else:
+                self.ended = (reply[1], reply[2])
+
+    def finish_video(self) -> None:
+        """Closes the open video; a helper left in the middle of a reply (a stream not read to its end) is
+        stopped, and the next video starts a new one."""
+        if self.busy:
+            self.stop()
+        self.busy = False
 
     def decode(
         self,
@@ -504,69 +622,11 @@ class DecoderProcess:
         timeout: float | None,
     ) -> tuple[np.ndarray, VideoMetadata]:
         """Opens `source` in the helper, samples indices here (this process' RNG), decodes them there."""
-        with self.lock:
-            deadline = time.monotonic() + timeout if timeout else None
-            if self.process is None or self.process.poll() is not None or self.busy:
-                self.stop()
-                try:
-                    self._start(deadline)
-                except (_WorkerGone, TimeoutError, OSError, ValueError, pickle.UnpicklingError) as exc:
-                    if self.process is not None and isinstance(exc, _WorkerGone):
-                        description = self._exit_description(backend)
-                    else:
-                        description = str(exc) or type(exc).__name__
-                    tail = self._log_since(0) if self.log is not None else ""
-                    description += f"; decoder log: {tail}" if tail else ""
-                    self.stop()
-                    raise VideoDecodingError(
-                        source, f"could not start the decoder process: {description}", backend, code="decoder_crash"
-                    ) from None
-            log_offset = self._log_size()
-
-            def request(obj: tuple) -> tuple:
-                self.busy = True
-                self._send(obj)
-                message = self._receive(deadline)
-                if message[0] == "frames":
-                    frames = np.empty(message[1], dtype=np.dtype(message[2]))
-                    _read_into(self.process.stdout.fileno(), memoryview(frames).cast("B"), deadline)
-                    message = (message[0], frames)
-                self.busy = False
-                if message[0] == "error":
-                    raise self._error(source, backend, message, log_offset)
-                return message
-
-            def read(unique: np.ndarray) -> np.ndarray:
-                message = request(("read", [int(i) for i in unique]))
-                if message[0] == "truncated":
-                    raise TruncatedVideo(message[1], message[2])
-                return message[1]
-
-            try:
-                info = request(("open", backend, source, int(num_threads or 0)))[1]
-                return _sample_and_read(source, backend, info, sample_indices_fn, read, lambda: request(("close",)))
-            except VideoDecodingError:
-                raise
-            except (_WorkerGone, BrokenPipeError):
-                description = self._exit_description(backend)
-                tail = self._log_since(log_offset)
-                self.stop()
-                raise VideoDecodingError(
-                    source, description + (f"; decoder log: {tail}" if tail else ""), backend, code="decoder_crash"
-                ) from None
-            except TimeoutError:
-                self.stop()
-                raise VideoDecodingTimeoutError(
-                    source, f"decoding took longer than decode_timeout={timeout} s; the decoder process was killed",
-                    backend,
-                ) from None
-            except BaseException:
-                if self.busy:  # e.g. KeyboardInterrupt mid-request: the protocol state is unknown
-                    self.stop()
-                raise
+        with VideoFrames(source, backend, decode_timeout=timeout, num_threads=num_threads, helper=self) as video:
+            return _sample_and_read(video, sample_indices_fn)
 
 
-_WORKER: DecoderProcess | None = None
+_SHARED: dict[bool, DecoderProcess] = {}  # this process' shared helpers: for short reads (False), for streams (True)
 _WORKER_LOCK = threading.Lock()
 _THREAD_WORKER = threading.local()
 _OWN_WORKERS: "weakref.WeakSet[DecoderProcess]" = weakref.WeakSet()
@@ -583,28 +643,35 @@ def own_decoder_process() -> DecoderProcess:
     return worker
 
 
-def decoder_process() -> DecoderProcess:
-    """The calling thread's own decoder helper (`own_decoder_process`), else this process' shared one (a new one
-    after `fork`, e.g. in DataLoader workers)."""
-    global _WORKER
+def decoder_process(stream: bool = False) -> DecoderProcess:
+    """The calling thread's own decoder helper (`own_decoder_process`), else one of this process' shared ones (new
+    ones after `fork`, e.g. in DataLoader workers): one for short reads (`decode_video`: a clip's frames, a moment's
+    strip), another for streams that hold their helper for a whole video while its windows are encoded
+    (``stream=True``: `moments.WindowStream`), so that a short read never waits for a long stream."""
     own = getattr(_THREAD_WORKER, "worker", None)
     if own is not None and own.owner_pid == os.getpid():
         return own
     with _WORKER_LOCK:
-        if _WORKER is None or _WORKER.owner_pid != os.getpid():
-            _WORKER = DecoderProcess()
-        return _WORKER
+        shared = _SHARED.get(stream)
+        if shared is None or shared.owner_pid != os.getpid():
+            shared = _SHARED[stream] = DecoderProcess()
+        return shared
 
 
 def shutdown_decoder_process() -> None:
-    """Stops this process' decoder helper processes (the shared one and the threads' own ones, see
-    `own_decoder_process`), if running (the shared one is restarted on demand)."""
+    """Stops this process' decoder helper processes (the shared ones and the threads' own ones, see
+    `own_decoder_process`), if running (the shared ones are restarted on demand)."""
     with _WORKER_LOCK:
-        workers = [_WORKER, *_OWN_WORKERS]
+        workers = [*_SHARED.values(), *_OWN_WORKERS]
     for worker in workers:
         if worker is not None and worker.owner_pid == os.getpid():
-            with worker.lock:
+            # a video left open by an abandoned stream holds the lock: stop its helper anyway (at exit, above all)
+            locked = worker.lock.acquire(timeout=5)
+            try:
                 worker.stop()
+            finally:
+                if locked:
+                    worker.lock.release()
 
 
 atexit.register(shutdown_decoder_process)
@@ -630,8 +697,10 @@ def decode_video(
         isolate_decoder (`bool`, defaults to `True`): run the decoder, decord or PyAV alike, in a helper process
             (POSIX only; elsewhere decoding runs in process) so that a decoder crash or hang cannot take down the
             caller. The helper is started once per process and reused for every video.
-        decode_timeout (`float`, *optional*, defaults to 120): seconds after which an isolated decode is killed
-            (`VideoDecodingTimeoutError`); with `"auto"`, each backend tried gets this long. `None` waits forever.
+        decode_timeout (`float`, *optional*, defaults to 120): the stall limit: an isolated decoder that makes no
+            progress (opening the file, demuxing, decoding a frame) for this many seconds is killed
+            (`VideoDecodingTimeoutError`, saying where it was). A decoder that makes progress is never stopped,
+            however long the video. `None` waits forever.
         num_threads (`int`, *optional*): decoder threads; `None` or 0 lets the decoder choose.
 
     Returns:
@@ -644,48 +713,68 @@ def decode_video(
         `VideoDecodingError` (a `ValueError`): empty, truncated, corrupt or non-video file, no video stream, no
             decodable frame, or a decoder that crashed in the helper process. The message names the file and gives
             the decoder's reason.
-        `VideoDecodingTimeoutError`: the isolated decoder exceeded `decode_timeout`.
+        `VideoDecodingTimeoutError`: the isolated decoder made no progress for `decode_timeout` seconds.
     """
     if backend not in VIDEO_BACKENDS:
         raise ValueError(f"Unknown video_backend={backend!r}; use one of {VIDEO_BACKENDS}.")
-    source = _check_source(source)
+    source = check_source(source)
     if sample_indices_fn is None:
 
         def sample_indices_fn(metadata: VideoMetadata) -> np.ndarray:
             return np.arange(metadata.total_num_frames)
 
-    if backend == "auto":
-        backends = [b for b, ok in (("decord", decord_available()), ("pyav", pyav_available())) if ok]
-        if not backends:
-            raise ImportError("Decoding video files needs decord or PyAV: `pip install decord av`.")
-    else:
-        backends = [backend]
-
-    isolate = isolate_decoder and isolation_supported()
+    backends = backends_to_try(backend)
     failures: list[tuple[str, VideoDecodingError]] = []
     for name in backends:
         try:
-            if name == "decord" and not decord_available():
-                raise ImportError("video_backend='decord' needs decord: `pip install decord`.")
-            if name == "pyav" and not pyav_available():
-                raise ImportError("video_backend='pyav' needs PyAV: `pip install av`.")
-            if isolate:
-                return decoder_process().decode(name, source, sample_indices_fn, num_threads, decode_timeout)
-            return _decode_in_process(source, name, sample_indices_fn, num_threads)
+            check_backend_installed(name)
+            with VideoFrames(source, name, isolate_decoder, decode_timeout, num_threads) as video:
+                return _sample_and_read(video, sample_indices_fn)
         except VideoDecodingError as exc:
             failures.append((name, exc))
             if len(backends) > 1:
                 logger.info("%s could not decode %r (%s); trying the next backend.", name, source, exc.reason)
+    raise combined_error(source, failures)
+
+
+def backends_to_try(backend: str, order: tuple[str, ...] = ("decord", "pyav")) -> list[str]:
+    """The decoders `backend` stands for, in the order to try them: ``"auto"`` is those of `order` that are installed
+    (`ImportError` when none is), any other value itself (`ValueError` naming the allowed values for an unknown
+    one)."""
+    if backend not in VIDEO_BACKENDS:
+        raise ValueError(f"Unknown video_backend={backend!r}; use one of {VIDEO_BACKENDS}.")
+    if backend != "auto":
+        return [backend]
+    installed = {"decord": decord_available, "pyav": pyav_available}
+    backends = [name for name in order if installed[name]()]
+    if not backends:
+        raise ImportError("Decoding video files needs decord or PyAV: `pip install decord av`.")
+    return backends
+
+
+def check_backend_installed(name: str) -> None:
+    """Raises `ImportError` with the install command when the decoder `name` cannot be imported."""
+    if name == "decord" and not decord_available():
+        raise ImportError("video_backend='decord' needs decord: `pip install decord`.")
+    if name == "pyav" and not pyav_available():
+        raise ImportError("video_backend='pyav' needs PyAV: `pip install av`.")
+
+
+def combined_error(source: str, failures: list[tuple[str, VideoDecodingError]]) -> VideoDecodingError:
+    """The error of a video that every decoder tried failed on (``(decoder, error)`` pairs): the error itself for
+    one decoder, else one naming each decoder's reason."""
     if len(failures) == 1:
-        raise failures[0][1]
+        return failures[0][1]
     reasons = "; ".join(f"{name}: {exc.reason}" for name, exc in failures)
     error_class = (
         VideoDecodingTimeoutError
         if all(isinstance(exc, VideoDecodingTimeoutError) for _, exc in failures)
         else VideoDecodingError
     )
-    raise error_class(source, f"no decoder could read it ({reasons})",
-                      code=combined_code([exc.code for _, exc in failures])) from failures[-1][1]
+    error = error_class(source, f"no decoder could read it ({reasons})",
+                        code=combined_code([exc.code for _, exc in failures]))
+    error.__cause__ = failures[-1][1]
+    return error
 
 
 # When every decoder tried failed, the most specific of their codes names the failure.
@@ -704,6 +793,12 @@ __all__ = [
     "FRAME_SAMPLING_STRATEGIES",
     "VIDEO_BACKENDS",
     "DecoderProcess",
+    "VideoFrames",
+    "backends_to_try",
+    "check_backend_installed",
+    "check_source",
+    "combined_error",
+    "format_time",
     "VideoDecodingError",
     "VideoDecodingTimeoutError",
     "check_frame_indices",

@@ -1,34 +1,45 @@
-"""Video decoding with decord or PyAV: the readers, and the crash-isolation helper process that runs them.
+"""Video decoding with decord or PyAV: the readers, and the request handler of the decoder helper process.
 
 `video_decoding` uses this module in two ways:
 
-* **Run by path** (`python video_decoding_worker.py`), it is the decoder helper process. It reads requests from stdin
-  and writes replies to its original stdout, both as length-prefixed pickles; decoded frames follow their header as raw
-  bytes. One helper serves any number of videos and both backends, so its start-up cost is paid once per process. If
-  a decoder segfaults, aborts or hangs, only the helper dies (or is killed after the time limit); the caller gets an
-  exception and starts a new helper for the next video.
+* **As the decoder helper's handler.** The helper process is `worker_process.py` run by path with this file's path:
+  it loads this file by path and answers requests with `handler()` (length-prefixed pickles on its stdin and stdout;
+  frames follow their message as raw bytes). One helper serves any number of videos and both backends. If a decoder
+  segfaults, aborts or hangs, only the helper dies (or is killed once it stops making progress); the caller raises an
+  exception naming the file and starts a new helper for the next video.
 * **Imported**, it provides the same readers for in-process decoding (`isolate_decoder=False`, or where no helper
   process can be started).
 
+A reader (`open_reader`) reports the video's metadata, including every frame's presentation time (`frame_times`, in
+seconds from the first frame, read from the container's timestamps, so variable-frame-rate files are timed right),
+then streams the frames asked for (`frames`), in order, each once, as they are decoded: nothing is held but the frame
+being sent. PyAV skips decoding non-reference frames that are not asked for (FFmpeg ``skip_frame``) and **seeks** to
+the keyframe before the next frame asked for when that keyframe lies ahead, so sparse frames of a long video cost
+the GOPs that hold them, not the whole file. Decord seeks by itself.
+
 Requests and replies:
 
-    ("open", backend, source, num_threads) -> ("metadata", {"total_num_frames", "fps", "width", "height"})
-    ("read", unique_sorted_indices)        -> ("frames", shape, dtype_str) + raw bytes
-                                           or ("truncated", frames_decoded, ffmpeg_error)  (PyAV; reader kept open)
-    ("close",)                             -> ("closed",)
-    any request that fails                 -> ("error", exception_type_name, message, is_final_reason)
+    ("open", backend, source, num_threads)  -> ("metadata", {"total_num_frames", "fps", "width", "height",
+                                                             "frame_times"})
+    ("stream", sorted_unique_indices)       -> ("progress", frames_reached, seconds_reached)  (every PROGRESS_EVERY s)
+                                               ("frame", index, shape, dtype_str) + raw bytes (one per frame found)
+                                               ("end", frames_reached, ffmpeg_error_or_None)
+    ("close",)                              -> ("closed",)
+    any request that fails                  -> ("error", exception_type_name, message, code_or_None)
 
-This file is Hub remote code, exported next to `video_decoding.py`: it has no package imports at all (it must
-run as a plain script), and decord and PyAV are optional, imported lazily inside `try` blocks.
+`frames_reached` is one more than the last frame index the decoder got to: frames asked for at or past it were not
+decodable (a file whose data ends early). This file is Hub remote code, exported next to `video_decoding.py`: it has
+no package imports at all (it is loaded by path in the helper), and decord and PyAV are optional, imported lazily.
 """
 
-import os
-import pickle
-import struct
-import sys
+import bisect
+import time
 
 
 BACKENDS = ("decord", "pyav")
+
+PROGRESS_EVERY = 0.5
+"""Seconds between the helper's progress messages while it decodes (what the caller's stall limit watches)."""
 
 
 class DecodeFailure(Exception):
@@ -41,7 +52,7 @@ class DecodeFailure(Exception):
 
 
 class TruncatedVideo(Exception):
-    """Fewer frames could be decoded than the container declares (PyAV): `decoded` frames are there."""
+    """Fewer frames could be decoded than the container declares: `decoded` frames are there."""
 
     def __init__(self, decoded: int, error: str | None) -> None:
         super().__init__(decoded, error)
@@ -67,27 +78,50 @@ def import_av():
     return av
 
 
+def no_progress(frames_reached: int, seconds_reached: float | None) -> None:
+    """The progress callback of a caller that does not watch progress."""
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # decord
 # ----------------------------------------------------------------------------------------------------------------------
 
 
 class DecordReader:
-    """Opens a video with decord, reports its metadata, then reads the requested frames."""
+    """Opens a video with decord, reports its metadata, then streams the requested frames (decord seeks to the
+    keyframe before a frame that is far ahead by itself)."""
 
     backend = "decord"
 
-    def __init__(self, source: str, num_threads: int | None) -> None:
+    def __init__(self, source: str, num_threads: int | None, progress=no_progress) -> None:
         decord = import_decord()
         self.reader = decord.VideoReader(source, ctx=decord.cpu(0), num_threads=int(num_threads or 0))
         total = len(self.reader)
         fps = float(self.reader.get_avg_fps() or 0.0)
-        self.metadata = {"total_num_frames": int(total), "fps": fps if fps > 0 else None, "width": None, "height": None}
+        times = None
+        if total:
+            starts = self.reader.get_frame_timestamp(range(total))[:, 0]
+            times = [float(t - starts[0]) for t in starts]
+        self.metadata = {"total_num_frames": int(total), "fps": fps if fps > 0 else None, "width": None,
+                         "height": None, "frame_times": times}
+        self.reached, self.error = 0, None
 
-    def read(self, unique_indices):
+    def frames(self, wanted, progress=no_progress):
+        """Yields ``(index, RGB frame)`` for the sorted, unique `wanted` indices, in order. Stops at the first frame
+        decord cannot decode (`error` says why, `reached` how far it got)."""
         import numpy as np
 
-        return np.ascontiguousarray(self.reader.get_batch([int(i) for i in unique_indices]).asnumpy())
+        times = self.metadata["frame_times"]
+        self.reached, self.error = 0, None
+        for index in wanted:
+            try:
+                frame = np.ascontiguousarray(self.reader.get_batch([int(index)]).asnumpy()[0])
+            except Exception as exc:  # DECORDError: the data ends or is damaged here
+                self.error = str(exc)
+                return
+            self.reached = int(index) + 1
+            progress(self.reached, times[int(index)] if times else None)
+            yield int(index), frame
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -127,8 +161,14 @@ def pyav_open(source: str, num_threads: int | None):
     return container, stream
 
 
-def pyav_probe(source: str) -> dict:
-    """Stream metadata plus a demux pass (no decoding): packet count and the sorted packet timestamps."""
+def pyav_probe(source: str, progress=no_progress) -> dict:
+    """Stream metadata plus a demux pass (no decoding): the packets in decode order, with their timestamps.
+
+    Returns ``{"declared_frames", "fps", "width", "height", "time_base", "packets", "sorted_pts", "positions",
+    "keyframes"}``: `sorted_pts` are the packets' presentation timestamps in presentation order, `positions` each
+    packet's position in decode order by its timestamp, `keyframes` the ``(pts, decode position)`` of every keyframe
+    packet in decode order (all three None when a packet has no timestamp or two share one: frames are then counted,
+    not told apart by timestamp). A file whose data ends early gives the packets that are there."""
     av = import_av()
     container, stream = pyav_open(source, 1)
     with container:
@@ -138,23 +178,32 @@ def pyav_probe(source: str) -> dict:
             "fps": float(rate) if rate else None,
             "width": stream.codec_context.width,
             "height": stream.codec_context.height,
+            "time_base": float(stream.time_base) if stream.time_base else None,
         }
-        pts = []
-        packets = 0
+        positions, keyframes = {}, []
+        packets, unique = 0, True
+        last_said = time.monotonic()
         try:
             for packet in container.demux(stream):
                 if packet.size == 0:
                     continue  # the flush packet at the end
-                packets += 1
-                if pts is not None:
-                    if packet.pts is None or getattr(packet, "is_discard", False):
-                        pts = None  # no timestamp mapping: decode every frame instead of skipping
+                if unique:
+                    if packet.pts is None or getattr(packet, "is_discard", False) or packet.pts in positions:
+                        unique = False  # no timestamp mapping: decode every frame instead of skipping
                     else:
-                        pts.append(int(packet.pts))
+                        positions[int(packet.pts)] = packets
+                        if packet.is_keyframe:
+                            keyframes.append((int(packet.pts), packets))
+                packets += 1
+                if time.monotonic() - last_said > PROGRESS_EVERY:
+                    progress(0, None)  # demuxing is progress too (a long file takes seconds)
+                    last_said = time.monotonic()
         except av.FFmpegError:
-            pts = None
+            pass  # the data ends early: the packets read so far are the file's
     info["packets"] = packets
-    info["sorted_pts"] = sorted(pts) if pts is not None and len(set(pts)) == len(pts) else None
+    info["sorted_pts"] = sorted(positions) if unique else None
+    info["positions"] = positions if unique else None
+    info["keyframes"] = keyframes if unique else None
     return info
 
 
@@ -178,216 +227,192 @@ class RGBConverter:
         return self.reformatter.reformat(frame, format="rgb24").to_ndarray()
 
 
-def pyav_collect(source: str, wanted, num_threads: int | None):
-    """Decodes every frame in order up to the last wanted index.
-
-    Returns `({index: RGB frame}, number of frames decoded, FFmpeg error or None)`; frame `i` is the i-th frame the
-    decoder outputs (presentation order), as with decord.
-    """
-    av = import_av()
-    wanted_set = {int(i) for i in wanted}
-    last = max(wanted_set)
-    frames = {}
-    decoded = 0
-    error = None
-    to_rgb = RGBConverter(av)
-    container, stream = pyav_open(source, num_threads)
-    with container:
-        try:
-            for frame in container.decode(stream):
-                if decoded in wanted_set:
-                    frames[decoded] = to_rgb(frame)
-                decoded += 1
-                if decoded > last:
-                    break
-        except av.FFmpegError as exc:
-            error = str(exc)
-    return frames, decoded, error
-
-
-def pyav_collect_skipping(source: str, wanted, sorted_pts, num_threads: int | None):
-    """Like `pyav_collect`, but skips decoding non-reference frames that are not wanted (FFmpeg `skip_frame`).
-
-    Frames are identified by their presentation timestamp: frame `i` is the one with the i-th smallest pts, which is
-    what `pyav_collect` counts when every packet yields one frame (the caller checks that the packet count equals the
-    frame count and that timestamps are unique). Non-reference frames (most B-frames) are never used to decode other
-    frames, so skipping them leaves every decoded frame bit-identical. Returns `None` (the caller then decodes every
-    frame) if any wanted frame was not produced.
-    """
-    av = import_av()
-    wanted_pts = {sorted_pts[int(i)]: int(i) for i in set(int(i) for i in wanted)}
-    frames = {}
-    to_rgb = RGBConverter(av)
-    container, stream = pyav_open(source, num_threads)
-    context = stream.codec_context
-    with container:
-        try:
-            for packet in container.demux(stream):
-                if packet.pts is not None:
-                    context.skip_frame = "DEFAULT" if packet.pts in wanted_pts else "NONREF"
-                for frame in packet.decode():
-                    index = wanted_pts.get(frame.pts)
-                    if index is not None and index not in frames:
-                        frames[index] = to_rgb(frame)
-                if len(frames) == len(wanted_pts):
-                    break
-        except av.FFmpegError:
-            return None
-    return frames if len(frames) == len(wanted_pts) else None
-
-
 class PyAVReader:
-    """Probes a video with PyAV (metadata, packet timestamps), then decodes the requested frames.
+    """Probes a video with PyAV (metadata, packet timestamps, keyframes), then streams the requested frames.
 
-    If the container declares more frames than can be decoded (a truncated file), `read` raises `TruncatedVideo`
-    once, with the number of frames that are there; the caller samples again over those and reads again. A second
-    shortfall raises `DecodeFailure`.
+    With unique packet timestamps, frame `i` is the one with the i-th smallest timestamp (what counting decoded
+    frames gives, as decord counts); frames are then told apart by timestamp, which lets the reader skip decoding
+    non-reference frames that are not wanted (they are never used to decode other frames, so every decoded frame is
+    bit-identical) and, with `seek`, jump to the keyframe before the next wanted frame when that keyframe lies ahead
+    of where decoding is. Without unique timestamps every frame is decoded in order and counted.
     """
 
     backend = "pyav"
 
-    def __init__(self, source: str, num_threads: int | None) -> None:
-        self.source = source
-        self.num_threads = num_threads
-        probe = pyav_probe(source)
-        self.total = probe["declared_frames"] or probe["packets"]
-        self.sorted_pts = probe["sorted_pts"]
-        self.truncated = False
-        self.metadata = {
-            "total_num_frames": self.total,
-            "fps": probe["fps"],
-            "width": probe["width"],
-            "height": probe["height"],
-        }
+    def __init__(self, source: str, num_threads: int | None, progress=no_progress, seek: bool = True) -> None:
+        self.source, self.num_threads, self.seek = source, num_threads, seek
+        probe = pyav_probe(source, progress)
+        self.sorted_pts, self.positions, self.keyframes = probe["sorted_pts"], probe["positions"], probe["keyframes"]
+        self.keyframe_positions = [position for _, position in self.keyframes or ()]
+        total = probe["declared_frames"] or probe["packets"]
+        times = None
+        if self.sorted_pts and probe["time_base"]:
+            first = self.sorted_pts[0]
+            times = [(p - first) * probe["time_base"] for p in self.sorted_pts]
+        self.metadata = {"total_num_frames": total, "fps": probe["fps"], "width": probe["width"],
+                         "height": probe["height"], "frame_times": times}
+        self.reached, self.error, self.seeks = 0, None, 0
 
-    def read(self, unique_indices):
-        import numpy as np
+    def frames(self, wanted, progress=no_progress):
+        """Yields ``(index, RGB frame)`` for the sorted, unique `wanted` indices, in order. Stops where decoding
+        stops (`error`: FFmpeg's reason, or None at the end of the data; `reached`: one past the last frame it got
+        to)."""
+        wanted = [int(i) for i in wanted]
+        self.reached, self.error = 0, None
+        av = import_av()
+        container, stream = pyav_open(self.source, self.num_threads)
+        with container:
+            try:
+                if self.sorted_pts is not None:
+                    yield from self._frames_by_timestamp(container, stream, wanted, progress)
+                else:
+                    yield from self._frames_in_order(container, stream, wanted, progress)
+            except av.FFmpegError as exc:
+                self.error = str(exc)
 
-        wanted = [int(i) for i in unique_indices]
-        frames = None
-        if self.sorted_pts is not None and len(self.sorted_pts) == self.total:
-            frames = pyav_collect_skipping(self.source, wanted, self.sorted_pts, self.num_threads)
-        if frames is None:
-            frames, decoded, error = pyav_collect(self.source, wanted, self.num_threads)
-            if decoded <= max(wanted):
-                ffmpeg = f" (FFmpeg: {error})" if error else ""
-                if self.truncated:
-                    raise DecodeFailure(f"decoding is not reproducible{ffmpeg}")
-                if decoded == 0:
-                    raise DecodeFailure(f"the video stream contains no decodable frames{ffmpeg}", code="no_frames")
-                self.truncated, self.sorted_pts, self.total = True, None, decoded
-                raise TruncatedVideo(decoded, error)
-        return np.stack([frames[i] for i in wanted])
+    def _frames_in_order(self, container, stream, wanted, progress):
+        wanted_set, last = set(wanted), max(wanted, default=-1)
+        to_rgb = RGBConverter(import_av())
+        for frame in container.decode(stream):
+            index = self.reached
+            self.reached += 1
+            progress(self.reached, float(frame.time) if frame.time is not None else None)
+            if index in wanted_set:
+                yield index, to_rgb(frame)
+            if self.reached > last:
+                return
+
+    def keyframe_before(self, pts: int) -> tuple[int, int] | None:
+        """The keyframe that decoding the frame shown at `pts` must start from: the last one before that frame's
+        packet in decode order that is not shown after it, as ``(pts, decode position)``."""
+        k = bisect.bisect_right(self.keyframe_positions, self.positions[pts]) - 1
+        while k >= 0 and self.keyframes[k][0] > pts:  # a frame shown before its GOP's keyframe: an earlier GOP
+            k -= 1
+        return self.keyframes[k] if k >= 0 else None
+
+    def _packets_from(self, container, stream, key: tuple[int, int] | None):
+        """The packets from `key` on (from the start for None), by a seek, checked: if the seek lands past the
+        keyframe, seeking is turned off and the packets come from the start."""
+        if key is not None and key[1] > 0:
+            container.seek(key[0], stream=stream, backward=True)
+            self.seeks += 1
+            packets = container.demux(stream)
+            first = next(packets, None)
+            if first is None or first.pts is None or self.positions.get(int(first.pts), -1) <= key[1]:
+                return packets if first is None else _chain(first, packets)
+            self.seek = False
+        container.seek(self.sorted_pts[0], stream=stream, backward=True)
+        return container.demux(stream)
+
+    def _frames_by_timestamp(self, container, stream, wanted, progress):
+        index_of = {p: i for i, p in enumerate(self.sorted_pts)}
+        pending = [i for i in wanted if i < len(self.sorted_pts)]  # past the packets there are: not decodable
+        pending_pts = {self.sorted_pts[i] for i in pending}
+        times = self.metadata["frame_times"]
+        to_rgb = RGBConverter(import_av())
+        context = stream.codec_context
+        packets, position, k = None, -1, 0
+        while k < len(pending):
+            target = self.sorted_pts[pending[k]]
+            key = self.keyframe_before(target) if self.seek and self.keyframes else None
+            if packets is None:
+                packets = container.demux(stream) if key is None or key[1] == 0 else \
+                    self._packets_from(container, stream, key)
+            elif key is not None and key[1] > position + 1:  # the next wanted frame's GOP lies ahead: jump there
+                packets = self._packets_from(container, stream, key)
+            for packet in packets:
+                if packet.pts is not None:
+                    position = self.positions.get(int(packet.pts), position)
+                    context.skip_frame = "DEFAULT" if packet.pts in pending_pts else "NONREF"
+                for frame in packet.decode():
+                    index = index_of.get(frame.pts)
+                    if index is None:
+                        continue
+                    self.reached = max(self.reached, index + 1)
+                    progress(self.reached, times[index] if times else None)
+                    if frame.pts in pending_pts:
+                        pending_pts.discard(frame.pts)
+                        yield index, to_rgb(frame)
+                # done, or passed over (the decoder showed a later frame, so this one will not come): move on
+                while k < len(pending) and (self.sorted_pts[pending[k]] not in pending_pts
+                                            or pending[k] < self.reached - 1):
+                    pending_pts.discard(self.sorted_pts[pending[k]])
+                    k += 1
+                if k == len(pending) or self.sorted_pts[pending[k]] != target:
+                    break  # the target is out: look again whether to jump ahead
+            else:
+                return  # the end of the data: what is still pending is not decodable
 
 
-def open_reader(backend: str, source: str, num_threads: int | None):
+def _chain(first, rest):
+    yield first
+    yield from rest
+
+
+def open_reader(backend: str, source: str, num_threads: int | None, progress=no_progress):
     """A `DecordReader` or `PyAVReader` for `source`."""
     if backend == "decord":
-        return DecordReader(source, num_threads)
+        return DecordReader(source, num_threads, progress)
     if backend == "pyav":
-        return PyAVReader(source, num_threads)
+        return PyAVReader(source, num_threads, progress)
     raise ValueError(f"Unknown video backend {backend!r}; use one of {BACKENDS}.")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# The helper process
+# The helper's request handler
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def serve(fd_in: int, fd_out: int) -> None:
-    """Answers requests from `fd_in` on `fd_out` until `fd_in` is closed."""
+class ProgressReports:
+    """Sends ``("progress", frames_reached, seconds_reached)`` at most every `PROGRESS_EVERY` seconds: the helper's
+    sign of life for the caller's stall limit, sent from the decoding loop itself (a hung decoder sends none)."""
 
-    def read_exact(n):
-        buf = bytearray(n)
-        view = memoryview(buf)
-        while view:
-            k = os.readv(fd_in, [view])
-            if k == 0:
-                raise EOFError  # the parent closed the pipe
-            view = view[k:]
-        return buf
+    def __init__(self, replies) -> None:
+        self.replies, self.last = replies, time.monotonic()
 
-    def write_all(data):
-        view = memoryview(data).cast("B")
-        while view:
-            view = view[os.write(fd_out, view) :]
+    def __call__(self, frames_reached: int, seconds_reached: float | None) -> None:
+        now = time.monotonic()
+        if now - self.last >= PROGRESS_EVERY:
+            self.replies.send(("progress", frames_reached, seconds_reached))
+            self.last = now
 
-    def send(obj):
-        payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        write_all(struct.pack("<Q", len(payload)) + payload)
 
-    send(("ready", os.getpid()))
-    reader = None
-    while True:
-        try:
-            (size,) = struct.unpack("<Q", read_exact(8))
-            request = pickle.loads(read_exact(size))
-        except EOFError:
-            return
+class DecoderHandler:
+    """Answers the helper's requests (see the module docstring): one open video at a time."""
+
+    def __init__(self) -> None:
+        self.reader = None
+        for load in (import_decord, import_av):  # paid at start-up, not inside a request's stall limit
+            try:
+                load()
+            except ImportError:
+                pass  # said when a request asks for it
+
+    def __call__(self, request, replies) -> None:
         try:
             if request[0] == "open":
-                reader = None
-                reader = open_reader(request[1], request[2], request[3])
-                send(("metadata", reader.metadata))
-            elif request[0] == "read":
-                frames = reader.read(request[1])
-                reader = None
-                send(("frames", frames.shape, frames.dtype.str))
-                write_all(frames)
+                self.reader = None
+                self.reader = open_reader(request[1], request[2], request[3], ProgressReports(replies))
+                replies.send(("metadata", self.reader.metadata))
+            elif request[0] == "stream":
+                self.stream(request[1], replies)
             else:  # "close"
-                reader = None
-                send(("closed",))
-        except TruncatedVideo as exc:  # the reader stays open for the second read
-            send(("truncated", exc.decoded, exc.error))
-        except DecodeFailure as exc:
-            reader = None
-            send(("error", "DecodeFailure", str(exc), True, exc.code))
-        except Exception as exc:
-            reader = None
-            send(("error", type(exc).__name__, str(exc), False, "unreadable"))
+                self.reader = None
+                replies.send(("closed",))
+        except Exception:
+            self.reader = None
+            raise
+
+    def stream(self, wanted, replies) -> None:
+        reader = self.reader
+        for index, frame in reader.frames(wanted, ProgressReports(replies)):
+            replies.send(("frame", index, frame.shape, frame.dtype.str))
+            replies.send_bytes(frame)
+        replies.send(("end", reader.reached, reader.error))
 
 
-def _exit_with_parent() -> None:
-    """The helper normally ends when it reads end-of-file on stdin, but a decoder hung inside a call never reads it;
-    if the caller is killed meanwhile the helper would run forever. On Linux the kernel kills it with its parent
-    (``PR_SET_PDEATHSIG``); elsewhere a daemon thread exits when the parent process is gone."""
-    import signal
-    import threading
-    import time
+def handler() -> DecoderHandler:
+    """The helper's request handler (`worker_process.main` calls it)."""
+    import numpy  # noqa: F401  (fail at start-up, with a clear message, if numpy is missing)
 
-    parent = os.getppid()
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-
-            libc = ctypes.CDLL(None, use_errno=True)
-            if libc.prctl(1, int(signal.SIGKILL), 0, 0, 0) == 0:  # 1 = PR_SET_PDEATHSIG
-                if os.getppid() != parent:  # the parent died before prctl: nothing would signal us
-                    os._exit(0)
-                return
-        except (OSError, AttributeError):
-            pass
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(0)
-
-    threading.Thread(target=watch, daemon=True, name="exit-with-parent").start()
-
-
-def main() -> None:
-    _exit_with_parent()
-    proto_in, proto_out = 0, os.dup(1)
-    os.dup2(2, 1)  # anything written to stdout by C code goes to the log, never into the protocol pipe
-    try:
-        import numpy  # noqa: F401  (fail at start-up, with a clear message, if numpy is missing)
-    except ImportError as exc:
-        payload = pickle.dumps(("error", type(exc).__name__, str(exc), True))
-        os.write(proto_out, struct.pack("<Q", len(payload)) + payload)
-        return
-    serve(proto_in, proto_out)
-
-
-if __name__ == "__main__":
-    main()
+    return DecoderHandler()

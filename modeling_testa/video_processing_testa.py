@@ -381,14 +381,8 @@ class TestaVideoProcessor(BaseVideoProcessor):
         metadata.frames_indices = [int(i) for i in indices]
         return clip, metadata
 
-    def _to_pixel_values(
-        self,
-        clips: list[torch.Tensor],
-        metadata: list[VideoMetadata],
-        out_dtype: torch.dtype,
-        kwargs: dict[str, Any],
-    ) -> BatchFeature:
-        """Resizes, rescales and normalises the clips and packs them (stacked unless `return_tensors=None`)."""
+    def _transform_settings(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The resize/crop/rescale/normalise settings of a call (`kwargs` complete: every setting present)."""
         std_kwargs = self._standardize_kwargs(
             size=kwargs["size"],
             crop_size=kwargs["crop_size"],
@@ -400,7 +394,17 @@ class TestaVideoProcessor(BaseVideoProcessor):
                                            "do_normalize", "resize_mode")}
         settings.update({k: std_kwargs[k] for k in ("size", "crop_size", "image_mean", "image_std")})
         self._validate_preprocess_kwargs(**{k: v for k, v in settings.items() if k != "resize_mode"})
+        return settings
 
+    def _to_pixel_values(
+        self,
+        clips: list[torch.Tensor],
+        metadata: list[VideoMetadata],
+        out_dtype: torch.dtype,
+        kwargs: dict[str, Any],
+    ) -> BatchFeature:
+        """Resizes, rescales and normalises the clips and packs them (stacked unless `return_tensors=None`)."""
+        settings = self._transform_settings(kwargs)
         pixel_values = [self._transform(clip, **settings).to(out_dtype) for clip in clips]
         return_tensors = kwargs["return_tensors"]
         if return_tensors is not None:
@@ -419,6 +423,61 @@ class TestaVideoProcessor(BaseVideoProcessor):
         if kwargs["return_metadata"]:
             output["video_metadata"] = metadata
         return output
+
+    def frame_transforms(
+        self, **kwargs: Unpack[TestaVideoProcessorKwargs]
+    ) -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]:
+        """What this processor does to decoded frames, in two steps, so that a caller can shrink each frame as it is
+        decoded and keep it at the model's input size (`moments` does, for long videos).
+
+        Returns `(prepare, finish)` with this processor's settings (and the call's `kwargs`, as `__call__` takes
+        them): `prepare(frames)` resizes (and, with `resize_mode="shortest_edge"`, crops) uint8 RGB frames
+        `(T, 3, H, W)` to the model's input size, keeping uint8; `finish(frames)` rescales, normalises and casts
+        prepared frames to `pixel_values` `(T, 3, h, w)` in the processor's `dtype`. Every step works frame by frame,
+        so `finish(torch.cat([prepare(f) for f in frames]))` equals `self(videos=[frames], num_frames=T)`'s
+        `pixel_values[0]` exactly (`tests/test_moments.py` checks it).
+        """
+        validate_kwargs(captured_kwargs=kwargs.keys(), valid_processor_keys=list(self.valid_kwargs.__annotations__))
+        self._check_options(**kwargs)
+        for name in self.valid_kwargs.__annotations__:
+            kwargs.setdefault(name, getattr(self, name, None))
+        settings = self._transform_settings(kwargs)
+        out_dtype = _resolve_dtype(kwargs["dtype"])
+        geometry = {k: settings[k] for k in ("do_resize", "size", "resample", "resize_mode", "do_center_crop",
+                                             "crop_size")}
+        values = {k: settings[k] for k in ("do_rescale", "rescale_factor", "do_normalize", "image_mean", "image_std")}
+
+        def prepare(frames: torch.Tensor) -> torch.Tensor:
+            return self._geometry(frames, **geometry)
+
+        def finish(frames: torch.Tensor) -> torch.Tensor:
+            return self._values(frames, **values).to(out_dtype)
+
+        return prepare, finish
+
+    def _geometry(self, video: torch.Tensor, do_resize: bool, size: SizeDict, resample: Any, resize_mode: str,
+                  do_center_crop: bool, crop_size: SizeDict) -> torch.Tensor:
+        """Resize (+ crop) one (T, 3, H, W) clip, frame by frame; the dtype is kept."""
+        if do_resize:
+            if resize_mode == "square":
+                video = self.resize(video, SizeDict(height=crop_size.height, width=crop_size.width), resample=resample)
+            else:
+                video = self.resize(video, size, resample=resample)
+        if do_center_crop and resize_mode == "shortest_edge":
+            video = self.center_crop(video, crop_size)
+        return video
+
+    def _values(self, video: torch.Tensor, do_rescale: bool, rescale_factor: float, do_normalize: bool,
+                image_mean: Any, image_std: Any, rescale: bool | None = None) -> torch.Tensor:
+        """Rescale and normalise one (T, 3, h, w) clip; returns float32. `rescale` (default: `do_rescale`, except
+        for float frames already in [0, 1]) says whether to rescale."""
+        if rescale is None:
+            rescale = do_rescale and not (video.is_floating_point() and float(video.max()) <= 1.0)
+        if video.is_floating_point():
+            video = video.float()
+        if rescale or do_normalize:
+            video = self.rescale_and_normalize(video, rescale, rescale_factor, do_normalize, image_mean, image_std)
+        return video.float()
 
     def _transform(
         self,
@@ -440,17 +499,9 @@ class TestaVideoProcessor(BaseVideoProcessor):
         if video.is_floating_point():
             video = video.float()
             if do_rescale and float(video.max()) <= 1.0:
-                rescale = False  # float frames already in [0, 1]
-        if do_resize:
-            if resize_mode == "square":
-                video = self.resize(video, SizeDict(height=crop_size.height, width=crop_size.width), resample=resample)
-            else:
-                video = self.resize(video, size, resample=resample)
-        if do_center_crop and resize_mode == "shortest_edge":
-            video = self.center_crop(video, crop_size)
-        if rescale or do_normalize:
-            video = self.rescale_and_normalize(video, rescale, rescale_factor, do_normalize, image_mean, image_std)
-        return video.float()
+                rescale = False  # float frames already in [0, 1], judged before resizing
+        video = self._geometry(video, do_resize, size, resample, resize_mode, do_center_crop, crop_size)
+        return self._values(video, do_rescale, rescale_factor, do_normalize, image_mean, image_std, rescale=rescale)
 
     # -- saving -------------------------------------------------------------------------------------------------------
 

@@ -81,7 +81,7 @@ def test_decoder_crash_and_timeout_codes_come_from_the_decoder_client_errors(fil
     good, _, _ = files
     # the codes `video_decoding.DecoderProcess` sets when its helper dies or exceeds decode_timeout
     crashed = VideoDecodingError(good[0], "the pyav decoder crashed (SIGSEGV)", "pyav", code="decoder_crash")
-    slow = VideoDecodingTimeoutError(good[0], "decoding took longer than decode_timeout=1 s", "pyav")
+    slow = VideoDecodingTimeoutError(good[0], "the decoder made no progress for decode_timeout=1 s", "pyav")
     assert [failure_code(e, good[0]) for e in (crashed, slow)] == ["decoder_crash", "timeout"]
     # the code is never read from the message: the same words without a code are "unreadable"
     worded = VideoDecodingError(good[0], "the pyav decoder crashed (SIGSEGV); no decodable frames", "pyav")

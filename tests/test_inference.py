@@ -320,13 +320,13 @@ def test_pipeline_precision_option(videos, tmp_path):
 
 def test_encode_videos_with_workers_matches_sequential_in_order(retrieval_pipe, videos, monkeypatch):
     used = set()
-    decode = video_decoding.DecoderProcess.decode
+    open_video = video_decoding.DecoderProcess.open
 
     def recording(self, *args, **kwargs):
         used.add(id(self))
-        return decode(self, *args, **kwargs)
+        return open_video(self, *args, **kwargs)
 
-    monkeypatch.setattr(video_decoding.DecoderProcess, "decode", recording)
+    monkeypatch.setattr(video_decoding.DecoderProcess, "open", recording)
     order = videos[::-1] + videos[:2]  # 7 videos, a repeat included
     expected = retrieval_pipe.encode_videos(order, batch_size=3)
     shared = set(used)

@@ -261,21 +261,23 @@ def test_train_index_writes_a_store_of_moments_and_grows_it(pipe, videos, tmp_pa
 
 
 def test_a_resumed_shard_decodes_only_the_rows_it_lacks(pipe, videos):
-    """`DecodeWindowRows` on the rows a shard still lacks (here rows 2, 3 and 5 of a plan over two videos) decodes
-    each video once and gives exactly those windows' pixel values and rows."""
-    from modeling_testa.moments import DecodeWindowRows, plan_window_rows, video_groups
+    """`WindowRowDecoder` on the rows a shard still lacks (here rows 2, 3 and 5 of a plan over two videos) streams
+    each video once and gives exactly those windows' pixel values and rows, batched."""
+    from modeling_testa.index_homes import IndexEntry
+    from modeling_testa.moments import WindowRowDecoder, plan_window_rows, video_groups
 
     names, segments, unreadable = plan_window_rows(videos[:2], 25, 15)
     assert unreadable == [] and names == [videos[0]] * 4 + [videos[1]] * 2
     assert segments == [[0, 25], [15, 40], [30, 55], [35, 60], [0, 25], [5, 30]]
-    groups = video_groups([2, 3, 5], names)
-    assert groups == [(videos[0], [2, 3]), (videos[1], [5])]
-    collate = DecodeWindowRows(pipe.video_processor, FRAMES, segments)
-    indices, pixel_values, failures = collate(groups)
-    assert indices == [2, 3, 5] and failures == []
-    whole = [window_pixel_values_of(pipe, video, 25, 15) for video in videos[:2]]
-    expected = torch.stack([whole[0][2], whole[0][3], whole[1][1]])
-    torch.testing.assert_close(pixel_values, expected, rtol=0, atol=0)
+    assert video_groups([2, 3, 5], names) == [(videos[0], [2, 3]), (videos[1], [5])]
+    entries = [IndexEntry(name, *segment) for name, segment in zip(names, segments)]
+    for num_workers in (0, 2):
+        batches = list(WindowRowDecoder(pipe.video_processor, FRAMES, batch_size=2, num_workers=num_workers)(
+            entries, [2, 3, 5]))
+        assert [(indices, failures) for indices, _, failures in batches] == [([2, 3], []), ([5], [])]
+        whole = [window_pixel_values_of(pipe, video, 25, 15) for video in videos[:2]]
+        expected = torch.stack([whole[0][2], whole[0][3], whole[1][1]])
+        torch.testing.assert_close(torch.cat([pixels for _, pixels, _ in batches]), expected, rtol=0, atol=0)
 
 
 def window_pixel_values_of(pipe, video, window, stride):
@@ -300,13 +302,13 @@ def test_a_killed_store_of_moments_resumes_and_decodes_only_what_it_lacks(pipe, 
     args = ["--model", str(model), "--store", str(store), "--token-dtype", "float32", "--num-workers", "0",
             "--window", "25", "--stride", "15", "--shard-size", "2", "--batch-size", "3", "--videos", str(listing)]
     decoded = []
-    original_decode = moments_module.window_pixel_values
 
-    def counting(processor, video, *rest, windows=None, **kwargs):
-        decoded.append((video.rsplit("/", 1)[1], windows))
-        return original_decode(processor, video, *rest, windows=windows, **kwargs)
+    class CountingStream(moments_module.WindowStream):
+        def __init__(self, source, windows, *args, **kwargs):
+            decoded.append((str(source).rsplit("/", 1)[1], windows))
+            super().__init__(source, windows, *args, **kwargs)
 
-    monkeypatch.setattr(moments_module, "window_pixel_values", counting)
+    monkeypatch.setattr(moments_module, "WindowStream", CountingStream)
     original_add = VideoStoreWriter.add_batch
     calls = []
 

@@ -161,31 +161,36 @@ def test_random_and_headtail_sampling_from_files(videos, backend):
     assert [read_index(f.permute(1, 2, 0).numpy()) for f in h["pixel_values"][0]] == idx
 
 
-def test_pyav_skips_unneeded_non_reference_frames_without_changing_pixels(videos, monkeypatch):
+def test_pyav_seeks_and_skips_unneeded_frames_without_changing_pixels(videos):
+    """PyAV jumps to the keyframe before a wanted frame when it lies ahead and skips non-reference frames that are
+    not wanted: fewer frames are decoded, and every frame it gives equals PyAV's own plain decode of the file."""
     import av
 
-    with av.open(str(videos["bframes"])) as container:
-        types = [int(frame.pict_type) for frame in container.decode(video=0)]
-    assert types.count(3) > 10  # AV_PICTURE_TYPE_B: the file really has B-frames
-    calls = []
-    original = worker.pyav_collect_skipping
-
-    def spy(*args, **kwargs):
-        result = original(*args, **kwargs)
-        calls.append(result is not None)
-        return result
-
-    monkeypatch.setattr(worker, "pyav_collect_skipping", spy)  # seen in this process: decode in process
-    vp = TestaVideoProcessor(num_frames=7, video_backend="pyav", isolate_decoder=False)
-    fast = vp(videos["bframes"], return_metadata=True, **RAW)
-    assert calls == [True]  # the skipping path was used and produced every wanted frame
-    assert [read_index(f.permute(1, 2, 0).numpy()) for f in fast["pixel_values"][0]] == uniform(60, 7)
-    isolated = vp(videos["bframes"], isolate_decoder=True, **RAW)  # the helper process runs the same code
-    assert calls == [True] and torch.equal(fast["pixel_values"], isolated["pixel_values"])
-    monkeypatch.setattr(worker, "pyav_collect_skipping", lambda *args, **kwargs: None)  # force the plain path
-    plain = vp(videos["bframes"], **RAW)
-    assert torch.equal(fast["pixel_values"], plain["pixel_values"])
-    assert torch.equal(plain["pixel_values"], vp(videos["bframes"], video_backend="decord", **RAW)["pixel_values"])
+    path = str(videos["bframes"])  # 60 frames, a keyframe every 12, B-frames (some of them reference frames)
+    with av.open(path) as container:
+        decoded = list(container.decode(video=0))
+        plain = [frame.to_ndarray(format="rgb24") for frame in decoded]
+        assert [int(f.pict_type) for f in decoded].count(3) > 10  # AV_PICTURE_TYPE_B: the file has B-frames
+    decoded_frames = {}
+    for wanted in ([4, 12, 21, 30, 38, 47, 55], [0, 59], [13], [47, 48], list(range(60))):
+        for seek in (True, False):
+            reader = worker.PyAVReader(path, None, seek=seek)
+            seen = []
+            got = list(reader.frames(wanted, lambda reached, seconds: seen.append(reached)))  # one call per frame
+            assert [i for i, _ in got] == wanted and reader.reached == wanted[-1] + 1 and reader.error is None
+            assert all(np.array_equal(frame, plain[i]) for i, frame in got), (wanted, seek)
+            assert (reader.seeks > 0) == (seek and wanted[0] >= 12 and wanted != list(range(60))) or \
+                wanted[0] < 12, (wanted, seek, reader.seeks)
+            decoded_frames[tuple(wanted), seek] = len(seen)
+    sparse = (4, 12, 21, 30, 38, 47, 55)
+    # skipping alone decodes fewer frames than the 56 up to the last one wanted; seeking fewer still
+    assert decoded_frames[sparse, True] < decoded_frames[sparse, False] < 56
+    assert decoded_frames[(13,), True] <= 3 < decoded_frames[(13,), False]  # from the keyframe at 12, not from 0
+    vp = TestaVideoProcessor(num_frames=7, video_backend="pyav", **RAW)
+    isolated, in_process = vp(path)["pixel_values"], vp(path, isolate_decoder=False)["pixel_values"]
+    assert torch.equal(isolated, in_process)
+    assert torch.equal(isolated, vp(path, video_backend="decord")["pixel_values"])
+    assert [read_index(f.permute(1, 2, 0).numpy()) for f in isolated[0]] == uniform(60, 7)
 
 
 @pytest.mark.parametrize("isolate", [True, False])
@@ -279,17 +284,26 @@ def test_file_without_video_stream(tmp_path):
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-# The helper script's read step; the fault tests run a copy of the script with a fault injected right there.
-_READ_STEP = "frames = reader.read(request[1])"
+# The helper's stream step, and the step that sends each frame; the fault tests run a copy of the helper's handler
+# with a fault injected right before one of them.
+_STREAM_STEP = "for index, frame in reader.frames(wanted, ProgressReports(replies)):"
+_FRAME_STEP = 'replies.send(("frame", index, frame.shape, frame.dtype.str))'
 
 
-def _faulty_worker(tmp_path, monkeypatch, fault: str, backends: tuple[str, ...]) -> None:
-    """Makes this process start its decoder helper from a copy of `video_decoding_worker.py` that runs `fault` (a
-    Python expression: a segfault, an abort, a sleep) before reading frames with one of `backends`."""
+def _inject(text: str, step: str, statement: str) -> str:
+    """`text` with `statement` inserted before the one line holding `step`, at that line's indentation."""
+    assert text.count(step) == 1
+    line_start = text.rindex("\n", 0, text.index(step)) + 1
+    indent = text[line_start:text.index(step)]
+    return text[:line_start] + indent + statement + "\n" + text[line_start:]
+
+
+def _faulty_worker(tmp_path, monkeypatch, fault: str, backends: tuple[str, ...], step: str = _STREAM_STEP) -> None:
+    """Makes this process start its decoder helper with a copy of `video_decoding_worker.py` that runs `fault` (a
+    Python expression: a segfault, an abort, a sleep) before `step` (by default: before streaming frames) with one of
+    `backends`."""
     text = Path(decoding._WORKER_SCRIPT).read_text(encoding="utf-8")
-    assert text.count(_READ_STEP) == 1
-    faulty_step = f"frames = (reader.backend in {backends!r} and ({fault})) or reader.read(request[1])"
-    text = text.replace(_READ_STEP, faulty_step)
+    text = _inject(text, step, f"import os, time; reader.backend in {backends!r} and ({fault})")
     script = tmp_path / "faulty_worker" / "video_decoding_worker.py"
     script.parent.mkdir()
     script.write_text(text, encoding="utf-8")
@@ -309,7 +323,7 @@ def _without_decord(tmp_path, monkeypatch) -> None:
 
 
 def _helper_pid() -> int | None:
-    worker_process = decoding._WORKER.process if decoding._WORKER is not None else None
+    worker_process = decoding.decoder_process().process
     return worker_process.pid if worker_process is not None and worker_process.poll() is None else None
 
 
@@ -334,7 +348,7 @@ def test_decoder_crash_is_an_exception(videos, tmp_path, monkeypatch, fresh_deco
     vp = TestaVideoProcessor(num_frames=4, video_backend=backend)
     with pytest.raises(VideoDecodingError, match=r"small\.mp4'" + message.format(signal=signal_name)):
         vp(videos["small"])
-    assert decoding._WORKER.process is None  # the crashed helper was reaped; this process goes on
+    assert decoding.decoder_process().process is None  # the crashed helper was reaped; this process goes on
     if scenario == "decord":  # "auto" falls back to PyAV, in a new helper, and still returns the exact frames
         out = TestaVideoProcessor(num_frames=4, video_backend="auto")(videos["small"], return_metadata=True, **RAW)
         assert out["video_metadata"][0].video_backend == "pyav" and _helper_pid() is not None
@@ -353,11 +367,77 @@ def test_decoder_hang_times_out(videos, tmp_path, monkeypatch, fresh_decoder_pro
         _without_decord(tmp_path, monkeypatch)
     _faulty_worker(tmp_path, monkeypatch, "__import__('time').sleep(60)", hit)
     start = time.monotonic()
-    with pytest.raises(VideoDecodingTimeoutError, match=r"small\.mp4.*decode_timeout=1 s"):
-        TestaVideoProcessor(num_frames=4, video_backend=backend, decode_timeout=1)(videos["small"])
-    assert time.monotonic() - start < 15 * len(hit)
-    assert decoding._WORKER.process is None  # the hung helper was killed
+    with pytest.raises(VideoDecodingTimeoutError, match=r"small\.mp4.*no progress for decode_timeout=3 s"):
+        TestaVideoProcessor(num_frames=4, video_backend=backend, decode_timeout=3)(videos["small"])
+    assert time.monotonic() - start < 20 * len(hit)
+    assert decoding.decoder_process().process is None  # the hung helper was killed
     assert isinstance(VideoDecodingTimeoutError("x", "y"), (ValueError, TimeoutError))
+
+
+def test_a_slow_helper_start_is_not_a_stall(videos, tmp_path, monkeypatch, fresh_decoder_process):
+    """The stall limit watches decoding, not the helper's start-up (imports on a loaded machine): a helper that takes
+    2 s to start still decodes under a 1-second limit."""
+    script = tmp_path / "slow_start" / "video_decoding_worker.py"
+    script.parent.mkdir()
+    script.write_text("import time\ntime.sleep(2)\n" + Path(decoding._WORKER_SCRIPT).read_text(encoding="utf-8"))
+    monkeypatch.setattr(decoding, "_WORKER_SCRIPT", str(script))
+    decoding.shutdown_decoder_process()
+    pids = set()
+    for backend in ("decord", "pyav"):
+        out = TestaVideoProcessor(num_frames=4, video_backend=backend, decode_timeout=1)(videos["small"], **RAW)
+        assert [read_index(f.permute(1, 2, 0).numpy()) for f in out["pixel_values"][0]] == uniform(50, 4)
+        pids.add(_helper_pid())
+    assert len(pids) == 1 and None not in pids  # started once (in 2 s), then reused
+
+
+def test_a_helper_ends_when_its_caller_is_killed_even_if_the_thread_that_started_it_ended_first(videos, tmp_path):
+    """A caller whose helper was started by a thread that has ended keeps its helper (a kernel parent-death signal
+    would have killed it with that thread); once the caller is killed (SIGKILL: no clean-up runs), the helper ends by
+    itself, even while hung in a decode."""
+    import signal
+    import subprocess
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import os, sys, threading, time
+        import modeling_testa.video_decoding as decoding
+        from pathlib import Path
+        text = Path(decoding._WORKER_SCRIPT).read_text()
+        hung = Path({str(tmp_path)!r}) / "hung" / "video_decoding_worker.py"
+        hung.parent.mkdir()
+        hung.write_text(text.replace({_STREAM_STEP!r}, "__import__('time').sleep(600)\\n        " + {_STREAM_STEP!r}))
+        thread = threading.Thread(target=lambda: decoding.decode_video({str(videos["small"])!r}, lambda m: [0]))
+        thread.start(); thread.join()  # started the shared helper, decoded, ended
+        decoding.decode_video({str(videos["small"])!r}, lambda m: [1])  # the helper is still there
+        decoding._WORKER_SCRIPT = str(hung)
+        decoding.shutdown_decoder_process()
+        threading.Thread(target=decoding.decode_video, args=({str(videos["small"])!r}, lambda m: [2]),
+                         kwargs={{"decode_timeout": None}}, daemon=True).start()
+        time.sleep(3)
+        print(decoding.decoder_process().process.pid, flush=True)
+        time.sleep(600)
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(decoding.__file__).parents[1]),
+                                                                     os.environ.get("PYTHONPATH")]))}
+    caller = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        helper = int(caller.stdout.readline())
+        os.kill(caller.pid, signal.SIGKILL)
+        caller.wait()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                status = Path(f"/proc/{helper}/status").read_text()
+            except OSError:
+                break  # gone
+            if "\nState:\tZ" in status:
+                break  # exited, not yet reaped by whoever adopted it
+            time.sleep(0.2)
+        else:
+            os.kill(helper, signal.SIGKILL)
+            pytest.fail("the hung helper outlived its killed caller by 60 s")
+    finally:
+        caller.kill()
 
 
 def test_helper_that_cannot_start_is_an_exception(videos, tmp_path, monkeypatch, fresh_decoder_process):
@@ -422,12 +502,12 @@ def test_exported_folder_decodes_in_its_own_helper_without_the_package(videos, t
             out = vp({str(videos["small"])!r}, video_backend=backend, return_metadata=True)
             assert out["video_metadata"][0].video_backend == backend
             assert out["pixel_values"].shape == (1, 4, 3, 224, 224)
-            process = module._WORKER.process
+            process = module.decoder_process().process
             assert process is not None and process.poll() is None
             print("HELPER", backend, process.pid, process.args[-1])
         text = open(module._WORKER_SCRIPT).read()
         faulty = os.path.join({str(tmp_path)!r}, "faulty.py")
-        open(faulty, "w").write(text.replace({_READ_STEP!r}, "frames = os.abort() or reader.read(request[1])"))
+        open(faulty, "w").write(text.replace({_STREAM_STEP!r}, "__import__('os').abort()\\n        " + {_STREAM_STEP!r}))
         module._WORKER_SCRIPT = faulty
         module.shutdown_decoder_process()
         try:

@@ -161,7 +161,7 @@ def test_save_and_load_round_trip(tmp_path):
     vp.save_pretrained(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["video_decoding.py", "video_decoding_worker.py",
                                                           "video_inputs.py", "video_preprocessor_config.json",
-                                                          "video_processing_testa.py"]
+                                                          "video_processing_testa.py", "worker_process.py"]
     saved = json.loads((tmp_path / "video_preprocessor_config.json").read_text())
     assert saved["auto_map"] == {"AutoVideoProcessor": "video_processing_testa.TestaVideoProcessor"}
     assert saved["num_frames"] == 8 and saved["dtype"] == "bfloat16" and saved["frame_sampling"] == "headtail"

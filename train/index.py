@@ -148,7 +148,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="dtype of the stored tokens (default: the store's; float16 for a new store)")
     parser.add_argument("--shard-size", type=int, default=256, help="videos per shard (default: 256)")
     parser.add_argument("--batch-size", type=int, default=8, help="videos per encoder forward, per process")
-    parser.add_argument("--num-workers", type=int, default=2, help="decoding worker processes per process")
+    parser.add_argument("--num-workers", type=int, default=2,
+                        help="decoding workers per process: DataLoader processes; with --window, threads that each "
+                             "stream one video (with a decoder process of their own)")
     add_milvus_arguments(parser, "also upsert every encoded video into Milvus: a Milvus Lite file (videos.db) or a "
                                  "server or cluster URI (http://host:19530); the tokens stay in --store")
     parser.add_argument("--window", type=float, default=None,

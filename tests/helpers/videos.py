@@ -233,3 +233,29 @@ def read_long_index(frame: np.ndarray) -> int:
     gray = np.asarray(frame, dtype=np.float32).mean(-1)
     centre = LONG_BLOCK // 2
     return sum(int(gray[centre, b * LONG_BLOCK + centre] > 127) << b for b in range(LONG_BITS))
+
+
+def write_long_vfr_video(path: Path, times_ms: list[int], width: int = 112, height: int = 16) -> Path:
+    """A variable-frame-rate H.264 mp4 (millisecond timestamps `times_ms`, increasing) whose frames carry their index
+    as `write_long_video`'s do (`read_long_index`)."""
+    from fractions import Fraction
+
+    assert width >= LONG_BITS * LONG_BLOCK and len(times_ms) < 2**LONG_BITS
+    with av.open(str(path), mode="w") as container:
+        stream = container.add_stream("libx264", rate=30)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.time_base = stream.codec_context.time_base = Fraction(1, 1000)
+        stream.options = {"crf": "18", "preset": "ultrafast"}
+        img = np.zeros((height, width, 3), dtype=np.uint8)
+        for i, pts in enumerate(times_ms):
+            img[:LONG_BLOCK] = 0
+            for b in range(LONG_BITS):
+                if (i >> b) & 1:
+                    img[:LONG_BLOCK, b * LONG_BLOCK : (b + 1) * LONG_BLOCK] = 255
+            frame = av.VideoFrame.from_ndarray(img, format="rgb24")
+            frame.pts, frame.time_base = pts, Fraction(1, 1000)
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return path
