@@ -37,7 +37,9 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 import gradio as gr  # noqa: E402
 
 from modeling_testa.indexing import EncodingStats, Failure, failure_summary, is_media_error  # noqa: E402
-from modeling_testa.moments import format_time, moment_frames, plan_window_rows  # noqa: E402
+from modeling_testa.index_build import window_entries  # noqa: E402
+from modeling_testa.index_homes import IndexEntry  # noqa: E402
+from modeling_testa.moments import format_time, moment_frames  # noqa: E402
 from modeling_testa.video_inputs import VIDEO_SUFFIXES, find_video_files, is_video_file_name  # noqa: E402
 
 THEME = gr.themes.Default(font=[gr.themes.LocalFont("Source Sans Pro", weights=(400, 700)), "ui-sans-serif",
@@ -297,8 +299,8 @@ class IndexingJob:
     def plan(self, todo: list[str]) -> None:
         """The rows each video to index will give (its windows, planned from its duration; nothing decoded)."""
         if self.moments:
-            names, _, _ = plan_window_rows(todo, self.moments["window"], self.moments["stride"])
-            self.rows_per_video = Counter(names)
+            rows = window_entries([IndexEntry(video) for video in todo], self.moments["window"], self.moments["stride"])
+            self.rows_per_video = Counter(str(row.video) for row in rows)
         else:
             self.rows_per_video = Counter(todo)
         with self.changed:

@@ -39,6 +39,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import tempfile
 import time
 from collections import defaultdict
@@ -77,6 +78,19 @@ CLOCKS = {
 }
 RECALL_TOLERANCE = 1.0
 """t2v R@1 and R@5 must stay within this many points of fp32."""
+
+
+def code_version() -> dict[str, str]:
+    """The commit measured (with "+changes" when the work tree differs from it) and the date, for the table's caption."""
+    def git(*arguments: str) -> str:
+        done = subprocess.run(["git", *arguments], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                              text=True)
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    if git("status", "--porcelain", "--untracked-files=no"):
+        commit += "+changes"
+    return {"commit": commit, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 
 def cpu_description() -> str:
@@ -429,7 +443,8 @@ def main() -> None:
     if (args.model is None) != (args.data is None):
         parser.error("--model and --data go together")
 
-    results = {"cpu": cpu_description()}
+    results = {"cpu": cpu_description(), **code_version()}
+    print(f"commit {results['commit']}, {results['date']}", flush=True)
     if not args.no_speed:
         results["speed"] = speed(args)
     if args.batches:

@@ -56,6 +56,8 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=1, help="as train/demo.py --processes")
     parser.add_argument("--score-grid", type=float, default=None,
                         help="the merge rule the models are trained with (config score_grid; default: the library's)")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the seeds OUTPUT.json already holds (a run stopped between seeds) and train the rest")
     parser.add_argument("--replot", action="store_true",
                         help="only re-render OUTPUT.md/.png from OUTPUT.json (e.g. after installing matplotlib)")
     args = parser.parse_args()
@@ -73,7 +75,18 @@ def main() -> None:
     make_data(data_dir, args.num_videos)
 
     per_seed: dict[int, dict] = {}
+    saved_path = args.output.with_suffix(".json")
+    if args.resume and saved_path.exists():
+        saved = json.loads(saved_path.read_text())
+        if saved.get("score_grid", DEFAULT_SCORE_GRID) != (DEFAULT_SCORE_GRID if args.score_grid is None
+                                                            else args.score_grid):
+            raise SystemExit(f"{saved_path} was measured under another merge rule; use another --output")
+        per_seed = {int(seed): runs for seed, runs in saved["per_seed"].items() if int(seed) < args.seeds}
+        started -= saved.get("wall_seconds", 0.0)
+        print(f"resuming: seeds {sorted(per_seed)} kept from {saved_path}", flush=True)
     for seed in range(args.seeds):
+        if seed in per_seed:
+            continue
         runs = args.work_dir / f"seed{seed}"
         overrides = () if args.score_grid is None else ("--set", f"model.vision_config.score_grid={args.score_grid}")
         seconds = train_variants(keys, data_dir, runs, seed=seed, processes=args.processes, overrides=overrides)

@@ -43,7 +43,7 @@ from .distributed import barrier, broadcast_object, gather_objects, raise_on_eve
 from .index_homes import Decoder, IndexEntry, IndexHome, RowPlan, StoreHome, as_entries
 from .index_settings import IndexInfo, IndexSettingsError, write_json_atomically
 from .indexing import DecodeAhead, DecodedBatch, EncodingStats, Failure, encode_videos
-from .moments import WindowRowDecoder, plan_windows, probe_duration, rebatch
+from .moments import WindowRowDecoder, check_window_options, plan_windows, probe_duration, rebatch
 from .saving import INFERENCE_ATTRIBUTE
 from .store_lock import StoreLockedError, check_lock_token
 from .video_store import journaled_count, journaled_failures
@@ -95,7 +95,8 @@ def window_entries(entries: list[IndexEntry], window: float, stride: float, skip
     its video's `dataset`, for the videos not in `skip`. The durations are read from the files' containers (nothing
     decoded), each process its share, so that planning a large folder on N processes takes 1/N of the time and no
     process waits alone at a collective. A video whose duration cannot be read is one whole-video row, whose decoding
-    then fails and says why."""
+    then fails and says why. The one planner of moment rows (the pipeline, `train.index`, the app)."""
+    window, stride = check_window_options(window, stride)
     skip = set(skip)
     videos = list(dict.fromkeys(os.fspath(entry.video) for entry in entries if os.fspath(entry.video) not in skip))
     share = videos[len(videos) * rank() // world_size(): len(videos) * (rank() + 1) // world_size()]

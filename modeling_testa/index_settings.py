@@ -52,9 +52,18 @@ FINGERPRINTS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, str]]" = 
 weights, an optimizer step or a load, bumps a counter)."""
 
 
+ORIGINAL_WEIGHTS_ATTRIBUTE = "original_weights_sha256"
+"""Set by `optimize_for_inference` (`remember_original_weights`) before it converts a model's weights."""
+
+
 def weights_fingerprint(model: torch.nn.Module) -> str:
     """SHA-256 of the model's parameters and buffers (names, shapes, dtypes and bytes); about a second for ViT-B, once
-    per model and version of its weights."""
+    per model and version of its weights. A model prepared by `optimize_for_inference` is named by the weights it was
+    given, whatever the runtime converted them to (int8 linears, an exported graph, the text model's too with
+    ``include_text``): the precision, recorded beside, says how it computes."""
+    original = getattr(model, ORIGINAL_WEIGHTS_ATTRIBUTE, None)
+    if original is not None:  # converted by optimize_for_inference: the weights it was given name the model
+        return original
     state = sorted(model.state_dict().items())
     versions = tuple((name, tensor._version, tensor.data_ptr()) for name, tensor in state)
     cached = FINGERPRINTS.get(model)
@@ -67,6 +76,12 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
         digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
     FINGERPRINTS[model] = (versions, digest.hexdigest())
     return digest.hexdigest()
+
+
+def remember_original_weights(model: torch.nn.Module) -> None:
+    """Records the fingerprint of `model`'s weights as they are now, for `weights_fingerprint` to return once a
+    runtime has converted them."""
+    setattr(model, ORIGINAL_WEIGHTS_ATTRIBUTE, weights_fingerprint(model))
 
 
 def config_setting(read: Any) -> dict[str, Any]:
@@ -242,4 +257,4 @@ def write_json_atomically(path: Path, value: Any) -> None:
 
 __all__ = ["MODEL_KEYS", "SCRATCH_KEY", "SETTINGS_FILE", "IndexInfo", "IndexSettingsError", "check_settings", "check_store_folder",
            "config_setting", "describe_differences", "json_value", "recorded_store_settings", "settings_differences",
-           "weights_fingerprint", "write_json_atomically"]
+           "remember_original_weights", "weights_fingerprint", "write_json_atomically"]

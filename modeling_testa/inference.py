@@ -48,6 +48,7 @@ from typing import Any
 
 from torch import nn
 
+from .index_settings import remember_original_weights
 from .linear_layers import Bf16Linear, Int8DynamicLinear
 from .runtimes import BACKENDS, INT8_DEPRECATION, OPTION_DEFAULTS, RUNTIMES, RuntimeOptions, choose
 from .saving import INFERENCE_ATTRIBUTE
@@ -135,6 +136,7 @@ def optimize_for_inference(model: nn.Module, precision: str = "fp32", *, backend
     runtime_class.check(vision, precision, options, backend)
     model.eval()
     runtime = runtime_class(vision, precision, **{name: options[name] for name in runtime_class.options})
+    remember_original_weights(model)  # an index names the model by these weights, not by their converted copies
     settings = {"precision": precision, "backend": backend, "runtime": runtime_class.name, "compile": False,
                 "include_text": False, "converted_linears": 0}
     settings.update(runtime.prepare(model))

@@ -406,7 +406,7 @@ def decode_windows(
         source: a video file (or URL).
         window, stride: seconds (see `plan_windows`), planned over the video's decodable duration.
         num_frames: frames per window.
-        windows: `(start, end)` seconds planned beforehand (e.g. by `plan_window_rows`), cut instead.
+        windows: `(start, end)` seconds planned beforehand (e.g. by `index_build.window_entries`), cut instead.
         decode_options: ``backend``, ``isolate_decoder``, ``decode_timeout``, ``num_threads`` (`WindowStream`).
 
     Raises:
@@ -539,30 +539,6 @@ def probe_duration(source: str | os.PathLike) -> float:
     if not total or not fps:
         raise ValueError(f"Cannot read the duration of {source!r}: {total} frames at {fps} fps.")
     return total / fps
-
-
-def plan_window_rows(videos: list[str], window: float, stride: float | None,
-                     duration: Callable[[str], float] = probe_duration
-                     ) -> tuple[list[str], list[list[float] | None], list[tuple[str, str]]]:
-    """The rows of an index of moments planned before decoding (an on-disk store needs its rows up front): every
-    video's windows from its `duration`, as `(names, segments)` with one entry per row; a video whose duration
-    cannot be read is one row with segment `None` (decoding it will then fail and record why, or index it whole),
-    and is listed with the reason in the third value."""
-    window, stride = check_window_options(window, stride)
-    names: list[str] = []
-    segments: list[list[float] | None] = []
-    unreadable: list[tuple[str, str]] = []
-    for video in videos:
-        try:
-            planned = plan_windows(duration(video), window, stride)
-        except (ValueError, OSError) as error:
-            names.append(video)
-            segments.append(None)
-            unreadable.append((video, str(error)))
-            continue
-        names += [video] * len(planned)
-        segments += [[start, end] for start, end in planned]
-    return names, segments, unreadable
 
 
 def video_groups(rows: Iterable[int], names: list[str]) -> list[tuple[str, list[int]]]:
@@ -813,7 +789,6 @@ __all__ = [
     "frame_spans",
     "frames_in_window",
     "moment_frames",
-    "plan_window_rows",
     "plan_windows",
     "probe_duration",
     "processor_frame_steps",

@@ -497,3 +497,33 @@ def test_an_index_refuses_a_model_under_another_merge_rule(pipe, tmp_path):
     assert snapshot(tmp_path / "store") == before
     with pytest.raises(ValueError, match="score_grid = 0.0009765625, but this model has score_grid = 0.0"):
         other.search(QUERY, VideoIndex.load(tmp_path / "store"))
+
+
+def test_an_optimized_model_is_named_by_the_weights_it_was_given(model_folder):
+    """The weights' fingerprint an index records is the one of the weights `optimize_for_inference` was given: an int8
+    model (its linears converted, the text model's too with ``include_text``) and the fp32 model it came from name the
+    same weights, so a store built before the conversion is grown by the converted model (the precision, recorded
+    beside, still tells them apart). A re-computation from the saved file is the reference."""
+    import hashlib
+
+    from safetensors.torch import load_file
+
+    from modeling_testa import TestaForVideoTextRetrieval, optimize_for_inference
+    from modeling_testa.index_settings import weights_fingerprint
+
+    plain = TestaForVideoTextRetrieval.from_pretrained(model_folder)
+    state = dict(plain.state_dict())  # the reference: the loaded weights, hashed by hand
+    digest = hashlib.sha256()
+    for name, tensor in sorted(state.items()):
+        tensor = tensor.detach().contiguous().reshape(-1)
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes())
+    assert weights_fingerprint(plain) == digest.hexdigest()
+    assert set(load_file(model_folder / "model.safetensors")) <= set(state)
+    for include_text in (False, True):
+        with pytest.warns(FutureWarning):  # the legacy torch int8 says it is deprecated
+            converted = optimize_for_inference(TestaForVideoTextRetrieval.from_pretrained(model_folder), "int8",
+                                               include_text=include_text)
+        assert converted.inference_settings["converted_linears"] > 0
+        assert build_settings(converted, 4)["model_weights_sha256"] == digest.hexdigest()
+        assert build_settings(converted, 4)["precision"] != build_settings(plain, 4)["precision"]

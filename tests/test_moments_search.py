@@ -263,14 +263,15 @@ def test_train_index_writes_a_store_of_moments_and_grows_it(pipe, videos, tmp_pa
 def test_a_resumed_shard_decodes_only_the_rows_it_lacks(pipe, videos):
     """`WindowRowDecoder` on the rows a shard still lacks (here rows 2, 3 and 5 of a plan over two videos) streams
     each video once and gives exactly those windows' pixel values and rows, batched."""
+    from modeling_testa.index_build import window_entries
     from modeling_testa.index_homes import IndexEntry
-    from modeling_testa.moments import WindowRowDecoder, plan_window_rows, video_groups
+    from modeling_testa.moments import WindowRowDecoder, video_groups
 
-    names, segments, unreadable = plan_window_rows(videos[:2], 25, 15)
-    assert unreadable == [] and names == [videos[0]] * 4 + [videos[1]] * 2
-    assert segments == [[0, 25], [15, 40], [30, 55], [35, 60], [0, 25], [5, 30]]
+    entries = window_entries([IndexEntry(video) for video in videos[:2]], 25, 15)
+    names = [str(entry.video) for entry in entries]
+    assert names == [videos[0]] * 4 + [videos[1]] * 2
+    assert [[entry.start, entry.end] for entry in entries] == [[0, 25], [15, 40], [30, 55], [35, 60], [0, 25], [5, 30]]
     assert video_groups([2, 3, 5], names) == [(videos[0], [2, 3]), (videos[1], [5])]
-    entries = [IndexEntry(name, *segment) for name, segment in zip(names, segments)]
     for num_workers in (0, 2):
         batches = list(WindowRowDecoder(pipe.video_processor, FRAMES, batch_size=2, num_workers=num_workers)(
             entries, [2, 3, 5]))
