@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from helpers.videos import read_long_index, write_long_video, write_truncated_faststart_mp4
+from helpers.videos import CountingContainer, read_long_index, write_long_video, write_truncated_faststart_mp4
 
 from modeling_testa.moments import (
     best_moment_per_video,
@@ -105,37 +105,6 @@ def hour_video(tmp_path_factory):
     path = write_long_video(tmp_path_factory.mktemp("long") / "hour.mp4", 3600 * HOUR_FPS, fps=HOUR_FPS)
     assert _packets_in(path) == 3600 * HOUR_FPS  # counted before any test wraps av.open
     return path
-
-
-class CountingContainer:
-    """Wraps a PyAV container and counts the packets demuxed, the frames decoded and the seeks."""
-
-    def __init__(self, container, counts):
-        self._container, self._counts = container, counts
-
-    def __getattr__(self, name):
-        return getattr(self._container, name)
-
-    def __enter__(self):
-        self._container.__enter__()
-        return self
-
-    def __exit__(self, *exc_info):
-        return self._container.__exit__(*exc_info)
-
-    def demux(self, *args, **kwargs):
-        for packet in self._container.demux(*args, **kwargs):
-            self._counts["packets"] += packet.size > 0
-            yield packet
-
-    def decode(self, *args, **kwargs):
-        for frame in self._container.decode(*args, **kwargs):
-            self._counts["frames"] += 1
-            yield frame
-
-    def seek(self, *args, **kwargs):
-        self._counts["seeks"] += 1
-        return self._container.seek(*args, **kwargs)
 
 
 @pytest.fixture

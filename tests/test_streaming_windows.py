@@ -16,6 +16,7 @@ import torch
 from helpers.pipelines import FRAMES, build_retrieval, tiny_processor
 from helpers.requirements import require
 from helpers.videos import (
+    CountingContainer,
     read_long_index,
     uniform,
     write_long_vfr_video,
@@ -204,33 +205,10 @@ def test_a_moment_far_into_a_long_file_is_decoded_from_its_keyframe(tmp_path, mo
     import av
 
     hour = write_long_video(tmp_path / "hour.mp4", 7200, fps=2)  # a keyframe every 20 frames
-    counts = {"packets": 0, "seeks": 0}
+    counts = {"packets": 0, "frames": 0, "seeks": 0}
     real_open = av.open
 
-    class Counting:
-        def __init__(self, container):
-            self._container = container
-
-        def __getattr__(self, name):
-            return getattr(self._container, name)
-
-        def __enter__(self):
-            self._container.__enter__()
-            return self
-
-        def __exit__(self, *exc_info):
-            return self._container.__exit__(*exc_info)
-
-        def demux(self, *args, **kwargs):
-            for packet in self._container.demux(*args, **kwargs):
-                counts["packets"] += packet.size > 0
-                yield packet
-
-        def seek(self, *args, **kwargs):
-            counts["seeks"] += 1
-            return self._container.seek(*args, **kwargs)
-
-    monkeypatch.setattr(av, "open", lambda *args, **kwargs: Counting(real_open(*args, **kwargs)))
+    monkeypatch.setattr(av, "open", lambda *args, **kwargs: CountingContainer(real_open(*args, **kwargs), counts))
     frames = moment_frames(hour, 3000, 3020, num_frames=6, backend="pyav", isolate_decoder=False)
     assert [read_long_index(f) for f in frames] == [6000 + i for i in uniform(40, 6)]
     assert counts["seeks"] >= 1 and counts["packets"] <= 7200 + 3 * 20, counts  # the probe, then about 2 GOPs

@@ -259,3 +259,34 @@ def write_long_vfr_video(path: Path, times_ms: list[int], width: int = 112, heig
         for packet in stream.encode():
             container.mux(packet)
     return path
+
+
+class CountingContainer:
+    """Wraps a PyAV container and counts the packets demuxed, the frames decoded and the seeks."""
+
+    def __init__(self, container, counts):
+        self._container, self._counts = container, counts
+
+    def __getattr__(self, name):
+        return getattr(self._container, name)
+
+    def __enter__(self):
+        self._container.__enter__()
+        return self
+
+    def __exit__(self, *exc_info):
+        return self._container.__exit__(*exc_info)
+
+    def demux(self, *args, **kwargs):
+        for packet in self._container.demux(*args, **kwargs):
+            self._counts["packets"] += packet.size > 0
+            yield packet
+
+    def decode(self, *args, **kwargs):
+        for frame in self._container.decode(*args, **kwargs):
+            self._counts["frames"] += 1
+            yield frame
+
+    def seek(self, *args, **kwargs):
+        self._counts["seeks"] += 1
+        return self._container.seek(*args, **kwargs)
