@@ -83,8 +83,11 @@ RECALL_TOLERANCE = 1.0
 def code_version() -> dict[str, str]:
     """The commit measured (with "+changes" when the work tree differs from it) and the date, for the table's caption."""
     def git(*arguments: str) -> str:
-        done = subprocess.run(["git", *arguments], cwd=Path(__file__).resolve().parents[1], capture_output=True,
-                              text=True)
+        try:
+            done = subprocess.run(["git", *arguments], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                                  text=True)
+        except OSError:  # no git on this machine (a copied tree)
+            return ""
         return done.stdout.strip() if done.returncode == 0 else ""
 
     commit = git("rev-parse", "--short", "HEAD") or "unknown"

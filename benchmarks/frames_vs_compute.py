@@ -78,9 +78,10 @@ def main() -> None:
     saved_path = args.output.with_suffix(".json")
     if args.resume and saved_path.exists():
         saved = json.loads(saved_path.read_text())
-        if saved.get("score_grid", DEFAULT_SCORE_GRID) != (DEFAULT_SCORE_GRID if args.score_grid is None
-                                                            else args.score_grid):
-            raise SystemExit(f"{saved_path} was measured under another merge rule; use another --output")
+        rule = DEFAULT_SCORE_GRID if args.score_grid is None else args.score_grid
+        if saved.get("score_grid") != rule:  # files written before the rule was recorded say nothing: not resumed
+            raise SystemExit(f"{saved_path} records score_grid {saved.get('score_grid')}, not {rule:g}: its seeds "
+                             "cannot be resumed under this rule; use another --output")
         per_seed = {int(seed): runs for seed, runs in saved["per_seed"].items() if int(seed) < args.seeds}
         started -= saved.get("wall_seconds", 0.0)
         print(f"resuming: seeds {sorted(per_seed)} kept from {saved_path}", flush=True)

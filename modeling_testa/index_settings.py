@@ -53,22 +53,25 @@ weights, an optimizer step or a load, bumps a counter)."""
 
 
 ORIGINAL_WEIGHTS_ATTRIBUTE = "original_weights_sha256"
-"""Set by `optimize_for_inference` (`remember_original_weights`) before it converts a model's weights."""
+"""Set by `optimize_for_inference` (`name_converted_weights`): the fingerprint of the weights it was given, with the
+version counters of the weights it converted them to."""
+
+
+def _versions(state: list[tuple[str, torch.Tensor]]) -> tuple:
+    return tuple((name, tensor._version, tensor.data_ptr()) for name, tensor in state)
 
 
 def weights_fingerprint(model: torch.nn.Module) -> str:
     """SHA-256 of the model's parameters and buffers (names, shapes, dtypes and bytes); about a second for ViT-B, once
     per model and version of its weights. A model prepared by `optimize_for_inference` is named by the weights it was
-    given, whatever the runtime converted them to (int8 linears, an exported graph, the text model's too with
-    ``include_text``): the precision, recorded beside, says how it computes."""
-    original = getattr(model, ORIGINAL_WEIGHTS_ATTRIBUTE, None)
-    if original is not None:  # converted by optimize_for_inference: the weights it was given name the model
-        return original
+    given, whatever the runtime converted them to (int8 linears, the text model's too with ``include_text``), as long
+    as the converted weights are the ones it made: a load, a cast or an optimizer step afterwards makes the model
+    hashed again (the precision, recorded beside the fingerprint, says how it computes)."""
     state = sorted(model.state_dict().items())
-    versions = tuple((name, tensor._version, tensor.data_ptr()) for name, tensor in state)
-    cached = FINGERPRINTS.get(model)
-    if cached is not None and cached[0] == versions:
-        return cached[1]
+    versions = _versions(state)
+    for known in (getattr(model, ORIGINAL_WEIGHTS_ATTRIBUTE, None), FINGERPRINTS.get(model)):
+        if known is not None and known[0] == versions:
+            return known[1]
     digest = hashlib.sha256()
     for name, tensor in state:
         tensor = tensor.detach().cpu().contiguous().reshape(-1)
@@ -78,10 +81,10 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
-def remember_original_weights(model: torch.nn.Module) -> None:
-    """Records the fingerprint of `model`'s weights as they are now, for `weights_fingerprint` to return once a
-    runtime has converted them."""
-    setattr(model, ORIGINAL_WEIGHTS_ATTRIBUTE, weights_fingerprint(model))
+def name_converted_weights(model: torch.nn.Module, original: str) -> None:
+    """Records that `model`'s weights, as they are now (converted by a runtime), are named by `original`, the
+    `weights_fingerprint` of the weights they were converted from."""
+    setattr(model, ORIGINAL_WEIGHTS_ATTRIBUTE, (_versions(sorted(model.state_dict().items())), original))
 
 
 def config_setting(read: Any) -> dict[str, Any]:
@@ -257,4 +260,4 @@ def write_json_atomically(path: Path, value: Any) -> None:
 
 __all__ = ["MODEL_KEYS", "SCRATCH_KEY", "SETTINGS_FILE", "IndexInfo", "IndexSettingsError", "check_settings", "check_store_folder",
            "config_setting", "describe_differences", "json_value", "recorded_store_settings", "settings_differences",
-           "remember_original_weights", "weights_fingerprint", "write_json_atomically"]
+           "name_converted_weights", "weights_fingerprint", "write_json_atomically"]

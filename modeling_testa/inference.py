@@ -48,7 +48,7 @@ from typing import Any
 
 from torch import nn
 
-from .index_settings import remember_original_weights
+from .index_settings import name_converted_weights, weights_fingerprint
 from .linear_layers import Bf16Linear, Int8DynamicLinear
 from .runtimes import BACKENDS, INT8_DEPRECATION, OPTION_DEFAULTS, RUNTIMES, RuntimeOptions, choose
 from .saving import INFERENCE_ATTRIBUTE
@@ -136,12 +136,13 @@ def optimize_for_inference(model: nn.Module, precision: str = "fp32", *, backend
     runtime_class.check(vision, precision, options, backend)
     model.eval()
     runtime = runtime_class(vision, precision, **{name: options[name] for name in runtime_class.options})
-    remember_original_weights(model)  # an index names the model by these weights, not by their converted copies
+    original = weights_fingerprint(model)  # an index names the model by these weights, not by their converted copies
     settings = {"precision": precision, "backend": backend, "runtime": runtime_class.name, "compile": False,
                 "include_text": False, "converted_linears": 0}
     settings.update(runtime.prepare(model))
     vision.runtime = runtime
     _mark_optimized(model, settings)
+    name_converted_weights(model, original)
     return model
 
 

@@ -503,7 +503,8 @@ def test_an_optimized_model_is_named_by_the_weights_it_was_given(model_folder):
     """The weights' fingerprint an index records is the one of the weights `optimize_for_inference` was given: an int8
     model (its linears converted, the text model's too with ``include_text``) and the fp32 model it came from name the
     same weights, so a store built before the conversion is grown by the converted model (the precision, recorded
-    beside, still tells them apart). A re-computation from the saved file is the reference."""
+    beside, still tells them apart); weights changed after the conversion are not those any more. A hash computed
+    here by hand is the reference."""
     import hashlib
 
     from safetensors.torch import load_file
@@ -525,5 +526,10 @@ def test_an_optimized_model_is_named_by_the_weights_it_was_given(model_folder):
             converted = optimize_for_inference(TestaForVideoTextRetrieval.from_pretrained(model_folder), "int8",
                                                include_text=include_text)
         assert converted.inference_settings["converted_linears"] > 0
+        with torch.inference_mode():  # encoding leaves the weights as they were
+            converted.get_video_features(pixel_values=torch.randn(1, 4, 3, 32, 32))
         assert build_settings(converted, 4)["model_weights_sha256"] == digest.hexdigest()
         assert build_settings(converted, 4)["precision"] != build_settings(plain, 4)["precision"]
+    with torch.no_grad():  # weights changed after the conversion are other weights: hashed again, and refused
+        next(p for p in converted.parameters() if p.is_floating_point()).add_(1.0)
+    assert build_settings(converted, 4)["model_weights_sha256"] != digest.hexdigest()
