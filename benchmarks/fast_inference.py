@@ -172,8 +172,8 @@ def build(variant: str, args, base: TestaVisionModel | None = None) -> torch.nn.
     if variant in ENGINE_VARIANTS:
         backend, precision = variant.split("-")
         # int8 is calibrated on videos of the inputs' distribution (white noise, as the timed input), not the input
-        calibration = None
-        if precision == "int8":
+        calibration = None  # 0 videos: the library's default
+        if precision == "int8" and args.calibration_videos:
             generator = torch.Generator().manual_seed(1234)
             calibration = torch.randn(args.calibration_videos, args.frames, 3, args.image_size, args.image_size,
                                       generator=generator)
@@ -303,10 +303,14 @@ def perturb_pixels(factor: float):
     return hook
 
 
-def calibration_videos(args, processor) -> torch.Tensor:
+def calibration_videos(args, processor) -> torch.Tensor | None:
     """The first ``--calibration-videos`` videos of the dataset's train split, decoded as the model sees them: the
-    engines' int8 is calibrated on them (never on the test videos it is evaluated on)."""
+    engines' int8 is calibrated on them (never on the test videos it is evaluated on). 0: None, the library's default
+    (`engines.default_calibration_videos`, what a caller gets without ``calibration=``)."""
     from processing.data import load_split
+
+    if args.calibration_videos == 0:
+        return None
 
     rows = load_split(str(args.data), "train")
     paths = [rows[i]["video"] for i in range(min(args.calibration_videos, len(rows)))]
@@ -417,7 +421,8 @@ def main() -> None:
     parser.add_argument("--skip", nargs="*", default=[], choices=sorted(set(LABELS) - {"timesformer",
                         "timesformer-sdpa", "testa"}), help="speed rows to leave out (the baselines always run)")
     parser.add_argument("--calibration-videos", type=int, default=4,
-                        help="random videos that calibrate the engines' int8 in the speed rows (default: 4)")
+                        help="videos that calibrate the engines' int8: random ones in the speed rows, the train split's "
+                             "first ones in the quality rows, where 0 means the library's default (default: 4)")
     parser.add_argument("--cache-dir", type=Path, default=None,
                         help="where the exported encoders are cached (default: $HF_HOME/testa/engines)")
     parser.add_argument("--throughput-repeats", type=int, default=2)
