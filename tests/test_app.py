@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from helpers.pipelines import build_qa, build_retrieval, save_folder, tiny_processor, write_bad_files
+from helpers.milvus_server import record_milvus_tokens
 from helpers.requirements import require, skip_or_fail
 from helpers.videos import write_bad_videos, write_noise_video, write_video
 
@@ -284,14 +285,7 @@ def test_a_milvus_token_from_the_environment_or_the_option_reaches_the_milvus_cl
     store, milvus = tmp_path / "store", str(tmp_path / "videos.db")
     index_main(["--model", str(root / "model"), "--videos", str(root / "videos"), "--store", str(store),
                 "--token-dtype", "float32", "--num-workers", "0", "--milvus", milvus])
-    tokens = []
-
-    class RecordingClient(pymilvus.MilvusClient):
-        def __init__(self, *args, **kwargs):
-            tokens.append(kwargs.get("token"))
-            super().__init__(*args, **kwargs)
-
-    monkeypatch.setattr(pymilvus, "MilvusClient", RecordingClient)
+    tokens = record_milvus_tokens(monkeypatch, pymilvus)
     monkeypatch.setenv("MILVUS_TOKEN", "reader:from-env")
     from_env = module.parse_args(["--index", str(store), "--milvus", milvus])
     given = module.parse_args(["--index", str(store), "--milvus", milvus, "--milvus-token", "reader:given"])

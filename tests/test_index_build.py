@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.milvus_server import record_milvus_tokens
 from helpers.pipelines import build_retrieval, save_folder, tiny_processor
 from helpers.videos import write_long_video, write_noise_video
 
@@ -319,14 +320,7 @@ def test_milvus_search_asks_the_server_for_no_row_count_and_filters_folders_exac
 def test_the_milvus_token_reaches_pymilvus_from_the_option_and_the_environment(milvus_modules, model_folder, tmp_path,
                                                                                monkeypatch):
     pymilvus, _ = milvus_modules
-    seen = []
-
-    class Recording(pymilvus.MilvusClient):
-        def __init__(self, *args, **kwargs):
-            seen.append(kwargs.get("token"))
-            super().__init__(*args, **kwargs)
-
-    monkeypatch.setattr(pymilvus, "MilvusClient", Recording)
+    seen = record_milvus_tokens(monkeypatch, pymilvus)
     folder = tmp_path / "videos"
     write_noise_video(folder / "clip0.mp4", seed=1)
     db = str(tmp_path / "videos.db")

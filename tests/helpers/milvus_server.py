@@ -61,3 +61,17 @@ def milvus_lite_server(data: Path) -> Iterator[str]:
     finally:
         stop(process)
         log.close()
+
+
+def record_milvus_tokens(monkeypatch, pymilvus) -> list:
+    """Makes every `pymilvus.MilvusClient` created from now on (for this test) append the ``token`` it was given to
+    the returned list, and connect as usual."""
+    tokens: list = []
+
+    class RecordingClient(pymilvus.MilvusClient):
+        def __init__(self, *args, **kwargs):
+            tokens.append(kwargs.get("token"))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(pymilvus, "MilvusClient", RecordingClient)
+    return tokens
