@@ -42,7 +42,7 @@ def qwen2_5_vl(attn_implementation: str = "sdpa", seed: int = 0, depth: int = 4)
 
     fast = tokenizer()
     config = Qwen2_5_VLConfig(
-        text_config={**TEXT, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+        text_config={**TEXT, "bos_token_id": None, "eos_token_id": fast.eos_token_id, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                                  "mrope_section": [2, 1, 1]}},
         vision_config={"depth": depth, "hidden_size": 32, "intermediate_size": 64, "num_heads": 4,
                        "out_hidden_size": 32, "window_size": 56, "fullatt_block_indexes": [1, 3],
@@ -50,15 +50,15 @@ def qwen2_5_vl(attn_implementation: str = "sdpa", seed: int = 0, depth: int = 4)
         **token_ids(fast),
     )
     config.text_config.pad_token_id = fast.pad_token_id
-    config.text_config.eos_token_id = fast.eos_token_id
     torch.manual_seed(seed)
     model = Qwen2_5_VLForConditionalGeneration(config).eval()
     model.set_attn_implementation(attn_implementation)
     model.generation_config.pad_token_id = fast.pad_token_id
     model.generation_config.eos_token_id = None  # greedy runs the full max_new_tokens: fixed-length outputs
     pixels = {"min_pixels": 56 * 56, "max_pixels": 56 * 56}
+    fast.padding_side = "left"  # a decoder-only LLM generates from left-padded batches
     processor = Qwen2_5_VLProcessor(
-        image_processor=Qwen2VLImageProcessor(**pixels), video_processor=Qwen2VLVideoProcessor(**pixels),
+        image_processor=Qwen2VLImageProcessor(**pixels), video_processor=Qwen2VLVideoProcessor(**pixels, cap_pixels_per_frame=False),
         tokenizer=fast,
     )
     return model, processor
@@ -75,4 +75,5 @@ def video(frames: int, seed: int, height: int = 56, width: int = 56) -> np.ndarr
 
 
 def prompt(processor, text: str = "describe the video") -> str:
-    return f"{processor.video_token} {text}" if False else f"<|vision_start|> {processor.video_token} <|vision_end|> {text}"
+    """A prompt with one video, as Qwen's chat template writes it: ``<|vision_start|><|video_pad|><|vision_end|>``."""
+    return f"<|vision_start|> {processor.video_token} <|vision_end|> {text}"

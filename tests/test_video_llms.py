@@ -1,0 +1,283 @@
+"""TESTA inside video-LLMs' vision towers (`video_llms`), on tiny offline models (`helpers.video_llms`).
+
+References: the stock transformers model (exact when idle), transformers' own modules re-run by hand in float64 (one
+merge step), the schedule's arithmetic (token counts), and per-video runs (batches)."""
+
+import itertools
+
+import pytest
+import torch
+
+from helpers import video_llms as tiny
+
+from modeling_testa.patching import apply_testa, remove_testa
+from video_llms import apply_testa_to_video_llm, is_video_llm, remove_testa_from_video_llm
+from video_llms.common import token_grid, video_settings
+from video_llms.qwen2_5_vl import video_token_counts
+
+# Two videos of different lengths: 8 frames (4 tubelets) and 6 frames (3 tubelets), 4 merge units per tubelet.
+VIDEOS = (8, 6)
+SCHEDULE = {"temporal_reduction": [1, 0, 1, 0], "spatial_reduction": [0, 1, 1, 0]}
+
+
+def _inputs(processor, frames=VIDEOS, seed=0, texts=None):
+    videos = [tiny.video(count, seed + i) for i, count in enumerate(frames)]
+    texts = texts or [text for text, _ in zip(itertools.cycle(["describe the video", "what happens"]), frames)]
+    texts = [tiny.prompt(processor, text) for text in texts]
+    return processor(text=texts, videos=videos, return_tensors="pt", padding=True)
+
+
+def _run(model, inputs, new_tokens=4):
+    with torch.no_grad():
+        logits = model(**inputs).logits
+        tokens = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False)
+    return logits, tokens
+
+
+@pytest.fixture(scope="module")
+def qwen2_5():
+    return tiny.qwen2_5_vl()
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_qwen2_5_vl_idle_equals_stock(attention):
+    """R = 0 everywhere: the patched tower (its own attention calls, rebuilt windows, rotary and positions) gives
+    the stock logits within 1e-5 and the same greedy tokens, for a batch of two videos of different lengths."""
+    model, processor = tiny.qwen2_5_vl(attention)
+    inputs = _inputs(processor)
+    stock_logits, stock_tokens = _run(model, inputs)
+    apply_testa_to_video_llm(model, processor, temporal_reduction=0, spatial_reduction=0)
+    patched_inputs = _inputs(processor)
+    assert torch.equal(patched_inputs["input_ids"], inputs["input_ids"])
+    logits, tokens = _run(model, patched_inputs)
+    torch.testing.assert_close(logits, stock_logits, atol=1e-5, rtol=0)
+    assert torch.equal(tokens, stock_tokens)
+
+
+def test_qwen2_5_vl_base_model_idle_equals_stock(qwen2_5):
+    """`Qwen2_5_VLModel` (no LM head) is supported as well."""
+    model, processor = qwen2_5
+    base = model.model
+    inputs = _inputs(processor)
+    with torch.no_grad():
+        stock = base(**inputs).last_hidden_state
+        apply_testa(base, processor=processor)
+        try:
+            patched = base(**_inputs(processor)).last_hidden_state
+        finally:
+            remove_testa(base)
+    torch.testing.assert_close(patched, stock, atol=1e-5, rtol=0)
+
+
+def test_remove_restores_model_and_processor_exactly(qwen2_5):
+    model, processor = qwen2_5
+    base = model.model
+    before = {name: base.__dict__.get(name) for name in ("get_video_features", "get_rope_index")}
+    processor_before = processor.__dict__.get("replace_video_token")
+    inputs = _inputs(processor)
+    stock_logits, stock_tokens = _run(model, inputs)
+    assert apply_testa(model, processor=processor, **SCHEDULE) is model  # dispatched to video_llms
+    assert "get_video_features" in base.__dict__ and "replace_video_token" in processor.__dict__
+    assert _inputs(processor)["input_ids"].shape[1] < inputs["input_ids"].shape[1]
+    remove_testa(model)
+    assert {name: base.__dict__.get(name) for name in before} == before == {"get_video_features": None,
+                                                                           "get_rope_index": None}
+    assert processor.__dict__.get("replace_video_token") is processor_before is None
+    assert base.get_video_features.__func__ is type(base).get_video_features
+    assert "testa_video_llm" not in model.__dict__
+    restored_inputs = _inputs(processor)
+    assert torch.equal(restored_inputs["input_ids"], inputs["input_ids"])
+    logits, tokens = _run(model, restored_inputs)
+    assert torch.equal(logits, stock_logits) and torch.equal(tokens, stock_tokens)
+
+
+def test_apply_twice_replaces_the_settings(qwen2_5):
+    model, processor = qwen2_5
+    try:
+        apply_testa_to_video_llm(model, processor, temporal_reduction=1)
+        apply_testa_to_video_llm(model, processor, spatial_reduction=1)
+        assert model.testa_video_llm.settings.temporal_reduction == (0, 0, 0, 0)
+        assert len(model.testa_video_llm.replaced) == 3  # two model methods and the processor's, once each
+    finally:
+        remove_testa_from_video_llm(model)
+    assert "get_video_features" not in model.model.__dict__
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_qwen2_5_vl_reduced_token_count_matches_schedule_and_generates(attention):
+    model, processor = tiny.qwen2_5_vl(attention)
+    apply_testa_to_video_llm(model, processor, **SCHEDULE)
+    inputs = _inputs(processor)
+    # by hand: 4 tubelets x 4 units -> R_T=1: 3 x 4 -> R_S=1: 3 x 3 -> R_T=1, R_S=1: 2 x 2 = 4 tokens (of 16);
+    # 3 x 4 -> 2 x 4 -> 2 x 3 -> R_T capped at (2 - 1) // 2 = 0, R_S=1: 2 x 2 = 4 tokens (of 12)
+    assert video_token_counts(model.testa_video_llm.settings, inputs["video_grid_thw"]) == [4, 4]
+    counts = (inputs["input_ids"] == model.config.video_token_id).sum(dim=1).tolist()
+    assert counts == [4, 4]
+    with torch.no_grad():
+        features = model.get_video_features(inputs["pixel_values_videos"], inputs["video_grid_thw"]).pooler_output
+    assert [f.shape for f in features] == [torch.Size([4, 32])] * 2
+    logits, tokens = _run(model, inputs, new_tokens=3)
+    assert logits.shape[:2] == inputs["input_ids"].shape and tokens.shape == (2, inputs["input_ids"].shape[1] + 3)
+    assert torch.isfinite(logits).all()
+
+
+def test_generate_runs_the_tower_once(qwen2_5):
+    """generate asks for positions before its prefill: the tower runs there, and the prefill takes its features."""
+    model, processor = qwen2_5
+    apply_testa_to_video_llm(model, processor, **SCHEDULE)
+    calls = []
+    handle = model.model.visual.patch_embed.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        inputs = _inputs(processor)
+        with torch.no_grad():
+            model.generate(**inputs, max_new_tokens=3, do_sample=False)
+        assert len(calls) == 1
+        with torch.no_grad():  # a forward pass: features first, positions from them
+            model(**inputs)
+        assert len(calls) == 2
+    finally:
+        handle.remove()
+        remove_testa_from_video_llm(model)
+
+
+def test_batch_of_videos_equals_per_video_runs(qwen2_5):
+    model, processor = qwen2_5
+    apply_testa_to_video_llm(model, processor, **SCHEDULE)
+    try:
+        batch = _inputs(processor, texts=["what happens"] * 2)
+        with torch.no_grad():
+            together = model.get_video_features(batch["pixel_values_videos"], batch["video_grid_thw"]).pooler_output
+            together_positions = model.testa_video_llm.cache["positions"]["positions"]
+            for index, frames in enumerate(VIDEOS):
+                alone = _inputs(processor, (frames,), seed=index, texts=["what happens"])
+                features = model.get_video_features(alone["pixel_values_videos"], alone["video_grid_thw"])
+                torch.testing.assert_close(features.pooler_output[0], together[index], atol=1e-5, rtol=0)
+                positions = model.testa_video_llm.cache["positions"]["positions"][0]
+                assert torch.equal(positions, together_positions[index])
+                # and the LLM's next-token logits of that prompt alone
+                single = model(**alone).logits[0, -1]
+                torch.testing.assert_close(single, model(**batch).logits[index, -1], atol=1e-5, rtol=0)
+    finally:
+        remove_testa_from_video_llm(model)
+
+
+def test_merged_positions_say_where_tokens_came_from(qwen2_5):
+    """Every video token's M-RoPE position lies within its video's grid, and time positions are the tubelets'
+    (centroids of the merged ones): sorted, first at the video's start."""
+    model, processor = qwen2_5
+    apply_testa_to_video_llm(model, processor, **SCHEDULE)
+    try:
+        inputs = _inputs(processor)
+        with torch.no_grad():
+            model(**inputs)
+            positions, _ = model.model.get_rope_index(
+                inputs["input_ids"], inputs["mm_token_type_ids"], video_grid_thw=inputs["video_grid_thw"],
+                second_per_grid_ts=inputs["second_per_grid_ts"], attention_mask=inputs["attention_mask"])
+        interval = model.config.vision_config.tokens_per_second * inputs["second_per_grid_ts"]
+        for index, (t, h, w) in enumerate(inputs["video_grid_thw"].tolist()):
+            video = inputs["input_ids"][index] == model.config.video_token_id
+            start = positions[1, index][video].min()  # the row offset: the video's first position
+            rows, cols = positions[1, index][video] - start, positions[2, index][video] - start
+            times = (positions[0, index][video] - start).float()
+            assert rows.min() >= 0 and rows.max() < h // 2 and cols.min() >= 0 and cols.max() < w // 2
+            assert times.min() >= 0 and times.max() <= (t - 1) * interval[index] and bool((times.diff() >= 0).all())
+    finally:
+        remove_testa_from_video_llm(model)
+
+
+def test_unsupported_settings_are_refused_by_name(qwen2_5):
+    model, processor = qwen2_5
+    with pytest.raises(ValueError, match="aggregation_strategy='importance'"):
+        apply_testa_to_video_llm(model, processor, temporal_reduction=1, aggregation_strategy="importance")
+    with pytest.raises(ValueError, match="temporal_reduction"):
+        apply_testa_to_video_llm(model, processor, temporal_reduction=[1, 1])  # 4 blocks
+    assert "testa_video_llm" not in model.__dict__ and "replace_video_token" not in processor.__dict__
+    assert is_video_llm(model) and is_video_llm(model.model) and not is_video_llm(model.model.visual)
+
+
+def test_stale_placeholders_raise():
+    """Inputs from an unpatched processor have the stock number of placeholders: transformers' own check says so."""
+    model, processor = tiny.qwen2_5_vl()
+    inputs = _inputs(processor)
+    apply_testa_to_video_llm(model, None, **SCHEDULE)
+    with pytest.raises(ValueError, match="Video features and video tokens do not match"), torch.no_grad():
+        model(**inputs)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# One merge step re-computed by hand in float64
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _bipartite_by_hand(metric: torch.Tensor, r: int) -> list[tuple[int, int]]:
+    """ToMe's bipartite matching written out: A = even, B = odd rows; every A row's best B partner by cosine; the r
+    best pairs ``(a, b)`` in input positions."""
+    a_rows, b_rows = list(range(0, len(metric), 2)), list(range(1, len(metric), 2))
+    unit = metric / metric.norm(dim=-1, keepdim=True)
+    best = []
+    for a in a_rows:
+        scores = [float(unit[a] @ unit[b]) for b in b_rows]
+        j = max(range(len(b_rows)), key=lambda k: (scores[k], -k))
+        best.append((scores[j], a, b_rows[j]))
+    best.sort(key=lambda item: -item[0])
+    return [(a, b) for _, a, b in best[:r]]
+
+
+@pytest.mark.parametrize("step", ["temporal", "spatial"])
+def test_one_merge_step_against_float64_hand_computation(step):
+    """A one-block tower (full attention), one video of 4 tubelets x 4 units, R_T = 1 or R_S = 1: the stock block's
+    modules re-run by hand in float64, the matching written out, the size-weighted mean, the merger, the centroids."""
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as family
+
+    model, processor = tiny.qwen2_5_vl(depth=1)
+    model.config.vision_config.fullatt_block_indexes = [0]
+    model.model.visual.fullatt_block_indexes = [0]
+    model.double()
+    reduction = {"temporal_reduction": 1} if step == "temporal" else {"spatial_reduction": 1}
+    apply_testa_to_video_llm(model, processor, score_grid=0, **reduction)
+    inputs = _inputs(processor, (8,))
+    pixels, grid = inputs["pixel_values_videos"].double(), inputs["video_grid_thw"]
+    with torch.no_grad():
+        features = model.get_video_features(pixels, grid).pooler_output[0]
+        positions = model.testa_video_llm.cache["positions"]["positions"][0]
+
+        visual = model.model.visual
+        block = visual.blocks[0]
+        x = visual.patch_embed(pixels)  # (64, C): 4 tubelets x 4 units x 4 tokens, block order
+        h = x + block.attn(block.norm1(x), cu_seqlens=torch.tensor([0, 16, 32, 48, 64], dtype=torch.int32),
+                           position_embeddings=visual.rotary_pos_emb(x, family.get_vision_position_ids(grid, 2)))
+        heads = block.attn.num_heads
+        keys = block.attn.qkv(block.norm1(x)).view(64, 3, heads, -1)[:, 1].mean(dim=1)  # before the rotary
+        units = h.view(4, 4, -1)  # (tubelets, units, 4 * C)
+        unit_keys = keys.view(4, 4, 4, -1).mean(dim=2)
+        centroids = torch.tensor([[t, u // 2, u % 2] for t in range(4) for u in range(4)], dtype=torch.float64)
+        centroids = centroids.view(4, 4, 3)
+        if step == "temporal":
+            ((a, b),) = _bipartite_by_hand(unit_keys.mean(dim=1), 1)
+            merged = (units[a] + units[b]) / 2
+            kept = [t for t in range(4) if t != a]
+            tokens = torch.stack([merged if t == b else units[t] for t in kept])
+            where = torch.stack([(centroids[a] + centroids[b]) / 2 if t == b else centroids[t] for t in kept])
+        else:
+            tokens, where = [], []
+            for t in range(4):
+                ((a, b),) = _bipartite_by_hand(unit_keys[t], 1)
+                kept = [u for u in range(4) if u != a]
+                tokens.append(torch.stack([(units[t, a] + units[t, b]) / 2 if u == b else units[t, u] for u in kept]))
+                where.append(torch.stack([(centroids[t, a] + centroids[t, b]) / 2 if u == b else centroids[t, u]
+                                          for u in kept]))
+            tokens, where = torch.stack(tokens), torch.stack(where)
+        tokens = tokens.reshape(-1, h.shape[-1])
+        out = visual.merger(tokens + block.mlp(block.norm2(tokens)))
+        where = where.reshape(-1, 3)
+        order = sorted(range(len(where)), key=lambda i: tuple(where[i].tolist()))
+    torch.testing.assert_close(features, out[order], atol=1e-12, rtol=0)
+    torch.testing.assert_close(positions, where[order].float(), atol=0, rtol=0)  # centroids are fp32
+    assert features.shape[0] == 12  # 3 tubelets x 4 units, or 4 tubelets x 3 units
+
+
+def test_token_grid_is_the_schedule():
+    settings = video_settings(4, [1, 0, 1, 0], [0, 1, 1, 0])
+    assert token_grid(settings, 4, 4) == (2, 2) and token_grid(settings, 3, 4) == (2, 2)
+    assert token_grid(settings, 1, 100) == (1, 98)  # one tubelet: nothing to merge in time
+    assert token_grid(video_settings(4, 0, 0), 7, 9) == (7, 9)
