@@ -281,3 +281,108 @@ def test_token_grid_is_the_schedule():
     assert token_grid(settings, 4, 4) == (2, 2) and token_grid(settings, 3, 4) == (2, 2)
     assert token_grid(settings, 1, 100) == (1, 98)  # one tubelet: nothing to merge in time
     assert token_grid(video_settings(4, 0, 0), 7, 9) == (7, 9)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Qwen3-VL: one group of tokens per tubelet with its timestamp, DeepStack features
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _qwen3_inputs(processor, frames=VIDEOS, texts=None, seed=0):
+    videos = [tiny.video(count, seed + i, 64, 64) for i, count in enumerate(frames)]
+    texts = texts or [text for text, _ in zip(itertools.cycle(["describe the video", "what happens"]), frames)]
+    return processor(text=[tiny.prompt(processor, text) for text in texts], videos=videos,
+                     video_metadata=[tiny.metadata(count) for count in frames], return_tensors="pt", padding=True)
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    return tiny.qwen3_vl()
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_qwen3_vl_idle_equals_stock(attention):
+    """R = 0: stock logits (DeepStack included) within 1e-5 and the same greedy tokens; the same prompt (timestamps
+    included) from the patched processor."""
+    model, processor = tiny.qwen3_vl(attention)
+    inputs = _qwen3_inputs(processor)
+    stock_logits, stock_tokens = _run(model, inputs)
+    apply_testa(model, processor=processor)
+    patched_inputs = _qwen3_inputs(processor)
+    assert torch.equal(patched_inputs["input_ids"], inputs["input_ids"])
+    logits, tokens = _run(model, patched_inputs)
+    torch.testing.assert_close(logits, stock_logits, atol=1e-5, rtol=0)
+    assert torch.equal(tokens, stock_tokens)
+    remove_testa(model)
+    assert "get_video_features" not in model.model.__dict__ and "replace_video_token" not in processor.__dict__
+    assert torch.equal(_run(model, _qwen3_inputs(processor))[0], stock_logits)
+
+
+def test_qwen3_vl_prompt_has_one_group_per_remaining_tubelet(qwen3):
+    from video_llms.qwen3_vl import span_timestamps
+
+    model, processor = qwen3
+    apply_testa_to_video_llm(model, processor, **SCHEDULE)
+    try:
+        inputs = _qwen3_inputs(processor, (8,))
+        text = processor.tokenizer.decode(inputs["input_ids"][0])
+        # 4 tubelets of 4 units -> 2 x 2 (as for Qwen2.5-VL); stock timestamps at 4 fps: 0.125, 0.625, 1.125, 1.625
+        assert text.count("<|video_pad|>") == 4 and text.count("seconds") == 2
+        assert "< 0.4 seconds > <|vision_start|> <|video_pad|> <|video_pad|> <|vision_end|>" in text
+        assert "< 1.4 seconds > <|vision_start|> <|video_pad|> <|video_pad|> <|vision_end|>" in text
+        assert span_timestamps([0.125, 0.625, 1.125, 1.625], 2) == [0.375, 1.375]
+        assert span_timestamps([0.5, 1.5, 2.5], 2) == [1.0, 2.5]  # numpy.array_split: the first spans are longer
+        logits, tokens = _run(model, _qwen3_inputs(processor), new_tokens=3)
+        assert torch.isfinite(logits).all() and tokens.shape[1] == _qwen3_inputs(processor)["input_ids"].shape[1] + 3
+    finally:
+        remove_testa_from_video_llm(model)
+
+
+def test_qwen3_vl_deepstack_features_are_merged_like_the_tokens(qwen3):
+    """Merges only in the last block, after both DeepStack taps: the tapped features are the stock ones, so every
+    reduced DeepStack feature must be the size-weighted mean of the stock features of the units merged into its
+    token (found from the token's centroid), in the order of the tokens."""
+    model, processor = qwen3
+    inputs = _qwen3_inputs(processor, (8,))
+    pixels, grid = inputs["pixel_values_videos"], inputs["video_grid_thw"]
+    with torch.no_grad():
+        stock = model.get_video_features(pixels, grid).deepstack_features  # [tap][video] (16, out), raster order
+        apply_testa_to_video_llm(model, processor, temporal_reduction=[0, 0, 0, 1])
+        try:
+            reduced = model.get_video_features(pixels, grid)
+            centroids = model.testa_video_llm.cache["positions"]["positions"][0]
+        finally:
+            remove_testa_from_video_llm(model)
+    assert reduced.pooler_output[0].shape[0] == 12  # 3 tubelets x 4 units
+    times = centroids[:, 0]
+    merged_time = float(times[times != times.round()][0])  # the merged tubelet: centroid between two tubelets
+    a, b = sorted(set(range(4)) - {int(t) for t in times[times == times.round()].tolist()})  # the two not left
+    assert ((times == merged_time).sum()) == 4 and merged_time == (a + b) / 2
+    for tap in range(2):
+        for token, (t, row, col) in enumerate(centroids.tolist()):
+            unit = int(row) * 2 + int(col)
+            if t == merged_time:
+                expected = (stock[tap][0][a * 4 + unit] + stock[tap][0][b * 4 + unit]) / 2
+            else:
+                expected = stock[tap][0][int(t) * 4 + unit]
+            torch.testing.assert_close(reduced.deepstack_features[tap][0][token], expected, atol=1e-6, rtol=0)
+
+
+def test_qwen3_vl_batch_of_videos_equals_per_video_runs(qwen3):
+    model, processor = qwen3
+    apply_testa_to_video_llm(model, processor, **SCHEDULE)
+    try:
+        batch = _qwen3_inputs(processor, texts=["what happens"] * 2)
+        with torch.no_grad():
+            together = model.get_video_features(batch["pixel_values_videos"], batch["video_grid_thw"])
+            batch_logits = model(**batch).logits
+            for index, frames in enumerate(VIDEOS):
+                alone = _qwen3_inputs(processor, (frames,), texts=["what happens"], seed=index)
+                features = model.get_video_features(alone["pixel_values_videos"], alone["video_grid_thw"])
+                torch.testing.assert_close(features.pooler_output[0], together.pooler_output[index], atol=1e-5, rtol=0)
+                for tap in range(2):
+                    torch.testing.assert_close(features.deepstack_features[tap][0],
+                                               together.deepstack_features[tap][index], atol=1e-5, rtol=0)
+                torch.testing.assert_close(model(**alone).logits[0, -1], batch_logits[index, -1], atol=1e-5, rtol=0)
+    finally:
+        remove_testa_from_video_llm(model)

@@ -160,9 +160,19 @@ def split_sequence(hidden: torch.Tensor, videos: list[TokenGroups]) -> list[torc
     return [part.view(*g.grid, -1) for part, g in zip(hidden.split(sizes), videos)]
 
 
+def slice_order(groups: TokenGroups) -> torch.Tensor:
+    """The output order slice by slice: slices by their size-weighted mean time, then every slice's units by
+    (row, column) centroid. At R = 0 the stock order."""
+    slices, units = groups.grid
+    times = (groups.positions[..., 0] * groups.sizes).sum(1) / groups.sizes.sum(1)
+    slice_rank = chronological_order(times.unsqueeze(-1))
+    within = torch.stack([chronological_order(groups.positions[s, :, 1:]) for s in range(slices)])
+    return (slice_rank.view(-1, 1) * units + within[slice_rank]).flatten()
+
+
 def run_tower(visual, pixel_values: torch.Tensor, grid_thw: torch.Tensor, settings, family,
               window: int | None = None, full_attention_blocks=(), deepstack_blocks=(), deepstack_mergers=None,
-              position_embedding=None) -> list[VideoFeatures]:
+              position_embedding=None, by_slice: bool = False) -> list[VideoFeatures]:
     """Runs a Qwen vision tower over ``pixel_values`` of the videos of ``grid_thw`` with TESTA's aggregation.
 
     Args:
@@ -173,6 +183,8 @@ def run_tower(visual, pixel_values: torch.Tensor, grid_thw: torch.Tensor, settin
             then ``full_attention_blocks`` are the blocks that attend over the whole slice.
         deepstack_blocks, deepstack_mergers: Qwen3-VL's tapped blocks and their mergers.
         position_embedding: Qwen3-VL's learned positions, ``(tokens, C)`` in the input order, added to the patches.
+        by_slice: order the output slice by slice (`slice_order`: Qwen3-VL's prompt has one group of tokens per
+            tubelet), else token by token (`common.chronological_order`).
     """
     hidden = visual.patch_embed(pixel_values.type(visual.dtype))
     if position_embedding is not None:
@@ -215,7 +227,7 @@ def run_tower(visual, pixel_values: torch.Tensor, grid_thw: torch.Tensor, settin
     for groups in videos:
         count = groups.grid[0] * groups.grid[1]
         positions = groups.positions.reshape(count, 3)
-        order = chronological_order(positions)
+        order = slice_order(groups) if by_slice else chronological_order(positions)
         results.append(VideoFeatures(
             features=merged[start:start + count][order],
             positions=positions[order],

@@ -3,7 +3,7 @@
 
 import numpy as np
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|video_pad|>", "<|image_pad|>", "<pad>", "<eos>"]
@@ -15,7 +15,8 @@ def tokenizer() -> PreTrainedTokenizerFast:
     """A WordLevel tokenizer holding the Qwen vision tokens (split on whitespace and on the special tokens)."""
     vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS + WORDS + ["<unk>"])}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.pre_tokenizer = pre_tokenizers.Sequence([  # "<1.5 seconds>" -> "<", "1.5", "seconds", ">"
+        pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Split(Regex("[<>]"), behavior="isolated")])
     fast = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>")
     fast.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[:4]})
     fast.video_token = "<|video_pad|>"
@@ -77,3 +78,41 @@ def video(frames: int, seed: int, height: int = 56, width: int = 56) -> np.ndarr
 def prompt(processor, text: str = "describe the video") -> str:
     """A prompt with one video, as Qwen's chat template writes it: ``<|vision_start|><|video_pad|><|vision_end|>``."""
     return f"<|vision_start|> {processor.video_token} <|vision_end|> {text}"
+
+
+def qwen3_vl(attn_implementation: str = "sdpa", seed: int = 0, depth: int = 4):
+    """``(model, processor)``: a 4-block Qwen3-VL tower (DeepStack taps after blocks 1 and 2) on a 2-layer LLM, and
+    a processor at 64x64 pixels per frame (4x4 patches of 16 px: 2x2 merge units), frames taken as given
+    (``do_sample_frames=False``; pass ``video_metadata`` for the timestamps)."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
+    from transformers.models.qwen2_vl import Qwen2VLImageProcessor
+    from transformers.models.qwen3_vl import Qwen3VLVideoProcessor
+
+    fast = tokenizer()
+    config = Qwen3VLConfig(
+        text_config={**TEXT, "head_dim": 8, "bos_token_id": None, "eos_token_id": fast.eos_token_id,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
+                                         "mrope_interleaved": True}},
+        vision_config={"depth": depth, "hidden_size": 32, "intermediate_size": 64, "num_heads": 4,
+                       "out_hidden_size": 32, "num_position_embeddings": 16, "deepstack_visual_indexes": [1, 2]},
+        **token_ids(fast),
+    )
+    config.text_config.pad_token_id = fast.pad_token_id
+    torch.manual_seed(seed)
+    model = Qwen3VLForConditionalGeneration(config).eval()
+    model.set_attn_implementation(attn_implementation)
+    model.generation_config.pad_token_id = fast.pad_token_id
+    model.generation_config.eos_token_id = None
+    fast.padding_side = "left"
+    processor = Qwen3VLProcessor(
+        image_processor=Qwen2VLImageProcessor(min_pixels=64 * 64, max_pixels=64 * 64, patch_size=16),
+        video_processor=Qwen3VLVideoProcessor(size={"shortest_edge": 64 * 64, "longest_edge": 64 * 64 * 16},
+                                              do_sample_frames=False, cap_pixels_per_frame=False),
+        tokenizer=fast,
+    )
+    return model, processor
+
+
+def metadata(frames: int, fps: float = 4.0) -> dict:
+    """The `video_metadata` of ``frames`` frames taken at ``fps`` (Qwen3-VL's timestamps read it)."""
+    return {"fps": fps, "total_num_frames": frames, "frames_indices": list(range(frames)), "duration": frames / fps}
