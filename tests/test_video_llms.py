@@ -386,3 +386,54 @@ def test_qwen3_vl_batch_of_videos_equals_per_video_runs(qwen3):
                 torch.testing.assert_close(model(**alone).logits[0, -1], batch_logits[index, -1], atol=1e-5, rtol=0)
     finally:
         remove_testa_from_video_llm(model)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Budgets and the arithmetic the docs show
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.25, 0.1])
+@pytest.mark.parametrize("grid", [(32, 256), (16, 196), (3, 4)])
+def test_kept_fraction_plan_keeps_at_most_that_and_close_to_it(keep, grid):
+    from video_llms.budget import plan_kept_fraction
+
+    slices, units = grid
+    if keep * slices * units < 2:  # 3 x 4 at 10%: 1.2 tokens, but merging never takes 2 tubelets to 1
+        with pytest.raises(ValueError, match="fewer than the 2 x 1"):
+            plan_kept_fraction(32, slices, units, keep)
+        return
+    plan = plan_kept_fraction(32, slices, units, keep)
+    kept_slices, kept_units = token_grid(video_settings(32, **plan), slices, units)
+    kept = kept_slices * kept_units
+    assert kept <= keep * slices * units
+    # one more unit per slice would exceed the budget: as close as whole units allow
+    assert kept_slices * (kept_units + 1) > keep * slices * units or kept_units == units
+
+
+def test_kept_fraction_plan_by_hand():
+    from video_llms.budget import plan_kept_fraction
+
+    # 4 blocks, 4 tubelets x 4 units, keep 25%: sqrt(0.25) = 0.5 of the tubelets (2) and 4 / 2 = 2 units each
+    plan = plan_kept_fraction(4, 4, 4, 0.25)
+    assert plan == {"temporal_reduction": [1, 1, 0, 0], "spatial_reduction": [1, 1, 0, 0]}
+    assert token_grid(video_settings(4, **plan), 4, 4) == (2, 2)
+    assert plan_kept_fraction(4, 4, 4, 1.0) == {"temporal_reduction": [0] * 4, "spatial_reduction": [0] * 4}
+    with pytest.raises(ValueError, match="first_block"):
+        plan_kept_fraction(4, 64, 4, 0.02, temporal_share=1.0, first_block=3)
+    with pytest.raises(ValueError, match="keep=0"):
+        plan_kept_fraction(4, 4, 4, 0)
+
+
+def test_docs_arithmetic():
+    """The numbers of docs/video_llms.md: Qwen2.5-VL-7B's tower (32 blocks) on 64 frames at 448x448 px."""
+    from video_llms.budget import plan_kept_fraction
+
+    slices, units = 64 // 2, (448 // 28) ** 2  # tubelets of 2 frames; 2x2 units of 14 px patches
+    assert (slices, units, slices * units) == (32, 256, 8192)
+    plan = plan_kept_fraction(32, slices, units, 0.25)
+    assert token_grid(video_settings(32, **plan), slices, units) == (16, 128)
+    assert plan["temporal_reduction"] == [1] * 16 + [0] * 16 and plan["spatial_reduction"] == [4] * 32
+    assert token_grid(video_settings(32, 0, 2), slices, units) == (32, 192)  # R_S = 2 at every block: 75%
+    # Qwen3-VL (16 px patches, 2x2 units of 32 px): 64 frames at 448x448 -> 32 x 196
+    assert token_grid(video_settings(27, 0, 0), 32, (448 // 32) ** 2) == (32, 196)
