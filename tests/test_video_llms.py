@@ -54,19 +54,50 @@ def test_qwen2_5_vl_idle_equals_stock(attention):
     assert torch.equal(tokens, stock_tokens)
 
 
-def test_qwen2_5_vl_base_model_idle_equals_stock(qwen2_5):
-    """`Qwen2_5_VLModel` (no LM head) is supported as well."""
-    model, processor = qwen2_5
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_base_model_idle_equals_stock(family):
+    """`Qwen2_5_VLModel` / `Qwen3VLModel` (no LM head) are supported as well."""
+    model, processor = getattr(tiny, family)()
     base = model.model
-    inputs = _inputs(processor)
+    make = _inputs if family == "qwen2_5_vl" else _qwen3_inputs
+    inputs = make(processor)
     with torch.no_grad():
         stock = base(**inputs).last_hidden_state
         apply_testa(base, processor=processor)
         try:
-            patched = base(**_inputs(processor)).last_hidden_state
+            patched = base(**make(processor)).last_hidden_state
         finally:
             remove_testa(base)
     torch.testing.assert_close(patched, stock, atol=1e-5, rtol=0)
+
+
+def test_images_go_through_the_stock_tower(qwen2_5):
+    """An image and a video in one prompt: the image's features and positions are the stock ones; at R = 0 the
+    whole output is."""
+    from PIL import Image
+
+    model, processor = qwen2_5
+    image = Image.fromarray(tiny.video(1, 5)[0])
+
+    def inputs():
+        text = f"<|vision_start|> {processor.image_token} <|vision_end|> " + tiny.prompt(processor)
+        return processor(text=[text], images=[image], videos=[tiny.video(8, 0)], return_tensors="pt")
+
+    stock_logits, stock_tokens = _run(model, inputs())
+    with torch.no_grad():
+        stock_image = model.get_image_features(inputs()["pixel_values"], inputs()["image_grid_thw"]).pooler_output
+    apply_testa_to_video_llm(model, processor)
+    try:
+        logits, tokens = _run(model, inputs())
+        torch.testing.assert_close(logits, stock_logits, atol=1e-5, rtol=0)
+        assert torch.equal(tokens, stock_tokens)
+        apply_testa_to_video_llm(model, processor, **SCHEDULE)
+        with torch.no_grad():
+            image = model.get_image_features(inputs()["pixel_values"], inputs()["image_grid_thw"]).pooler_output
+        assert torch.equal(image[0], stock_image[0])
+        assert torch.isfinite(_run(model, inputs(), new_tokens=2)[0]).all()
+    finally:
+        remove_testa_from_video_llm(model)
 
 
 def test_remove_restores_model_and_processor_exactly(qwen2_5):
@@ -121,14 +152,15 @@ def test_qwen2_5_vl_reduced_token_count_matches_schedule_and_generates(attention
     assert torch.isfinite(logits).all()
 
 
-def test_generate_runs_the_tower_once(qwen2_5):
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_generate_runs_the_tower_once(family):
     """generate asks for positions before its prefill: the tower runs there, and the prefill takes its features."""
-    model, processor = qwen2_5
+    model, processor = getattr(tiny, family)()
     apply_testa_to_video_llm(model, processor, **SCHEDULE)
     calls = []
     handle = model.model.visual.patch_embed.register_forward_hook(lambda *args: calls.append(1))
     try:
-        inputs = _inputs(processor)
+        inputs = _inputs(processor) if family == "qwen2_5_vl" else _qwen3_inputs(processor)
         with torch.no_grad():
             model.generate(**inputs, max_new_tokens=3, do_sample=False)
         assert len(calls) == 1
