@@ -227,6 +227,15 @@ def test_unsupported_settings_are_refused_by_name(qwen2_5):
     assert is_video_llm(model) and is_video_llm(model.model) and not is_video_llm(model.model.visual)
 
 
+def test_positions_before_the_tower_raise_a_clear_error():
+    model, processor = tiny.qwen2_5_vl()
+    apply_testa_to_video_llm(model, processor, **SCHEDULE)
+    inputs = _inputs(processor)
+    with pytest.raises(ValueError, match="depend on what the tower merged"):
+        model.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
+                                   video_grid_thw=inputs["video_grid_thw"])
+
+
 def test_stale_placeholders_raise():
     """Inputs from an unpatched processor have the stock number of placeholders: transformers' own check says so."""
     model, processor = tiny.qwen2_5_vl()

@@ -20,7 +20,7 @@ import torch
 
 from modeling_testa.aggregation import Matching, capped_reduction, merge_tokens
 from modeling_testa.aggregation_block import match_frames, match_tokens
-from modeling_testa.aggregation_settings import DEFAULTS, AggregationSettings
+from modeling_testa.aggregation_settings import AggregationSettings
 
 STATE_ATTRIBUTE = "testa_video_llm"
 """Where the patch state lives on a patched model instance."""
@@ -63,11 +63,6 @@ def token_grid(settings: AggregationSettings, slices: int, units: int) -> tuple[
     if not settings.num_layers:
         return slices, units
     return settings.token_schedule(slices, units, has_cls=False)[-1]
-
-
-def is_idle(settings: AggregationSettings) -> bool:
-    """Whether nothing is ever merged (every R is 0)."""
-    return not any(settings.temporal_reduction) and not any(settings.spatial_reduction)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -221,13 +216,11 @@ def chronological_order(positions: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = [
-    "DEFAULTS",
     "InstancePatch",
     "STATE_ATTRIBUTE",
     "TokenGroups",
     "aggregate",
     "chronological_order",
-    "is_idle",
     "merge_slices",
     "merge_units",
     "patch_of",

@@ -193,7 +193,6 @@ def run_tower(visual, pixel_values: torch.Tensor, grid_thw: torch.Tensor, settin
     grids = [tuple(int(v) for v in row) for row in grid_thw.tolist()]
     parts = hidden.split([t * h * w for t, h, w in grids])
     videos = [initial_groups(part, grid, window) for part, grid in zip(parts, grids)]
-    taps: list[list[torch.Tensor]] = [[] for _ in videos]
     rotary = seqlens = windows = None
     sequence_now = sequence(videos, hidden_size)
     for index, block in enumerate(visual.blocks):
