@@ -54,6 +54,29 @@ def test_qwen2_5_vl_idle_equals_stock(attention):
     assert torch.equal(tokens, stock_tokens)
 
 
+def test_qwen2_5_vl_windows_idle_equals_stock_and_reduced_runs():
+    """112x84 frames: 4x3 units in windows of 2x2 units (uneven windows, an empty padded one), so the rebuilt
+    window segments are exercised: exact at R = 0, and a reduced run keeps the schedule's count."""
+    model, processor = tiny.qwen2_5_vl(frame_pixels=112 * 84)
+
+    def inputs():
+        videos = [tiny.video(8, 0, 112, 84), tiny.video(4, 1, 112, 84)]
+        return processor(text=[tiny.prompt(processor)] * 2, videos=videos, return_tensors="pt", padding=True)
+
+    assert inputs()["video_grid_thw"].tolist() == [[4, 8, 6], [2, 8, 6]]
+    stock_logits, stock_tokens = _run(model, inputs())
+    apply_testa_to_video_llm(model, processor)
+    logits, tokens = _run(model, inputs())
+    torch.testing.assert_close(logits, stock_logits, atol=1e-5, rtol=0)
+    assert torch.equal(tokens, stock_tokens)
+    apply_testa_to_video_llm(model, processor, temporal_reduction=[1, 0, 0, 0], spatial_reduction=[2, 1, 1, 1])
+    reduced = inputs()
+    # 4 x 12 -> 3 x 10 -> 3 x 9 -> 3 x 8 -> 3 x 7 = 21; 2 x 12 -> 2 x 10 -> ... -> 2 x 7 = 14
+    assert (reduced["input_ids"] == model.config.video_token_id).sum(dim=1).tolist() == [21, 14]
+    logits, _ = _run(model, reduced, new_tokens=2)
+    assert torch.isfinite(logits).all()
+
+
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
 def test_base_model_idle_equals_stock(family):
     """`Qwen2_5_VLModel` / `Qwen3VLModel` (no LM head) are supported as well."""
@@ -191,6 +214,25 @@ def test_batch_of_videos_equals_per_video_runs(qwen2_5):
                 torch.testing.assert_close(single, model(**batch).logits[index, -1], atol=1e-5, rtol=0)
     finally:
         remove_testa_from_video_llm(model)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_sizes_and_centroids_are_conserved(family):
+    """Merges are size-weighted means: the sizes of a video's tokens add up to its input units, and the
+    size-weighted sum of their centroids is that of the input grid (each merge conserves both)."""
+    model, processor = getattr(tiny, family)()
+    apply_testa_to_video_llm(model, processor, **SCHEDULE)
+    inputs = _inputs(processor) if family == "qwen2_5_vl" else _qwen3_inputs(processor)
+    patch = model.testa_video_llm
+    with torch.no_grad():
+        videos = patch.adapter.encode(model.model, inputs["pixel_values_videos"], inputs["video_grid_thw"],
+                                      patch.settings)
+    for video, (t, h, w) in zip(videos, inputs["video_grid_thw"].tolist()):
+        grid = torch.tensor([[i, r, c] for i in range(t) for r in range(h // 2) for c in range(w // 2)]).double()
+        assert video.sizes.sum() == t * h * w // 4 and video.features.shape[0] == 4
+        assert bool((video.sizes > 1).any())  # something merged
+        torch.testing.assert_close((video.positions.double() * video.sizes.double()[:, None]).sum(0), grid.sum(0),
+                                   atol=1e-4, rtol=0)
 
 
 def test_merged_positions_say_where_tokens_came_from(qwen2_5):

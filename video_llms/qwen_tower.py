@@ -42,11 +42,13 @@ UNIT = 4
 @dataclass
 class VideoFeatures:
     """What the tower gives one video: ``features (tokens, out)`` for the LLM, in order; ``positions (tokens, 3)``
-    float centroids ``(tubelet, unit row, unit column)``; ``deepstack`` (Qwen3-VL): ``(tokens, out)`` per tapped
-    block; ``grid``: ``(slices, units per slice)`` left."""
+    float centroids ``(tubelet, unit row, unit column)``; ``sizes (tokens,)``: how many input units every token
+    stands for; ``deepstack`` (Qwen3-VL): ``(tokens, out)`` per tapped block; ``grid``: ``(slices, units per slice)``
+    left."""
 
     features: torch.Tensor
     positions: torch.Tensor
+    sizes: torch.Tensor
     deepstack: list = field(default_factory=list)
     grid: tuple[int, int] = (0, 0)
 
@@ -230,6 +232,7 @@ def run_tower(visual, pixel_values: torch.Tensor, grid_thw: torch.Tensor, settin
         results.append(VideoFeatures(
             features=merged[start:start + count][order],
             positions=positions[order],
+            sizes=groups.sizes.reshape(count)[order],
             deepstack=[t.reshape(count, -1)[order] for t in groups.carried],
             grid=groups.grid,
         ))

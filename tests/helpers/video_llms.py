@@ -35,9 +35,10 @@ TEXT = {"vocab_size": len(SPECIAL_TOKENS) + len(WORDS) + 1, "hidden_size": 32, "
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
 
 
-def qwen2_5_vl(attn_implementation: str = "sdpa", seed: int = 0, depth: int = 4):
-    """``(model, processor)``: a 4-block Qwen2.5-VL tower (window attention, full attention at blocks 1 and 3) on a
-    2-layer LLM, and a processor at 56x56 pixels per frame (4x4 patches of 14 px: 2x2 units of the merger)."""
+def qwen2_5_vl(attn_implementation: str = "sdpa", seed: int = 0, depth: int = 4, frame_pixels: int = 56 * 56):
+    """``(model, processor)``: a 4-block Qwen2.5-VL tower (window attention over 2x2 units, full attention at blocks 1
+    and 3) on a 2-layer LLM, and a processor at ``frame_pixels`` per frame (56x56: 4x4 patches of 14 px, 2x2 units
+    of the merger, one window; 112x84: 8x6 patches, 4x3 units, 4 windows of 4, 2, 4 and 2 units)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
     from transformers.models.qwen2_vl import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
 
@@ -56,7 +57,7 @@ def qwen2_5_vl(attn_implementation: str = "sdpa", seed: int = 0, depth: int = 4)
     model.set_attn_implementation(attn_implementation)
     model.generation_config.pad_token_id = fast.pad_token_id
     model.generation_config.eos_token_id = None  # greedy runs the full max_new_tokens: fixed-length outputs
-    pixels = {"min_pixels": 56 * 56, "max_pixels": 56 * 56}
+    pixels = {"min_pixels": frame_pixels, "max_pixels": frame_pixels}
     fast.padding_side = "left"  # a decoder-only LLM generates from left-padded batches
     processor = Qwen2_5_VLProcessor(
         image_processor=Qwen2VLImageProcessor(**pixels), video_processor=Qwen2VLVideoProcessor(**pixels, cap_pixels_per_frame=False),
