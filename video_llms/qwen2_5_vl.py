@@ -17,6 +17,7 @@ What is patched (instances only; `remove` restores each attribute exactly):
 Images go through the stock tower and positions.
 """
 
+import itertools
 import weakref
 
 import torch
@@ -179,8 +180,6 @@ def rope_index(base, input_ids, mm_token_type_ids, image_grid_thw, video_grid_th
                attention_mask):
     """`Qwen2_5_VLModel.get_rope_index` (transformers 5.x) with the video tokens at their centroids'
     positions (`video_rope_positions`); text and images as the stock method computes them."""
-    import itertools
-
     spatial_merge_size = base.config.vision_config.spatial_merge_size
     tokens_per_second = base.config.vision_config.tokens_per_second
     position_ids = torch.zeros(3, *input_ids.shape, dtype=input_ids.dtype, device=input_ids.device)
