@@ -534,6 +534,7 @@ def apply_testa(
     score_grid: float = DEFAULTS["score_grid"],
     proportional_attention: bool | None = None,
     trace_source: bool = DEFAULTS["trace_source"],
+    processor: Any = None,
 ) -> nn.Module:
     """Makes ``model`` (a supported transformers video encoder, see the module docstring) aggregate tokens with TESTA,
     training-free, by replacing the ``forward`` of the model instance. Calling it again replaces the settings.
@@ -556,10 +557,21 @@ def apply_testa(
         proportional_attention: add log(token size) to the attention logits. Default (None): off for TimeSformer (as
             in the TESTA paper), on for the joint-attention models (as ToMe does).
         trace_source: return `source_map` (see the module docstring).
+        processor: for a video-LLM (Qwen2.5-VL, Qwen3-VL, ...: see the repository's ``video_llms`` package, to
+            which such models are handed), its processor instance, patched to emit the reduced number of video
+            placeholders.
 
     Returns:
         ``model`` itself, patched.
     """
+    video_llms = _video_llms(model)
+    if video_llms is not None:
+        return video_llms.apply_testa_to_video_llm(
+            model, processor, temporal_reduction=temporal_reduction, spatial_reduction=spatial_reduction,
+            aggregation_strategy=aggregation_strategy, reduction_mode=reduction_mode,
+            aggregation_dims=aggregation_dims, frame_matching=frame_matching, score_grid=score_grid,
+            proportional_attention=proportional_attention, trace_source=trace_source,
+        )
     family = _family_of(model)
     base = _base_of(model, family)
     settings = _settings_for(
@@ -588,9 +600,23 @@ def apply_testa(
     return model
 
 
+def _video_llms(model: nn.Module):
+    """The repository's ``video_llms`` package when ``model`` is a video-LLM it supports, else None. Imported here,
+    not at the top: it is not part of a saved Hub folder, where this module must load without it."""
+    try:
+        import video_llms
+    except ImportError:
+        return None
+    return video_llms if video_llms.is_video_llm(model) else None
+
+
 def remove_testa(model: nn.Module) -> nn.Module:
     """Undoes :func:`apply_testa`: every replaced ``forward`` is restored (the class's own method again, or whatever
-    instance-level ``forward`` was there before). A model that is not patched is returned unchanged."""
+    instance-level ``forward`` was there before); a video-LLM gets its model and processor back exactly. A model
+    that is not patched is returned unchanged."""
+    video_llms = _video_llms(model)
+    if video_llms is not None:
+        return video_llms.remove_testa_from_video_llm(model)
     state = model.__dict__.get(_STATE_ATTRIBUTE)
     if state is None:
         return model

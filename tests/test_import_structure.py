@@ -22,8 +22,8 @@ from modeling_testa import TestaVisionConfig, token_schedule
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "modeling_testa"
 MODULES = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
-OUR_PACKAGES = ("modeling_testa", "processing", "train", "benchmarks", "tests", "app")
-SOURCE_DIRS = ("modeling_testa", "processing", "train", "benchmarks", "tests", "app")
+OUR_PACKAGES = ("modeling_testa", "processing", "train", "benchmarks", "tests", "app", "video_llms")
+SOURCE_DIRS = ("modeling_testa", "processing", "train", "benchmarks", "tests", "app", "video_llms")
 
 
 def _python_files() -> list[Path]:

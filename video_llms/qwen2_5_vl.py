@@ -1,0 +1,226 @@
+"""The Qwen2.5-VL adapter: TESTA in the vision tower of `Qwen2_5_VLForConditionalGeneration` / `Qwen2_5_VLModel`.
+
+What is patched (instances only; `remove` restores each attribute exactly):
+
+* the base model's ``get_video_features``: the tower with TESTA (`video_llms.qwen_tower.run_tower`), one
+  ``(tokens, out_hidden_size)`` tensor per video, ``tokens`` = the schedule's ``slices' x units'``;
+* the base model's ``get_rope_index``: M-RoPE positions of the video tokens from the units' centroids
+  ``(tubelet t, row, column)``: ``(floor(t * tokens_per_second * second_per_grid_t), round(row), round(column))``
+  plus the stock offset; images and text exactly as the stock method (text after a video continues at the stock
+  offset, ``max(h, w) / 2`` past the video's start). ``generate`` asks for positions *before* it runs the tower
+  (``_prepare_position_ids_for_generation``, with the pixels among its arguments): the tower then runs there and its
+  features are kept until the prefill's ``get_video_features`` takes them (same pixel tensor, unchanged), so it runs
+  once. A forward pass computes the features first and the positions from them;
+* the processor's ``replace_video_token``: ``slices' x units'`` placeholders per video, from the schedule
+  (`video_llms.common.token_grid`), known before the tower runs.
+
+Images go through the stock tower and positions.
+"""
+
+import itertools
+import weakref
+
+import torch
+from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+from .common import InstancePatch, patch_of, token_grid
+from .qwen_tower import run_tower
+
+
+def _class_names(model) -> set[str]:
+    return {cls.__name__ for cls in type(model).__mro__}
+
+
+def video_token_counts(settings, grid_thw) -> list[int]:
+    """Video tokens the LLM gets for every ``(t, h, w)`` row of ``grid_thw`` (patches; 2x2 units per token)."""
+    counts = []
+    for t, h, w in (tuple(int(v) for v in row) for row in grid_thw):
+        slices, units = token_grid(settings, t, h * w // 4)
+        counts.append(slices * units)
+    return counts
+
+
+class QwenVideoAdapter:
+    """What Qwen2.5-VL and Qwen3-VL share: the base model, the feature cache between positions and prefill, the
+    processor's placeholder count. Subclasses name the classes and run the tower."""
+
+    classes: tuple[str, ...] = ()
+    base_class = ""
+
+    def supports(self, model) -> bool:
+        return bool(_class_names(model) & set(self.classes))
+
+    def base_model(self, model):
+        """The ``*Model`` instance that owns ``visual``, ``get_video_features`` and ``get_rope_index``."""
+        return model if self.base_class in _class_names(model) else model.model
+
+    def num_blocks(self, model) -> int:
+        return len(self.base_model(model).visual.blocks)
+
+    def check(self, model) -> None:
+        visual = self.base_model(model).visual
+        if visual.spatial_merge_size != 2:
+            raise ValueError(
+                f"TESTA merges Qwen's 2x2 merger units; this tower has spatial_merge_size={visual.spatial_merge_size}."
+            )
+
+    # -- the tower ----------------------------------------------------------------------------------------------------
+
+    def encode(self, base, pixel_values, grid_thw, settings):
+        raise NotImplementedError
+
+    def features(self, patch: InstancePatch, base, pixel_values, grid_thw):
+        """The tower's `VideoFeatures` per video: the ones `positions` computed for these very pixels (generate),
+        else a fresh run. Records the positions for `get_rope_index`."""
+        pending = patch.cache.pop("pending", None)
+        if pending is not None and self._same_pixels(pending, pixel_values, grid_thw):
+            videos = pending["videos"]
+        else:
+            videos = self.encode(base, pixel_values, grid_thw, patch.settings)
+        self._record(patch, pixel_values, grid_thw, videos)
+        return videos
+
+    def positions(self, patch: InstancePatch, base, grid_thw, pixel_values=None) -> list[torch.Tensor]:
+        """The centroids ``(tokens, 3)`` of every video's tokens: of the last encoded videos when they are these
+        (the same pixel tensor, or, without pixels, the same grids: a forward pass encodes before its positions),
+        else the tower runs now and keeps its features for the prefill."""
+        recorded = patch.cache.get("positions")
+        if recorded is not None and torch.equal(recorded["grid"], grid_thw.detach().cpu()) and (
+                pixel_values is None or self._same_pixels(recorded, pixel_values, grid_thw)):
+            return recorded["positions"]
+        if pixel_values is None:
+            raise ValueError(
+                "The M-RoPE positions of TESTA-reduced video tokens depend on what the tower merged: call the model "
+                "(or generate) with pixel_values_videos, or get_video_features first, before get_rope_index."
+            )
+        videos = self.encode(base, pixel_values, grid_thw, patch.settings)
+        self._record(patch, pixel_values, grid_thw, videos)
+        patch.cache["pending"] = {**patch.cache["positions"], "videos": videos}
+        return patch.cache["positions"]["positions"]
+
+    @staticmethod
+    def _record(patch, pixel_values, grid_thw, videos) -> None:
+        patch.cache["positions"] = {
+            "pixels": weakref.ref(pixel_values), "version": pixel_values._version,
+            "grad": torch.is_grad_enabled(), "grid": grid_thw.detach().cpu().clone(),
+            "positions": [v.positions for v in videos],
+        }
+
+    @staticmethod
+    def _same_pixels(entry, pixel_values, grid_thw) -> bool:
+        return (entry["pixels"]() is pixel_values and entry["version"] == pixel_values._version
+                and entry["grad"] == torch.is_grad_enabled() and torch.equal(entry["grid"], grid_thw.detach().cpu()))
+
+    # -- patching -----------------------------------------------------------------------------------------------------
+
+    def patch_processor(self, patch: InstancePatch, processor) -> None:
+        raise NotImplementedError
+
+    def remove(self, model, processor=None) -> None:
+        patch_of(model).restore()
+
+
+class Qwen2_5_VLAdapter(QwenVideoAdapter):
+    """`Qwen2_5_VLForConditionalGeneration` and `Qwen2_5_VLModel` (and subclasses)."""
+
+    classes = ("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLModel")
+    base_class = "Qwen2_5_VLModel"
+
+    def encode(self, base, pixel_values, grid_thw, settings):
+        from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as family
+
+        visual = base.visual
+        window = visual.window_size // visual.spatial_merge_size // visual.patch_size
+        return run_tower(visual, pixel_values, grid_thw, settings, family, window=window,
+                         full_attention_blocks=tuple(visual.fullatt_block_indexes))
+
+    def apply(self, model, processor, settings) -> None:
+        self.check(model)
+        patch, base, adapter = patch_of(model), self.base_model(model), self
+        stock_rope_index = base.get_rope_index
+
+        def get_video_features(self, pixel_values_videos, video_grid_thw=None, **kwargs):
+            videos = adapter.features(patch, self, pixel_values_videos, video_grid_thw)
+            return BaseModelOutputWithPooling(pooler_output=tuple(v.features for v in videos))
+
+        def get_rope_index(self, input_ids, mm_token_type_ids, image_grid_thw=None, video_grid_thw=None,
+                           second_per_grid_ts=None, attention_mask=None, **kwargs):
+            if video_grid_thw is None:
+                return stock_rope_index(input_ids, mm_token_type_ids, image_grid_thw=image_grid_thw,
+                                        attention_mask=attention_mask, **kwargs)
+            centroids = adapter.positions(patch, self, video_grid_thw, kwargs.get("pixel_values_videos"))
+            return rope_index(self, input_ids, mm_token_type_ids, image_grid_thw, video_grid_thw, centroids,
+                              second_per_grid_ts, attention_mask)
+
+        patch.replace_method(base, "get_video_features", get_video_features)
+        patch.replace_method(base, "get_rope_index", get_rope_index)
+        if processor is not None:
+            self.patch_processor(patch, processor)
+
+    def patch_processor(self, patch: InstancePatch, processor) -> None:
+        settings = patch.settings
+
+        def replace_video_token(self, video_inputs: dict, video_idx: int, **kwargs) -> str:
+            grid = video_inputs["video_grid_thw"][video_idx]
+            return self.video_token * video_token_counts(settings, [grid])[0]
+
+        patch.replace_method(processor, "replace_video_token", replace_video_token)
+
+
+def video_rope_positions(centroids: torch.Tensor, start: int, time_interval) -> torch.Tensor:
+    """``(3, tokens)`` M-RoPE positions of a video's tokens from their centroids ``(tokens, 3)`` (tubelet, row,
+    column): time ``floor(t * time_interval)`` (as the stock ``(arange(t) * interval).long()``), row and column
+    rounded to the nearest integer, all offset by ``start``. Integer centroids give the stock positions."""
+    time = (centroids[:, 0] * time_interval).long()
+    rows, cols = torch.round(centroids[:, 1]).long(), torch.round(centroids[:, 2]).long()
+    return torch.stack([time, rows, cols]) + start
+
+
+def rope_index(base, input_ids, mm_token_type_ids, image_grid_thw, video_grid_thw, centroids, second_per_grid_ts,
+               attention_mask):
+    """`Qwen2_5_VLModel.get_rope_index` (transformers 5.x) with the video tokens at their centroids'
+    positions (`video_rope_positions`); text and images as the stock method computes them."""
+    spatial_merge_size = base.config.vision_config.spatial_merge_size
+    tokens_per_second = base.config.vision_config.tokens_per_second
+    position_ids = torch.zeros(3, *input_ids.shape, dtype=input_ids.dtype, device=input_ids.device)
+    images = iter(image_grid_thw) if image_grid_thw is not None else None
+    videos = iter(zip(video_grid_thw, centroids))
+    seconds = iter(second_per_grid_ts) if second_per_grid_ts is not None else itertools.repeat(1)
+    deltas = []
+    for batch_index, ids in enumerate(input_ids):
+        types = mm_token_type_ids[batch_index]
+        if attention_mask is not None:
+            keep = attention_mask[batch_index].bool()
+            ids, types = ids[keep], types[keep]
+        current, pieces = 0, []
+        for modality, group in itertools.groupby(enumerate(types.tolist()), lambda x: x[1]):
+            group = list(group)
+            length = group[-1][0] + 1 - group[0][0]
+            if modality == 0:
+                pieces.append(torch.arange(length, device=input_ids.device).view(1, -1).expand(3, -1) + current)
+                current += length
+                continue
+            if modality == 2:
+                grid, video_centroids = next(videos)
+                if video_centroids.shape[0] != length:
+                    raise ValueError(
+                        f"A video has {length} placeholder tokens but TESTA leaves {video_centroids.shape[0]}: build the "
+                        "inputs with the processor passed to apply_testa (it emits the reduced count)."
+                    )
+                interval = tokens_per_second * next(seconds)
+                pieces.append(video_rope_positions(video_centroids.to(input_ids.device), current, interval))
+            else:
+                grid = next(images)
+                pieces.append(base.get_vision_position_ids(current, grid, 1, spatial_merge_size, 1,
+                                                           device=input_ids.device))
+            current += max(grid[1], grid[2]) // spatial_merge_size
+        positions = torch.cat(pieces, dim=1).reshape(3, -1)
+        if attention_mask is not None:
+            position_ids[:, batch_index, attention_mask[batch_index].bool()] = positions.to(position_ids.device)
+        else:
+            position_ids[:, batch_index] = positions.to(position_ids.device)
+        deltas.append(positions.max() + 1 - len(ids))
+    return position_ids, torch.tensor(deltas, device=input_ids.device).unsqueeze(1)
+
+
+__all__ = ["Qwen2_5_VLAdapter", "QwenVideoAdapter", "rope_index", "video_rope_positions", "video_token_counts"]
