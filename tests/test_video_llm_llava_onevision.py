@@ -331,6 +331,66 @@ def test_unmerge_averages_the_frames_merged_together():
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# Chunks of frames through the tower
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reductions", [dict(), dict(temporal_reduction=[2, 1, 1], spatial_reduction=[4, 3, 0])])
+def test_chunked_tower_gives_the_one_pass_outputs(reductions):
+    """Two 8-frame videos through the tower 3 frames at a time: chunks cross the videos' edge and frame merges pair
+    frames of different chunks; the outputs are the one-pass outputs (and, at zero reduction, the stock ones)."""
+    model, processor = build(), tiny_processor()
+    inputs = prompt_inputs(processor, [video(8, seed=5), video(8, seed=6)])
+    with torch.no_grad():
+        stock = model(**inputs).logits
+        apply_testa_llava_onevision(model, processor, **reductions)
+        inputs = prompt_inputs(processor, [video(8, seed=5), video(8, seed=6)])
+        one_pass = model(**inputs)
+        apply_testa_llava_onevision(model, processor, **reductions, chunk_frames=3)
+        chunked = model(**inputs)
+    assert (chunked.logits - one_pass.logits).abs().max() <= 1e-5
+    assert (chunked.video_outputs.pooler_output - one_pass.video_outputs.pooler_output).abs().max() <= 1e-5
+    if not reductions:
+        assert (chunked.logits - stock).abs().max() <= 1e-5
+
+
+def test_chunks_bound_the_frames_each_block_computes_at_once():
+    model, processor = build(), tiny_processor()
+    apply_testa_llava_onevision(model, processor, temporal_reduction=[2, 1, 1], chunk_frames=3)
+    seen = []
+    tower = model.model.vision_tower
+    modules = [tower.embeddings.patch_embedding] + [m for layer in tower.encoder.layers
+                                                     for m in (layer.self_attn.q_proj, layer.mlp.fc1)]
+    hooks = [m.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[0])) for m in modules]
+    with torch.no_grad():
+        model(**prompt_inputs(processor, [video(8)]))
+    for hook in hooks:
+        hook.remove()
+    assert max(seen) == 3
+    # 8 frames in chunks 3, 3, 2: the embedding, then per block attention and MLP (8 -> 6 -> 5 -> 4 frames)
+    assert seen == [3, 3, 2] + [3, 3, 2, 3, 3] + [3, 3, 3, 2] + [3, 2, 3, 1]
+
+
+def test_chunked_tower_gives_the_one_pass_gradients():
+    model = build(cls=LlavaOnevisionModel).train()
+    pixels = prompt_inputs(tiny_processor(), [video(6)])["pixel_values_videos"]
+    gradients = []
+    for chunk in (None, 4):
+        apply_testa_llava_onevision(model, temporal_reduction=1, spatial_reduction=2, chunk_frames=chunk)
+        model.zero_grad()
+        model.get_video_features(pixels, return_dict=True).pooler_output.square().sum().backward()
+        gradients.append(torch.cat([p.grad.flatten() for p in model.vision_tower.parameters() if p.grad is not None]))
+    assert gradients[0].abs().max() > 0
+    assert (gradients[1] - gradients[0]).abs().max() <= 1e-5 * gradients[0].abs().max()
+
+
+@pytest.mark.parametrize("chunk", [0, -2, 2.5, True])
+def test_bad_chunk_sizes_raise_naming_chunk_frames(chunk):
+    with pytest.raises(ValueError, match=f"chunk_frames .*got {chunk!r}"):
+        apply_testa_llava_onevision(build(), chunk_frames=chunk)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # The adapter's contract and bad input
 # ----------------------------------------------------------------------------------------------------------------------
 

@@ -32,6 +32,12 @@ importance matching, ``reduction_mode="merge"``, ``aggregation_dims`` ``"tempora
 ``"spatial"``, every ``frame_matching``. Proportional attention (log-size logits bias, on by default here as in ToMe)
 needs the SDPA or eager attention path; the flash-attention path refuses it.
 
+**Chunks of frames.** With ``chunk_frames`` the patch embedding and every block's attention and MLP run over that
+many frames at a time; the merges run between them on all frames of the block, so the outputs are the one-pass
+outputs (within rounding) and a frame merge across a chunk's edge is the one-pass merge. What a block computes in
+between (attention scores, the MLP's hidden layer) then exists for one chunk at a time; the hidden states of all
+frames at one block (the size of the tower's output) remain.
+
 **Feature layer.** The LLM reads the hidden state ``vision_feature_layer`` selects (-1: the last block's output, before
 ``post_layernorm``). Merges in blocks after that layer change nothing the LLM sees; several layers can be selected only
 if no frame merge happens between them (their frames must be the same ones).
@@ -183,10 +189,35 @@ def siglip_attention(layer: nn.Module, rows: torch.Tensor, bias: torch.Tensor | 
     return AttentionOutput(output, keys.mean(dim=1), importance)
 
 
-def siglip_block(layer: nn.Module, settings: AggregationSettings, index: int, state: TokenState) -> TokenState:
+def by_frame_chunks(function: Callable, inputs: tuple[torch.Tensor, ...], chunk_frames: int | None
+                    ) -> tuple[torch.Tensor | None, ...]:
+    """``function(*inputs)`` computed over chunks of ``chunk_frames`` rows (frames) of ``inputs`` at a time, its outputs
+    (a tuple of tensors, or None) written into one tensor each: what a chunk computes in between (attention scores, the
+    MLP's hidden layer) exists for one chunk only. ``chunk_frames=None`` (or a chunk as large as the input) calls
+    ``function`` once on everything."""
+    rows = inputs[0].shape[0]
+    if chunk_frames is None or rows <= chunk_frames:
+        return function(*inputs)
+    outputs = None
+    for start in range(0, rows, chunk_frames):
+        pieces = function(*(x[start:start + chunk_frames] for x in inputs))
+        if outputs is None:
+            outputs = tuple(None if p is None else p.new_empty((rows, *p.shape[1:])) for p in pieces)
+        for output, piece in zip(outputs, pieces):
+            if output is not None:
+                output[start:start + piece.shape[0]] = piece
+    return outputs
+
+
+def siglip_block(layer: nn.Module, settings: AggregationSettings, index: int, state: TokenState,
+                 chunk_frames: int | None = None) -> TokenState:
     """One ``SiglipEncoderLayer`` over the frames of ``state.patches`` ``(B videos, T, L, D)``: attention within every
     frame, then frame aggregation (R_T whole frames of each video), then patch aggregation (R_S tokens within every
-    frame), then the MLP. With nothing to merge and no bias it computes exactly what the layer computes."""
+    frame), then the MLP. With nothing to merge and no bias it computes what the layer computes.
+
+    ``chunk_frames``: the attention and the MLP run over that many frames at a time (:func:`by_frame_chunks`); the
+    merges run between them on all frames of the block, so a frame merge across a chunk's edge is the one-pass merge.
+    """
     patches, sizes, source_map, merged = state.patches, state.sizes, state.source_map, state.merged
     batch, frames, per_frame, hidden = patches.shape
     r_t, r_s = settings.reductions(index)
@@ -194,15 +225,20 @@ def siglip_block(layer: nn.Module, settings: AggregationSettings, index: int, st
     patch_reduction = capped_reduction(r_s, per_frame, protected=0)
     reduces = frame_reduction > 0 or patch_reduction > 0
 
-    rows = patches.reshape(batch * frames, per_frame, hidden)
-    bias = size_bias(settings, sizes.reshape(batch * frames, per_frame), rows.dtype, merged)
-    attention = siglip_attention(layer, rows, bias, reduces and settings.uses_importance)
-    rows = rows + attention.output
+    def attention_residual(rows: torch.Tensor, row_sizes: torch.Tensor):
+        bias = size_bias(settings, row_sizes, rows.dtype, merged)
+        attention = siglip_attention(layer, rows, bias, reduces and settings.uses_importance)
+        return rows + attention.output, attention.keys, attention.importance
+
+    rows, keys, importance = by_frame_chunks(
+        attention_residual,
+        (patches.reshape(batch * frames, per_frame, hidden), sizes.reshape(batch * frames, per_frame)),
+        chunk_frames,
+    )
 
     if reduces:
         patches = rows.view(batch, frames, per_frame, hidden)
-        keys = attention.keys.view(batch, frames, per_frame, -1)
-        importance = attention.importance
+        keys = keys.view(batch, frames, per_frame, -1)
         if importance is not None:
             importance = importance.view(batch, frames, per_frame)
         if frame_reduction > 0:
@@ -224,27 +260,31 @@ def siglip_block(layer: nn.Module, settings: AggregationSettings, index: int, st
             per_frame = patches.shape[2]
         rows, merged = patches.reshape(batch * frames, per_frame, hidden), True
 
-    rows = rows + layer.mlp(layer.layer_norm2(rows))
+    rows = by_frame_chunks(lambda part: (part + layer.mlp(layer.layer_norm2(part)),), (rows,), chunk_frames)[0]
     return TokenState(None, rows.view(batch, frames, per_frame, hidden), sizes, source_map, merged)
 
 
-def run_block(layer: nn.Module, settings: AggregationSettings, index: int, state: TokenState) -> TokenState:
+def run_block(layer: nn.Module, settings: AggregationSettings, index: int, state: TokenState,
+              chunk_frames: int | None = None) -> TokenState:
     """:func:`siglip_block`, under activation checkpointing when the layer has it switched on (training)."""
     if getattr(layer, "gradient_checkpointing", False) and layer.training and torch.is_grad_enabled():
-        return torch.utils.checkpoint.checkpoint(siglip_block, layer, settings, index, state, use_reentrant=False)
-    return siglip_block(layer, settings, index, state)
+        return torch.utils.checkpoint.checkpoint(siglip_block, layer, settings, index, state, chunk_frames,
+                                                 use_reentrant=False)
+    return siglip_block(layer, settings, index, state, chunk_frames)
 
 
 def encode_video_frames(tower: nn.Module, pixel_values_videos: torch.Tensor, settings: AggregationSettings,
-                        hidden_indices: list[int], all_hidden_states: bool = False
+                        hidden_indices: list[int], all_hidden_states: bool = False, chunk_frames: int | None = None
                         ) -> tuple[list[TokenState], TokenState, tuple | None]:
-    """Runs the SigLIP ``tower`` over videos ``(B, T, C, H, W)`` with TESTA's aggregation.
+    """Runs the SigLIP ``tower`` over videos ``(B, T, C, H, W)`` with TESTA's aggregation, the patch embedding and
+    every block's attention and MLP over ``chunk_frames`` frames at a time (None: all at once).
 
     Returns the states at ``hidden_indices`` (0: the embeddings), the state after the last block and, with
     ``all_hidden_states``, every hidden state as the tower's rows ``(B * T_k, L_k, D)``.
     """
     batch, frames = pixel_values_videos.shape[:2]
-    embeddings = tower.embeddings(pixel_values_videos.reshape(batch * frames, *pixel_values_videos.shape[2:]))
+    pixels = pixel_values_videos.reshape(batch * frames, *pixel_values_videos.shape[2:])
+    embeddings = by_frame_chunks(lambda part: (tower.embeddings(part),), (pixels,), chunk_frames)[0]
     per_frame, hidden = embeddings.shape[1:]
     patches = embeddings.view(batch, frames, per_frame, hidden)
     sizes = patches.new_ones((batch, frames, per_frame), dtype=torch.promote_types(patches.dtype, torch.float32))
@@ -258,7 +298,7 @@ def encode_video_frames(tower: nn.Module, pixel_values_videos: torch.Tensor, set
     rows = lambda s: s.patches.flatten(0, 1)  # noqa: E731
     all_hidden = (rows(state),) if all_hidden_states else None
     for index, layer in enumerate(tower.encoder.layers):
-        state = run_block(layer, settings, index, state)
+        state = run_block(layer, settings, index, state, chunk_frames)
         if index + 1 in hidden_indices:
             selected.append(state)
         if all_hidden_states:
@@ -281,12 +321,14 @@ class LlavaOnevisionPatch:
         base: the patched ``LlavaOnevisionModel``.
         processor: the patched processor, or None.
         replaced: ``(object, attribute name, the value in the object's __dict__ before patching, or None)``.
+        chunk_frames: frames the tower's patch embedding, attention and MLP take at a time (None: all of them).
     """
 
     settings: AggregationSettings
     base: nn.Module
     processor: Any
     replaced: list[tuple[Any, str, Any]]
+    chunk_frames: int | None = None
 
 
 def video_features_method(patch: LlavaOnevisionPatch) -> Callable:
@@ -312,7 +354,7 @@ def video_features_method(patch: LlavaOnevisionPatch) -> Callable:
         tower = self.vision_tower
         indices = hidden_state_indices(feature_layer, len(tower.encoder.layers))
         selected, last, all_hidden = encode_video_frames(
-            tower, pixel_values_videos, patch.settings, indices, output_hidden_states
+            tower, pixel_values_videos, patch.settings, indices, output_hidden_states, patch.chunk_frames
         )
         grids = [unmerge_to_grid(state.patches, state.source_map) for state in selected]
         frame_counts = {grid.shape[1] for grid in grids}
@@ -414,6 +456,13 @@ def check_settings(settings: AggregationSettings, num_layers: int, feature_layer
         )
 
 
+def check_chunk_frames(chunk_frames: int | None) -> None:
+    """Raises a ValueError naming ``chunk_frames`` unless it is None or a positive int."""
+    if chunk_frames is not None and (isinstance(chunk_frames, bool) or not isinstance(chunk_frames, int)
+                                     or chunk_frames < 1):
+        raise ValueError(f"chunk_frames must be None (all frames at once) or a positive int; got {chunk_frames!r}.")
+
+
 class LlavaOnevisionAdapter:
     """TESTA for ``LlavaOnevisionForConditionalGeneration`` and ``LlavaOnevisionModel`` (see the module docstring)."""
 
@@ -423,9 +472,12 @@ class LlavaOnevisionAdapter:
         """Whether ``model`` is a LLaVA-OneVision model (or a subclass)."""
         return isinstance(model, (LlavaOnevisionForConditionalGeneration, LlavaOnevisionModel))
 
-    def apply(self, model: nn.Module, processor: Any, settings: AggregationSettings) -> None:
+    def apply(self, model: nn.Module, processor: Any, settings: AggregationSettings, *,
+              chunk_frames: int | None = None) -> None:
         """Patches ``model``'s ``get_video_features`` and (unless None) ``processor``'s placeholder count. Applying
-        again replaces the settings (the previous patch is removed first)."""
+        again replaces the settings (the previous patch is removed first). ``chunk_frames``: run the tower over that
+        many frames at a time (the same outputs; see :func:`siglip_block`)."""
+        check_chunk_frames(chunk_frames)
         base = base_model_of(model)
         tower_layers = len(base.vision_tower.encoder.layers)
         check_settings(settings, tower_layers, base.config.vision_feature_layer)
@@ -434,7 +486,8 @@ class LlavaOnevisionAdapter:
             self.remove(model, previous.processor)
         if processor is not None and processor.__dict__.get(PATCH_ATTRIBUTE) is not None:
             self.remove(processor.__dict__[PATCH_ATTRIBUTE].base, processor)
-        patch = LlavaOnevisionPatch(settings=settings, base=base, processor=processor, replaced=[])
+        patch = LlavaOnevisionPatch(settings=settings, base=base, processor=processor, replaced=[],
+                                    chunk_frames=chunk_frames)
         replace_attribute(patch, base, "get_video_features", video_features_method(patch).__get__(base))
         if processor is not None:
             previous_counts = processor._get_num_multimodal_tokens
@@ -481,13 +534,14 @@ def apply_testa_llava_onevision(
     aggregation_dims: str = DEFAULTS["aggregation_dims"],
     score_grid: float = DEFAULTS["score_grid"],
     proportional_attention: bool = True,
+    chunk_frames: int | None = None,
 ) -> nn.Module:
     """Patches a LLaVA-OneVision ``model`` (and its ``processor``) with TESTA in the vision tower; returns ``model``.
 
     ``temporal_reduction`` (R_T: frames merged) and ``spatial_reduction`` (R_S: tokens merged within every frame) are
     an int for every tower block or one int per block; 0 leaves the model computing what it computed. The other
     settings are `AggregationSettings`' (``proportional_attention`` on by default: tokens that stand for several
-    patches weigh as many in attention, as in ToMe).
+    patches weigh as many in attention, as in ToMe). ``chunk_frames``: frames through the tower at a time (None: all).
     """
     base = base_model_of(model)
     settings = AggregationSettings.for_layers(
@@ -495,7 +549,7 @@ def apply_testa_llava_onevision(
         aggregation_strategy=aggregation_strategy, frame_matching=frame_matching, aggregation_dims=aggregation_dims,
         score_grid=score_grid, proportional_attention=proportional_attention,
     )
-    LlavaOnevisionAdapter().apply(model, processor, settings)
+    LlavaOnevisionAdapter().apply(model, processor, settings, chunk_frames=chunk_frames)
     return model
 
 
