@@ -6,6 +6,7 @@ on one video at a time.
 """
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from modeling_testa.aggregation_settings import AggregationSettings
 from video_llms.llava_onevision import (
     LlavaOnevisionAdapter,
     apply_testa_llava_onevision,
+    kept_frames,
     remove_testa_llava_onevision,
     unmerge_to_grid,
     video_token_count,
@@ -443,3 +445,31 @@ def test_selected_layers_before_the_merges_give_the_stock_features():
         patched = model(**patched_inputs).logits
     assert torch.equal(patched_inputs["input_ids"], inputs["input_ids"])
     assert (patched - stock).abs().max() <= 1e-5
+
+
+# (the schedule as the docs write it, the schedule, frames to the LLM, video tokens, frames received by the blocks)
+DOCUMENTED_ROWS = [
+    ("0 (stock)", 0, 32, 6273, 832),
+    ("`[0] * 10 + [1] * 16`", [0] * 10 + [1] * 16, 16, 3137, 712),
+    ("`[0, 0] + [2] * 8 + [0] * 16`", [0, 0] + [2] * 8 + [0] * 16, 16, 3137, 520),
+    ("`[0] * 2 + [1] * 24`", [0] * 2 + [1] * 24, 8, 1569, 556),
+    ("`[0, 0] + [3] * 8 + [0] * 16`", [0, 0] + [3] * 8 + [0] * 16, 8, 1569, 364),
+]
+
+
+def test_the_documented_frame_arithmetic():
+    """docs/video_llms_llava_onevision.md's table, on transformers' default LLaVA-OneVision tower (no weights built)."""
+    config = LlavaOnevisionConfig()
+    blocks = config.vision_config.num_hidden_layers
+    grid = (config.vision_config.image_size // config.vision_config.patch_size) ** 2
+    assert (blocks, grid, config.vision_feature_layer) == (26, 729, -1)
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "video_llms_llava_onevision.md").read_text()
+    for text, schedule, frames, tokens, received in DOCUMENTED_ROWS:
+        settings = AggregationSettings.for_layers(blocks, schedule, 0)
+        assert kept_frames(settings, 32, blocks) == frames
+        assert video_token_count(settings, 32, -1, grid) == tokens == frames * 196 + 1
+        assert sum(kept_frames(settings, 32, block) for block in range(blocks)) == received
+        assert f"| {text} | {frames} | {tokens} | {received} |" in doc
+    longer = AggregationSettings.for_layers(blocks, DOCUMENTED_ROWS[-1][1], 0)
+    assert (kept_frames(longer, 64, blocks), video_token_count(longer, 64, -1, grid)) == (40, 7841)
+    assert "64 frames with the last row: 40 frames, 7841 tokens" in doc
