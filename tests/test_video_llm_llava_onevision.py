@@ -1,4 +1,4 @@
-"""TESTA inside LLaVA-OneVision's SigLIP tower (video_llms/llava_onevision.py), on tiny random models (CPU, no download).
+"""TESTA inside LLaVA-OneVision's SigLIP tower (video_llms/llava_onevision.py), tiny random models (CPU, no download).
 
 References are independent of the adapter: the unpatched model itself, a float64 re-computation of one merge step
 written out here with plain tensor ops and Python loops, token counts worked by hand from the caps, and the model run
@@ -220,7 +220,22 @@ def test_a_batch_of_videos_equals_each_video_alone():
     with torch.no_grad():
         batched = model(**batch).logits
         alone = torch.cat([model(**prompt_inputs(processor, [clip])).logits for clip in clips])
+        batched_tokens = model.generate(**batch, max_new_tokens=4, do_sample=False)
+        alone_tokens = torch.cat([model.generate(**prompt_inputs(processor, [clip]), max_new_tokens=4,
+                                                 do_sample=False) for clip in clips])
     assert (batched - alone).abs().max() <= 1e-5
+    assert torch.equal(batched_tokens, alone_tokens)
+
+
+def test_bfloat16_runs_with_the_predicted_count():
+    model, processor = build().to(torch.bfloat16), tiny_processor()
+    apply_testa_llava_onevision(model, processor, temporal_reduction=[2, 1, 1], spatial_reduction=[4, 3, 0])
+    inputs = prompt_inputs(processor, [video(8)])
+    with torch.no_grad():
+        features = model.get_video_features(inputs["pixel_values_videos"].to(torch.bfloat16), return_dict=True)
+        model.generate(**inputs.to(torch.bfloat16), max_new_tokens=2, do_sample=False)
+    assert features.pooler_output.dtype == torch.bfloat16 and features.pooler_output.shape[1] == 37
+    assert torch.isfinite(features.pooler_output).all()
 
 
 def test_frames_stay_in_temporal_order():

@@ -11,14 +11,14 @@
 ``remove(model, processor)`` puts back exactly what was there (the class's methods again, or the instance attributes
 found before patching). Images (``get_image_features``) run through the unpatched tower.
 
-**Where the aggregation acts.** LLaVA-OneVision folds a video's frames into the tower's batch and SigLIP attends within
-each frame, so a block is: per-frame attention, then (TESTA's order) frame aggregation, then patch aggregation within
-every frame, then the MLP. Frame aggregation merges whole frames of one video by TESTA's bipartite matching on the
-frame tokens (the mean of a frame's attention keys, ``frame_matching="mean"``), every patch position averaged with
+**Where the aggregation acts.** LLaVA-OneVision folds a video's frames into the tower's batch and SigLIP attends
+within each frame, so a block is: per-frame attention, then (TESTA's order) frame aggregation, then patch aggregation
+within every frame, then the MLP. Frame aggregation merges whole frames of one video by TESTA's bipartite matching on
+the frame tokens (the mean of a frame's attention keys, ``frame_matching="mean"``), every patch position averaged with
 its own size weight (`modeling_testa.aggregation_block.match_frames`, `merge`): merged frames are just fewer rows of
 the tower's batch. The frames stay in temporal order (a merged frame takes the place of the frame it merged into,
-:func:`in_input_order`), since the LLM reads time from their order. Patch aggregation merges ``R_S`` tokens within every frame (`match_tokens`), no token protected
-(SigLIP has no CLS).
+:func:`in_input_order`), since the LLM reads time from their order. Patch aggregation merges ``R_S`` tokens within
+every frame (`match_tokens`), no token protected (SigLIP has no CLS).
 
 **Downstream.** ``apply_pooling`` reshapes every frame to the square patch grid (27x27 at 384 px), so patch merges are
 undone before it (:func:`unmerge_to_grid`): every grid position gets back the token its patch ended in. Patch merges
@@ -136,7 +136,8 @@ def unmerge_to_grid(tokens: torch.Tensor, source_map: torch.Tensor | None) -> to
     batch, frames, per_frame, hidden = tokens.shape
     input_frames, grid = source_map.shape[1:]
     index = source_map.reshape(batch, input_frames * grid, 1).expand(-1, -1, hidden)
-    per_input = tokens.reshape(batch, frames * per_frame, hidden).gather(1, index).view(batch, input_frames, grid, hidden)
+    per_input = tokens.reshape(batch, frames * per_frame, hidden).gather(1, index)
+    per_input = per_input.view(batch, input_frames, grid, hidden)
     if input_frames == frames:
         return per_input
     frame_of_input = source_map[:, :, 0] // per_frame  # a frame merge moves every patch of a frame together
@@ -439,8 +440,9 @@ def check_settings(settings: AggregationSettings, num_layers: int, feature_layer
         )
     if settings.aggregation_dims not in SUPPORTED_DIMS:
         raise ValueError(
-            f"aggregation_dims={settings.aggregation_dims!r} is not supported for LLaVA-OneVision: SigLIP attends within "
-            f"each frame, so tokens of different frames never meet. Allowed: {', '.join(map(repr, SUPPORTED_DIMS))}."
+            f"aggregation_dims={settings.aggregation_dims!r} is not supported for LLaVA-OneVision: SigLIP attends "
+            f"within each frame, so tokens of different frames never meet. Allowed: "
+            f"{', '.join(map(repr, SUPPORTED_DIMS))}."
         )
     if settings.reduction_mode != "merge":
         raise ValueError(
