@@ -146,7 +146,11 @@ def test_remove_restores_the_instances_exactly():
 
 def test_applying_again_replaces_the_settings_and_other_instances_stay_stock():
     model, other, processor = build(), build(), tiny_processor()
+    class_attributes = (vars(LlavaOnevisionModel)["get_video_features"],
+                        vars(LlavaOnevisionProcessor)["replace_video_token"])
     apply_testa_llava_onevision(model, processor, temporal_reduction=1)
+    assert (vars(LlavaOnevisionModel)["get_video_features"],
+            vars(LlavaOnevisionProcessor)["replace_video_token"]) == class_attributes
     apply_testa_llava_onevision(model, processor, temporal_reduction=[2, 1, 1])
     assert LlavaOnevisionAdapter().settings_of(model).temporal_reduction == (2, 1, 1)
     assert "get_video_features" not in other.model.__dict__
@@ -399,6 +403,21 @@ def test_chunked_tower_gives_the_one_pass_gradients():
         gradients.append(torch.cat([p.grad.flatten() for p in model.vision_tower.parameters() if p.grad is not None]))
     assert gradients[0].abs().max() > 0
     assert (gradients[1] - gradients[0]).abs().max() <= 1e-5 * gradients[0].abs().max()
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    model = build(cls=LlavaOnevisionModel).train()
+    pixels = prompt_inputs(tiny_processor(), [video(6)])["pixel_values_videos"]
+    apply_testa_llava_onevision(model, temporal_reduction=1, spatial_reduction=2)
+    gradients = []
+    for checkpointing in (False, True):
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        assert model.vision_tower.encoder.layers[0].gradient_checkpointing is checkpointing
+        model.zero_grad()
+        model.get_video_features(pixels, return_dict=True).pooler_output.square().sum().backward()
+        gradients.append(torch.cat([p.grad.flatten() for p in model.vision_tower.parameters() if p.grad is not None]))
+    assert (gradients[1] - gradients[0]).abs().max() <= 1e-6 * gradients[0].abs().max()
 
 
 @pytest.mark.parametrize("chunk", [0, -2, 2.5, True])
