@@ -26,9 +26,12 @@ from transformers import (
 from modeling_testa.aggregation_settings import AggregationSettings
 from video_llms.llava_onevision import (
     LlavaOnevisionAdapter,
+    DOCUMENTED_SCHEDULES,
     apply_testa_llava_onevision,
+    frames_table,
     kept_frames,
     remove_testa_llava_onevision,
+    tower_gmac,
     unmerge_to_grid,
     video_token_count,
 )
@@ -59,7 +62,7 @@ def tiny_processor() -> LlavaOnevisionProcessor:
 
 def tiny_config(vision_layers: int = 3, feature_layer=-1) -> LlavaOnevisionConfig:
     vision = SiglipVisionConfig(hidden_size=32, intermediate_size=37, num_hidden_layers=vision_layers,
-                                num_attention_heads=4, image_size=SIZE, patch_size=PATCH)
+                                num_attention_heads=4, image_size=SIZE, patch_size=PATCH, vision_use_head=False)
     text = Qwen2Config(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, vocab_size=len(WORDS))
     return LlavaOnevisionConfig(
@@ -481,29 +484,50 @@ def test_selected_layers_before_the_merges_give_the_stock_features():
     assert (patched - stock).abs().max() <= 1e-5
 
 
-# (the schedule as the docs write it, the schedule, frames to the LLM, video tokens, frames received by the blocks)
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "video_llms_llava_onevision.md"
+
+# (the schedule as the docs write it, frames to the LLM, video tokens, frames received by the blocks, tower GMAC)
 DOCUMENTED_ROWS = [
-    ("0 (stock)", 0, 32, 6273, 832),
-    ("`[0] * 10 + [1] * 16`", [0] * 10 + [1] * 16, 16, 3137, 712),
-    ("`[0, 0] + [2] * 8 + [0] * 16`", [0, 0] + [2] * 8 + [0] * 16, 16, 3137, 520),
-    ("`[0] * 2 + [1] * 24`", [0] * 2 + [1] * 24, 8, 1569, 556),
-    ("`[0, 0] + [3] * 8 + [0] * 16`", [0, 0] + [3] * 8 + [0] * 16, 8, 1569, 364),
+    ("0 (stock)", 32, 6273, 832, "10,276 (1.00)"),
+    ("`[0] * 10 + [1] * 16`", 16, 3137, 712, "8,680 (0.84)"),
+    ("`[0, 0] + [2] * 8 + [0] * 16`", 16, 3137, 520, "6,313 (0.61)"),
+    ("`[0] * 2 + [1] * 24`", 8, 1569, 556, "6,699 (0.65)"),
+    ("`[0, 0] + [3] * 8 + [0] * 16`", 8, 1569, 364, "4,331 (0.42)"),
+    ("`[0, 0] + [3] * 8 + [0] * 16`, R_S `[0, 0] + [40] * 8 + [0] * 16`", 8, 1569, 364, "3,229 (0.31)"),
 ]
 
 
 def test_the_documented_frame_arithmetic():
-    """docs/video_llms_llava_onevision.md's table, on transformers' default LLaVA-OneVision tower (no weights built)."""
+    """The frame and token columns of the docs' table, worked out again here from the caps (no weights built)."""
     config = LlavaOnevisionConfig()
     blocks = config.vision_config.num_hidden_layers
     grid = (config.vision_config.image_size // config.vision_config.patch_size) ** 2
     assert (blocks, grid, config.vision_feature_layer) == (26, 729, -1)
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "video_llms_llava_onevision.md").read_text()
-    for text, schedule, frames, tokens, received in DOCUMENTED_ROWS:
-        settings = AggregationSettings.for_layers(blocks, schedule, 0)
+    doc = DOCS.read_text()
+    assert [row[0] for row in DOCUMENTED_ROWS] == list(DOCUMENTED_SCHEDULES)
+    for (text, frames, tokens, received, gmac), (temporal, spatial) in zip(DOCUMENTED_ROWS,
+                                                                          DOCUMENTED_SCHEDULES.values()):
+        settings = AggregationSettings.for_layers(blocks, temporal, spatial)
         assert kept_frames(settings, 32, blocks) == frames
         assert video_token_count(settings, 32, -1, grid) == tokens == frames * 196 + 1
         assert sum(kept_frames(settings, 32, block) for block in range(blocks)) == received
-        assert f"| {text} | {frames} | {tokens} | {received} |" in doc
-    longer = AggregationSettings.for_layers(blocks, DOCUMENTED_ROWS[-1][1], 0)
+        assert f"| {text} | {frames} | {tokens} | {received} | {gmac} |" in doc
+    longer = AggregationSettings.for_layers(blocks, DOCUMENTED_SCHEDULES["`[0, 0] + [3] * 8 + [0] * 16`"][0], 0)
     assert (kept_frames(longer, 64, blocks), video_token_count(longer, 64, -1, grid)) == (40, 7841)
     assert "64 frames with the last row: 40 frames, 7841 tokens" in doc
+
+
+def test_tower_gmac_counts_fewer_operations_for_fewer_frames_and_tokens():
+    """On a tiny tower (fast): idle TESTA counts what the stock tower counts, and the counts fall with the merges."""
+    vision = tiny_config().vision_config
+    stock = tower_gmac(vision, 8)
+    assert tower_gmac(vision, 8, AggregationSettings.for_layers(3, 0, 0)) == stock
+    fewer_frames = tower_gmac(vision, 8, AggregationSettings.for_layers(3, [2, 1, 1], 0))
+    fewer_tokens = tower_gmac(vision, 8, AggregationSettings.for_layers(3, [2, 1, 1], [4, 3, 0]))
+    assert fewer_tokens < fewer_frames < stock
+
+
+@pytest.mark.slow
+def test_the_documented_tower_gmac():
+    """The GMAC column of the docs' table, counted again (the real-size tower on the meta device)."""
+    assert frames_table() in DOCS.read_text()

@@ -53,7 +53,14 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 from torch import nn
-from transformers import LlavaOnevisionForConditionalGeneration, LlavaOnevisionModel
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import (
+    LlavaOnevisionConfig,
+    LlavaOnevisionForConditionalGeneration,
+    LlavaOnevisionModel,
+    SiglipVisionModel,
+)
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.siglip.modeling_siglip import eager_attention_forward
@@ -68,6 +75,7 @@ from modeling_testa.aggregation import (
 )
 from modeling_testa.aggregation_block import AttentionOutput, TokenState, match_frames, match_tokens, merge, size_bias
 from modeling_testa.aggregation_settings import DEFAULTS, AggregationSettings
+from modeling_testa.flops import layer_norm_flops
 
 
 PATCH_ATTRIBUTE = "_testa_llava_onevision"
@@ -561,6 +569,62 @@ def remove_testa_llava_onevision(model: nn.Module, processor: Any = None) -> nn.
     return model
 
 
+# ----------------------------------------------------------------------------------------------------------------------
+# Tower compute: GMAC counted on the meta device
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def tower_gmac(vision_config, frames: int, settings: AggregationSettings | None = None) -> float:
+    """The SigLIP tower's GMAC for one video of ``frames`` frames, stock (``settings=None``) or with TESTA, counted by
+    ``torch.utils.flop_counter`` on the meta device (no weights, no compute), in the project's convention
+    (`modeling_testa.flops`: one multiply-add is one operation, LayerNorm 5 per element, attention through the math
+    kernel so that it is counted, the matching's similarity products included). The projector, the pooler and the
+    LLM are not counted."""
+    with torch.device("meta"):
+        tower = SiglipVisionModel(vision_config).eval()
+        pixels = torch.empty(1, frames, vision_config.num_channels, vision_config.image_size, vision_config.image_size)
+    mapping = {torch.ops.aten.native_layer_norm: layer_norm_flops}
+    with FlopCounterMode(display=False, custom_mapping=mapping) as counter, sdpa_kernel(SDPBackend.MATH):
+        with torch.no_grad():
+            if settings is None:
+                tower(pixels.flatten(0, 1))
+            else:  # what the patched get_video_features runs in the tower, post_layernorm included
+                last = encode_video_frames(tower, pixels, settings, [settings.num_layers])[1]
+                tower.post_layernorm(last.patches.flatten(0, 1))
+    return counter.get_total_flops() / 2e9
+
+
+DOCUMENTED_SCHEDULES = {
+    "0 (stock)": (0, 0),
+    "`[0] * 10 + [1] * 16`": ([0] * 10 + [1] * 16, 0),
+    "`[0, 0] + [2] * 8 + [0] * 16`": ([0, 0] + [2] * 8 + [0] * 16, 0),
+    "`[0] * 2 + [1] * 24`": ([0] * 2 + [1] * 24, 0),
+    "`[0, 0] + [3] * 8 + [0] * 16`": ([0, 0] + [3] * 8 + [0] * 16, 0),
+    "`[0, 0] + [3] * 8 + [0] * 16`, R_S `[0, 0] + [40] * 8 + [0] * 16`": (
+        [0, 0] + [3] * 8 + [0] * 16, [0, 0] + [40] * 8 + [0] * 16),
+}
+"""The schedules of docs/video_llms_llava_onevision.md's table: (temporal_reduction, spatial_reduction) for the
+26-block tower."""
+
+
+def frames_table(frames: int = 32) -> str:
+    """docs/video_llms_llava_onevision.md's table for transformers' default LLaVA-OneVision tower (26 SigLIP blocks,
+    729 patches per frame): frames and video tokens to the LLM, frames the blocks receive, and tower GMAC."""
+    vision = LlavaOnevisionConfig().vision_config
+    blocks, grid = vision.num_hidden_layers, (vision.image_size // vision.patch_size) ** 2
+    stock = tower_gmac(vision, frames)
+    lines = ["| schedule (R_T, R_S = 0 unless given) | frames to the LLM | video tokens to the LLM | "
+             "frames received by the blocks, summed | tower GMAC (x stock) |", "|---|---|---|---|---|"]
+    for text, (temporal, spatial) in DOCUMENTED_SCHEDULES.items():
+        settings = AggregationSettings.for_layers(blocks, temporal, spatial)
+        received = sum(kept_frames(settings, frames, block) for block in range(blocks))
+        gmac = tower_gmac(vision, frames, settings)
+        lines.append(f"| {text} | {kept_frames(settings, frames, blocks)} | "
+                     f"{video_token_count(settings, frames, -1, grid)} | {received} | "
+                     f"{gmac:,.0f} ({gmac / stock:.2f}) |")
+    return "\n".join(lines)
+
+
 __all__ = [
     "LlavaOnevisionAdapter",
     "LlavaOnevisionPatch",
@@ -571,6 +635,11 @@ __all__ = [
     "kept_frames",
     "remove_testa_llava_onevision",
     "siglip_block",
+    "tower_gmac",
     "unmerge_to_grid",
     "video_token_count",
 ]
+
+
+if __name__ == "__main__":  # python -m video_llms.llava_onevision: the table of docs/video_llms_llava_onevision.md
+    print(frames_table())
