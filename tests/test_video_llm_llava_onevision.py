@@ -208,6 +208,34 @@ def test_spatial_merges_are_undone_before_pooling():
     assert generated.shape[1] == inputs["input_ids"].shape[1] + 3
 
 
+def two_colour_frames(frames: int = 3) -> torch.Tensor:
+    """Frames whose left 2 patch columns are one colour and right 3 another (colours differ between frames)."""
+    generator = torch.Generator().manual_seed(7)
+    video = torch.empty(frames, 3, SIZE, SIZE, dtype=torch.uint8)
+    for t in range(frames):
+        left, right = torch.randint(0, 256, (2, 3), generator=generator, dtype=torch.uint8)
+        video[t, :, :, : 2 * PATCH] = left.view(3, 1, 1)
+        video[t, :, :, 2 * PATCH:] = right.view(3, 1, 1)
+    return video
+
+
+@pytest.mark.parametrize("proportional", [True, False])
+def test_merged_duplicate_patches_are_exact_with_proportional_attention(proportional):
+    """Hand-worked exact case: without position embeddings, the patches of one colour are identical tokens, so merging
+    them and weighting each merged token by its size (proportional attention) computes what the stock tower computes;
+    without the size weighting the colours' shares of attention change and the features differ."""
+    model, processor = build(), tiny_processor()
+    torch.nn.init.zeros_(model.model.vision_tower.embeddings.position_embedding.weight)
+    pixels = prompt_inputs(processor, [two_colour_frames()])["pixel_values_videos"]
+    with torch.no_grad():
+        stock = model.get_video_features(pixels, return_dict=True).pooler_output
+        apply_testa_llava_onevision(model, processor, spatial_reduction=[6, 4, 0], aggregation_dims="spatial",
+                                    proportional_attention=proportional)
+        patched = model.get_video_features(pixels, return_dict=True).pooler_output
+    difference = (patched - stock).abs().max()
+    assert difference <= 1e-5 if proportional else difference > 1e-4  # measured: 1e-8 and 2e-3
+
+
 @pytest.mark.parametrize("options", [dict(aggregation_strategy="importance"), dict(frame_matching="vote"),
                                      dict(proportional_attention=False)])
 def test_other_matching_settings_run_with_the_predicted_count(options):
