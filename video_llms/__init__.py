@@ -18,9 +18,10 @@ models.) ``temporal_reduction`` (R_T) and ``spatial_reduction`` (R_S) are per bl
 
 from .common import STATE_ATTRIBUTE, InstancePatch, patch_of, token_grid, video_settings
 from .qwen2_5_vl import Qwen2_5_VLAdapter
+from .llava_onevision import LlavaOnevisionAdapter
 from .qwen3_vl import Qwen3VLAdapter
 
-ADAPTERS = (Qwen2_5_VLAdapter(), Qwen3VLAdapter())
+ADAPTERS = (Qwen2_5_VLAdapter(), Qwen3VLAdapter(), LlavaOnevisionAdapter())
 """One adapter instance per supported family."""
 
 
