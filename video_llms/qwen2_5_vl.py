@@ -23,7 +23,7 @@ import weakref
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-from .common import InstancePatch, patch_of, token_grid
+from .common import GEOMETRY_MERGE_ONLY, InstancePatch, patch_of, token_grid
 from .qwen_tower import run_tower
 
 
@@ -46,6 +46,9 @@ class QwenVideoAdapter:
 
     classes: tuple[str, ...] = ()
     base_class = ""
+    allowed_settings = GEOMETRY_MERGE_ONLY
+    settings_defaults: dict = {}
+    options: tuple[str, ...] = ()
 
     def supports(self, model) -> bool:
         return bool(_class_names(model) & set(self.classes))
@@ -115,9 +118,6 @@ class QwenVideoAdapter:
 
     def patch_processor(self, patch: InstancePatch, processor) -> None:
         raise NotImplementedError
-
-    def remove(self, model, processor=None) -> None:
-        patch_of(model).restore()
 
 
 class Qwen2_5_VLAdapter(QwenVideoAdapter):
