@@ -12,8 +12,8 @@ models.) ``temporal_reduction`` (R_T) and ``spatial_reduction`` (R_S) are per bl
 **Adapters.** One per model family, in :data:`ADAPTERS`; an adapter has ``supports(model) -> bool``,
 ``num_blocks(model) -> int`` (the tower's blocks, for the settings), what its tower allows and defaults to
 (``allowed_settings``, ``settings_defaults``), the options it takes beside the settings (``options``, e.g.
-``("chunk_frames",)``), all validated in one place (`common.adapter_settings`), and ``apply(model, processor,
-settings, **options)``. `apply` patches instances only, through the :class:`common.InstancePatch` that
+``("chunk_frames",)``, kept on the patch state), all validated in one place (`common.adapter_settings`), and
+``apply(model, processor, settings)``. `apply` patches instances only, through the :class:`common.InstancePatch` that
 `apply_testa_to_video_llm` has put on the model before calling it (``common.patch_of(model)``:
 ``replace_method``/``replace_attribute``), so removing is ``patch_of(model).restore()`` for every family.
 """
@@ -65,9 +65,10 @@ def apply_testa_to_video_llm(model, processor=None, *, temporal_reduction=0, spa
                                                  spatial_reduction, **options)
     if patch_of(model) is not None:
         remove_testa_from_video_llm(model)
-    model.__dict__[STATE_ATTRIBUTE] = InstancePatch(settings=settings, adapter=adapter, processor=processor)
+    model.__dict__[STATE_ATTRIBUTE] = InstancePatch(settings=settings, adapter=adapter, processor=processor,
+                                                   **adapter_options)
     try:
-        adapter.apply(model, processor, settings, **adapter_options)
+        adapter.apply(model, processor, settings)
     except BaseException:
         remove_testa_from_video_llm(model)
         raise

@@ -36,11 +36,12 @@ _MISSING = object()
 
 
 GEOMETRY_MERGE_ONLY: dict[str, tuple[tuple, str]] = {
-    "aggregation_strategy": (("geometry",), "importance needs attention weights, which SDPA / FlashAttention do not "
-                                            "give"),
+    "aggregation_strategy": (
+        ("geometry",), "importance needs attention weights, which SDPA / FlashAttention do not give"),
     "reduction_mode": (("merge",), "pruning needs attention weights, which SDPA / FlashAttention do not give"),
-    "aggregation_dims": (("temporal+spatial", "temporal", "spatial"), "the tower attends within one frame or "
-                                                                      "tubelet, so tokens of different ones never meet"),
+    "aggregation_dims": (
+        ("temporal+spatial", "temporal", "spatial"),
+        "the tower attends within one frame or tubelet, so tokens of different ones never meet"),
     "proportional_attention": ((False,), "the attention runs through SDPA / FlashAttention, without a logits bias"),
     "trace_source": ((False,), "the tower returns no source map"),
 }
@@ -59,7 +60,7 @@ def check_chunk_frames(chunk_frames: int | None) -> int | None:
 
 ADAPTER_OPTIONS = {"chunk_frames": check_chunk_frames}
 """The options an adapter may take beside the aggregation settings (it names those it takes in ``options``), each
-with its check."""
+with its check; the validated value is kept on the :class:`InstancePatch` under the same name."""
 
 
 def video_settings(num_blocks: int, temporal_reduction, spatial_reduction, *,
@@ -126,6 +127,7 @@ class InstancePatch:
         processor: the processor instance patched with the model (or None).
         replaced: ``(object, attribute, what the object's __dict__ held or _MISSING)`` in patching order.
         cache: scratch space of the adapter (e.g. the features of the last encoded videos).
+        chunk_frames: frames the tower takes at a time (None: the whole video at once).
     """
 
     settings: AggregationSettings
@@ -133,6 +135,7 @@ class InstancePatch:
     processor: Any = None
     replaced: list = field(default_factory=list)
     cache: dict = field(default_factory=dict)
+    chunk_frames: int | None = None
 
     def replace_attribute(self, obj: Any, name: str, value: Any) -> None:
         """Sets ``obj.name = value`` on the instance, remembering what its ``__dict__`` held."""

@@ -34,10 +34,10 @@ importance matching, ``reduction_mode="merge"``, ``aggregation_dims`` ``"tempora
 ``"spatial"``, every ``frame_matching``. Proportional attention (log-size logits bias, on by default here as in ToMe)
 needs the SDPA or eager attention path; the flash-attention path refuses it.
 
-**Chunks of frames.** With the adapter option ``chunk_frames`` the patch embedding and every block's attention and MLP run over that
-many frames at a time; the merges run between them on all frames of the block, so the outputs are the one-pass
-outputs (within rounding) and a frame merge across a chunk's edge is the one-pass merge. What a block computes in
-between (attention scores, the MLP's hidden layer) then exists for one chunk at a time; the hidden states of all
+**Chunks of frames.** With the adapter option ``chunk_frames`` the patch embedding and every block's attention and MLP
+run over that many frames at a time; the merges run between them on all frames of the block, so the outputs are the
+one-pass outputs (within rounding) and a frame merge across a chunk's edge is the one-pass merge. What a block computes
+in between (attention scores, the MLP's hidden layer) then exists for one chunk at a time; the hidden states of all
 frames at one block (the size of the tower's output) remain.
 
 **Feature layer.** The LLM reads the hidden state ``vision_feature_layer`` selects (-1: the last block's output, before
@@ -442,15 +442,14 @@ class LlavaOnevisionAdapter:
         """The SigLIP tower's blocks (the length of a per-block schedule)."""
         return len(base_model_of(model).vision_tower.encoder.layers)
 
-    def apply(self, model: nn.Module, processor: Any, settings: AggregationSettings, *,
-              chunk_frames: int | None = None) -> None:
+    def apply(self, model: nn.Module, processor: Any, settings: AggregationSettings) -> None:
         """Patches ``model``'s ``get_video_features`` and (unless None) ``processor``'s placeholder count, through
-        ``patch_of(model)``. ``chunk_frames``: run the tower over that many frames at a time (the same outputs; see
-        :func:`siglip_block`)."""
+        ``patch_of(model)``, whose ``chunk_frames`` sets the frames through the tower at a time (the same outputs;
+        see :func:`siglip_block`)."""
         base = base_model_of(model)
         check_feature_layer(settings, base.config.vision_feature_layer)
         patch = patch_of(model)
-        patch.replace_method(base, "get_video_features", video_features_method(settings, chunk_frames))
+        patch.replace_method(base, "get_video_features", video_features_method(settings, patch.chunk_frames))
         if processor is not None:
             previous_counts = processor._get_num_multimodal_tokens
             for name, method in placeholder_methods(base, settings, previous_counts).items():
