@@ -535,6 +535,7 @@ def apply_testa(
     proportional_attention: bool | None = None,
     trace_source: bool = DEFAULTS["trace_source"],
     processor: Any = None,
+    **video_llm_options,
 ) -> nn.Module:
     """Makes ``model`` (a supported transformers video encoder, see the module docstring) aggregate tokens with TESTA,
     training-free, by replacing the ``forward`` of the model instance. Calling it again replaces the settings.
@@ -557,9 +558,11 @@ def apply_testa(
         proportional_attention: add log(token size) to the attention logits. Default (None): off for TimeSformer (as
             in the TESTA paper), on for the joint-attention models (as ToMe does).
         trace_source: return `source_map` (see the module docstring).
-        processor: for a video-LLM (Qwen2.5-VL, Qwen3-VL, ...: see the repository's ``video_llms`` package, to
-            which such models are handed), its processor instance, patched to emit the reduced number of video
-            placeholders.
+        processor: for a video-LLM (Qwen2.5-VL, Qwen3-VL, LLaVA-OneVision: see the repository's ``video_llms``
+            package, to which such models are handed), its processor instance, patched to emit the reduced number of
+            video placeholders.
+        video_llm_options: a video-LLM adapter's own options (e.g. ``chunk_frames``, frames through LLaVA-OneVision's
+            tower at a time); other models raise ``TypeError`` naming them.
 
     Returns:
         ``model`` itself, patched.
@@ -570,7 +573,12 @@ def apply_testa(
             model, processor, temporal_reduction=temporal_reduction, spatial_reduction=spatial_reduction,
             aggregation_strategy=aggregation_strategy, reduction_mode=reduction_mode,
             aggregation_dims=aggregation_dims, frame_matching=frame_matching, score_grid=score_grid,
-            proportional_attention=proportional_attention, trace_source=trace_source,
+            proportional_attention=proportional_attention, trace_source=trace_source, **video_llm_options,
+        )
+    if video_llm_options:
+        raise TypeError(
+            f"apply_testa got {sorted(video_llm_options)}, options of a video-LLM adapter; "
+            f"{type(model).__name__} is not a video-LLM (see the repository's video_llms package)."
         )
     family = _family_of(model)
     base = _base_of(model, family)

@@ -1,4 +1,5 @@
-"""TESTA inside LLaVA-OneVision's SigLIP tower (video_llms/llava_onevision.py), tiny random models (CPU, no download).
+"""TESTA inside LLaVA-OneVision's SigLIP tower (video_llms/llava_onevision.py, reached through `apply_testa`), tiny
+random models (CPU, no download).
 
 References are independent of the adapter: the unpatched model itself, a float64 re-computation of one merge step
 written out here with plain tensor ops and Python loops, token counts worked by hand from the caps, and the model run
@@ -23,18 +24,14 @@ from transformers import (
     SiglipVisionConfig,
 )
 
+from helpers import video_llms as tiny
+
+from benchmarks.llava_onevision_tower_gmac import DOCUMENTED_SCHEDULES, frames_table, tower_gmac
+from modeling_testa import apply_testa, remove_testa
 from modeling_testa.aggregation_settings import AggregationSettings
-from video_llms.llava_onevision import (
-    LlavaOnevisionAdapter,
-    DOCUMENTED_SCHEDULES,
-    apply_testa_llava_onevision,
-    frames_table,
-    kept_frames,
-    remove_testa_llava_onevision,
-    tower_gmac,
-    unmerge_to_grid,
-    video_token_count,
-)
+from video_llms import apply_testa_to_video_llm
+from video_llms.common import patch_of
+from video_llms.llava_onevision import LlavaOnevisionAdapter, kept_frames, unmerge_to_grid, video_token_count
 
 
 WORDS = ["<pad>", "<unk>", "<image>", "<video>", "hello", "what", "happens", "?", "a", "b", "c", "d"]
@@ -103,7 +100,7 @@ def test_zero_reduction_matches_the_stock_model(attn):
     with torch.no_grad():
         logits = model(**inputs).logits
         tokens = model.generate(**inputs, max_new_tokens=6, do_sample=False)
-        apply_testa_llava_onevision(model, processor, temporal_reduction=0, spatial_reduction=0)
+        apply_testa(model, processor=processor, temporal_reduction=0, spatial_reduction=0)
         patched_inputs = prompt_inputs(processor, [video()])
         patched_logits = model(**patched_inputs).logits
         patched_tokens = model.generate(**patched_inputs, max_new_tokens=6, do_sample=False)
@@ -117,7 +114,7 @@ def test_zero_reduction_matches_for_the_base_model_and_the_tower_outputs():
     pixels = prompt_inputs(tiny_processor(), [video()])["pixel_values_videos"]
     with torch.no_grad():
         stock = model.get_video_features(pixels, return_dict=True)
-        apply_testa_llava_onevision(model)
+        apply_testa(model)
         patched = model.get_video_features(pixels, return_dict=True)
         as_tuple = model.get_video_features(pixels, return_dict=False)
     assert (patched.pooler_output - stock.pooler_output).abs().max() <= 1e-5
@@ -133,14 +130,14 @@ def test_remove_restores_the_instances_exactly():
     class_method = type(model.model).get_video_features
     custom = processor.replace_video_token  # an instance attribute the user set before patching stays theirs
     processor.replace_video_token = custom
-    apply_testa_llava_onevision(model, processor, temporal_reduction=1, spatial_reduction=2)
+    apply_testa(model, processor=processor, temporal_reduction=1, spatial_reduction=2)
     assert video_tokens(prompt_inputs(processor, [video()])) < video_tokens(inputs)
-    remove_testa_llava_onevision(model, processor)
+    remove_testa(model)
     assert "get_video_features" not in model.model.__dict__
     assert model.model.get_video_features.__func__ is class_method
     assert processor.__dict__["replace_video_token"] is custom
     assert "_get_num_multimodal_tokens" not in processor.__dict__
-    assert LlavaOnevisionAdapter().settings_of(model) is None
+    assert patch_of(model) is None
     restored = prompt_inputs(processor, [video()])
     assert torch.equal(restored["input_ids"], inputs["input_ids"])
     with torch.no_grad():
@@ -151,13 +148,13 @@ def test_applying_again_replaces_the_settings_and_other_instances_stay_stock():
     model, other, processor = build(), build(), tiny_processor()
     class_attributes = (vars(LlavaOnevisionModel)["get_video_features"],
                         vars(LlavaOnevisionProcessor)["replace_video_token"])
-    apply_testa_llava_onevision(model, processor, temporal_reduction=1)
+    apply_testa(model, processor=processor, temporal_reduction=1)
     assert (vars(LlavaOnevisionModel)["get_video_features"],
             vars(LlavaOnevisionProcessor)["replace_video_token"]) == class_attributes
-    apply_testa_llava_onevision(model, processor, temporal_reduction=[2, 1, 1])
-    assert LlavaOnevisionAdapter().settings_of(model).temporal_reduction == (2, 1, 1)
+    apply_testa(model, processor=processor, temporal_reduction=[2, 1, 1])
+    assert patch_of(model).settings.temporal_reduction == (2, 1, 1)
     assert "get_video_features" not in other.model.__dict__
-    remove_testa_llava_onevision(model, processor)
+    remove_testa(model)
     assert "get_video_features" not in model.model.__dict__ and "replace_video_token" not in processor.__dict__
 
 
@@ -170,7 +167,7 @@ def test_applying_again_replaces_the_settings_and_other_instances_stay_stock():
 def test_reduced_video_token_count_is_the_predicted_one_and_generate_runs(attn):
     model, processor = build(attn=attn), tiny_processor()
     # 8 frames, R_T = [2, 1, 1]: 8 -> 6 -> 5 -> 4 frames (caps (T - 1) // 2 = 3, 2, 2); 4 frames * 9 + 1 newline
-    apply_testa_llava_onevision(model, processor, temporal_reduction=[2, 1, 1], spatial_reduction=[4, 3, 0])
+    apply_testa(model, processor=processor, temporal_reduction=[2, 1, 1], spatial_reduction=[4, 3, 0])
     inputs = prompt_inputs(processor, [video(8)])
     assert video_tokens(inputs) == 4 * POOLED + 1 == 37
     counts = processor._get_num_multimodal_tokens(video_sizes=[(8, SIZE, SIZE), (3, SIZE, SIZE)])
@@ -185,7 +182,7 @@ def test_reduced_video_token_count_is_the_predicted_one_and_generate_runs(attn):
 def test_the_tower_runs_fewer_frames_and_tokens():
     """Merges happen inside the tower: later blocks see fewer rows (frames) and fewer tokens per row."""
     model, processor = build(), tiny_processor()
-    apply_testa_llava_onevision(model, processor, temporal_reduction=[2, 1, 0], spatial_reduction=[5, 0, 0])
+    apply_testa(model, processor=processor, temporal_reduction=[2, 1, 0], spatial_reduction=[5, 0, 0])
     seen = []
     hooks = [layer.mlp.register_forward_hook(lambda m, args, out: seen.append(tuple(args[0].shape[:2])))
              for layer in model.model.vision_tower.encoder.layers]
@@ -200,7 +197,7 @@ def test_spatial_merges_are_undone_before_pooling():
     """R_S only: the tower merges tokens within frames, the LLM still gets every frame's pooled grid."""
     model, processor = build(), tiny_processor()
     stock_count = video_tokens(prompt_inputs(processor, [video(4)]))
-    apply_testa_llava_onevision(model, processor, spatial_reduction=[6, 4, 2], aggregation_dims="spatial")
+    apply_testa(model, processor=processor, spatial_reduction=[6, 4, 2], aggregation_dims="spatial")
     inputs = prompt_inputs(processor, [video(4)])
     assert video_tokens(inputs) == stock_count == 4 * POOLED + 1
     with torch.no_grad():
@@ -229,7 +226,7 @@ def test_merged_duplicate_patches_are_exact_with_proportional_attention(proporti
     pixels = prompt_inputs(processor, [two_colour_frames()])["pixel_values_videos"]
     with torch.no_grad():
         stock = model.get_video_features(pixels, return_dict=True).pooler_output
-        apply_testa_llava_onevision(model, processor, spatial_reduction=[6, 4, 0], aggregation_dims="spatial",
+        apply_testa(model, processor=processor, spatial_reduction=[6, 4, 0], aggregation_dims="spatial",
                                     proportional_attention=proportional)
         patched = model.get_video_features(pixels, return_dict=True).pooler_output
     difference = (patched - stock).abs().max()
@@ -240,7 +237,7 @@ def test_merged_duplicate_patches_are_exact_with_proportional_attention(proporti
                                      dict(proportional_attention=False)])
 def test_other_matching_settings_run_with_the_predicted_count(options):
     model, processor = build(), tiny_processor()
-    apply_testa_llava_onevision(model, processor, temporal_reduction=1, spatial_reduction=3, **options)
+    apply_testa(model, processor=processor, temporal_reduction=1, spatial_reduction=3, **options)
     inputs = prompt_inputs(processor, [video(6)])
     assert video_tokens(inputs) == 3 * POOLED + 1  # 6 -> 5 -> 4 -> 3 (caps 2, 2, 1)
     with torch.no_grad():
@@ -249,7 +246,7 @@ def test_other_matching_settings_run_with_the_predicted_count(options):
 
 def test_a_batch_of_videos_equals_each_video_alone():
     model, processor = build(), tiny_processor()
-    apply_testa_llava_onevision(model, processor, temporal_reduction=[2, 1, 1], spatial_reduction=[4, 3, 0])
+    apply_testa(model, processor=processor, temporal_reduction=[2, 1, 1], spatial_reduction=[4, 3, 0])
     clips = [video(8, seed=1), video(8, seed=2)]
     batch = prompt_inputs(processor, clips)
     with torch.no_grad():
@@ -264,7 +261,7 @@ def test_a_batch_of_videos_equals_each_video_alone():
 
 def test_bfloat16_runs_with_the_predicted_count():
     model, processor = build().to(torch.bfloat16), tiny_processor()
-    apply_testa_llava_onevision(model, processor, temporal_reduction=[2, 1, 1], spatial_reduction=[4, 3, 0])
+    apply_testa(model, processor=processor, temporal_reduction=[2, 1, 1], spatial_reduction=[4, 3, 0])
     inputs = prompt_inputs(processor, [video(8)])
     with torch.no_grad():
         features = model.get_video_features(inputs["pixel_values_videos"].to(torch.bfloat16), return_dict=True)
@@ -278,12 +275,12 @@ def test_frames_stay_in_temporal_order():
     model, processor = build(), tiny_processor()
     frames = video(4, seed=3)
     frames[1] = frames[0]
-    apply_testa_llava_onevision(model, processor, temporal_reduction=[1, 0, 0])
+    apply_testa(model, processor=processor, temporal_reduction=[1, 0, 0])
     inputs = prompt_inputs(processor, [frames])
     pixels = inputs["pixel_values_videos"]
     with torch.no_grad():
         merged = model.get_video_features(pixels, return_dict=True).pooler_output
-        remove_testa_llava_onevision(model, processor)
+        remove_testa(model)
         stock = model.get_video_features(pixels, return_dict=True).pooler_output
     per_frame = stock[0, :-1].view(4, POOLED, -1)
     expected = torch.cat([per_frame[0], per_frame[2], per_frame[3], stock[0, -1:]])  # frame 0 == frame 1
@@ -332,7 +329,7 @@ def test_one_merge_step_matches_a_float64_hand_computation():
     before anything is merged), the LLM's input features checked end to end: attention per frame, the frame merge on
     mean keys, the patch merge on the merged keys, the MLP, the unmerge to the grid, the stock projector and pooler."""
     model = build(cls=LlavaOnevisionModel, vision_layers=1).to(torch.float64)
-    apply_testa_llava_onevision(model, temporal_reduction=1, spatial_reduction=3)
+    apply_testa(model, temporal_reduction=1, spatial_reduction=3)
     tower = model.vision_tower
     layer = tower.encoder.layers[0]
     attention = layer.self_attn
@@ -395,10 +392,10 @@ def test_chunked_tower_gives_the_one_pass_outputs(reductions):
     inputs = prompt_inputs(processor, [video(8, seed=5), video(8, seed=6)])
     with torch.no_grad():
         stock = model(**inputs).logits
-        apply_testa_llava_onevision(model, processor, **reductions)
+        apply_testa(model, processor=processor, **reductions)
         inputs = prompt_inputs(processor, [video(8, seed=5), video(8, seed=6)])
         one_pass = model(**inputs)
-        apply_testa_llava_onevision(model, processor, **reductions, chunk_frames=3)
+        apply_testa(model, processor=processor, **reductions, chunk_frames=3)
         chunked = model(**inputs)
     assert (chunked.logits - one_pass.logits).abs().max() <= 1e-5
     assert (chunked.video_outputs.pooler_output - one_pass.video_outputs.pooler_output).abs().max() <= 1e-5
@@ -408,7 +405,7 @@ def test_chunked_tower_gives_the_one_pass_outputs(reductions):
 
 def test_chunks_bound_the_frames_each_block_computes_at_once():
     model, processor = build(), tiny_processor()
-    apply_testa_llava_onevision(model, processor, temporal_reduction=[2, 1, 1], chunk_frames=3)
+    apply_testa(model, processor=processor, temporal_reduction=[2, 1, 1], chunk_frames=3)
     seen = []
     tower = model.model.vision_tower
     modules = [tower.embeddings.patch_embedding] + [m for layer in tower.encoder.layers
@@ -428,7 +425,7 @@ def test_chunked_tower_gives_the_one_pass_gradients():
     pixels = prompt_inputs(tiny_processor(), [video(6)])["pixel_values_videos"]
     gradients = []
     for chunk in (None, 4):
-        apply_testa_llava_onevision(model, temporal_reduction=1, spatial_reduction=2, chunk_frames=chunk)
+        apply_testa(model, temporal_reduction=1, spatial_reduction=2, chunk_frames=chunk)
         model.zero_grad()
         model.get_video_features(pixels, return_dict=True).pooler_output.square().sum().backward()
         gradients.append(torch.cat([p.grad.flatten() for p in model.vision_tower.parameters() if p.grad is not None]))
@@ -439,7 +436,7 @@ def test_chunked_tower_gives_the_one_pass_gradients():
 def test_activation_checkpointing_gives_the_same_gradients():
     model = build(cls=LlavaOnevisionModel).train()
     pixels = prompt_inputs(tiny_processor(), [video(6)])["pixel_values_videos"]
-    apply_testa_llava_onevision(model, temporal_reduction=1, spatial_reduction=2)
+    apply_testa(model, temporal_reduction=1, spatial_reduction=2)
     gradients = []
     for checkpointing in (False, True):
         if checkpointing:
@@ -454,7 +451,7 @@ def test_activation_checkpointing_gives_the_same_gradients():
 @pytest.mark.parametrize("chunk", [0, -2, 2.5, True])
 def test_bad_chunk_sizes_raise_naming_chunk_frames(chunk):
     with pytest.raises(ValueError, match=f"chunk_frames .*got {chunk!r}"):
-        apply_testa_llava_onevision(build(), chunk_frames=chunk)
+        apply_testa(build(), chunk_frames=chunk)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -467,17 +464,18 @@ def test_supports_the_two_classes_only():
     assert adapter.supports(build()) and adapter.supports(build(cls=LlavaOnevisionModel))
     assert not adapter.supports(torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match="LlavaOnevisionForConditionalGeneration.*Linear"):
-        adapter.apply(torch.nn.Linear(2, 2), None, AggregationSettings.for_layers(3, 0, 0))
+        apply_testa_to_video_llm(torch.nn.Linear(2, 2), None)
 
 
-def test_the_adapter_takes_settings_and_the_token_count_helper_agrees():
+def test_the_adapter_gets_the_settings_and_the_token_count_helper_agrees():
     model, processor = build(), tiny_processor()
-    settings = AggregationSettings.for_layers(3, [3, 0, 1], [2, 2, 2])
-    LlavaOnevisionAdapter().apply(model, processor, settings)
+    apply_testa(model, processor=processor, temporal_reduction=[3, 0, 1], spatial_reduction=[2, 2, 2])
+    settings = patch_of(model).settings
+    assert settings == AggregationSettings.for_layers(3, [3, 0, 1], [2, 2, 2], proportional_attention=True)
     # 16 frames: 16 -> 13 (R_T 3) -> 13 -> 12
     assert video_token_count(settings, 16, -1, GRID) == 12 * POOLED + 1
     assert video_tokens(prompt_inputs(processor, [video(16)])) == 12 * POOLED + 1
-    LlavaOnevisionAdapter().remove(model, processor)
+    remove_testa(model)
 
 
 @pytest.mark.parametrize("settings, message", [
@@ -485,18 +483,38 @@ def test_the_adapter_takes_settings_and_the_token_count_helper_agrees():
     (dict(temporal_reduction=1, reduction_mode="prune"), "reduction_mode='prune'"),
 ])
 def test_settings_the_tower_cannot_run_raise_clear_errors(settings, message):
+    model = build()
     with pytest.raises(ValueError, match=message):
-        LlavaOnevisionAdapter().apply(build(), None, AggregationSettings.for_layers(3, **{
-            "temporal_reduction": 0, "spatial_reduction": 0, **settings}))
+        apply_testa(model, **settings)
+    assert patch_of(model) is None
+
+
+def test_each_adapter_declares_its_settings_and_one_check_applies_them():
+    """Proportional attention: LLaVA-OneVision's default and allowed, refused by Qwen's tower naming the allowed value;
+    trace_source refused by both; chunk_frames, an adapter option, refused for a model that is no video-LLM."""
+    qwen, qwen_processor = tiny.qwen2_5_vl()
+    with pytest.raises(ValueError, match="proportional_attention=True .*Allowed: False"):
+        apply_testa(qwen, processor=qwen_processor, temporal_reduction=1, proportional_attention=True)
+    assert patch_of(qwen) is None and "replace_video_token" not in qwen_processor.__dict__
+    model = build()
+    apply_testa(model, temporal_reduction=1)
+    assert patch_of(model).settings.proportional_attention is True
+    apply_testa(model, temporal_reduction=1, proportional_attention=False)
+    assert patch_of(model).settings.proportional_attention is False
+    remove_testa(model)
+    for video_llm in (qwen, model):
+        with pytest.raises(ValueError, match="trace_source=True .*Allowed: False"):
+            apply_testa(video_llm, temporal_reduction=1, trace_source=True)
+        assert patch_of(video_llm) is None
+    with pytest.raises(TypeError, match="chunk_frames.*Linear is not a video-LLM"):
+        apply_testa(torch.nn.Linear(2, 2), chunk_frames=2)
 
 
 def test_wrong_block_count_and_layers_split_by_a_frame_merge_raise():
-    with pytest.raises(ValueError, match="2 entries.*3 blocks"):
-        LlavaOnevisionAdapter().apply(build(), None, AggregationSettings.for_layers(2, 1, 0))
     with pytest.raises(ValueError, match="vision_feature_layer=\\[-2, -1\\].*frame merge"):
-        apply_testa_llava_onevision(build(feature_layer=[-2, -1]), temporal_reduction=[0, 0, 1])
+        apply_testa(build(feature_layer=[-2, -1]), temporal_reduction=[0, 0, 1])
     with pytest.raises(ValueError, match="temporal_reduction"):
-        apply_testa_llava_onevision(build(), temporal_reduction=[1, 1])
+        apply_testa(build(), temporal_reduction=[1, 1])
 
 
 def test_selected_layers_before_the_merges_give_the_stock_features():
@@ -505,14 +523,14 @@ def test_selected_layers_before_the_merges_give_the_stock_features():
     inputs = prompt_inputs(processor, [video(4)])
     with torch.no_grad():
         stock = model(**inputs).logits
-        apply_testa_llava_onevision(model, processor, temporal_reduction=[0, 0, 1])
+        apply_testa(model, processor=processor, temporal_reduction=[0, 0, 1])
         patched_inputs = prompt_inputs(processor, [video(4)])
         patched = model(**patched_inputs).logits
     assert torch.equal(patched_inputs["input_ids"], inputs["input_ids"])
     assert (patched - stock).abs().max() <= 1e-5
 
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "video_llms_llava_onevision.md"
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "video_llms.md"
 
 # (the schedule as the docs write it, frames to the LLM, video tokens, frames received by the blocks, tower GMAC)
 DOCUMENTED_ROWS = [

@@ -10,13 +10,15 @@ models.) ``temporal_reduction`` (R_T) and ``spatial_reduction`` (R_S) are per bl
 `apply_testa` takes them: an int for every block or one int per block; 0 everywhere leaves the model exact.
 
 **Adapters.** One per model family, in :data:`ADAPTERS`; an adapter has ``supports(model) -> bool``,
-``num_blocks(model) -> int`` (the tower's blocks, for the settings), ``apply(model, processor, settings)`` and
-``remove(model, processor)``. `apply` patches instances only, through the :class:`common.InstancePatch` that
+``num_blocks(model) -> int`` (the tower's blocks, for the settings), what its tower allows and defaults to
+(``allowed_settings``, ``settings_defaults``), the options it takes beside the settings (``options``, e.g.
+``("chunk_frames",)``, kept on the patch state), all validated in one place (`common.adapter_settings`), and
+``apply(model, processor, settings)``. `apply` patches instances only, through the :class:`common.InstancePatch` that
 `apply_testa_to_video_llm` has put on the model before calling it (``common.patch_of(model)``:
-``replace_method``/``replace_attribute``), so `remove` is ``patch_of(model).restore()``.
+``replace_method``/``replace_attribute``), so removing is ``patch_of(model).restore()`` for every family.
 """
 
-from .common import STATE_ATTRIBUTE, InstancePatch, patch_of, token_grid, video_settings
+from .common import STATE_ATTRIBUTE, InstancePatch, adapter_settings, patch_of, token_grid
 from .qwen2_5_vl import Qwen2_5_VLAdapter
 from .llava_onevision import LlavaOnevisionAdapter
 from .qwen3_vl import Qwen3VLAdapter
@@ -46,8 +48,9 @@ def apply_testa_to_video_llm(model, processor=None, *, temporal_reduction=0, spa
             match" otherwise).
         temporal_reduction: R_T per block: tubelets / frames merged into their most similar ones.
         spatial_reduction: R_S per block: merge units (Qwen: 2x2 token groups) merged within every tubelet / frame.
-        options: `apply_testa`'s other settings (``score_grid``, ``frame_matching``, ``aggregation_dims``, ...);
-            what a tower inside an LLM cannot do raises ``ValueError`` (`common.video_settings`).
+        options: `apply_testa`'s other settings (``score_grid``, ``frame_matching``, ``aggregation_dims``, ...; None:
+            the adapter's default) and the adapter's own options (``chunk_frames``); what the adapter's tower cannot
+            do raises ``ValueError`` naming the option and its allowed values (`common.adapter_settings`).
 
     Returns:
         ``model``, patched.
@@ -55,13 +58,15 @@ def apply_testa_to_video_llm(model, processor=None, *, temporal_reduction=0, spa
     adapter = adapter_for(model)
     if adapter is None:
         raise TypeError(
-            f"apply_testa_to_video_llm does not support {type(model).__name__}; supported: "
-            f"{', '.join(name for adapter in ADAPTERS for name in getattr(adapter, 'classes', ()))}."
+            f"apply_testa_to_video_llm supports "
+            f"{', '.join(name for adapter in ADAPTERS for name in adapter.classes)}; got {type(model).__name__}."
         )
-    settings = video_settings(adapter.num_blocks(model), temporal_reduction, spatial_reduction, **options)
+    settings, adapter_options = adapter_settings(adapter, adapter.num_blocks(model), temporal_reduction,
+                                                 spatial_reduction, **options)
     if patch_of(model) is not None:
         remove_testa_from_video_llm(model)
-    model.__dict__[STATE_ATTRIBUTE] = InstancePatch(settings=settings, adapter=adapter, processor=processor)
+    model.__dict__[STATE_ATTRIBUTE] = InstancePatch(settings=settings, adapter=adapter, processor=processor,
+                                                   **adapter_options)
     try:
         adapter.apply(model, processor, settings)
     except BaseException:
@@ -76,11 +81,8 @@ def remove_testa_from_video_llm(model):
     patch = patch_of(model)
     if patch is None:
         return model
-    try:
-        patch.adapter.remove(model, patch.processor)
-    finally:
-        patch.restore()
-        del model.__dict__[STATE_ATTRIBUTE]
+    patch.restore()
+    del model.__dict__[STATE_ATTRIBUTE]
     return model
 
 

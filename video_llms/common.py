@@ -1,8 +1,10 @@
 """The family-independent pieces of TESTA inside a video-LLM's vision tower.
 
-* **Settings** (:func:`video_settings`): `modeling_testa.AggregationSettings` for a tower of N blocks, validated as
-  `apply_testa` validates them, plus what a tower that runs inside an LLM allows (bipartite "geometry" merging only:
-  the towers attend through SDPA / FlashAttention, which give no attention weights for importance or pruning).
+* **Settings** (:func:`video_settings`, :func:`adapter_settings`): `modeling_testa.AggregationSettings` for a tower
+  of N blocks, validated as `apply_testa` validates them, plus what the adapter's tower allows (its
+  ``allowed_settings``, by default :data:`GEOMETRY_MERGE_ONLY`: the towers attend through SDPA / FlashAttention, which
+  give no attention weights for importance or pruning), its defaults (``settings_defaults``) and its own options
+  (``options``, e.g. ``chunk_frames``, checked by :data:`ADAPTER_OPTIONS`).
 * **Patch state** (:class:`InstancePatch`): every attribute an adapter replaces on a model or processor *instance*,
   with what the instance's ``__dict__`` held before, so that :meth:`InstancePatch.restore` puts back exactly that
   (the class's own method again, the same objects). Kept on the model as ``model.testa_video_llm``.
@@ -33,28 +35,73 @@ _MISSING = object()
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def video_settings(num_blocks: int, temporal_reduction, spatial_reduction, **options) -> AggregationSettings:
+GEOMETRY_MERGE_ONLY: dict[str, tuple[tuple, str]] = {
+    "aggregation_strategy": (
+        ("geometry",), "importance needs attention weights, which SDPA / FlashAttention do not give"),
+    "reduction_mode": (("merge",), "pruning needs attention weights, which SDPA / FlashAttention do not give"),
+    "aggregation_dims": (
+        ("temporal+spatial", "temporal", "spatial"),
+        "the tower attends within one frame or tubelet, so tokens of different ones never meet"),
+    "proportional_attention": ((False,), "the attention runs through SDPA / FlashAttention, without a logits bias"),
+    "trace_source": ((False,), "the tower returns no source map"),
+}
+"""What a tower that attends through SDPA / FlashAttention within one frame or tubelet allows (setting ->
+``(allowed values, why others cannot run)``): an adapter's ``allowed_settings`` unless it allows more."""
+
+
+def check_chunk_frames(chunk_frames: int | None) -> int | None:
+    """``chunk_frames`` (frames through the tower at a time) when it is None or a positive int; else a ValueError
+    naming it."""
+    if chunk_frames is not None and (isinstance(chunk_frames, bool) or not isinstance(chunk_frames, int)
+                                     or chunk_frames < 1):
+        raise ValueError(f"chunk_frames must be None (all frames at once) or a positive int; got {chunk_frames!r}.")
+    return chunk_frames
+
+
+ADAPTER_OPTIONS = {"chunk_frames": check_chunk_frames}
+"""The options an adapter may take beside the aggregation settings (it names those it takes in ``options``), each
+with its check; the validated value is kept on the :class:`InstancePatch` under the same name."""
+
+
+def video_settings(num_blocks: int, temporal_reduction, spatial_reduction, *,
+                   allowed: dict[str, tuple[tuple, str]] = GEOMETRY_MERGE_ONLY, defaults: dict | None = None,
+                   **options) -> AggregationSettings:
     """The aggregation settings of a vision tower of ``num_blocks`` blocks (R_T, R_S: an int for every block or one
-    int per block; every other option as `apply_testa` takes it). Raises `ValueError` naming the option for what a
-    video-LLM tower cannot do: the importance strategy and pruning (they need attention weights), ``"joint"``
-    merging (the towers attend within one slice), proportional attention and source tracing."""
-    options = {name: value for name, value in options.items() if value is not None}
-    settings = AggregationSettings.for_layers(num_blocks, temporal_reduction, spatial_reduction, **options)
-    unsupported = {
-        "aggregation_strategy": ("geometry",),
-        "reduction_mode": ("merge",),
-        "aggregation_dims": ("temporal+spatial", "temporal", "spatial"),
-        "proportional_attention": (False,),
-        "trace_source": (False,),
-    }
-    for name, allowed in unsupported.items():
-        if getattr(settings, name) not in allowed:
+    int per block; every other option as `apply_testa` takes it, None meaning the tower's default).
+
+    Args:
+        allowed: setting -> ``(allowed values, why others cannot run)``: the adapter's ``allowed_settings``. A value
+            outside raises `ValueError` naming the setting, its allowed values and why.
+        defaults: the adapter's ``settings_defaults``, where its tower's default differs from `AggregationSettings`'.
+    """
+    given = {name: value for name, value in options.items() if value is not None}
+    settings = AggregationSettings.for_layers(num_blocks, temporal_reduction, spatial_reduction,
+                                              **{**(defaults or {}), **given})
+    for name, (values, why) in allowed.items():
+        if getattr(settings, name) not in values:
             raise ValueError(
-                f"{name}={getattr(settings, name)!r} is not supported inside a video-LLM's vision tower (its attention "
-                f"runs through SDPA / FlashAttention, within one frame or tubelet); allowed: "
-                f"{', '.join(map(repr, allowed))}."
+                f"{name}={getattr(settings, name)!r} is not supported inside this video-LLM's vision tower: {why}. "
+                f"Allowed: {', '.join(map(repr, values))}."
             )
     return settings
+
+
+def adapter_settings(adapter, num_blocks: int, temporal_reduction, spatial_reduction, **options
+                     ) -> tuple[AggregationSettings, dict]:
+    """The validated settings for ``adapter`` (:func:`video_settings` with its ``allowed_settings`` and
+    ``settings_defaults``) and its own options (those of ``adapter.options``, checked by :data:`ADAPTER_OPTIONS`).
+    An option the adapter does not take raises `ValueError` naming it and the ones it takes."""
+    own = {name: options.pop(name) for name in list(options) if name in ADAPTER_OPTIONS}
+    refused = sorted(set(own) - set(adapter.options))
+    if refused:
+        raise ValueError(
+            f"{refused[0]}={own[refused[0]]!r} is not an option of {type(adapter).__name__}; its options: "
+            f"{', '.join(adapter.options) or 'none'}."
+        )
+    own = {name: ADAPTER_OPTIONS[name](value) for name, value in own.items()}
+    settings = video_settings(num_blocks, temporal_reduction, spatial_reduction, allowed=adapter.allowed_settings,
+                              defaults=adapter.settings_defaults, **options)
+    return settings, own
 
 
 def token_grid(settings: AggregationSettings, slices: int, units: int) -> tuple[int, int]:
@@ -76,10 +123,11 @@ class InstancePatch:
 
     Attributes:
         settings: the validated settings.
-        adapter: the adapter that applied the patch (its ``remove`` is called by `remove_testa_from_video_llm`).
+        adapter: the adapter that applied the patch.
         processor: the processor instance patched with the model (or None).
         replaced: ``(object, attribute, what the object's __dict__ held or _MISSING)`` in patching order.
         cache: scratch space of the adapter (e.g. the features of the last encoded videos).
+        chunk_frames: frames the tower takes at a time (None: the whole video at once).
     """
 
     settings: AggregationSettings
@@ -87,6 +135,7 @@ class InstancePatch:
     processor: Any = None
     replaced: list = field(default_factory=list)
     cache: dict = field(default_factory=dict)
+    chunk_frames: int | None = None
 
     def replace_attribute(self, obj: Any, name: str, value: Any) -> None:
         """Sets ``obj.name = value`` on the instance, remembering what its ``__dict__`` held."""
@@ -216,10 +265,14 @@ def chronological_order(positions: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = [
+    "ADAPTER_OPTIONS",
+    "GEOMETRY_MERGE_ONLY",
     "InstancePatch",
     "STATE_ATTRIBUTE",
     "TokenGroups",
+    "adapter_settings",
     "aggregate",
+    "check_chunk_frames",
     "chronological_order",
     "merge_slices",
     "merge_units",

@@ -1,6 +1,8 @@
 """TESTA inside LLaVA-OneVision's SigLIP vision tower (issue 51), training-free, on transformers 5.24.
 
-``LlavaOnevisionAdapter().apply(model, processor, settings)`` patches two *instances*, never a class:
+``apply_testa(model, processor=processor, ...)`` (or `video_llms.apply_testa_to_video_llm`) hands the model to
+:class:`LlavaOnevisionAdapter`, which patches two *instances*, never a class, through the model's
+`common.InstancePatch`:
 
 * the model's ``LlavaOnevisionModel.get_video_features`` (``LlavaOnevisionForConditionalGeneration`` delegates to it),
   which then runs the SigLIP tower block by block with TESTA's aggregation (:func:`siglip_block`);
@@ -8,8 +10,8 @@
   emit the reduced number of ``<video>`` placeholders, so that ``processor(text=..., videos=..., return_tensors="pt")``
   followed by ``model.generate(**inputs)`` works unchanged.
 
-``remove(model, processor)`` puts back exactly what was there (the class's methods again, or the instance attributes
-found before patching). Images (``get_image_features``) run through the unpatched tower.
+``remove_testa(model)`` puts back exactly what was there (the class's methods again, or the instance attributes found
+before patching). Images (``get_image_features``) run through the unpatched tower.
 
 **Where the aggregation acts.** LLaVA-OneVision folds a video's frames into the tower's batch and SigLIP attends
 within each frame, so a block is: per-frame attention, then (TESTA's order) frame aggregation, then patch aggregation
@@ -27,15 +29,15 @@ receives ``frames_kept * pooled^2 + 1`` video tokens (the ``+ 1`` is the one ``i
 ``frames_kept`` follows from the schedule alone (:func:`kept_frames`), which is what lets the processor emit the right
 placeholder count before the tower runs.
 
-**Settings.** An `AggregationSettings` with one R_T and R_S per tower block (``for_layers``). Supported: geometry or
+**Settings** (:attr:`LlavaOnevisionAdapter.allowed_settings`, checked by `common.adapter_settings`): geometry or
 importance matching, ``reduction_mode="merge"``, ``aggregation_dims`` ``"temporal+spatial"``, ``"temporal"`` or
 ``"spatial"``, every ``frame_matching``. Proportional attention (log-size logits bias, on by default here as in ToMe)
 needs the SDPA or eager attention path; the flash-attention path refuses it.
 
-**Chunks of frames.** With ``chunk_frames`` the patch embedding and every block's attention and MLP run over that
-many frames at a time; the merges run between them on all frames of the block, so the outputs are the one-pass
-outputs (within rounding) and a frame merge across a chunk's edge is the one-pass merge. What a block computes in
-between (attention scores, the MLP's hidden layer) then exists for one chunk at a time; the hidden states of all
+**Chunks of frames.** With the adapter option ``chunk_frames`` the patch embedding and every block's attention and MLP
+run over that many frames at a time; the merges run between them on all frames of the block, so the outputs are the
+one-pass outputs (within rounding) and a frame merge across a chunk's edge is the one-pass merge. What a block computes
+in between (attention scores, the MLP's hidden layer) then exists for one chunk at a time; the hidden states of all
 frames at one block (the size of the tower's output) remain.
 
 **Feature layer.** The LLM reads the hidden state ``vision_feature_layer`` selects (-1: the last block's output, before
@@ -47,20 +49,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.utils.checkpoint
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils.flop_counter import FlopCounterMode
-from transformers import (
-    LlavaOnevisionConfig,
-    LlavaOnevisionForConditionalGeneration,
-    LlavaOnevisionModel,
-    SiglipVisionModel,
-)
+from transformers import LlavaOnevisionForConditionalGeneration, LlavaOnevisionModel
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.siglip.modeling_siglip import eager_attention_forward
@@ -74,14 +68,9 @@ from modeling_testa.aggregation import (
     output_slot_of_inputs,
 )
 from modeling_testa.aggregation_block import AttentionOutput, TokenState, match_frames, match_tokens, merge, size_bias
-from modeling_testa.aggregation_settings import DEFAULTS, AggregationSettings
-from modeling_testa.flops import layer_norm_flops
+from modeling_testa.aggregation_settings import AggregationSettings
 
-
-PATCH_ATTRIBUTE = "_testa_llava_onevision"
-"""Where a patched model (its ``LlavaOnevisionModel``) and processor keep their :class:`LlavaOnevisionPatch`."""
-
-SUPPORTED_DIMS = ("temporal+spatial", "temporal", "spatial")
+from .common import GEOMETRY_MERGE_ONLY, patch_of
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -321,28 +310,9 @@ def encode_video_frames(tower: nn.Module, pixel_values_videos: torch.Tensor, set
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class LlavaOnevisionPatch:
-    """What one `apply` did, so that `remove` can undo it.
-
-    Attributes:
-        settings: the aggregation settings (one R_T, R_S per tower block).
-        base: the patched ``LlavaOnevisionModel``.
-        processor: the patched processor, or None.
-        replaced: ``(object, attribute name, the value in the object's __dict__ before patching, or None)``.
-        chunk_frames: frames the tower's patch embedding, attention and MLP take at a time (None: all of them).
-    """
-
-    settings: AggregationSettings
-    base: nn.Module
-    processor: Any
-    replaced: list[tuple[Any, str, Any]]
-    chunk_frames: int | None = None
-
-
-def video_features_method(patch: LlavaOnevisionPatch) -> Callable:
+def video_features_method(settings: AggregationSettings, chunk_frames: int | None) -> Callable:
     """The patched ``get_video_features``: stock's signature and output (``pooler_output``: ``(B, kept frames *
-    pooled + 1, text hidden)``), with the tower run by :func:`encode_video_frames`."""
+    pooled + 1, text hidden)``), with the tower run by :func:`encode_video_frames` (``chunk_frames`` at a time)."""
 
     def get_video_features(self, pixel_values_videos: torch.Tensor, vision_feature_layer=None,
                            vision_feature_select_strategy=None, **kwargs):
@@ -352,7 +322,7 @@ def video_features_method(patch: LlavaOnevisionPatch) -> Callable:
         if kwargs.pop("output_attentions", False):
             raise ValueError(
                 "A LLaVA-OneVision model patched with TESTA runs its tower block by block and returns no attention "
-                "weights; call remove_testa_llava_onevision(model, processor) to get them."
+                "weights; call remove_testa(model) to get them."
             )
         output_hidden_states = kwargs.pop("output_hidden_states", None) is True
         if pixel_values_videos.ndim != 5:
@@ -363,7 +333,7 @@ def video_features_method(patch: LlavaOnevisionPatch) -> Callable:
         tower = self.vision_tower
         indices = hidden_state_indices(feature_layer, len(tower.encoder.layers))
         selected, last, all_hidden = encode_video_frames(
-            tower, pixel_values_videos, patch.settings, indices, output_hidden_states, patch.chunk_frames
+            tower, pixel_values_videos, settings, indices, output_hidden_states, chunk_frames
         )
         grids = [unmerge_to_grid(state.patches, state.source_map) for state in selected]
         frame_counts = {grid.shape[1] for grid in grids}
@@ -397,24 +367,22 @@ def frames_of(video_inputs: dict, video_idx: int) -> int:
     return len(processed) if isinstance(processed, (list, tuple)) else processed.shape[0]
 
 
-def placeholder_methods(patch: LlavaOnevisionPatch, previous_counts: Callable) -> dict[str, Callable]:
-    """The processor's patched ``replace_video_token`` and ``_get_num_multimodal_tokens`` (the latter calls the one
-    found before patching, ``previous_counts``, and replaces its video counts)."""
+def placeholder_methods(base: nn.Module, settings: AggregationSettings, previous_counts: Callable
+                        ) -> dict[str, Callable]:
+    """The processor's patched ``replace_video_token`` and ``_get_num_multimodal_tokens`` for the patched
+    ``LlavaOnevisionModel`` ``base`` (the latter calls the one found before patching, ``previous_counts``, and
+    replaces its video counts)."""
 
-    def feature_layer() -> int | list[int]:
-        return patch.base.config.vision_feature_layer
+    def count(frames: int, num_image_tokens: int) -> int:
+        return video_token_count(settings, frames, base.config.vision_feature_layer, num_image_tokens)
 
     def replace_video_token(self, video_inputs: dict, video_idx: int, **kwargs) -> str:
-        frames = frames_of(video_inputs, video_idx)
-        return self.video_token * video_token_count(patch.settings, frames, feature_layer(), self.num_image_tokens)
+        return self.video_token * count(frames_of(video_inputs, video_idx), self.num_image_tokens)
 
     def multimodal_token_counts(self, image_sizes=None, video_sizes=None, **kwargs):
         data = previous_counts(image_sizes=image_sizes, video_sizes=video_sizes, **kwargs)
         if video_sizes is not None:
-            data.num_video_tokens = [
-                video_token_count(patch.settings, frames, feature_layer(), self.num_image_tokens)
-                for frames, _, _ in video_sizes
-            ]
+            data.num_video_tokens = [count(frames, self.num_image_tokens) for frames, _, _ in video_sizes]
         return data
 
     return {"replace_video_token": replace_video_token, "_get_num_multimodal_tokens": multimodal_token_counts}
@@ -438,26 +406,10 @@ def base_model_of(model: nn.Module) -> nn.Module:
     )
 
 
-def check_settings(settings: AggregationSettings, num_layers: int, feature_layer: int | list[int]) -> None:
-    """Raises a ValueError naming the field for settings this tower cannot run."""
-    if not isinstance(settings, AggregationSettings):
-        raise TypeError(f"settings must be an AggregationSettings; got {type(settings).__name__}.")
-    if settings.num_layers != num_layers:
-        raise ValueError(
-            f"settings have {settings.num_layers} entries per reduction; the SigLIP tower has {num_layers} blocks."
-        )
-    if settings.aggregation_dims not in SUPPORTED_DIMS:
-        raise ValueError(
-            f"aggregation_dims={settings.aggregation_dims!r} is not supported for LLaVA-OneVision: SigLIP attends "
-            f"within each frame, so tokens of different frames never meet. Allowed: "
-            f"{', '.join(map(repr, SUPPORTED_DIMS))}."
-        )
-    if settings.reduction_mode != "merge":
-        raise ValueError(
-            f"reduction_mode={settings.reduction_mode!r} is not supported for LLaVA-OneVision: its pooler needs every "
-            "patch of the grid, which a pruned token no longer covers. Allowed: 'merge'."
-        )
-    indices = hidden_state_indices(feature_layer, num_layers)
+def check_feature_layer(settings: AggregationSettings, feature_layer: int | list[int]) -> None:
+    """Raises a ValueError naming ``vision_feature_layer`` when it selects several hidden states with a frame merge
+    between them (their frames would differ)."""
+    indices = hidden_state_indices(feature_layer, settings.num_layers)
     frames = {kept_frames(settings, 1 << 20, index) for index in indices}  # a long video shows any frame merge
     if len(frames) != 1:
         raise ValueError(
@@ -466,18 +418,21 @@ def check_settings(settings: AggregationSettings, num_layers: int, feature_layer
         )
 
 
-def check_chunk_frames(chunk_frames: int | None) -> None:
-    """Raises a ValueError naming ``chunk_frames`` unless it is None or a positive int."""
-    if chunk_frames is not None and (isinstance(chunk_frames, bool) or not isinstance(chunk_frames, int)
-                                     or chunk_frames < 1):
-        raise ValueError(f"chunk_frames must be None (all frames at once) or a positive int; got {chunk_frames!r}.")
-
-
 class LlavaOnevisionAdapter:
     """TESTA for ``LlavaOnevisionForConditionalGeneration`` and ``LlavaOnevisionModel`` (see the module docstring)."""
 
     name = "llava_onevision"
     classes = ("LlavaOnevisionForConditionalGeneration", "LlavaOnevisionModel")
+    allowed_settings = {
+        # SigLIP's attention is run here block by block, so importance (Eq. 1) and a logits bias are available
+        "reduction_mode": (("merge",), "its pooler needs every patch of the grid, which a pruned token no longer "
+                                       "covers"),
+        "aggregation_dims": (GEOMETRY_MERGE_ONLY["aggregation_dims"][0],
+                             "SigLIP attends within each frame, so tokens of different frames never meet"),
+        "trace_source": GEOMETRY_MERGE_ONLY["trace_source"],
+    }
+    settings_defaults = {"proportional_attention": True}  # merged tokens weigh as many patches in attention, as ToMe
+    options = ("chunk_frames",)
 
     def supports(self, model: nn.Module) -> bool:
         """Whether ``model`` is a LLaVA-OneVision model (or a subclass)."""
@@ -487,164 +442,27 @@ class LlavaOnevisionAdapter:
         """The SigLIP tower's blocks (the length of a per-block schedule)."""
         return len(base_model_of(model).vision_tower.encoder.layers)
 
-    def apply(self, model: nn.Module, processor: Any, settings: AggregationSettings, *,
-              chunk_frames: int | None = None) -> None:
-        """Patches ``model``'s ``get_video_features`` and (unless None) ``processor``'s placeholder count. Applying
-        again replaces the settings (the previous patch is removed first). ``chunk_frames``: run the tower over that
-        many frames at a time (the same outputs; see :func:`siglip_block`)."""
-        check_chunk_frames(chunk_frames)
+    def apply(self, model: nn.Module, processor: Any, settings: AggregationSettings) -> None:
+        """Patches ``model``'s ``get_video_features`` and (unless None) ``processor``'s placeholder count, through
+        ``patch_of(model)``, whose ``chunk_frames`` sets the frames through the tower at a time (the same outputs;
+        see :func:`siglip_block`)."""
         base = base_model_of(model)
-        tower_layers = len(base.vision_tower.encoder.layers)
-        check_settings(settings, tower_layers, base.config.vision_feature_layer)
-        previous = base.__dict__.get(PATCH_ATTRIBUTE)
-        if previous is not None:
-            self.remove(model, previous.processor)
-        if processor is not None and processor.__dict__.get(PATCH_ATTRIBUTE) is not None:
-            self.remove(processor.__dict__[PATCH_ATTRIBUTE].base, processor)
-        patch = LlavaOnevisionPatch(settings=settings, base=base, processor=processor, replaced=[],
-                                    chunk_frames=chunk_frames)
-        replace_attribute(patch, base, "get_video_features", video_features_method(patch).__get__(base))
+        check_feature_layer(settings, base.config.vision_feature_layer)
+        patch = patch_of(model)
+        patch.replace_method(base, "get_video_features", video_features_method(settings, patch.chunk_frames))
         if processor is not None:
             previous_counts = processor._get_num_multimodal_tokens
-            for name, method in placeholder_methods(patch, previous_counts).items():
-                replace_attribute(patch, processor, name, method.__get__(processor))
-            processor.__dict__[PATCH_ATTRIBUTE] = patch
-        base.__dict__[PATCH_ATTRIBUTE] = patch
-
-    def remove(self, model: nn.Module, processor: Any = None) -> None:
-        """Restores what `apply` replaced on ``model`` and on the processor patched with it. Unpatched objects are
-        left as they are."""
-        base = base_model_of(model)
-        patch = base.__dict__.pop(PATCH_ATTRIBUTE, None)
-        if patch is None:
-            return
-        for owner, name, previous in reversed(patch.replaced):
-            if previous is None:
-                owner.__dict__.pop(name, None)
-            else:
-                owner.__dict__[name] = previous
-        if patch.processor is not None:
-            patch.processor.__dict__.pop(PATCH_ATTRIBUTE, None)
-
-    def settings_of(self, model: nn.Module) -> AggregationSettings | None:
-        """The settings ``model`` is patched with, or None."""
-        patch = base_model_of(model).__dict__.get(PATCH_ATTRIBUTE)
-        return None if patch is None else patch.settings
-
-
-def replace_attribute(patch: LlavaOnevisionPatch, owner: Any, name: str, value: Any) -> None:
-    """Sets ``owner.name`` on the instance, remembering what its ``__dict__`` held before (None: nothing)."""
-    patch.replaced.append((owner, name, owner.__dict__.get(name)))
-    owner.__dict__[name] = value
-
-
-def apply_testa_llava_onevision(
-    model: nn.Module,
-    processor: Any = None,
-    temporal_reduction: int | list[int] = 0,
-    spatial_reduction: int | list[int] = 0,
-    *,
-    aggregation_strategy: str = DEFAULTS["aggregation_strategy"],
-    frame_matching: str = DEFAULTS["frame_matching"],
-    aggregation_dims: str = DEFAULTS["aggregation_dims"],
-    score_grid: float = DEFAULTS["score_grid"],
-    proportional_attention: bool = True,
-    chunk_frames: int | None = None,
-) -> nn.Module:
-    """Patches a LLaVA-OneVision ``model`` (and its ``processor``) with TESTA in the vision tower; returns ``model``.
-
-    ``temporal_reduction`` (R_T: frames merged) and ``spatial_reduction`` (R_S: tokens merged within every frame) are
-    an int for every tower block or one int per block; 0 leaves the model computing what it computed. The other
-    settings are `AggregationSettings`' (``proportional_attention`` on by default: tokens that stand for several
-    patches weigh as many in attention, as in ToMe). ``chunk_frames``: frames through the tower at a time (None: all).
-    """
-    base = base_model_of(model)
-    settings = AggregationSettings.for_layers(
-        len(base.vision_tower.encoder.layers), temporal_reduction, spatial_reduction,
-        aggregation_strategy=aggregation_strategy, frame_matching=frame_matching, aggregation_dims=aggregation_dims,
-        score_grid=score_grid, proportional_attention=proportional_attention,
-    )
-    LlavaOnevisionAdapter().apply(model, processor, settings, chunk_frames=chunk_frames)
-    return model
-
-
-def remove_testa_llava_onevision(model: nn.Module, processor: Any = None) -> nn.Module:
-    """Undoes :func:`apply_testa_llava_onevision` on ``model`` and the processor patched with it; returns ``model``."""
-    LlavaOnevisionAdapter().remove(model, processor)
-    return model
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Tower compute: GMAC counted on the meta device
-# ----------------------------------------------------------------------------------------------------------------------
-
-
-def tower_gmac(vision_config, frames: int, settings: AggregationSettings | None = None) -> float:
-    """The SigLIP tower's GMAC for one video of ``frames`` frames, stock (``settings=None``) or with TESTA, counted by
-    ``torch.utils.flop_counter`` on the meta device (no weights, no compute), in the project's convention
-    (`modeling_testa.flops`: one multiply-add is one operation, LayerNorm 5 per element, attention through the math
-    kernel so that it is counted, the matching's similarity products included). The projector, the pooler and the
-    LLM are not counted."""
-    with torch.device("meta"):
-        tower = SiglipVisionModel(vision_config).eval()
-        pixels = torch.empty(1, frames, vision_config.num_channels, vision_config.image_size, vision_config.image_size)
-    mapping = {torch.ops.aten.native_layer_norm: layer_norm_flops}
-    with FlopCounterMode(display=False, custom_mapping=mapping) as counter, sdpa_kernel(SDPBackend.MATH):
-        with torch.no_grad():
-            if settings is None:
-                tower(pixels.flatten(0, 1))
-            else:  # what the patched get_video_features runs in the tower, post_layernorm included
-                last = encode_video_frames(tower, pixels, settings, [settings.num_layers])[1]
-                tower.post_layernorm(last.patches.flatten(0, 1))
-    return counter.get_total_flops() / 2e9
-
-
-DOCUMENTED_SCHEDULES = {
-    "0 (stock)": (0, 0),
-    "`[0] * 10 + [1] * 16`": ([0] * 10 + [1] * 16, 0),
-    "`[0, 0] + [2] * 8 + [0] * 16`": ([0, 0] + [2] * 8 + [0] * 16, 0),
-    "`[0] * 2 + [1] * 24`": ([0] * 2 + [1] * 24, 0),
-    "`[0, 0] + [3] * 8 + [0] * 16`": ([0, 0] + [3] * 8 + [0] * 16, 0),
-    "`[0, 0] + [3] * 8 + [0] * 16`, R_S `[0, 0] + [40] * 8 + [0] * 16`": (
-        [0, 0] + [3] * 8 + [0] * 16, [0, 0] + [40] * 8 + [0] * 16),
-}
-"""The schedules of docs/video_llms_llava_onevision.md's table: (temporal_reduction, spatial_reduction) for the
-26-block tower."""
-
-
-def frames_table(frames: int = 32) -> str:
-    """docs/video_llms_llava_onevision.md's table for transformers' default LLaVA-OneVision tower (26 SigLIP blocks,
-    729 patches per frame): frames and video tokens to the LLM, frames the blocks receive, and tower GMAC."""
-    vision = LlavaOnevisionConfig().vision_config
-    blocks, grid = vision.num_hidden_layers, (vision.image_size // vision.patch_size) ** 2
-    stock = tower_gmac(vision, frames)
-    lines = ["| schedule (R_T, R_S = 0 unless given) | frames to the LLM | video tokens to the LLM | "
-             "frames received by the blocks, summed | tower GMAC (x stock) |", "|---|---|---|---|---|"]
-    for text, (temporal, spatial) in DOCUMENTED_SCHEDULES.items():
-        settings = AggregationSettings.for_layers(blocks, temporal, spatial)
-        received = sum(kept_frames(settings, frames, block) for block in range(blocks))
-        gmac = tower_gmac(vision, frames, settings)
-        lines.append(f"| {text} | {kept_frames(settings, frames, blocks)} | "
-                     f"{video_token_count(settings, frames, -1, grid)} | {received} | "
-                     f"{gmac:,.0f} ({gmac / stock:.2f}) |")
-    return "\n".join(lines)
+            for name, method in placeholder_methods(base, settings, previous_counts).items():
+                patch.replace_method(processor, name, method)
 
 
 __all__ = [
     "LlavaOnevisionAdapter",
-    "LlavaOnevisionPatch",
-    "apply_testa_llava_onevision",
     "encode_video_frames",
     "hidden_state_indices",
     "in_input_order",
     "kept_frames",
-    "remove_testa_llava_onevision",
     "siglip_block",
-    "tower_gmac",
     "unmerge_to_grid",
     "video_token_count",
 ]
-
-
-if __name__ == "__main__":  # python -m video_llms.llava_onevision: the table of docs/video_llms_llava_onevision.md
-    print(frames_table())

@@ -1,15 +1,15 @@
 """The Qwen2.5-VL adapter: TESTA in the vision tower of `Qwen2_5_VLForConditionalGeneration` / `Qwen2_5_VLModel`.
 
-What is patched (instances only; `remove` restores each attribute exactly):
+What is patched (instances only, through ``common.patch_of(model)``; `remove_testa` restores each attribute exactly):
 
 * the base model's ``get_video_features``: the tower with TESTA (`video_llms.qwen_tower.run_tower`), one
   ``(tokens, out_hidden_size)`` tensor per video, ``tokens`` = the schedule's ``slices' x units'``;
-* the base model's ``get_rope_index``: M-RoPE positions of the video tokens from the units' centroids
-  ``(tubelet t, row, column)``: ``(floor(t * tokens_per_second * second_per_grid_t), round(row), round(column))``
-  plus the stock offset; images and text exactly as the stock method (text after a video continues at the stock
-  offset, ``max(h, w) / 2`` past the video's start). ``generate`` asks for positions *before* it runs the tower
-  (``_prepare_position_ids_for_generation``, with the pixels among its arguments): the tower then runs there and its
-  features are kept until the prefill's ``get_video_features`` takes them (same pixel tensor, unchanged), so it runs
+* the base model's ``get_rope_index`` (`mrope_index`, shared with Qwen3-VL): M-RoPE positions of the video tokens from
+  the units' centroids ``(tubelet t, row, column)``: ``(floor(t * tokens_per_second * second_per_grid_t), round(row),
+  round(column))`` plus the stock offset; images and text exactly as the stock method (text after a video continues at
+  the stock offset, ``max(h, w) / 2`` past the video's start). ``generate`` asks for positions *before* it runs the
+  tower (``_prepare_position_ids_for_generation``, with the pixels among its arguments): the tower then runs there and
+  its features are kept until the prefill's ``get_video_features`` takes them (same pixel tensor, unchanged), so it runs
   once. A forward pass computes the features first and the positions from them;
 * the processor's ``replace_video_token``: ``slices' x units'`` placeholders per video, from the schedule
   (`video_llms.common.token_grid`), known before the tower runs.
@@ -23,7 +23,7 @@ import weakref
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-from .common import InstancePatch, patch_of, token_grid
+from .common import GEOMETRY_MERGE_ONLY, InstancePatch, patch_of, token_grid
 from .qwen_tower import run_tower
 
 
@@ -46,6 +46,9 @@ class QwenVideoAdapter:
 
     classes: tuple[str, ...] = ()
     base_class = ""
+    allowed_settings = GEOMETRY_MERGE_ONLY
+    settings_defaults: dict = {}
+    options: tuple[str, ...] = ()
 
     def supports(self, model) -> bool:
         return bool(_class_names(model) & set(self.classes))
@@ -113,11 +116,43 @@ class QwenVideoAdapter:
 
     # -- patching -----------------------------------------------------------------------------------------------------
 
+    def video_output(self, videos: list):
+        """``get_video_features``' output for the tower's `VideoFeatures` of the videos."""
+        raise NotImplementedError
+
+    def video_positions(self, base, grid_thw, centroids: list[torch.Tensor], settings, device, **kwargs):
+        """``video_positions(start, length)`` for :func:`mrope_index`: the M-RoPE positions of every run of video
+        placeholders, in prompt order, from the centroids of the tower's tokens (``kwargs``: what
+        ``get_rope_index`` got besides, e.g. ``second_per_grid_ts``)."""
+        raise NotImplementedError
+
     def patch_processor(self, patch: InstancePatch, processor) -> None:
         raise NotImplementedError
 
-    def remove(self, model, processor=None) -> None:
-        patch_of(model).restore()
+    def apply(self, model, processor, settings) -> None:
+        """Patches the base model's ``get_video_features`` and ``get_rope_index`` (and the processor's placeholder
+        count) through ``patch_of(model)``."""
+        self.check(model)
+        patch, base, adapter = patch_of(model), self.base_model(model), self
+        stock_rope_index = base.get_rope_index
+
+        def get_video_features(self, pixel_values_videos, video_grid_thw=None, **kwargs):
+            return adapter.video_output(adapter.features(patch, self, pixel_values_videos, video_grid_thw))
+
+        def get_rope_index(self, input_ids, mm_token_type_ids, image_grid_thw=None, video_grid_thw=None,
+                           attention_mask=None, **kwargs):
+            if video_grid_thw is None:
+                return stock_rope_index(input_ids, mm_token_type_ids, image_grid_thw=image_grid_thw,
+                                        attention_mask=attention_mask, **kwargs)
+            centroids = adapter.positions(patch, self, video_grid_thw, kwargs.get("pixel_values_videos"))
+            positions = adapter.video_positions(self, video_grid_thw, centroids, patch.settings, input_ids.device,
+                                                **kwargs)
+            return mrope_index(self, input_ids, mm_token_type_ids, image_grid_thw, attention_mask, positions)
+
+        patch.replace_method(base, "get_video_features", get_video_features)
+        patch.replace_method(base, "get_rope_index", get_rope_index)
+        if processor is not None:
+            self.patch_processor(patch, processor)
 
 
 class Qwen2_5_VLAdapter(QwenVideoAdapter):
@@ -134,28 +169,23 @@ class Qwen2_5_VLAdapter(QwenVideoAdapter):
         return run_tower(visual, pixel_values, grid_thw, settings, family, window=window,
                          full_attention_blocks=tuple(visual.fullatt_block_indexes))
 
-    def apply(self, model, processor, settings) -> None:
-        self.check(model)
-        patch, base, adapter = patch_of(model), self.base_model(model), self
-        stock_rope_index = base.get_rope_index
+    def video_output(self, videos: list):
+        return BaseModelOutputWithPooling(pooler_output=tuple(v.features for v in videos))
 
-        def get_video_features(self, pixel_values_videos, video_grid_thw=None, **kwargs):
-            videos = adapter.features(patch, self, pixel_values_videos, video_grid_thw)
-            return BaseModelOutputWithPooling(pooler_output=tuple(v.features for v in videos))
+    def video_positions(self, base, grid_thw, centroids, settings, device, second_per_grid_ts=None, **kwargs):
+        """Every video's tokens at their centroids' positions (`video_rope_positions`), time at
+        ``tokens_per_second * second_per_grid_t``."""
+        tokens_per_second = base.config.vision_config.tokens_per_second
+        videos = iter(zip(grid_thw, centroids))
+        seconds = iter(second_per_grid_ts) if second_per_grid_ts is not None else itertools.repeat(1)
 
-        def get_rope_index(self, input_ids, mm_token_type_ids, image_grid_thw=None, video_grid_thw=None,
-                           second_per_grid_ts=None, attention_mask=None, **kwargs):
-            if video_grid_thw is None:
-                return stock_rope_index(input_ids, mm_token_type_ids, image_grid_thw=image_grid_thw,
-                                        attention_mask=attention_mask, **kwargs)
-            centroids = adapter.positions(patch, self, video_grid_thw, kwargs.get("pixel_values_videos"))
-            return rope_index(self, input_ids, mm_token_type_ids, image_grid_thw, video_grid_thw, centroids,
-                              second_per_grid_ts, attention_mask)
+        def positions(start: int, length: int):
+            grid, video_centroids = next(videos)
+            check_placeholders("A video", length, video_centroids.shape[0])
+            interval = tokens_per_second * next(seconds)
+            return video_rope_positions(video_centroids.to(device), start, interval), grid
 
-        patch.replace_method(base, "get_video_features", get_video_features)
-        patch.replace_method(base, "get_rope_index", get_rope_index)
-        if processor is not None:
-            self.patch_processor(patch, processor)
+        return positions
 
     def patch_processor(self, patch: InstancePatch, processor) -> None:
         settings = patch.settings
@@ -176,16 +206,14 @@ def video_rope_positions(centroids: torch.Tensor, start: int, time_interval) -> 
     return torch.stack([time, rows, cols]) + start
 
 
-def rope_index(base, input_ids, mm_token_type_ids, image_grid_thw, video_grid_thw, centroids, second_per_grid_ts,
-               attention_mask):
-    """`Qwen2_5_VLModel.get_rope_index` (transformers 5.x) with the video tokens at their centroids'
-    positions (`video_rope_positions`); text and images as the stock method computes them."""
+def mrope_index(base, input_ids, mm_token_type_ids, image_grid_thw, attention_mask, video_positions):
+    """The M-RoPE loop of `Qwen2_5_VLModel.get_rope_index` / `Qwen3VLModel.get_rope_index` (transformers 5.x), with
+    the positions of every run of video placeholders from ``video_positions(start, length) -> ((3, length) positions,
+    its stock grid)``, called run by run in prompt order. Text counts up from the previous run's end; an image gets
+    the stock positions; text after an image or video run continues ``max(h, w) / 2`` past the run's start."""
     spatial_merge_size = base.config.vision_config.spatial_merge_size
-    tokens_per_second = base.config.vision_config.tokens_per_second
     position_ids = torch.zeros(3, *input_ids.shape, dtype=input_ids.dtype, device=input_ids.device)
     images = iter(image_grid_thw) if image_grid_thw is not None else None
-    videos = iter(zip(video_grid_thw, centroids))
-    seconds = iter(second_per_grid_ts) if second_per_grid_ts is not None else itertools.repeat(1)
     deltas = []
     for batch_index, ids in enumerate(input_ids):
         types = mm_token_type_ids[batch_index]
@@ -201,18 +229,11 @@ def rope_index(base, input_ids, mm_token_type_ids, image_grid_thw, video_grid_th
                 current += length
                 continue
             if modality == 2:
-                grid, video_centroids = next(videos)
-                if video_centroids.shape[0] != length:
-                    raise ValueError(
-                        f"A video has {length} placeholder tokens but TESTA leaves {video_centroids.shape[0]}: build the "
-                        "inputs with the processor passed to apply_testa (it emits the reduced count)."
-                    )
-                interval = tokens_per_second * next(seconds)
-                pieces.append(video_rope_positions(video_centroids.to(input_ids.device), current, interval))
+                positions, grid = video_positions(current, length)
             else:
                 grid = next(images)
-                pieces.append(base.get_vision_position_ids(current, grid, 1, spatial_merge_size, 1,
-                                                           device=input_ids.device))
+                positions = base.get_vision_position_ids(current, grid, 1, spatial_merge_size, device=input_ids.device)
+            pieces.append(positions)
             current += max(grid[1], grid[2]) // spatial_merge_size
         positions = torch.cat(pieces, dim=1).reshape(3, -1)
         if attention_mask is not None:
@@ -223,4 +244,15 @@ def rope_index(base, input_ids, mm_token_type_ids, image_grid_thw, video_grid_th
     return position_ids, torch.tensor(deltas, device=input_ids.device).unsqueeze(1)
 
 
-__all__ = ["Qwen2_5_VLAdapter", "QwenVideoAdapter", "rope_index", "video_rope_positions", "video_token_counts"]
+def check_placeholders(what: str, placeholders: int, tokens: int) -> None:
+    """Raises a ValueError when a run of ``placeholders`` video placeholders does not hold the ``tokens`` the tower
+    left (inputs from a processor that was not patched with the model)."""
+    if placeholders != tokens:
+        raise ValueError(
+            f"{what} has {placeholders} placeholder tokens but TESTA leaves {tokens}: build the inputs with the "
+            "processor passed to apply_testa (it emits the reduced count)."
+        )
+
+
+__all__ = ["Qwen2_5_VLAdapter", "QwenVideoAdapter", "check_placeholders", "mrope_index", "video_rope_positions",
+           "video_token_counts"]

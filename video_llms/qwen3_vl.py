@@ -18,13 +18,11 @@ As for Qwen2.5-VL (`video_llms.qwen2_5_vl`), with what Qwen3-VL does differently
   token it belongs to.
 """
 
-import itertools
-
 import numpy as np
 import torch
 
-from .common import InstancePatch, patch_of, token_grid
-from .qwen2_5_vl import QwenVideoAdapter
+from .common import InstancePatch, token_grid
+from .qwen2_5_vl import QwenVideoAdapter, check_placeholders
 from .qwen_tower import run_tower
 
 
@@ -55,34 +53,33 @@ class Qwen3VLAdapter(QwenVideoAdapter):
                          deepstack_mergers=visual.deepstack_merger_list, position_embedding=position_embedding,
                          by_slice=True)
 
-    def apply(self, model, processor, settings) -> None:
+    def video_output(self, videos: list):
         from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 
-        self.check(model)
-        patch, base, adapter = patch_of(model), self.base_model(model), self
-        stock_rope_index = base.get_rope_index
+        taps = len(videos[0].deepstack) if videos else 0
+        return BaseModelOutputWithDeepstackFeatures(
+            pooler_output=tuple(v.features for v in videos),
+            deepstack_features=[tuple(v.deepstack[tap] for v in videos) for tap in range(taps)],
+        )
 
-        def get_video_features(self, pixel_values_videos, video_grid_thw=None, **kwargs):
-            videos = adapter.features(patch, self, pixel_values_videos, video_grid_thw)
-            taps = len(videos[0].deepstack) if videos else 0
-            return BaseModelOutputWithDeepstackFeatures(
-                pooler_output=tuple(v.features for v in videos),
-                deepstack_features=[tuple(v.deepstack[tap] for v in videos) for tap in range(taps)],
-            )
+    def video_positions(self, base, grid_thw, centroids, settings, device, **kwargs):
+        """One group of ``units'`` tokens per remaining tubelet (a run of placeholders each), at its tokens' rounded
+        (row, column) centroids; time is carried by the text between the groups, as stock."""
+        groups = []  # (grid of the stock group, centroids of its tokens), in prompt order
+        for grid, video_centroids in zip(grid_thw, centroids):
+            t, h, w = (int(v) for v in grid)
+            units = token_grid(settings, t, h * w // 4)[1]
+            groups.extend((grid, chunk) for chunk in video_centroids.split(units))
+        runs = iter(groups)
 
-        def get_rope_index(self, input_ids, mm_token_type_ids, image_grid_thw=None, video_grid_thw=None,
-                           attention_mask=None, **kwargs):
-            if video_grid_thw is None:
-                return stock_rope_index(input_ids, mm_token_type_ids, image_grid_thw=image_grid_thw,
-                                        attention_mask=attention_mask, **kwargs)
-            centroids = adapter.positions(patch, self, video_grid_thw, kwargs.get("pixel_values_videos"))
-            return rope_index(self, input_ids, mm_token_type_ids, image_grid_thw, video_grid_thw, centroids,
-                              patch.settings, attention_mask)
+        def positions(start: int, length: int):
+            grid, chunk = next(runs)
+            check_placeholders("A video frame group", length, chunk.shape[0])
+            chunk = chunk.to(device)
+            rows, cols = torch.round(chunk[:, 1]).long(), torch.round(chunk[:, 2]).long()
+            return torch.stack([torch.zeros_like(rows), rows, cols]) + start, grid
 
-        patch.replace_method(base, "get_video_features", get_video_features)
-        patch.replace_method(base, "get_rope_index", get_rope_index)
-        if processor is not None:
-            self.patch_processor(patch, processor)
+        return positions
 
     def patch_processor(self, patch: InstancePatch, processor) -> None:
         settings = patch.settings
@@ -102,56 +99,4 @@ class Qwen3VLAdapter(QwenVideoAdapter):
         patch.replace_method(processor, "replace_video_token", replace_video_token)
 
 
-def rope_index(base, input_ids, mm_token_type_ids, image_grid_thw, video_grid_thw, centroids, settings,
-               attention_mask):
-    """`Qwen3VLModel.get_rope_index` (transformers 5.x) for TESTA-reduced videos: one group of ``units'`` tokens per
-    remaining tubelet, each at its tokens' rounded (row, column) centroids; text and images as stock."""
-    spatial_merge_size = base.config.vision_config.spatial_merge_size
-    groups = []  # (grid of the stock group, centroids of its tokens), in prompt order
-    for grid, video_centroids in zip(video_grid_thw, centroids):
-        t, h, w = (int(v) for v in grid)
-        slices, units = token_grid(settings, t, h * w // 4)
-        for chunk in video_centroids.split(units):
-            groups.append((grid, chunk))
-    images = iter(image_grid_thw) if image_grid_thw is not None else None
-    videos = iter(groups)
-    position_ids = torch.zeros(3, *input_ids.shape, dtype=input_ids.dtype, device=input_ids.device)
-    deltas = []
-    for batch_index, ids in enumerate(input_ids):
-        types = mm_token_type_ids[batch_index]
-        if attention_mask is not None:
-            keep = attention_mask[batch_index].bool()
-            ids, types = ids[keep], types[keep]
-        current, pieces = 0, []
-        for modality, group in itertools.groupby(enumerate(types.tolist()), lambda x: x[1]):
-            group = list(group)
-            length = group[-1][0] + 1 - group[0][0]
-            if modality == 0:
-                pieces.append(torch.arange(length, device=input_ids.device).view(1, -1).expand(3, -1) + current)
-                current += length
-                continue
-            if modality == 2:
-                grid, chunk = next(videos)
-                if chunk.shape[0] != length:
-                    raise ValueError(
-                        f"A video frame group has {length} placeholder tokens but TESTA leaves {chunk.shape[0]}: build "
-                        "the inputs with the processor passed to apply_testa (it emits the reduced count)."
-                    )
-                chunk = chunk.to(input_ids.device)
-                rows, cols = torch.round(chunk[:, 1]).long(), torch.round(chunk[:, 2]).long()
-                pieces.append(torch.stack([torch.zeros_like(rows), rows, cols]) + current)
-            else:
-                grid = next(images)
-                pieces.append(base.get_vision_position_ids(current, grid, 1, spatial_merge_size,
-                                                           device=input_ids.device))
-            current += max(grid[1], grid[2]) // spatial_merge_size
-        positions = torch.cat(pieces, dim=1).reshape(3, -1)
-        if attention_mask is not None:
-            position_ids[:, batch_index, attention_mask[batch_index].bool()] = positions.to(position_ids.device)
-        else:
-            position_ids[:, batch_index] = positions.to(position_ids.device)
-        deltas.append(positions.max() + 1 - len(ids))
-    return position_ids, torch.tensor(deltas, device=input_ids.device).unsqueeze(1)
-
-
-__all__ = ["Qwen3VLAdapter", "rope_index", "span_timestamps"]
+__all__ = ["Qwen3VLAdapter", "span_timestamps"]
