@@ -229,7 +229,7 @@ def describe_plan(plan: RowPlan, given: int, shard_size: int | None, num_process
     notes = []
     closed = len(plan.shards) - len(plan.open_shards)
     if len(plan.rows) > len(plan.added):  # the home held rows before this build
-        notes.append(f"{closed} of {len(plan.shards)} shards closed")
+        notes.append(f"resuming: {closed} of {len(plan.shards)} shards closed")
         unit = "rows" if moments else "videos"
         notes.append(f"of the {given} given {unit}, {len(plan.added)} are new and {given - len(plan.added)} were "
                      "planned before (indexed, or left to a killed run, which this one continues)")
@@ -291,7 +291,7 @@ class BuildReport:
         """The build's outcome: its rows, what this run did ("N added, M already indexed, K failed": N + M + K rows,
         a resumed run's rows counted where this run wrote them), and the first `limit` failures."""
         added = self.handled - self.failed_now
-        lines = [f"{self.location}: {self.rows} videos ({added} added, {self.already} already indexed, "
+        lines = [f"Indexed {self.rows} videos into {self.location} ({added} added, {self.already} already indexed, "
                  f"{self.failed_now} failed this run; {len(self.failures)} in the store could not be decoded, and "
                  "are tried again by the next run)."]
         lines += [f"  failed: {f.video}: {f.code}: {f.reason}" for f in self.failures[:limit]]

@@ -280,7 +280,8 @@ def test_the_search_snippet_prints_its_results_and_the_shell_commands_print_the_
     from train.index import main as index_main
     from train.search import main as search_main
 
-    python, shell = section_code("Search a folder of videos", "python"), section_code("Search a folder of videos", "bash")
+    title = "Search a folder of videos"
+    python, shell = section_code(title, "python"), section_code(title, "bash")
     assert len(python) == 1 and len(shell) == 1
     exec(compile(python[0], "README.md", "exec"), {"__name__": "__main__"})  # noqa: S102 - the README's own code
     printed = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip()]

@@ -466,8 +466,10 @@ def prune_checkpoints(directory: Path, keep: int) -> list[Path]:
 
 def final_report(metrics: dict, output_dir: Path) -> str:
     """What a run ends with: its metrics (one line) and where the model and the metrics are."""
+    numbers = {key: value for key, value in metrics.items()
+               if isinstance(value, (int, float)) and not isinstance(value, bool)}
     shown = ", ".join(f"{key} {value:.1f}" if isinstance(value, float) else f"{key} {value}"
-                      for key, value in metrics.items() if isinstance(value, (int, float)) and not isinstance(value, bool))
+                      for key, value in numbers.items())
     return (f"metrics: {shown or 'none (no evaluation)'} (in {output_dir / 'metrics.json'})\n"
             f"saved the model to {output_dir / 'final'} (a save_pretrained folder the pipelines load)")
 

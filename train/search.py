@@ -13,9 +13,9 @@ and ``pipe.search(query, index)`` give one answer: the cosine of the contrastive
 nearest videos (default: the model's ``k_test``), the matching head re-scores them from the stored tokens
 (``--no-rerank``: the cosine ranking alone, as ``rerank=False``; for a model whose matching head is not trained to
 re-rank, such as the demo's); no video is decoded. Prints one ranked list per query, re-ranked results marked ``*``
-(``--json``: a JSON list of lists of ``{"video", "score", "reranked"}``). An index of moments (``encode_videos(..., window=)`` saved with
-``index.save(DIR)``) prints each result's start and end as ``h:mm:ss`` (``"start"``/``"end"`` seconds in JSON);
-``--group-by-video`` lists each video once, at its best moment.
+(``--json``: a JSON list of lists of ``{"video", "score", "reranked"}``). An index of moments
+(``encode_videos(..., window=)`` saved with ``index.save(DIR)``) prints each result's start and end as ``h:mm:ss``
+(``"start"``/``"end"`` seconds in JSON); ``--group-by-video`` lists each video once, at its best moment.
 """
 
 import argparse
