@@ -100,7 +100,8 @@ def train(rule: str, data_dir: Path, output_dir: Path, seed: int) -> Path:
     out = output_dir / f"b_{rule}"
     command = [sys.executable, "-m", "benchmarks.tie_rules", "--worker-train", "--rule", rule, "--",
                str(REPO / "train" / "finetune_retrieval.py"), "--config", str(RECIPE), "--dataset", str(data_dir),
-               "--output-dir", str(out), "--no-eval", "--set", f"train.seed={seed}", *VARIANTS["b"].overrides(),
+               "--output-dir", str(out), "--overwrite", "--no-eval", "--set", f"train.seed={seed}",
+               *VARIANTS["b"].overrides(),
                *(["--set", "model.vision_config.score_grid=0.0"] if rule == "raw" else [])]
     output_dir.mkdir(parents=True, exist_ok=True)
     log_path = output_dir / f"b_{rule}.log"

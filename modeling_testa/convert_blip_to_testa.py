@@ -56,7 +56,12 @@ def _load_blip(blip: str | PreTrainedModel) -> PreTrainedModel:
     import transformers
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(blip)
+    try:
+        config = AutoConfig.from_pretrained(blip)
+    except (OSError, ValueError) as error:  # transformers' own multi-paragraph message: its first sentence
+        first = " ".join(str(error).split()).split(". ")[0]
+        raise ValueError(f"{blip!r} is not a BLIP checkpoint folder or Hub id (expected a config.json of "
+                         f"{', '.join(sorted(BLIP_TO_TESTA))}): {first}.") from None
     architectures = [a for a in (config.architectures or []) if a in BLIP_TO_TESTA]
     if not architectures:
         raise ValueError(
@@ -260,7 +265,10 @@ def main(argv: list[str] | None = None) -> None:
         for k, v in (("temporal_reduction", args.temporal_reduction), ("spatial_reduction", args.spatial_reduction))
         if v is not None
     }
-    model = convert_blip_to_testa(args.blip, args.num_frames, args.image_size, **overrides)
+    try:
+        model = convert_blip_to_testa(args.blip, args.num_frames, args.image_size, **overrides)
+    except (OSError, ValueError) as error:  # a bad input: one line naming it, as `train.index` prints
+        raise SystemExit(f"error: {' '.join(str(error).split())}") from None
     model.save_pretrained(args.output_dir)
     save_processor(args.output_dir, model, args.blip)
     print(f"Saved {type(model).__name__} to {args.output_dir}; report: {model.conversion_report}")

@@ -24,6 +24,7 @@ import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -204,13 +205,7 @@ def convert_original_testa(
     if isinstance(checkpoint, (str, Path)):
         if not Path(checkpoint).is_file():
             raise FileNotFoundError(f"Original TESTA checkpoint {source!r} does not exist.")
-        try:
-            checkpoint = torch.load(checkpoint, map_location="cpu", weights_only=True)
-        except Exception as error:  # unpickling refused something that is not a tensor / plain container
-            raise ValueError(
-                f"Could not read {source} with torch.load(weights_only=True): {error}. Re-save it with only "
-                "tensors and plain Python values, or inspect it in a trusted environment."
-            ) from error
+        checkpoint = load_checkpoint_file(checkpoint)
     if not isinstance(checkpoint, dict):
         raise ValueError(f"{source}: expected a checkpoint dict, got {type(checkpoint).__name__}.")
     if frame_matching not in FRAME_MATCHINGS:
@@ -347,6 +342,32 @@ def convert_original_testa(
     return model.eval(), report
 
 
+TORCH_SAVE_SIGNATURES = (b"PK\x03\x04", b"\x80")
+"""How a file written by `torch.save` begins: a zip archive (the default since PyTorch 1.6) or a pickle."""
+
+
+def load_checkpoint_file(path: str | Path) -> Any:
+    """The contents of a ``.pth`` file, read with ``torch.load(weights_only=True)`` (no code runs). Raises a
+    one-line `ValueError` naming the file and what was expected: a file that `torch.save` did not write (e.g. text
+    renamed ``.pth``), or one holding objects other than tensors and plain values (without torch's advice to load
+    it with ``weights_only=False``, which would run the file's code)."""
+    with open(path, "rb") as handle:
+        head = handle.read(4)
+    if not head.startswith(TORCH_SAVE_SIGNATURES):
+        raise ValueError(f"{str(path)!r} is not a PyTorch checkpoint: expected a file written by torch.save (a zip "
+                         f"archive or a pickle), but it begins with {head!r}.")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # unpickling refused something that is not a tensor / plain container
+        message = str(error)
+        reason = message.split("WeightsUnpickler error:", 1)[1] if "WeightsUnpickler error:" in message else \
+            message.splitlines()[0] if message.strip() else type(error).__name__
+        reason = " ".join(reason.split()).split(" Check the documentation")[0]
+        raise ValueError(f"{str(path)!r} cannot be read as tensors and plain values (torch.load with "
+                         f"weights_only=True: {reason}): expected an original TESTA checkpoint; re-save its state "
+                         "dict with torch.save.") from None
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="original .pth file")
@@ -362,9 +383,12 @@ def main(argv: list[str] | None = None) -> None:
         help="how frames are matched (default: 'original', the released code's rule, for parity with it)",
     )
     args = parser.parse_args(argv)
-    model, report = convert_original_testa(
-        args.checkpoint, args.task, args.num_frames, strict=not args.no_strict, frame_matching=args.frame_matching
-    )
+    try:
+        model, report = convert_original_testa(
+            args.checkpoint, args.task, args.num_frames, strict=not args.no_strict, frame_matching=args.frame_matching
+        )
+    except (OSError, ValueError) as error:  # a bad input: one line naming it, as `train.index` prints
+        raise SystemExit(f"error: {' '.join(str(error).split())}") from None
     model.save_pretrained(args.output_dir)
     save_processor(args.output_dir, model, args.tokenizer)
     print(f"Saved {type(model).__name__} to {args.output_dir}\n{report.summary()}")

@@ -231,8 +231,8 @@ def describe_plan(plan: RowPlan, given: int, shard_size: int | None, num_process
     if len(plan.rows) > len(plan.added):  # the home held rows before this build
         notes.append(f"resuming: {closed} of {len(plan.shards)} shards closed")
         unit = "rows" if moments else "videos"
-        notes.append(f"{given - len(plan.added)} of the {given} given {unit} already in the store, "
-                     f"{len(plan.added)} added")
+        notes.append(f"of the {given} given {unit}, {len(plan.added)} are new and {given - len(plan.added)} were "
+                     "planned before (indexed, or left to a killed run, which this one continues)")
     return (f"Indexing {rows} into {len(plan.shards)} shards{size} on {num_processes} process(es)"
             f"{'; ' if notes else ''}{'; '.join(notes)}.")
 
@@ -288,9 +288,12 @@ class BuildReport:
         }
 
     def summary_lines(self, limit: int = 10) -> list[str]:
-        """The build's outcome: its rows, what this run did, and the first `limit` failures."""
-        lines = [f"Indexed {self.rows} videos into {self.location} ({self.handled} handled this run, {self.already} "
-                 f"already there; {len(self.failures)} could not be decoded)."]
+        """The build's outcome: its rows, what this run did ("N added, M already indexed, K failed": N + M + K rows,
+        a resumed run's rows counted where this run wrote them), and the first `limit` failures."""
+        added = self.handled - self.failed_now
+        lines = [f"Indexed {self.rows} videos into {self.location} ({added} added, {self.already} already indexed, "
+                 f"{self.failed_now} failed this run; {len(self.failures)} in the store could not be decoded, and "
+                 "are tried again by the next run)."]
         lines += [f"  failed: {f.video}: {f.code}: {f.reason}" for f in self.failures[:limit]]
         if len(self.failures) > limit:
             lines.append(f"  ... and {len(self.failures) - limit} more failed videos (all are in {REPORT_FILE})")
@@ -342,6 +345,8 @@ class IndexBuild:
             step 2 like the home.
         progress_bar, num_workers, description: the encode loop's (`indexing.encode_videos`).
         finish_options: passed to the home's `finish` (a store: ``first_stage``, ``require_encoded``).
+        retry_failed: before planning, the home forgets the failed rows of the given videos (a store's
+            `retry_failures`), so that they are decoded again: a failure is not a permanent verdict.
         say: where the build's messages go (default: this module's logger at INFO; `train.index` prints them): the
             plan, a lock taken over, each process' shards.
     """
@@ -349,7 +354,11 @@ class IndexBuild:
     def __init__(self, home: IndexHome, settings: dict[str, Any], command: str = "IndexBuild",
                  shard_size: int | None = None, replace: bool = False, mirror: Any = None,
                  progress_bar: bool = False, num_workers: int = 0, description: str = "Encoding videos",
-                 finish_options: dict[str, Any] | None = None, say: Callable[[str], None] | None = None):
+                 finish_options: dict[str, Any] | None = None, say: Callable[[str], None] | None = None,
+                 retry_failed: bool = False):
+        if retry_failed and not hasattr(home, "retry_failures"):
+            raise TypeError(f"retry_failed: {type(home).__name__} cannot forget its failed rows.")
+        self.retry_failed = retry_failed
         self.home, self.settings, self.command = home, dict(settings), command
         self.say = say or logger.info
         self.shard_size, self.replace, self.mirror = shard_size, replace, mirror
@@ -409,6 +418,10 @@ class IndexBuild:
         self.settings = self.home.check_settings(self.settings, replace=self.replace)
         if self.mirror is not None:
             self.mirror.check_settings(self.settings)
+        if self.retry_failed:
+            retried = self.home.retry_failures(entries)
+            if retried:
+                self.say(f"Trying again {retried} rows that could not be read before.")
         plan = self.home.plan(entries, self.shard_size, world_size())
         self.say(describe_plan(plan, len(entries), self.shard_size, world_size()))
         return plan

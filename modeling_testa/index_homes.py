@@ -37,16 +37,18 @@ from .index_settings import (
     write_json_atomically,
 )
 from .indexing import SUMMARY_FAILURES, DecodedBatch, Failure, InMemorySink
-from .store_lock import StoreLock
+from .store_lock import LOCK_FILE, StoreLock
 from .video_index import ROW_FIELDS, VideoIndex, segments_tensor, video_name
 from .video_store import (
     PLAN_FILE,
+    STORE_INFO_FILE,
     TOKEN_DTYPES,
     VideoStoreWriter,
     finalize_store,
     is_video_store,
     missing_shards,
     read_json_file,
+    rewrite_shard,
     store_metadata,
 )
 
@@ -363,6 +365,7 @@ class StoreHome:
         self.directory = Path(directory)
         self.token_dtype = token_dtype
         self.replace = False
+        self.new = False  # whether the folder held no store when the build checked it (`check_settings`)
 
     @property
     def location(self) -> str:
@@ -372,7 +375,8 @@ class StoreHome:
         return StoreLock(self.directory, command=command)
 
     def check_settings(self, settings: dict[str, Any], replace: bool = False) -> dict[str, Any]:
-        if replace or recorded_store_settings(self.directory) is None:  # a new store records its token dtype
+        self.new = recorded_store_settings(self.directory) is None
+        if replace or self.new:  # a new store records its token dtype
             dtype = settings.get("token_dtype") or self.token_dtype or "float16"
             settings = {**settings, "token_dtype": str(dtype).replace("torch.", "")}
         held = check_store_folder(self.directory, settings, replace=replace)
@@ -449,6 +453,85 @@ class StoreHome:
         closed = set(range(len(shards))) - set(missing_shards(self.directory, len(shards)))
         return RowPlan(self.entries(stored), shards, [s for s in range(len(shards)) if s not in closed])
 
+    def discard(self) -> None:
+        """Deletes what this build wrote into a folder that held no store: every file but the lock's, which its owner
+        releases (and a folder the lock made is removed with it)."""
+        for path in self.directory.iterdir():
+            if path.is_file() and LOCK_FILE not in path.name:
+                path.unlink()
+
+    # -- removing rows -----------------------------------------------------------------------------------------------
+
+    def failed_videos(self) -> set[str]:
+        """The videos with a row that could not be read, in a finished store (empty otherwise)."""
+        if not is_video_store(self.directory):
+            return set()
+        return {str(failure["video"]) for failure in store_metadata(self.directory)["failures"]}
+
+    def retry_failures(self, entries: list[IndexEntry]) -> int:
+        """Removes the failed rows of the given entries' videos from a finished store, so that `plan` plans them
+        again: a failure is never a permanent verdict (the file may have been repaired, copied in full, or a
+        decoder crash may not recur). The caller holds the lock; returns how many rows were removed. A store
+        still being written (a killed build) is resumed as it is first; its failures are retried by the next
+        build."""
+        if not is_video_store(self.directory) or self.row_plan(self.stored_plan()).open_shards:
+            return 0
+        names = {entry.name(i) for i, entry in enumerate(entries)}
+        failed = [int(f["index"]) for f in store_metadata(self.directory)["failures"] if str(f["video"]) in names]
+        return self.remove_rows(failed)
+
+    def remove_videos(self, videos: Iterable[str], command: str = "StoreHome.remove_videos") -> list[str]:
+        """Takes the store's lock and removes every row (each moment, encoded or failed) of `videos`; returns the
+        videos that had rows. The one way rows leave a store (`python -m train.index --remove`)."""
+        wanted = {os.fspath(video) for video in videos}
+        lock = self.lock(command)
+        lock.acquire()
+        try:
+            plan = self.stored_plan()
+            found = [i for i, name in enumerate(plan["videos"]) if name in wanted]
+            self.remove_rows(found)
+            lock.verify()
+        finally:
+            lock.release()
+        return sorted({plan["videos"][i] for i in found})
+
+    def remove_rows(self, positions: Iterable[int]) -> int:
+        """Removes these rows (positions in the store) from a finished store, the caller holding its lock: the shards
+        that hold them are rewritten (`video_store.rewrite_shard`), the later ones renumbered, then the plan, the
+        index and the first stage are written anew. Refused, changing nothing, on a store still being written or
+        when no encoded row would be left. Its index is removed first, so that a removal killed halfway leaves a
+        store that says it is unfinished (and is refused as damaged), never a wrong index. Returns how many."""
+        drop = set(int(p) for p in positions)
+        if not drop:
+            return 0
+        stored = self.stored_plan()
+        if not is_video_store(self.directory) or self.row_plan(stored).open_shards:
+            raise ValueError(f"The store {self.location!r} is being written (a build was interrupted): run the build "
+                             "again to finish it, then remove rows.")
+        meta = store_metadata(self.directory)
+        failed = {int(f["index"]) for f in meta["failures"]}
+        if all(i in drop or i in failed for i in range(len(stored["videos"]))):
+            raise ValueError(f"Removing these rows would leave no encoded video in {self.location!r}: delete the "
+                             "folder instead.")
+        settings = dict(meta.get("info") or {})
+        (self.directory / STORE_INFO_FILE).unlink()
+        shards, position = [], 0
+        for shard, (start, stop) in enumerate(stored["shards"]):
+            keep = [i - start for i in range(start, stop) if i not in drop]
+            if position != start or len(keep) != stop - start:
+                rewrite_shard(self.directory, shard, keep, position)
+            shards.append([position, position + len(keep)])
+            position += len(keep)
+        kept = [i for i in range(len(stored["videos"])) if i not in drop]
+        segments = stored.get("segments")
+        remaining = {"videos": [stored["videos"][i] for i in kept], "shards": shards,
+                     "row_fields": {key: [values[i] for i in kept] for key, values in
+                                    (stored.get("row_fields") or {}).items()},
+                     "segments": None if segments is None else [segments[i] for i in kept]}
+        write_json_atomically(self.directory / PLAN_FILE, remaining)
+        self.finish(self.row_plan(remaining), settings)
+        return len(drop)
+
     # -- writing and finishing ---------------------------------------------------------------------------------------
 
     def writer(self, shard: int, start: int, stop: int, resume: bool = False, entries: Any = None
@@ -475,9 +558,14 @@ class StoreHome:
                        row_fields=row_fields_of(plan.rows) or None)
         index = VideoIndex.from_store(self.directory, first_stage=False)
         if require_encoded and index.num_encoded == 0:
-            (self.directory / "video_store.json").unlink()
-            reasons = "\n".join(f"  {f.video}: {str(f)[:300]}" for f in index.failures[:SUMMARY_FAILURES])
-            raise ValueError(f"None of the {len(index)} videos could be read:\n{reasons}")
+            failures = list(index.failures)
+            del index
+            (self.directory / STORE_INFO_FILE).unlink()
+            if self.new:  # nothing indexed: nothing written (the folder held no store; only the lock stays, for now)
+                self.discard()
+            reasons = "\n".join(f"  {f.video}: {str(f)[:300]}" for f in failures[:SUMMARY_FAILURES])
+            more = f"\n  ... and {len(failures) - SUMMARY_FAILURES} more" if len(failures) > SUMMARY_FAILURES else ""
+            raise ValueError(f"None of the {len(failures)} videos could be read; nothing was written:\n{reasons}{more}")
         if first_stage:
             index.save_first_stage(self.directory)
             index.load_first_stage(self.directory)

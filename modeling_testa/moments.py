@@ -62,7 +62,8 @@ PyAV's stayed at 65 MB; see docs/moments.md)."""
 def check_window_options(window: float | None, stride: float | None) -> tuple[float | None, float | None]:
     """`(window, stride)` as floats after checking them; `stride` defaults to `window` (windows that touch).
 
-    Raises a `ValueError` naming the option for a non-positive or non-finite value, or a stride without a window."""
+    Raises a `ValueError` naming the option for a non-positive or non-finite value, a stride without a window, or a
+    stride longer than the window (the seconds between two windows would be in none: gaps no search could find)."""
     if window is None:
         if stride is not None:
             raise ValueError(f"`stride={stride!r}` needs `window` (seconds per window) as well.")
@@ -72,6 +73,9 @@ def check_window_options(window: float | None, stride: float | None) -> tuple[fl
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
             raise ValueError(f"`{name}` must be a positive number of seconds, got {value!r}.")
+    if stride is not None and stride > window:
+        raise ValueError(f"`stride={stride!r}` is longer than `window={window!r}`: the video between two windows "
+                         "would be in none of them. Use a stride of at most the window.")
     return float(window), float(window if stride is None else stride)
 
 

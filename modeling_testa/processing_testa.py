@@ -200,7 +200,7 @@ class TestaProcessor(ProcessorMixin):
         clean_text = self.clean_text if clean_text is None else clean_text
         _check_task(task)
         if text is not None:
-            texts, single = text_list(text, "text")
+            texts, single = text_list(text, "text", allow_empty=True)
             check_not_video_paths(texts)
             if clean_text:
                 max_words = TASK_CAPTION_WORDS.get(task, 50)

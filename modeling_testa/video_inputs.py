@@ -169,25 +169,33 @@ def flatten_video_inputs(videos: Any) -> list[tuple[str, Any]]:
     return pairs
 
 
-def text_list(text: Any, name: str) -> tuple[list[str], bool]:
+def text_list(text: Any, name: str, allow_empty: bool = False) -> tuple[list[str], bool]:
     """`(texts, single)`: a string becomes a one-element list (`single=True`); a list of strings is copied.
 
     Args:
         text: a string or a non-empty list of strings.
         name (`str`): the argument's name, for error messages.
+        allow_empty (`bool`): take empty strings (the processor tokenizes whatever it is given; the pipelines'
+            queries, labels and questions must have words).
 
     Raises:
-        `ValueError`: `None`, an empty list, or anything but strings.
+        `ValueError`: `None`, an empty list, anything but strings, or a string that is empty (or only spaces):
+            a query with no words would rank every video by the same meaningless embedding.
     """
     if text is None:
         raise ValueError(f"`{name}` is missing; pass a string or a list of strings.")
-    if isinstance(text, str):
-        return [text], True
+    single = isinstance(text, str)
+    if single:
+        text = [text]
     if not isinstance(text, (list, tuple)) or not all(isinstance(t, str) for t in text):
         raise ValueError(f"`{name}` must be a string or a list of strings, got {describe(text)}.")
     if len(text) == 0:
         raise ValueError(f"`{name}` is an empty list; pass at least one string.")
-    return list(text), False
+    empty = [] if allow_empty else [i for i, t in enumerate(text) if not t.strip()]
+    if empty:
+        where = f"`{name}`" if single else f"`{name}[{empty[0]}]`"
+        raise ValueError(f"{where} is empty ({text[empty[0]]!r}); pass words to search for.")
+    return list(text), single
 
 
 def _channel_axis(shape: tuple[int, ...], label: str, input_data_format: Any) -> str:

@@ -330,6 +330,60 @@ def forget_rows(directory: str | os.PathLike) -> None:
         path.unlink(missing_ok=True)
 
 
+def rewrite_shard(directory: str | os.PathLike, shard: int, keep: list[int], start: int) -> dict[str, Any]:
+    """Rewrites the closed shard `shard` of a store so that it holds only the rows `keep` (positions in the shard,
+    ascending) and begins at row `start` of the store: the rows a store removes (`index_homes.StoreHome.remove_rows`).
+    Kept rows keep their bytes; the data files are rewritten only when an encoded row goes, the journal, the row map
+    and the closed marker always (they name rows by their position in the store). Each file is written beside and
+    renamed into place. Returns the new closed marker."""
+    directory = Path(directory)
+    marker_path = directory / _shard_name("shard", shard, "json")
+    marker = read_json_file(marker_path)
+    old_start, old_stop = int(marker["start"]), int(marker["stop"])
+    if any(not 0 <= k < old_stop - old_start for k in keep) or list(keep) != sorted(set(keep)):
+        raise ValueError(f"Shard {shard} holds rows 0..{old_stop - old_start - 1}; cannot keep {list(keep)[:10]}.")
+    tensors = load_safetensors(directory / _shard_name("shard", shard, "safetensors"))
+    rows, embeddings = tensors["rows"], tensors["embeddings"]
+    failures = {int(f["index"]) - old_start: f for f in marker["failures"]}
+    kept_rows = sorted(int(rows[k]) for k in keep if int(rows[k]) >= 0)  # the encoded rows kept, in file order
+    new_row = {old: new for new, old in enumerate(kept_rows)}
+    if kept_rows != list(range(int(marker["num_rows"]))):  # an encoded row goes: its bytes leave every data file
+        num_tokens, hidden = marker.get("num_tokens") or 0, marker.get("hidden_size") or 0
+        shape, stored = token_row_shape(num_tokens, hidden, TOKEN_DTYPES[marker["token_dtype"]])
+        row_bytes = {"tokens": shape[0] * shape[1] * stored.itemsize, "embeddings": int(embeddings.shape[1]) * 4,
+                     "token_sizes": num_tokens * 4 if marker.get("has_token_sizes") else 0}
+        for kind, size in row_bytes.items():
+            path = directory / _shard_name(kind, shard, "bin")
+            data = path.read_bytes() if path.exists() else b""
+            partial = path.with_name(path.name + ".partial")
+            partial.write_bytes(b"".join(data[row * size : (row + 1) * size] for row in kept_rows))
+            os.replace(partial, path)
+    new_rows = torch.tensor([new_row.get(int(rows[k]), -1) for k in keep], dtype=torch.long)
+    kept_embeddings = embeddings[list(keep)] if len(keep) else embeddings[:0]
+    safetensors_path = directory / _shard_name("shard", shard, "safetensors")
+    partial = safetensors_path.with_name(safetensors_path.name + ".partial")
+    save_file({"embeddings": kept_embeddings.contiguous(), "rows": new_rows.contiguous()}, str(partial))
+    os.replace(partial, safetensors_path)
+    stop = start + len(keep)
+    kept_failures = [{**failures[k], "index": start + j} for j, k in enumerate(keep) if k in failures]
+    journal = [{"shard": int(shard), "start": start, "stop": stop, "token_dtype": marker["token_dtype"]}]
+    if kept_rows:  # one batch of every kept encoded row, in row order (what `check_journal` reads)
+        by_row = sorted((int(new_rows[j]), start + j) for j in range(len(keep)) if int(new_rows[j]) >= 0)
+        journal.append({"encoded": [index for _, index in by_row], "num_tokens": marker["num_tokens"],
+                        "hidden_size": marker["hidden_size"], "has_token_sizes": marker["has_token_sizes"],
+                        "embedding_dim": int(embeddings.shape[1])})
+    journal += [{"failed": f["index"], **{k: v for k, v in f.items() if k != "index"}} for f in kept_failures]
+    journal_path = directory / _shard_name("journal", shard, "jsonl")
+    partial = journal_path.with_name(journal_path.name + ".partial")
+    partial.write_text("".join(json.dumps(entry) + "\n" for entry in journal), encoding="utf-8")
+    os.replace(partial, journal_path)
+    marker = {**marker, "start": start, "stop": stop, "num_rows": len(kept_rows), "failures": kept_failures}
+    partial = marker_path.with_name(marker_path.name + ".partial")
+    partial.write_text(json.dumps(marker), encoding="utf-8")
+    os.replace(partial, marker_path)
+    return marker
+
+
 def missing_shards(directory: str | os.PathLike, num_shards: int) -> list[int]:
     """The shards among ``0..num_shards-1`` whose writer has not closed them in ``directory``."""
     return [s for s in range(num_shards) if not (Path(directory) / _shard_name("shard", s, "json")).is_file()]

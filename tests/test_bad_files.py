@@ -234,9 +234,9 @@ def test_no_readable_video_is_one_clear_error_and_writes_no_store(pipe, files, t
     _, bad, _ = files
     with pytest.raises(ValueError, match=r"None of the 5 videos could be read:\n  .*notes.mp4: not_a_video"):
         pipe.encode_videos(list(bad.values()))
-    with pytest.raises(ValueError, match="None of the 5 videos could be read"):
+    with pytest.raises(ValueError, match=r"None of the 5 videos could be read; nothing was written:\n  .*notes.mp4"):
         pipe.encode_videos(list(bad.values()), store_dir=tmp_path / "store")
-    assert not (tmp_path / "store" / "video_store.json").exists()
+    assert not (tmp_path / "store").exists()  # no half-written store folder (issue 52)
 
 
 def test_an_index_grown_in_two_calls_equals_one_built_at_once(pipe, files, monkeypatch):

@@ -235,8 +235,9 @@ def test_a_store_grown_in_two_appends_on_two_processes_equals_one_built_at_once(
     assert {p.name: p.stat().st_mtime_ns for p in store.iterdir()} == before
 
     result = run(LAUNCH_2, *common(root, model, store, "--shard-size", "16"))
-    assert f"{NUM_VIDEOS // 2} of the {NUM_VIDEOS} given videos already in the store, {NUM_VIDEOS // 2} added" in (
-        result.stdout)
+    assert f"of the {NUM_VIDEOS} given videos, {NUM_VIDEOS // 2} are new and {NUM_VIDEOS // 2} were planned before" \
+        in result.stdout
+    assert f"({NUM_VIDEOS // 2} added, {NUM_VIDEOS // 2} already indexed, 0 failed this run" in result.stdout
     report = json.loads((store / "index_report.json").read_text())
     assert report["videos"] == NUM_VIDEOS and report["added_this_run"] == report["encoded_this_run"] == NUM_VIDEOS // 2
     assert report["already_in_store"] == NUM_VIDEOS // 2 and report["processes"] == 2
@@ -249,7 +250,7 @@ def test_a_store_grown_in_two_appends_on_two_processes_equals_one_built_at_once(
     assert rankings(model, store)[0] == rankings(model, one_process_store)[0]
 
     again = run(PLAIN, *common(root, model, store, "--shard-size", "16"))  # nothing new: nothing encoded
-    assert "0 added" in again.stdout
+    assert f"({0} added, {NUM_VIDEOS} already indexed, 0 failed this run" in again.stdout
     assert json.loads((store / "index_report.json").read_text())["encoded_this_run"] == 0
 
 

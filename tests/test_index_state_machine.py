@@ -280,6 +280,8 @@ class StoreMachine(IndexMachine):
         self.held |= set(written)  # journaled: the resumed shard skips them
 
     def unreadable_first_build(self, model, broken):  # planned and journaled, listed once an index is published
+        if self.model is None:  # a new store: a build that indexes nothing writes nothing (issue 52)
+            return
         self.model = model
         self.failed |= broken | {v for v in self.planned if "broken" in v}
         self.held |= broken | self.planned

@@ -1,13 +1,15 @@
 """The README stays short and its figures cannot drift from the pages that hold them.
 
-Checks, by parsing the Markdown (no network, no model):
+Checks, by parsing the Markdown (no network):
 
 - README.md has at most 250 lines and a "Quick start" with exactly the two commands `make demo` and `make test`;
 - every figure of the README's headline table links to a page (a section of it, when the link has an anchor) that
   contains the same figure verbatim, so the one repeated copy cannot silently disagree with its source;
 - every relative link (and image) in README.md and docs/*.md points to an existing file, and every `#anchor` to a
   heading of that file;
-- the hand-written pages use the module form of the benchmark commands (`python -m benchmarks.<name>`).
+- the hand-written pages use the module form of the benchmark commands (`python -m benchmarks.<name>`);
+- the README's search and fast-inference snippets run as scripts (on a tiny model laid out where `make demo` puts
+  its model) and print what the README says: the shell search prints the Python snippet's results.
 """
 
 import re
@@ -227,3 +229,85 @@ def test_benchmarks_are_shown_as_modules(path):
     text = path.read_text(encoding="utf-8")
     old = re.findall(r"python\s+benchmarks/\w+\.py", text)
     assert not old, f"{relative(path)} uses the script form {old}; write `python -m benchmarks.<name>`"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The README's snippets, run as a user runs them (a tiny model laid out where `make demo` puts its model)
+
+
+def section_code(title: str, language: str) -> list[str]:
+    """The code blocks in `language` under the README heading `### title`, up to the next heading."""
+    lines = README.read_text(encoding="utf-8").splitlines()
+    start = lines.index(f"### {title}")
+    end = next((i for i in range(start + 1, len(lines)) if re.match(r"^#{1,3}\s", lines[i])), len(lines))
+    blocks, current = [], None
+    for line in lines[start + 1 : end]:
+        if current is None and line.strip() == f"```{language}":
+            current = []
+        elif current is not None and line.strip() == "```":
+            blocks.append("\n".join(current) + "\n")
+            current = None
+        elif current is not None:
+            current.append(line)
+    return blocks
+
+
+def shell_commands(block: str) -> list[list[str]]:
+    """The commands of a bash block (continuations joined, comments dropped), split as the shell splits them."""
+    import shlex
+
+    return [shlex.split(command, comments=True) for command in block.replace("\\\n", " ").splitlines()
+            if command.strip() and not command.lstrip().startswith("#")]
+
+
+@pytest.fixture()
+def demo_layout(tmp_path, monkeypatch):
+    """A folder laid out as `make demo` leaves it (a tiny retrieval model, 6 noise videos), the current directory."""
+    from helpers.pipelines import build_retrieval, save_folder, tiny_processor
+    from helpers.videos import write_noise_video
+
+    save_folder(build_retrieval(), tiny_processor(), tmp_path / "outputs/demo/runs/b/final")
+    for i in range(6):
+        write_noise_video(tmp_path / "outputs/demo/data/videos" / f"flash{i:05d}.mp4", seed=i)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_the_search_snippet_prints_its_results_and_the_shell_commands_print_the_same(demo_layout, capsys):
+    """The Python snippet, run as a script, prints its five results; the two shell commands (`train.index`, then
+    `train.search`, run in this process) print the same videos in the same order, and the footer says "re-ranked"
+    only when a result was."""
+    from train.index import main as index_main
+    from train.search import main as search_main
+
+    title = "Search a folder of videos"
+    python, shell = section_code(title, "python"), section_code(title, "bash")
+    assert len(python) == 1 and len(shell) == 1
+    exec(compile(python[0], "README.md", "exec"), {"__name__": "__main__"})  # noqa: S102 - the README's own code
+    printed = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert len(printed) == 5 and all(len(words) == 2 for words in printed), printed
+    snippet_videos = [str(demo_layout / video) for _, video in printed]  # the command names them absolute
+
+    (index, search) = shell_commands(shell[0])
+    assert index[:4] == ["accelerate", "launch", "-m", "train.index"] and search[:3] == ["python", "-m", "train.search"]
+    index_main([*index[4:], "--num-workers", "0"])
+    capsys.readouterr()
+    results = search_main(search[3:])
+    out = capsys.readouterr().out
+    assert [item["video"] for item in results[0]] == snippet_videos
+    assert [line.split()[-1] for line in out.splitlines() if re.match(r"^\s+\d+\.", line)] == snippet_videos
+    assert "re-ranked" not in out and not any(item["reranked"] for item in results[0])
+    reranked = search_main([word for word in search[3:] if word != "--no-rerank"])  # the default: re-rank, as search()
+    assert all(item["reranked"] for item in reranked[0]) and "(* re-ranked by the matching head)" in \
+        capsys.readouterr().out
+
+
+def test_the_fast_inference_snippet_runs_without_a_deprecation_warning(demo_layout, recwarn):
+    import warnings
+
+    code = section_code("Fast inference", "python")[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # the legacy int8 path warns FutureWarning
+        namespace = {"folder": "outputs/demo/runs/b/final"}
+        exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 - the README's own code
+    assert namespace["pipe"].model.dtype is not None and namespace["model"] is not None

@@ -159,12 +159,12 @@ def _train_group(group, launch, env, data_dir, runs_dir, seed, max_steps, recipe
         for key in group:
             out = runs_dir / key
             command = launch + [str(REPO / "train" / "finetune_retrieval.py"), "--config", str(recipe_path),
-                                "--dataset", str(data_dir), "--output-dir", str(out), "--no-eval",
+                                "--dataset", str(data_dir), "--output-dir", str(out), "--overwrite", "--no-eval",
                                 "--set", f"train.seed={seed}", *VARIANTS[key].overrides(), *overrides]
             if max_steps:
                 command += ["--max-steps", str(max_steps)]
-            if (out / "train_log.jsonl").exists():
-                (out / "train_log.jsonl").unlink()  # the progress bar reads it
+            if (out / "train_log.jsonl").exists():  # the progress bar reads it (--overwrite deletes it too, later)
+                (out / "train_log.jsonl").unlink()
             logs[key] = open(runs_dir / f"{key}.log", "w")
             print(f"+ [{key}] " + " ".join(command[len(launch):]) + f"  > {runs_dir / f'{key}.log'}", flush=True)
             procs[key] = subprocess.Popen(command, cwd=REPO, env=env, stdout=logs[key], stderr=subprocess.STDOUT)

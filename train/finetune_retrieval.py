@@ -1,7 +1,7 @@
 """Fine-tunes TESTA for paragraph-to-video retrieval (VTC + VTM) and evaluates R@1/5/10 with two-stage ranking.
 
     accelerate launch [accelerate flags] train/finetune_retrieval.py --config configuration/retrieval_queryd_f32.yaml \
-        [--dataset DIR_OR_HUB_ID] [--output-dir OUT] [--max-steps N] [--resume-from CKPT]
+        [--dataset DIR_OR_HUB_ID] [--output-dir OUT] [--max-steps N] [--resume-from CKPT | --overwrite]
 
 `OUT/final/` is a `save_pretrained` folder (model, processor, remote code). See train/recipe.py for every recipe key and train/loop.py for the loop.
 """

@@ -1,5 +1,6 @@
 """Index a video collection into an on-disk video store, on 1 to N processes, resumably; grow it later.
 
+    python -m train.index --store OUT --remove PATH [PATH ...]     # rows out of a store
     accelerate launch -m train.index --model FOLDER_OR_HUB_ID --videos DIR_OR_LIST_OR_DATASET --store OUT \
         [--precision fp32|bf16|int8|auto] [--backend torch|openvino|onnxruntime|...] [--num-frames N] [--shard-size 256] [--batch-size 8] [--num-workers 2]
         [--window SECONDS [--stride SECONDS]]
@@ -11,7 +12,8 @@ Run the same command again after a crash, a kill or a lost machine and it contin
 ones continue after their last journaled batch, so no video is encoded twice or skipped.
 
 **Growing a store.** Run it again with ``--videos MORE`` (a folder, list or dataset that may overlap the store):
-videos already in the store (by path, failed ones included) are skipped, the new ones are appended as new shards
+videos already in the store (by path) are skipped, the ones that failed before are tried again (a failure is not a
+permanent verdict: a file may be repaired or copied in full since), the new ones are appended as new shards
 (sorted, after the store's own videos; ``index_plan.json`` records the order and the shards) and encoded the same
 way, resumably, on any number of processes. Until the grown store is complete, its previous index stays readable.
 A store built with other settings (model weights, frames, R_T/R_S, precision, token dtype, window and stride) is
@@ -20,7 +22,7 @@ The same store grows from `VideoTextRetrievalPipeline.encode_videos(store_dir=..
 build (`modeling_testa.index_build.IndexBuild`).
 
 A video that cannot be read (missing, empty, not a video, truncated, no frames, decoder crash or timeout) is data, not
-an error: it is recorded with its reason (`modeling_testa.indexing.FAILURE_CODES`), never encoded again, never
+an error: it is recorded with its reason (`modeling_testa.indexing.FAILURE_CODES`), tried again by the next run, never
 returned by search, and listed at the end. When every shard is closed, the main process checks them, writes the
 store's index (`VideoIndex.load(OUT)` and `python -m train.search` read it) and its first stage, and reports the
 videos, the failures, the settings, and the time spent decoding and encoding (`index_report.json`).
@@ -29,6 +31,12 @@ One writer per store: the main process takes the store's lock (``writer.lock``, 
 anything is written and the other processes of the launch check it; a second run on the same store is refused,
 naming the running one, and a lock left by a killed run is taken over (then the run resumes).
 
+**Removing rows.** ``--store OUT --remove PATH ...`` removes every row of those videos (each moment, encoded or
+failed), under the store's lock, through the store's own `StoreHome.remove_videos`; the shards that held them are
+rewritten and the store's index written anew. A Milvus collection filled from the store (``--milvus``) is not
+changed by it: index the store into a new collection. A removal killed halfway leaves a store that is refused as
+unfinished: index its videos again into a new folder.
+
 **Moments.** With ``--window`` (and ``--stride``, default: the window) every video is cut into windows
 (`modeling_testa.moments.plan_windows`) and each window is one row of the store, with its start and end; search then
 returns moments (``python -m train.search`` prints them as ``h:mm:ss``). The rows are planned from each video's
@@ -36,9 +44,12 @@ duration (read from its container, nothing decoded) when it joins the plan, a sh
 decoded once for all its windows in a shard run (a resumed shard decodes a video again only for its rows not yet
 journaled). Resume and growth work as for whole videos; the window and stride are settings of the store.
 
-Inputs (``--videos``): a folder (searched recursively for video files; other files are listed as skipped), a text
-file with one path per line (relative paths are relative to the file), or a dataset written by the builders
-(a folder with ``<split>.jsonl``, or one jsonl/parquet file; ``--split`` picks the split, default ``test``).
+Inputs (``--videos``): a folder (searched recursively for video files; other files are listed as skipped), a video
+file, a list of paths, one per line (a ``.txt`` or ``.lst`` file, or any file with ``--videos-from FILE``; relative
+paths are relative to the current directory, as for every shell tool; a list none of whose paths exists is refused
+before anything is written), or a dataset written by the builders (a folder with ``<split>.jsonl``, or one
+jsonl/parquet file; ``--split`` picks the split, default ``test``). Any other file (e.g. ``README.md``) is refused,
+naming these forms.
 """
 
 import argparse
@@ -66,25 +77,61 @@ MILVUS_TOKEN_VARIABLE = "MILVUS_TOKEN"
 """The environment variable `--milvus-token` defaults to (a secret need not be on the command line)."""
 
 
-def collect_videos(source: str | os.PathLike, split: str = "test") -> tuple[list[str], list[str]]:
-    """The videos of ``source`` (sorted, unique) and the files of a folder that were skipped as not videos.
+LIST_SUFFIXES = (".txt", ".lst")
+"""The names of a file that ``--videos`` reads as a list of paths (any name with ``--videos-from``)."""
+DATASET_SUFFIXES = (".jsonl", ".json", ".parquet")
+INPUT_FORMS = (f"a folder of videos, a video file, a list of paths ({', '.join(LIST_SUFFIXES)}, or any file with "
+               f"--videos-from), or a dataset ({', '.join(DATASET_SUFFIXES)}, or a folder of them)")
+"""What ``--videos`` takes, for its help and its refusals."""
 
-    Raises `FileNotFoundError` / `ValueError` naming ``source`` when it is missing or holds no video."""
+
+def read_video_list(path: Path) -> list[str]:
+    """The paths listed in ``path``, one per line (blank lines and ``#`` comments skipped), as absolute paths:
+    a relative line is relative to the current directory, as for every shell tool (``ls videos/*.mp4 > list.txt``
+    from here, then ``--videos list.txt`` from here). Raises `FileNotFoundError` naming the list, the rule and the
+    first lines when none of the listed files exists: nothing is written for such a list."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"the list {str(path)!r} is not UTF-8 text; give one path per line ({INPUT_FORMS}).") from None
+    lines = [line.strip() for line in text.splitlines()]
+    videos = [os.path.abspath(line) for line in lines if line and not line.startswith("#")]
+    if videos and not any(os.path.exists(video) for video in videos):
+        shown = ", ".join(repr(line) for line in lines if line and not line.startswith("#"))[:300]
+        raise FileNotFoundError(f"none of the {len(videos)} paths listed in {str(path)!r} exists (relative paths are "
+                                f"relative to the current directory, {os.getcwd()!r}): {shown}")
+    return videos
+
+
+def collect_videos(source: str | os.PathLike, split: str = "test", as_list: bool = False
+                   ) -> tuple[list[str], list[str]]:
+    """The videos of ``source`` (sorted, unique) and the files of a folder that were skipped as not videos.
+    ``source`` is one of `INPUT_FORMS`; with ``as_list`` (``--videos-from``) it is a list whatever its name.
+
+    Raises `FileNotFoundError` / `ValueError` naming ``source`` when it is missing, of another kind (e.g. a
+    README), a list none of whose paths exists, or holds no video."""
     from processing.data import load_split, split_files
 
     path = Path(source)
     skipped: list[str] = []
-    if path.is_dir() and _has_split(path, split, split_files):
+    if as_list:
+        if not path.is_file():
+            raise FileNotFoundError(f"--videos-from {str(source)!r} is not a file (give a file of paths, one a line).")
+        videos = read_video_list(path)
+    elif path.is_dir() and _has_split(path, split, split_files):
         videos = [str(v) for v in load_split(str(path), split=split)["video"]]
     elif path.is_dir():
         videos, skipped = find_video_files(path)
-    elif path.is_file() and path.suffix in (".jsonl", ".json", ".parquet"):
+    elif path.is_file() and path.suffix.lower() in DATASET_SUFFIXES:
         videos = [str(v) for v in load_split(str(path))["video"]]
+    elif path.is_file() and path.suffix.lower() in LIST_SUFFIXES:
+        videos = read_video_list(path)
+    elif path.is_file() and path.suffix.lower() in VIDEO_SUFFIXES:
+        videos = [str(path.resolve())]
     elif path.is_file():
-        lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
-        videos = [str((path.parent / line).resolve()) for line in lines if line and not line.startswith("#")]
+        raise ValueError(f"--videos {str(source)!r} is not something to index: give {INPUT_FORMS}.")
     else:
-        raise FileNotFoundError(f"--videos {str(source)!r} does not exist (give a folder, a list file or a dataset).")
+        raise FileNotFoundError(f"--videos {str(source)!r} does not exist (give {INPUT_FORMS}).")
     videos = sorted(set(videos))
     if not videos:
         raise ValueError(f"--videos {str(source)!r} holds no video (looked for {', '.join(VIDEO_SUFFIXES)}"
@@ -130,10 +177,18 @@ def add_milvus_arguments(parser: argparse.ArgumentParser, what: str) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m train.index", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="a retrieval model: saved folder or Hub id")
-    parser.add_argument("--videos", required=True, help="a folder, a list file, or a builders dataset")
+    parser.add_argument("--model", help="a retrieval model: saved folder or Hub id (required unless --remove)")
+    videos = parser.add_mutually_exclusive_group()
+    videos.add_argument("--videos", help=f"what to index: {INPUT_FORMS}. Relative paths in a list are relative to "
+                                         "the current directory")
+    videos.add_argument("--videos-from", metavar="FILE",
+                        help="a file of video paths, one a line, whatever its name (relative to the current directory)")
     parser.add_argument("--store", required=True,
-                        help="the store folder (created; an existing one is resumed, and grown by new --videos)")
+                        help="the store folder (created; an existing one is resumed, and grown by new --videos; "
+                             "videos that failed before are tried again)")
+    parser.add_argument("--remove", nargs="+", metavar="PATH", default=None,
+                        help="remove these videos' rows (every moment of them, encoded or failed) from --store, and "
+                             "nothing else (no --model or --videos)")
     parser.add_argument("--split", default="test", help="with a dataset: the split to index (default: test)")
     parser.add_argument("--precision", default="fp32", choices=PRECISIONS + ("auto",),
                         help="encoder precision (default: fp32; auto: the fastest within the quality contract)")
@@ -157,6 +212,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="index moments: windows of this many seconds, one row each (default: whole videos)")
     parser.add_argument("--stride", type=float, default=None, help="seconds between windows (default: --window)")
     args = parser.parse_args(argv)
+    if args.remove is not None:
+        if args.model or args.videos or args.videos_from:
+            parser.error("--remove takes only --store and the paths to remove")
+        return args
+    if not args.model or not (args.videos or args.videos_from):
+        parser.error("--model and --videos (or --videos-from) are required")
     try:
         args.window, args.stride = check_window_options(args.window, args.stride)
     except ValueError as error:
@@ -174,8 +235,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     store = Path(args.store)
     if store.exists() and not store.is_dir():
         raise SystemExit(f"error: --store {str(store)!r} is a file; give a folder.")
+    if args.remove is not None:
+        return remove_videos(store, args.remove, writer_command(argv, 1))
     try:  # the same on every process (no collective yet), so every process stops alike
-        videos, skipped = collect_videos(args.videos, args.split)
+        videos, skipped = collect_videos(args.videos_from or args.videos, args.split, as_list=bool(args.videos_from))
         model, video_processor = load_retrieval_model(args.model)
     except (OSError, ValueError) as error:
         raise SystemExit(f"error: {error}") from None
@@ -197,12 +260,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         entries = as_entries(videos)
         if args.window is not None:  # every process reads its share of the new videos' durations
-            entries = window_entries(entries, args.window, args.stride, skip=StoreHome(store).stored_plan()["videos"])
+            home = StoreHome(store)  # the videos with a failed row are planned again (their failures retried)
+            skip = set(home.stored_plan()["videos"]) - home.failed_videos()
+            entries = window_entries(entries, args.window, args.stride, skip=skip)
         decode = FileDecoder(DecodeVideos(video_processor, num_frames), video_processor, num_frames, args.batch_size,
                              args.num_workers, worker_processes=True)
         build = IndexBuild(StoreHome(store), settings, command=writer_command(argv, accelerator.num_processes),
                            shard_size=args.shard_size, mirror=mirror, progress_bar=accelerator.is_main_process,
-                           num_workers=args.num_workers, description="Indexing", say=print)
+                           num_workers=args.num_workers, description="Indexing", say=print, retry_failed=True)
         result = build.run(model, entries, decode, extra_report={"skipped_files": skipped})
     except (StoreLockedError, PeerError, OSError, ValueError) as failure:  # refusals: one line, every process
         message = str(failure)
@@ -216,6 +281,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return result.report.as_dict()
+
+
+def remove_videos(store: Path, paths: list[str], command: str) -> dict[str, Any]:
+    """``--remove``: every row of these videos leaves the store (`StoreHome.remove_videos`, under the store's lock).
+    Paths are matched as the store names its videos: absolute, or relative to the current directory."""
+    from modeling_testa.video_store import is_video_store
+
+    if not is_video_store(store):
+        raise SystemExit(f"error: --store {str(store)!r} holds no finished video store.")
+    wanted = {os.path.abspath(path) for path in paths} | set(paths)
+    try:
+        removed = StoreHome(store).remove_videos(wanted, command)
+    except (StoreLockedError, OSError, ValueError) as failure:
+        raise SystemExit(f"error: {failure}") from None
+    missing = [path for path in paths if path not in removed and os.path.abspath(path) not in removed]
+    print(f"Removed {len(removed)} videos from {store}" + (f"; not in the store: {', '.join(missing)}" if missing
+                                                          else "") + ".")
+    return {"store": str(store), "removed": removed, "not_in_store": missing}
 
 
 def writer_command(argv: list[str] | None, num_processes: int) -> str:

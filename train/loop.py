@@ -228,6 +228,10 @@ def main(task: Task, argv: list[str] | None = None) -> dict:
                          f"(pass --set task={task.name} to reuse the recipe)")
     data_cfg, train_cfg = recipe.data, recipe.train
     output_dir = Path(args.output_dir)
+    if train_cfg.keep_checkpoints is not None and train_cfg.keep_checkpoints < 1:
+        raise ValueError(f"train.keep_checkpoints={train_cfg.keep_checkpoints}: keep at least 1 checkpoint (the one "
+                         "a run resumes from), or null to keep all")
+    check_output_dir(output_dir, args.resume_from, args.overwrite)  # every process, before anything is written
     streaming = data_cfg.streaming
     find_unused = train_cfg.find_unused_parameters
     if find_unused is None:  # joint mode leaves the temporal attention unused; other settings use every parameter
@@ -290,9 +294,14 @@ def main(task: Task, argv: list[str] | None = None) -> dict:
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     state = TrainState()
     accelerator.register_for_checkpointing(state)
+    if args.overwrite and accelerator.is_main_process:
+        clear_previous_run(output_dir)
+    accelerator.wait_for_everyone()
     if args.resume_from:
         accelerator.load_state(args.resume_from)
         accelerator.print(f"resumed from {args.resume_from} at step {state.global_step} (epoch {state.epoch})")
+        if accelerator.is_main_process:  # the steps after the checkpoint are trained again: logged once
+            trim_log(output_dir / "train_log.jsonl", state.global_step)
 
     # Replacements counted on this process since the start (or resume); the checkpointed state holds the global
     # total (Accelerate saves custom state from the main process only, so a per-process count would be wrong there).
@@ -366,6 +375,8 @@ def main(task: Task, argv: list[str] | None = None) -> dict:
                 if save_every and state.global_step % save_every == 0:
                     state.decode_failures = global_failures()
                     accelerator.save_state(str(output_dir / "checkpoints" / f"step_{state.global_step}"))
+                    if accelerator.is_main_process and train_cfg.keep_checkpoints is not None:
+                        prune_checkpoints(output_dir / "checkpoints", train_cfg.keep_checkpoints)
                 if state.global_step >= max_steps:
                     break
             wait_start = time.perf_counter()
@@ -394,8 +405,73 @@ def main(task: Task, argv: list[str] | None = None) -> dict:
     metrics["train_decode_failures"] = failures
     if accelerator.is_main_process:
         (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=1))
+    accelerator.print(final_report(metrics, output_dir))
     accelerator.end_training()
     return metrics
+
+
+RUN_FILES = ("checkpoints", "final", "metrics.json", "train_log.jsonl", "logs")
+"""What a run leaves in its ``--output-dir``: a folder holding any of them holds a previous run."""
+
+
+def check_output_dir(output_dir: Path, resume_from: str | None, overwrite: bool) -> None:
+    """Refuses an ``--output-dir`` that holds a previous run (`RUN_FILES`) unless ``--resume-from`` (continue it) or
+    ``--overwrite`` (start over) says what to do, so that no run silently mixes its files with another's."""
+    if resume_from and overwrite:
+        raise ValueError("--resume-from continues a run and --overwrite deletes it: pass one of them")
+    found = [name for name in RUN_FILES if (output_dir / name).exists()]
+    if found and not (resume_from or overwrite):
+        raise ValueError(f"--output-dir {str(output_dir)!r} holds a previous run ({', '.join(found)}): pass "
+                         f"--resume-from {output_dir / 'checkpoints' / 'step_N'} to continue it, --overwrite to "
+                         "delete it and start over, or another --output-dir")
+
+
+def clear_previous_run(output_dir: Path) -> None:
+    """Deletes what a previous run left in ``output_dir`` (`RUN_FILES`; other files are left alone)."""
+    import shutil
+
+    for name in RUN_FILES:
+        path = output_dir / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+
+
+def trim_log(log_path: Path, step: int) -> None:
+    """Keeps the lines of ``train_log.jsonl`` up to ``step`` (a resumed run logs the later steps again)."""
+    if not log_path.is_file():
+        return
+    kept = [line for line in log_path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= step]
+    log_path.write_text("".join(line + "\n" for line in kept))
+
+
+def checkpoint_step(path: Path) -> int:
+    """The step of a ``checkpoints/step_N`` folder (-1 for another name)."""
+    prefix, _, number = path.name.partition("_")
+    return int(number) if prefix == "step" and number.isdigit() else -1
+
+
+def prune_checkpoints(directory: Path, keep: int) -> list[Path]:
+    """Deletes all but the ``keep`` latest ``step_N`` checkpoints in ``directory``; returns the deleted ones."""
+    import shutil
+
+    steps = sorted((p for p in directory.iterdir() if p.is_dir() and checkpoint_step(p) >= 0), key=checkpoint_step)
+    old = steps[:-keep] if keep else steps
+    for path in old:
+        shutil.rmtree(path)
+    return old
+
+
+def final_report(metrics: dict, output_dir: Path) -> str:
+    """What a run ends with: its metrics (one line) and where the model and the metrics are."""
+    numbers = {key: value for key, value in metrics.items()
+               if isinstance(value, (int, float)) and not isinstance(value, bool)}
+    shown = ", ".join(f"{key} {value:.1f}" if isinstance(value, float) else f"{key} {value}"
+                      for key, value in numbers.items())
+    return (f"metrics: {shown or 'none (no evaluation)'} (in {output_dir / 'metrics.json'})\n"
+            f"saved the model to {output_dir / 'final'} (a save_pretrained folder the pipelines load)")
 
 
 def _flat(recipe: dict) -> dict:
@@ -450,10 +526,16 @@ __all__ = [
     "TrainState",
     "build_model",
     "build_scheduler",
+    "check_output_dir",
+    "clear_previous_run",
+    "final_report",
     "learning_rate",
     "main",
+    "prune_checkpoints",
     "resolve_mixed_precision",
+    "RUN_FILES",
     "save_final",
+    "trim_log",
     "warmup_steps",
     "warn_if_launch_config_ignored",
     # re-exported from train.recipe and train.data, where they live

@@ -74,6 +74,7 @@ class TrainRecipe:
     find_unused_parameters: bool | None = None  # None: only in joint mode (its temporal attention is unused)
     seed: int = 42
     save_every: int = 0  # optimiser steps between save_state checkpoints; 0: none
+    keep_checkpoints: int | None = 2  # the most recent checkpoints kept (older ones are deleted); null: all
     log_every: int = 1
     reservoir_size: int = 8  # recent good samples kept to replace undecodable videos
 
@@ -285,6 +286,9 @@ def parse_args(description: str, argv: list[str] | None = None) -> argparse.Name
     parser.add_argument("--output-dir", default="outputs/run", help="checkpoints, logs and OUTPUT/final")
     parser.add_argument("--max-steps", type=int, help="overrides train.max_steps (optimiser steps)")
     parser.add_argument("--resume-from", help="a checkpoint folder written by save_state (OUTPUT/checkpoints/...)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start over in an --output-dir that holds a previous run: its checkpoints, final model, "
+                             "metrics and logs are deleted first (without it, such a folder is refused)")
     parser.add_argument("--init-from", help="overrides model.init_from")
     parser.add_argument("--strict-data", action="store_true",
                         help="stop on the first video that fails to decode (default: replace it from a reservoir of "

@@ -8,12 +8,14 @@ With ``--milvus`` the first stage is the Milvus collection `train.index --milvus
 or a server or cluster URI), and the re-ranking tokens are read from the stores its rows name. ``--filter KEY=VALUE``
 (repeatable; ``folder``, ``dataset`` or ``video``) keeps only the matching videos.
 
-Ranks in two stages through the retrieval pipeline's `search` (`modeling_testa.ranking`): the cosine of the
-contrastive embeddings picks the ``rerank_k`` nearest videos (default: the model's ``k_test``), the matching head
-re-scores them from the stored tokens; no video is decoded. Prints one ranked list per query (``--json``: a JSON list
-of lists of ``{"video", "score", "reranked"}``). An index of moments (``encode_videos(..., window=)`` saved with
-``index.save(DIR)``) prints each result's start and end as ``h:mm:ss`` (``"start"``/``"end"`` seconds in JSON);
-``--group-by-video`` lists each video once, at its best moment.
+Ranks through the retrieval pipeline's `search` (`modeling_testa.ranking`), with its defaults, so that this command
+and ``pipe.search(query, index)`` give one answer: the cosine of the contrastive embeddings picks the ``rerank_k``
+nearest videos (default: the model's ``k_test``), the matching head re-scores them from the stored tokens
+(``--no-rerank``: the cosine ranking alone, as ``rerank=False``; for a model whose matching head is not trained to
+re-rank, such as the demo's); no video is decoded. Prints one ranked list per query, re-ranked results marked ``*``
+(``--json``: a JSON list of lists of ``{"video", "score", "reranked"}``). An index of moments
+(``encode_videos(..., window=)`` saved with ``index.save(DIR)``) prints each result's start and end as ``h:mm:ss``
+(``"start"``/``"end"`` seconds in JSON); ``--group-by-video`` lists each video once, at its best moment.
 """
 
 import argparse
@@ -38,7 +40,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the retrieval model (default: the one the store was built with)")
     parser.add_argument("--top-k", type=int, default=10, help="results per query (default: 10)")
     parser.add_argument("--rerank-k", type=int, default=None, help="candidates re-ranked (default: the model's k_test)")
-    parser.add_argument("--no-rerank", action="store_true", help="rank by cosine only")
+    parser.add_argument("--no-rerank", action="store_true",
+                        help="rank by cosine only (as the pipeline's search(rerank=False); default: re-rank the "
+                             "candidates with the matching head, as search() does)")
     parser.add_argument("--group-by-video", action="store_true",
                         help="with an index of moments: each video once, at its best moment")
     parser.add_argument("--json", action="store_true", help="print JSON")
@@ -82,10 +86,11 @@ def open_index(store: str, milvus: str | None = None, collection: str = "videos"
 
 
 def search(store: str, queries: list[str], model: str | None = None, top_k: int = 10, rerank_k: int | None = None,
-           rerank: bool = True, filters: dict[str, Any] | None = None, milvus: str | None = None,
+           rerank: bool | None = None, filters: dict[str, Any] | None = None, milvus: str | None = None,
            collection: str = "videos", group_by_video: bool = False, milvus_token: str | None = None
            ) -> list[list[dict[str, Any]]]:
-    """The ranked videos of every query in ``store`` (or in Milvus, see the module docstring)."""
+    """The ranked videos of every query in ``store`` (or in Milvus, see the module docstring). ``rerank``: the
+    pipeline's `search` argument (None, its default: re-rank when the index holds tokens; False: cosine only)."""
     index = open_index(store, milvus, collection, milvus_token)
     if model is None:
         settings = recorded_store_settings(store) or {}  # DamagedStoreError naming the file when damaged
@@ -94,7 +99,7 @@ def search(store: str, queries: list[str], model: str | None = None, top_k: int 
             raise ValueError(f"--store {store!r} does not say which model built it ({SETTINGS_FILE}): pass --model.")
     retrieval, _ = load_retrieval_model(model)
     pipe = VideoTextRetrievalPipeline(model=retrieval, processor=TestaProcessor.from_pretrained(model), device="cpu")
-    results = pipe.search(queries, index, top_k=top_k, rerank=None if rerank else False, rerank_k=rerank_k,
+    results = pipe.search(queries, index, top_k=top_k, rerank=rerank, rerank_k=rerank_k,
                           filters=filters or None, group_by="video" if group_by_video else None)
     return [results] if isinstance(results[0], dict) else results
 
@@ -109,7 +114,8 @@ def moment_text(item: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> list[list[dict[str, Any]]]:
     args = parse_args(argv)
     try:
-        results = search(args.store, args.queries, args.model, args.top_k, args.rerank_k, not args.no_rerank,
+        results = search(args.store, args.queries, args.model, args.top_k, args.rerank_k,
+                         False if args.no_rerank else None,
                          args.filters, args.milvus, args.collection, args.group_by_video, args.milvus_token)
     except (OSError, ValueError) as error:
         raise SystemExit(f"error: {error}") from None
@@ -121,7 +127,8 @@ def main(argv: list[str] | None = None) -> list[list[dict[str, Any]]]:
             for rank, item in enumerate(ranked, 1):
                 print(f"  {rank:3d}. {item['score']:9.4f}{' *' if item['reranked'] else '  '}  {item['video']}"
                       + moment_text(item))
-        print("(* re-ranked by the matching head)")
+        if any(item["reranked"] for ranked in results for item in ranked):  # the footer says only what happened
+            print("(* re-ranked by the matching head)")
     return results
 
 
