@@ -36,7 +36,8 @@ Exported fp32 equals PyTorch fp32: same merge decisions (the source map), same o
   SmoothQuant, the attention's own products (queries times keys, probabilities times values:
   `attention_product_matmuls`) and the projections that compute the matching's keys (`key_projection_matmuls`)
   stay fp32 too. Activation scales are static, so a video's embedding does not depend on the other videos of its
-  batch.
+  batch. ONNX Runtime's calibration runs in bounded memory (`onnx_calibration_ranges`: the ranges of
+  `quantize_static`'s own calibrator, whose graph runs in the priority-based order).
 
 **Cache.** An export is saved under ``cache_dir`` (default ``$HF_HOME/testa/engines``) in a folder named by
 `cache_key`: the weights' SHA-256, the full vision config (aggregation settings included), the input shape, backend,
@@ -433,13 +434,14 @@ def onnx_calibration_ranges(path: Path, samples: Iterable[dict[str, Any]], op_ty
 
     Why not `quantize_static`'s calibration itself: its calibrator adds a ReduceMin and a ReduceMax of every
     calibrated tensor as outputs of the graph and runs that graph in ONNX Runtime's default execution order, which
-    runs the reductions after the rest of the graph. Every tensor the quantized matrix multiplies read or write is then
-    kept until the end of each video: 12.6 GiB resident for the 32-frame ViT-B/16 (issue 49), whose forward needs
-    2.9. Keeping fewer videos does not help (the calibrator keeps only the reduced values, and its option to keep
-    fewer, ``CalibMaxIntermediateOutputs``, drops them unmerged in onnxruntime 1.32). Here the same calibrator runs
-    its graph in the priority-based order (``ExecutionOrder.PRIORITY_BASED``), which reduces each tensor as soon as
-    it exists, so that it can be freed; the order changes no value, and the ranges equal `quantize_static`'s own
-    (tests/test_engines.py)."""
+    runs the reductions after the rest of the graph. Every tensor the quantized matrix multiplies read or write was
+    then kept until the end of each video: 12.6 GiB resident for the 32-frame ViT-B/16 (issue 49), whose export and
+    int8 forward peak below 3 (`benchmarks/export_memory.py`). Keeping fewer videos does not help: the calibrator
+    keeps only the reduced values, and its option to keep fewer, ``CalibMaxIntermediateOutputs``, drops them
+    unmerged in onnxruntime 1.32 (the calibration then fails with "No data is collected"). Here the same calibrator
+    runs its graph in the priority-based order (``ExecutionOrder.PRIORITY_BASED``), which reduces each tensor as
+    soon as it exists, so that it can be freed; the order changes no value, and the ranges equal `quantize_static`'s
+    own (tests/test_engines.py)."""
     import onnxruntime as ort
     from onnxruntime.quantization import MinMaxCalibrater, save_tensors_data
 
