@@ -36,7 +36,8 @@ Exported fp32 equals PyTorch fp32: same merge decisions (the source map), same o
   SmoothQuant, the attention's own products (queries times keys, probabilities times values:
   `attention_product_matmuls`) and the projections that compute the matching's keys (`key_projection_matmuls`)
   stay fp32 too. Activation scales are static, so a video's embedding does not depend on the other videos of its
-  batch.
+  batch. ONNX Runtime's calibration runs in bounded memory (`onnx_calibration_ranges`: the ranges of
+  `quantize_static`'s own calibrator, whose graph runs in the priority-based order).
 
 **Cache.** An export is saved under ``cache_dir`` (default ``$HF_HOME/testa/engines``) in a folder named by
 `cache_key`: the weights' SHA-256, the full vision config (aggregation settings included), the input shape, backend,
@@ -55,6 +56,7 @@ import logging
 import os
 import platform
 import sys
+import tempfile
 import threading
 from collections import deque
 from pathlib import Path
@@ -422,6 +424,48 @@ def onnx_nodes(graph: Any) -> dict[str, tuple[str, list[str]]]:
     return {node.name: (node.op_type, [producer[i] for i in node.input if i in producer]) for node in graph.node}
 
 
+def onnx_calibration_ranges(path: Path, samples: Iterable[dict[str, Any]], op_types: list[str], work_dir: Path
+                            ) -> Path:
+    """The activation ranges of `quantize_static`'s own calibration (its MinMax calibrator with the settings
+    `OnnxRuntimeEngine.quantize` gives it: the inputs and outputs of ``op_types``, global minimum and maximum, not
+    symmetric), computed in bounded memory, saved in ``work_dir`` as the JSON file that
+    ``quantize_static(calibration_cache_path=...)`` reads instead of calibrating. ``samples`` (the model's inputs,
+    one video each) are run one at a time.
+
+    Why not `quantize_static`'s calibration itself: its calibrator adds a ReduceMin and a ReduceMax of every
+    calibrated tensor as outputs of the graph and runs that graph in ONNX Runtime's default execution order, which
+    runs the reductions after the rest of the graph. Every tensor the quantized matrix multiplies read or write was
+    then kept until the end of each video: 12.6 GiB resident for the 32-frame ViT-B/16 (issue 49), whose export and
+    int8 forward peak below 3 (`benchmarks/export_memory.py`). Keeping fewer videos does not help: the calibrator
+    keeps only the reduced values, and its option to keep fewer, ``CalibMaxIntermediateOutputs``, drops them
+    unmerged in onnxruntime 1.32 (the calibration then fails with "No data is collected"). Here the same calibrator
+    runs its graph in the priority-based order (``ExecutionOrder.PRIORITY_BASED``), which reduces each tensor as
+    soon as it exists, so that it can be freed; the order changes no value, and the ranges equal `quantize_static`'s
+    own (tests/test_engines.py)."""
+    import onnxruntime as ort
+    from onnxruntime.quantization import MinMaxCalibrater, save_tensors_data
+
+    calibrator = MinMaxCalibrater(Path(path), op_types, augmented_model_path=str(work_dir / "augmented.onnx"))
+    calibrator.augment_graph()
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # as the calibrator's own session
+    options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
+    calibrator.infer_session = ort.InferenceSession(calibrator.augmented_model_path, options,
+                                                    providers=["CPUExecutionProvider"])
+
+    class Reader:  # what `collect_data` asks of a `CalibrationDataReader`
+        def __init__(self) -> None:
+            self.samples = iter(samples)
+
+        def get_next(self) -> dict[str, Any] | None:
+            return next(self.samples, None)
+
+    calibrator.collect_data(Reader())  # keeps each video's minimum and maximum per tensor, merged at the end
+    ranges = work_dir / "ranges.json"
+    save_tensors_data(calibrator.compute_data(), ranges)
+    return ranges
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # The engines: one class each
 # ----------------------------------------------------------------------------------------------------------------------
@@ -673,8 +717,9 @@ class OnnxRuntimeEngine(Engine):
     def quantize(cls, path: Path, calibration: torch.Tensor, folder: Path) -> Path:
         """Static int8 (QDQ, symmetric weights per channel, activations per tensor). Left in fp32: the matching's
         products, the projections that compute its keys (`key_projection_matmuls`), the temporal attention's output
-        branch and the attention's own products (`attention_product_matmuls`)."""
-        from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+        branch and the attention's own products (`attention_product_matmuls`). The activation ranges are
+        `onnx_calibration_ranges`' (`quantize_static`'s own calibration, in bounded memory)."""
+        from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
 
         nodes, kinds = cls.graph_nodes(path), cls.matmul_types
         ignored = sorted(set(matching_matmuls(nodes, matmul_types=kinds))
@@ -682,18 +727,14 @@ class OnnxRuntimeEngine(Engine):
                          | set(attention_output_matmuls(nodes, matmul_types=kinds, attention_types=cls.attention_types,
                                                       min_chain=2))
                          | set(attention_product_matmuls(nodes, matmul_types=kinds)))
-
-        class Reader(CalibrationDataReader):
-            def __init__(self) -> None:
-                self.samples = iter([{"pixel_values": video[None].numpy()} for video in calibration])
-
-            def get_next(self):
-                return next(self.samples, None)
-
         out = folder / cls.file_name("int8")
-        quantize_static(str(path), str(out), Reader(), quant_format=QuantFormat.QDQ, op_types_to_quantize=list(kinds),
-                        per_channel=True, weight_type=QuantType.QInt8, activation_type=QuantType.QUInt8,
-                        nodes_to_exclude=ignored, extra_options={"MatMulConstBOnly": True})
+        samples = ({"pixel_values": video[None].numpy()} for video in calibration)  # one video at a time
+        with tempfile.TemporaryDirectory(prefix="calibration-", dir=folder) as work:
+            ranges = onnx_calibration_ranges(path, samples, list(kinds), Path(work))
+            quantize_static(str(path), str(out), None, quant_format=QuantFormat.QDQ, op_types_to_quantize=list(kinds),
+                            per_channel=True, weight_type=QuantType.QInt8, activation_type=QuantType.QUInt8,
+                            nodes_to_exclude=ignored, extra_options={"MatMulConstBOnly": True},
+                            calibration_cache_path=ranges)
         return out
 
     @classmethod
@@ -853,6 +894,7 @@ __all__ = [
     "library_versions",
     "linear_layers_in_bf16",
     "matching_matmuls",
+    "onnx_calibration_ranges",
     "onnx_nodes",
     "openvino_core",
     "openvino_nodes",
