@@ -76,6 +76,7 @@ class TrainRecipe:
     save_every: int = 0  # optimiser steps between save_state checkpoints; 0: none
     log_every: int = 1
     reservoir_size: int = 8  # recent good samples kept to replace undecodable videos
+    collective_timeout: float = 600.0  # seconds a process waits for the others in a collective, then fails
 
     CHOICES = {"scheduler": SCHEDULERS, "mixed_precision": MIXED_PRECISIONS}
 
