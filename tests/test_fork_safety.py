@@ -40,3 +40,20 @@ def test_the_guard_records_a_fork_with_threads_alive_and_not_fork_exec(tmp_path)
     assert any(thread.startswith("busy ") for thread in found[0]["threads"])
     assert "pid = os.fork()" in found[0]["stack"]
     assert json.loads(json.dumps(found[0]))["argv"] == [str(script)]
+
+
+def test_train_index_with_worker_processes_on_two_processes(tmp_path):
+    """`train.index --num-workers 2` on two processes: DataLoader workers decode every video (next to the store
+    lock's heartbeat thread and the progress bar's monitor); the suite's guard fails this test if any of the
+    processes forked with threads alive, as the index build did before its workers came from a forkserver."""
+    from helpers.pipelines import INDEX_LAUNCH_2, index_collection
+
+    from modeling_testa.video_store import journaled_count
+
+    root, model = index_collection(tmp_path, 6)
+    store = tmp_path / "store"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([*INDEX_LAUNCH_2, "--model", str(model), "--videos", str(root / "videos"), "--store",
+                             str(store), "--num-workers", "2"], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert journaled_count(store) == 6
