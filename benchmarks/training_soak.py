@@ -36,7 +36,8 @@ TINY = {
 }
 """The tiny model and data of `tests/test_loop.py`."""
 
-BURNER = "while True: pass"
+BURNER = "import os\nparent = os.getppid()\nwhile os.getppid() == parent:\n    sum(range(100_000))"
+"""A busy loop that ends with this script, however it ends."""
 
 
 def make_data(directory: Path) -> None:
@@ -64,6 +65,10 @@ def train_once(data: Path, output: Path, epochs: int, workers: int, timeout: flo
         os.killpg(process.pid, 9)  # the launcher's session: the ranks and their workers with it
         process.communicate()
         return {"outcome": "hung", "seconds": round(time.perf_counter() - start, 1)}
+    except BaseException:  # e.g. Ctrl-C: the run is in its own session, which the terminal's signal missed
+        os.killpg(process.pid, 9)
+        process.wait()
+        raise
     steps = 0
     if (output / "train_log.jsonl").is_file():
         steps = len((output / "train_log.jsonl").read_text().splitlines())

@@ -400,16 +400,16 @@ if __name__ == "__main__":
 
 
 def test_a_stalled_process_makes_the_others_fail_with_a_named_error_not_wait(synthetic, tmp_path):
-    """Process 0 stalls before its second batch for far longer than train.collective_timeout (10 s here): process 1
+    """Process 0 stalls before its second batch for far longer than train.collective_timeout (30 s here): process 1
     fails with `CollectiveTimeout`, naming itself, the step and the collective it waited in, and the launch ends
-    (the 300 s limit is only a hang guard)."""
+    (the 400 s limit is only a hang guard)."""
     script = tmp_path / "stalling.py"
     script.write_text(STALLING)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "STALL_SECONDS": "240"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "STALL_SECONDS": "1000"}
     result = subprocess.run(_accelerate_command(script, [
         "--config", "configuration/synthetic_retrieval.yaml", "--dataset", str(synthetic), *TINY, "--no-eval",
         "--output-dir", str(tmp_path / "out"), "--max-steps", "3", "--set", "data.num_workers=0",
-        "--set", "train.collective_timeout=10"]), cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        "--set", "train.collective_timeout=30"]), cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     output = result.stdout + result.stderr
     assert result.returncode != 0, output[-3000:]
     assert ("CollectiveTimeout: process 1 of 2 gave up waiting for the other processes' next batch (all_reduce in "
@@ -497,3 +497,43 @@ def test_killing_the_launcher_mid_epoch_leaves_no_process_behind(synthetic, tmp_
         for pid, (start, _) in tree.items():  # a failed run must not leave them either
             if _still_running(pid, start):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_collective_that_fails_names_the_process_the_step_and_what_it_waited_for():
+    from types import SimpleNamespace
+
+    from train.loop import CollectiveTimeout, collective
+
+    accelerator = SimpleNamespace(process_index=1, num_processes=2)
+    with pytest.raises(CollectiveTimeout) as error:
+        with collective(accelerator, "the losses (all_reduce)", lambda: "before step 7 (epoch 2)"):
+            raise RuntimeError("[gloo/unbound_buffer.cc:129] Timed out waiting 3000ms for send operation to complete")
+    assert str(error.value).startswith("process 1 of 2 gave up waiting for the losses (all_reduce) before step 7 "
+                                       "(epoch 2): another process is stuck or has died")
+    assert "Timed out waiting 3000ms" in str(error.value)
+    with collective(accelerator, "nothing", "here"):  # no error: nothing raised, the block's value stays
+        value = 3
+    assert value == 3
+
+
+UNGUARDED = """
+from train.finetune_retrieval import TASK
+from train.loop import main
+
+main(TASK)  # not under `if __name__ == "__main__":`
+"""
+
+
+def test_an_unguarded_script_with_dataloader_workers_fails_with_the_fix_not_a_second_training(synthetic, tmp_path):
+    """DataLoader workers start from a forkserver and import the main script: one that calls `main` at module level
+    would train again inside every worker. The worker refuses with the fix; the run fails instead of hanging."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, str(script), "--config", "configuration/synthetic_retrieval.yaml", "--dataset", str(synthetic),
+         *TINY, "--output-dir", str(tmp_path / "out"), "--max-steps", "1", "--no-eval"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-3000:]
+    assert "call it under `if __name__ == \"__main__\":`" in output, output[-3000:]
