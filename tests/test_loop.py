@@ -201,26 +201,34 @@ def test_init_from_our_folder_blip_and_original_checkpoints(synthetic, tmp_path)
 # ---------------------------------------------------------------------------------------------------- streamed data
 
 
+def _generate_rows(shard_ids: list[int], rows: int, shards: int):
+    for shard in shard_ids:
+        for i in range(shard, rows, shards):
+            yield {"video": f"v{i}.mp4", "text": f"t{i}", "video_id": str(i)}
+
+
 def _stream(rows: int = 23, shards: int = 1):
     import datasets
 
-    def generate(shard_ids):
-        for shard in shard_ids:
-            for i in range(shard, rows, shards):
-                yield {"video": f"v{i}.mp4", "text": f"t{i}", "video_id": str(i)}
+    # module-level functions: the DataLoader workers (forkserver, as the loop's) unpickle the stream
+    return datasets.IterableDataset.from_generator(
+        _generate_rows, gen_kwargs={"shard_ids": list(range(shards)), "rows": rows, "shards": shards})
 
-    return datasets.IterableDataset.from_generator(generate, gen_kwargs={"shard_ids": list(range(shards))})
+
+def _video_ids(rows: list[dict]) -> list[str]:
+    return [row["video_id"] for row in rows]
 
 
 def _epoch_batches(stream, epoch: int, rank: int, world: int, start: int = 0, workers: int = 0) -> list[list[str]]:
     from torch.utils.data import DataLoader
 
+    from modeling_testa.worker_process import dataloader_workers
     from train.loop import StreamedEpoch
 
     data = StreamedEpoch(stream, seed=3, epoch=epoch, rank=rank, world=world, batch_size=2, start_batch=start,
                          buffer_size=8)
-    loader = DataLoader(data, batch_size=None, collate_fn=lambda rows: [r["video_id"] for r in rows],
-                        num_workers=workers)
+    loader = DataLoader(data, batch_size=None, collate_fn=_video_ids, num_workers=workers,
+                        **dataloader_workers(workers, data))
     return list(loader)
 
 
