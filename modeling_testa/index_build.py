@@ -47,6 +47,7 @@ from .moments import WindowRowDecoder, check_window_options, plan_windows, probe
 from .saving import INFERENCE_ATTRIBUTE
 from .store_lock import StoreLockedError, check_lock_token
 from .video_store import journaled_count, journaled_failures
+from .worker_process import dataloader_workers
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +170,8 @@ class FileDecoder:
 
             # one decoded item in flight per worker (the default is 2): decoded pixels are the largest host buffers
             yield from DataLoader(items, batch_size=1, collate_fn=collate, num_workers=self.num_workers,
-                                  prefetch_factor=1 if self.num_workers else None)
+                                  prefetch_factor=1 if self.num_workers else None,
+                                  **dataloader_workers(self.num_workers, collate))
             return
         ahead = DecodeAhead(lambda j: collate([items[j]]), len(items), self.num_workers,
                             max(2 * self.batch_size, self.num_workers), self.thread_initializer)

@@ -404,8 +404,11 @@ class DecodeVideos(DecodeEach):
     and the training evaluation (a DataLoader's `collate_fn`)."""
 
     def __init__(self, video_processor: Any, num_frames: int, on_error: str = "skip"):
-        super().__init__(lambda path, position: self.decode(path), on_error)
+        super().__init__(self.decode_at, on_error)  # a bound method, not a lambda: DataLoader workers unpickle it
         self.video_processor, self.num_frames = video_processor, num_frames
+
+    def decode_at(self, path: str, position: int) -> torch.Tensor:
+        return self.decode(path)
 
     def decode(self, path: str) -> torch.Tensor:
         """``(1, frames, 3, H, W)`` pixel values of one video file."""

@@ -103,10 +103,13 @@ def load_split(
     if columns is not None and not any(c in columns for c in MEDIA_COLUMNS):
         return dataset
 
-    def _resolve(row: dict) -> dict:
-        return {c: resolve_media_path(row[c], base_dir) for c in MEDIA_COLUMNS if row.get(c) is not None}
-
-    return dataset.map(_resolve)
+    # a module-level function, not a closure: a streamed split is pickled into DataLoader workers (forkserver)
+    return dataset.map(resolve_media_row, fn_kwargs={"base_dir": base_dir})
 
 
-__all__ = ["load_split", "resolve_media_path", "split_files"]
+def resolve_media_row(row: dict, base_dir: str) -> dict:
+    """The row's media columns (``video``, ``image``) resolved against `base_dir` (see `resolve_media_path`)."""
+    return {c: resolve_media_path(row[c], base_dir) for c in MEDIA_COLUMNS if row.get(c) is not None}
+
+
+__all__ = ["load_split", "resolve_media_path", "resolve_media_row", "split_files"]

@@ -36,7 +36,6 @@ import random
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from multiprocessing import get_context
 
 import numpy as np
 
@@ -395,7 +394,11 @@ def write_videos(videos_dir: str, prefix: str, jobs: list[tuple], encode_job, nu
             os.remove(os.path.join(videos_dir, name))
     bar = tqdm(total=len(jobs), desc=desc, unit="video", disable=not progress)
     if num_workers > 1:
-        with get_context("fork" if os.name == "posix" else "spawn").Pool(num_workers) as pool:
+        # never `fork`: this process may run threads by now (tqdm's monitor), and a child forked from a
+        # multi-threaded process can deadlock (modeling_testa.worker_process.WORKER_START_METHOD)
+        from modeling_testa.worker_process import worker_context
+
+        with worker_context((encode_job.__module__,)).Pool(num_workers) as pool:
             for _ in pool.imap_unordered(encode_job, jobs, chunksize=8):
                 bar.update()
     else:

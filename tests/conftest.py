@@ -5,9 +5,43 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # read by gradio at import (tests/test_app.py)
 
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from helpers import fork_guard  # noqa: E402
 
+# The fork guard (`helpers/fork_guard.py`), for this process and every Python process a test starts (through
+# `sitecustomize` on PYTHONPATH): a test during which one of them forks with other threads alive fails.
+FORK_RECORDS = tempfile.mkdtemp(prefix="testa-fork-guard-")
+os.environ[fork_guard.ENV] = FORK_RECORDS
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(fork_guard.SITE), os.environ.get("PYTHONPATH")]))
+fork_guard.install()
+_reported: set[str] = set()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """The test's call fails when a fork with threads alive was recorded since the last check (its setup included:
+    a module fixture's forks count against the first test that uses it)."""
+    outcome = yield
+    report = outcome.get_result()
+    if call.when != "call":
+        return
+    new = {name: record for name, record in fork_guard.records(FORK_RECORDS).items() if name not in _reported}
+    _reported.update(new)
+    if new and not report.failed:
+        report.outcome = "failed"
+        report.longrepr = (f"{len(new)} fork(s) with other threads alive during this test (a forked child can "
+                           "deadlock; see tests/helpers/fork_guard.py):\n\n"
+                           + "\n\n".join(map(fork_guard.describe, new.values())))
+    elif new:
+        report.sections.append(("fork guard", "\n\n".join(map(fork_guard.describe, new.values()))))
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(FORK_RECORDS, ignore_errors=True)
 
 
 def pytest_configure(config):

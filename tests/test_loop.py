@@ -71,7 +71,8 @@ def probed(model, batch, warmup_progress):
         f.write(json.dumps(record) + "\\n")
     return loss
 
-main(dataclasses.replace(TASK, compute_loss=probed))
+if __name__ == "__main__":  # DataLoader workers import this script (forkserver)
+    main(dataclasses.replace(TASK, compute_loss=probed))
 """
 
 
@@ -200,26 +201,34 @@ def test_init_from_our_folder_blip_and_original_checkpoints(synthetic, tmp_path)
 # ---------------------------------------------------------------------------------------------------- streamed data
 
 
+def _generate_rows(shard_ids: list[int], rows: int, shards: int):
+    for shard in shard_ids:
+        for i in range(shard, rows, shards):
+            yield {"video": f"v{i}.mp4", "text": f"t{i}", "video_id": str(i)}
+
+
 def _stream(rows: int = 23, shards: int = 1):
     import datasets
 
-    def generate(shard_ids):
-        for shard in shard_ids:
-            for i in range(shard, rows, shards):
-                yield {"video": f"v{i}.mp4", "text": f"t{i}", "video_id": str(i)}
+    # module-level functions: the DataLoader workers (forkserver, as the loop's) unpickle the stream
+    return datasets.IterableDataset.from_generator(
+        _generate_rows, gen_kwargs={"shard_ids": list(range(shards)), "rows": rows, "shards": shards})
 
-    return datasets.IterableDataset.from_generator(generate, gen_kwargs={"shard_ids": list(range(shards))})
+
+def _video_ids(rows: list[dict]) -> list[str]:
+    return [row["video_id"] for row in rows]
 
 
 def _epoch_batches(stream, epoch: int, rank: int, world: int, start: int = 0, workers: int = 0) -> list[list[str]]:
     from torch.utils.data import DataLoader
 
+    from modeling_testa.worker_process import dataloader_workers
     from train.loop import StreamedEpoch
 
     data = StreamedEpoch(stream, seed=3, epoch=epoch, rank=rank, world=world, batch_size=2, start_batch=start,
                          buffer_size=8)
-    loader = DataLoader(data, batch_size=None, collate_fn=lambda rows: [r["video_id"] for r in rows],
-                        num_workers=workers)
+    loader = DataLoader(data, batch_size=None, collate_fn=_video_ids, num_workers=workers,
+                        **dataloader_workers(workers, data))
     return list(loader)
 
 
@@ -318,7 +327,8 @@ from train.loop import main
 def evaluate(*args):
     raise RuntimeError("evaluation crashed")
 
-main(dataclasses.replace(TASK, evaluate=evaluate))
+if __name__ == "__main__":
+    main(dataclasses.replace(TASK, evaluate=evaluate))
 """
 
 
@@ -366,3 +376,172 @@ def test_a_launch_config_that_accelerate_ignores_is_reported(monkeypatch, capsys
     assert "asks for FSDP, but Accelerate runs DistributedType.MULTI_CPU" in capsys.readouterr().out
     warn_if_launch_config_ignored(SimpleNamespace(distributed_type=DistributedType.FSDP, print=print))
     assert capsys.readouterr().out == ""
+
+
+# ------------------------------------------------------------------------------------------- stuck and killed runs
+
+
+def _accelerate_command(script: Path, args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(script), *args]
+
+
+STALLING = """
+import os, time
+from train import data
+from train.finetune_retrieval import TASK
+from train.loop import main
+
+collate = data.VideoTextCollator.__call__
+calls = []
+
+def stalling(self, rows):  # process 0 never delivers its second batch in time
+    calls.append(1)
+    if os.environ["RANK"] == "0" and len(calls) == 2:
+        time.sleep(float(os.environ["STALL_SECONDS"]))
+    return collate(self, rows)
+
+data.VideoTextCollator.__call__ = stalling
+if __name__ == "__main__":
+    main(TASK)
+"""
+
+
+def test_a_stalled_process_makes_the_others_fail_with_a_named_error_not_wait(synthetic, tmp_path):
+    """Process 0 stalls before its second batch for far longer than train.collective_timeout (30 s here): process 1
+    fails with `CollectiveTimeout`, naming itself, the step and the collective it waited in, and the launch ends
+    (the 400 s limit is only a hang guard)."""
+    script = tmp_path / "stalling.py"
+    script.write_text(STALLING)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "STALL_SECONDS": "1000"}
+    result = subprocess.run(_accelerate_command(script, [
+        "--config", "configuration/synthetic_retrieval.yaml", "--dataset", str(synthetic), *TINY, "--no-eval",
+        "--output-dir", str(tmp_path / "out"), "--max-steps", "3", "--set", "data.num_workers=0",
+        "--set", "train.collective_timeout=30"]), cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-3000:]
+    assert ("CollectiveTimeout: process 1 of 2 gave up waiting for the other processes' next batch (all_reduce in "
+            "train.data.synchronized) before step 2 (epoch 0)") in output, output[-5000:]
+    assert not (tmp_path / "out" / "final").exists()
+
+
+def _process_tree(root: int) -> dict[int, tuple[str, str]]:
+    """The descendants of process `root` (from /proc): pid -> (start time, command line)."""
+    parents, found = {}, {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            parents[int(entry.name)] = (int(fields[1]), fields[19])  # ppid, start time
+    frontier = [root]
+    while frontier:
+        parent = frontier.pop()
+        for pid, (ppid, start) in parents.items():
+            if ppid == parent and pid not in found:
+                try:
+                    command = (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                except OSError:
+                    command = "?"
+                found[pid] = (start, command)
+                frontier.append(pid)
+    return found
+
+
+def _still_running(pid: int, start: str) -> bool:
+    """Whether process `pid`, started at `start`, still runs (a zombie has ended: only its parent's reaping is
+    left)."""
+    try:
+        fields = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return fields[19] == start and fields[0] != "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="walks /proc")
+def test_killing_the_launcher_mid_epoch_leaves_no_process_behind(synthetic, tmp_path):
+    """A two-process run with 2 DataLoader workers per process (and their decoder helpers) is killed from outside
+    mid-epoch: `accelerate launch` gets SIGKILL, the one signal nothing can clean up after. Every process it had
+    started (ranks, forkservers, DataLoader workers, decoder helpers), recorded from /proc before the kill, is gone
+    within the hang guard's 60 s."""
+    import signal
+    import time
+
+    script = tmp_path / "probed_retrieval.py"
+    script.write_text(PROBE.format())
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PROBE_DIR": str(tmp_path)}
+    launcher = subprocess.Popen(_accelerate_command(script, [
+        "--config", "configuration/synthetic_retrieval.yaml", "--dataset", str(synthetic), *TINY, "--no-eval",
+        "--output-dir", str(tmp_path / "out"), "--set", "train.epochs=50", "--set", "data.num_workers=2"]),
+        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    tree = {}
+    try:
+        deadline = time.monotonic() + 400  # hang guard: a loaded machine starts the two processes slowly
+        probe = tmp_path / "rank0.jsonl"
+        while time.monotonic() < deadline and launcher.poll() is None:  # mid-epoch: two steps done
+            if probe.exists() and len(probe.read_text().splitlines()) >= 2:
+                break
+            time.sleep(0.5)
+        assert launcher.poll() is None, launcher.stderr.read()[-3000:]
+        assert probe.exists() and len(probe.read_text().splitlines()) >= 2, "no training step within 400 s"
+        tree = _process_tree(launcher.pid)
+        commands = " | ".join(command for _, command in tree.values())
+        assert "probed_retrieval.py" in commands and "forkserver" in commands, commands  # ranks and their workers
+        assert len(tree) >= 2 + 2 * 3, commands  # 2 ranks, each with a forkserver and 2 workers, at least
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(timeout=30)
+        deadline = time.monotonic() + 60
+        left = tree
+        while left and time.monotonic() < deadline:
+            left = {pid: info for pid, info in left.items() if _still_running(pid, info[0])}
+            time.sleep(0.5)
+        assert not left, "still running after the launcher was killed:\n" + "\n".join(
+            f"{pid}: {command}" for pid, (_, command) in left.items())
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        for pid, (start, _) in tree.items():  # a failed run must not leave them either
+            if _still_running(pid, start):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_collective_that_fails_names_the_process_the_step_and_what_it_waited_for():
+    from types import SimpleNamespace
+
+    from train.loop import CollectiveTimeout, collective
+
+    accelerator = SimpleNamespace(process_index=1, num_processes=2)
+    with pytest.raises(CollectiveTimeout) as error:
+        with collective(accelerator, "the losses (all_reduce)", lambda: "before step 7 (epoch 2)"):
+            raise RuntimeError("[gloo/unbound_buffer.cc:129] Timed out waiting 3000ms for send operation to complete")
+    assert str(error.value).startswith("process 1 of 2 gave up waiting for the losses (all_reduce) before step 7 "
+                                       "(epoch 2): another process is stuck or has died")
+    assert "Timed out waiting 3000ms" in str(error.value)
+    with collective(accelerator, "nothing", "here"):  # no error: nothing raised, the block's value stays
+        value = 3
+    assert value == 3
+
+
+UNGUARDED = """
+from train.finetune_retrieval import TASK
+from train.loop import main
+
+main(TASK)  # not under `if __name__ == "__main__":`
+"""
+
+
+def test_an_unguarded_script_with_dataloader_workers_fails_with_the_fix_not_a_second_training(synthetic, tmp_path):
+    """DataLoader workers start from a forkserver and import the main script: one that calls `main` at module level
+    would train again inside every worker. The worker refuses with the fix; the run fails instead of hanging."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, str(script), "--config", "configuration/synthetic_retrieval.yaml", "--dataset", str(synthetic),
+         *TINY, "--output-dir", str(tmp_path / "out"), "--max-steps", "1", "--no-eval"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-3000:]
+    assert "call it under `if __name__ == \"__main__\":`" in output, output[-3000:]

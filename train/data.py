@@ -6,19 +6,23 @@
 - `epoch_loader`: one process's DataLoader for an epoch, reshuffled every epoch, shared between processes by
   position (`StreamedEpoch` for streams), resumable exactly from a saved position;
 - `synchronized`: stops every process when one runs out;
+- `collective`: a collective that waited past ``train.collective_timeout`` (or whose peer died) raises
+  `CollectiveTimeout`, naming the process, the step and what it waited for;
 - `build_processor`: the `TestaProcessor` of the recipe's ``data`` section.
 """
 
 import collections
+import contextlib
 import itertools
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
+from modeling_testa.worker_process import dataloader_workers
 from processing.data import load_split
 
 from .recipe import Recipe, as_recipe
@@ -242,7 +246,8 @@ def epoch_loader(rows, state, per_device_batch: int, seed: int, rank: int, world
 
     ``state`` is the loop's `TrainState` (its ``epoch`` and ``micro_batches_in_epoch`` are read). Every process
     consumes the same number of rows per step, so the saved position (micro-batches into the epoch)
-    is the same on all of them.
+    is the same on all of them. Its workers start from a forkserver, never by forking this process, which runs
+    threads by then (`modeling_testa.worker_process.dataloader_workers`).
     """
     from datasets import IterableDataset
 
@@ -251,12 +256,13 @@ def epoch_loader(rows, state, per_device_batch: int, seed: int, rank: int, world
     generator = torch.Generator().manual_seed(seed + state.epoch)
     if isinstance(rows, IterableDataset):
         epoch_data = StreamedEpoch(rows, seed, state.epoch, rank, world, per_device_batch, start, buffer_size)
-        return DataLoader(epoch_data, batch_size=None, collate_fn=collator, num_workers=workers, generator=generator)
+        return DataLoader(epoch_data, batch_size=None, collate_fn=collator, num_workers=workers, generator=generator,
+                          **dataloader_workers(workers, epoch_data, collator))
     per_process = len(rows) // world  # equal shares on every process
     shard = rows.shuffle(seed=seed + state.epoch).select(range(rank * per_process, (rank + 1) * per_process))
     epoch_data = _Positioned(shard, state.epoch, min(start * per_device_batch, per_process), rank * per_process)
     return DataLoader(epoch_data, batch_size=per_device_batch, collate_fn=collator, num_workers=workers,
-                      drop_last=True, generator=generator)
+                      drop_last=True, generator=generator, **dataloader_workers(workers, epoch_data, collator))
 
 
 def spare_rows(rows, count: int) -> list[dict]:
@@ -268,14 +274,39 @@ def spare_rows(rows, count: int) -> list[dict]:
     return [rows[i] for i in range(min(count, len(rows)))]
 
 
-def synchronized(loader, accelerator: Accelerator):
+class CollectiveTimeout(RuntimeError):
+    """A process waited for the others longer than the process group's timeout (``train.collective_timeout``), or
+    another process died while it waited: the message names this process, the step and what it waited for."""
+
+
+@contextlib.contextmanager
+def collective(accelerator: Accelerator, what: str, where: "str | Callable[[], str]" = "") -> Iterator[None]:
+    """Runs the collective in the block; the process group's error (a timeout, a peer that died: RuntimeErrors
+    with the backend's words) becomes a `CollectiveTimeout` naming this process, `where` (e.g. ``"before step 3
+    (epoch 1)"``; a function is called only on failure) and `what` it waited for."""
+    try:
+        yield
+    except CollectiveTimeout:
+        raise
+    except RuntimeError as error:
+        place = where() if callable(where) else where
+        raise CollectiveTimeout(
+            f"process {accelerator.process_index} of {accelerator.num_processes} gave up waiting for {what}"
+            f"{' ' + place if place else ''}: another process is stuck or has died (the limit is "
+            f"train.collective_timeout). {type(error).__name__}: {str(error).strip()[:500]}") from error
+
+
+def synchronized(loader, accelerator: Accelerator, where: "str | Callable[[], str]" = ""):
     """Yields the loader's batches until any process runs out: every process must take the same number of steps,
-    since the losses gather across processes."""
+    since the losses gather across processes. A process that waits too long for the others' batches raises
+    `CollectiveTimeout` (`collective`; `where` names the step)."""
     iterator = iter(loader)
     while True:
         batch = next(iterator, None)
         has_batch = torch.tensor([0 if batch is None else 1], device=accelerator.device)
-        if accelerator.reduce(has_batch, reduction="sum").item() < accelerator.num_processes:
+        with collective(accelerator, "the other processes' next batch (all_reduce in train.data.synchronized)", where):
+            others = accelerator.reduce(has_batch, reduction="sum").item()
+        if others < accelerator.num_processes:
             return
         yield batch
 
@@ -286,10 +317,12 @@ def move_to_device(batch: dict, device: torch.device) -> dict:
 
 __all__ = [
     "MEDIA_ERRORS",
+    "CollectiveTimeout",
     "DecodeFailures",
     "StreamedEpoch",
     "VideoTextCollator",
     "build_processor",
+    "collective",
     "epoch_loader",
     "load_rows",
     "move_to_device",

@@ -35,6 +35,7 @@ from modeling_testa.index_homes import IndexEntry, StoreHome
 from modeling_testa.indexing import DecodeVideos
 from modeling_testa.ranking import RankingOptions, ranked_order, two_stage_scores
 from modeling_testa.video_store import VideoTokenStore, missing_shards, shard_range
+from modeling_testa.worker_process import dataloader_workers
 
 from .loop import load_rows
 from .recipe import Recipe, as_recipe
@@ -88,8 +89,10 @@ def encode_to_store(model, items: list, collate: Callable, accelerator: Accelera
 
     def decode(rows: list[IndexEntry], positions: list[int]) -> DataLoader:
         # the plan's rows are the items, in order: the caller's collate sees its own items
-        return DataLoader(_Items([(i, items[i]) for i in positions]), batch_size=per_process, collate_fn=collate,
-                          num_workers=num_workers, prefetch_factor=1 if num_workers else None)
+        dataset = _Items([(i, items[i]) for i in positions])
+        return DataLoader(dataset, batch_size=per_process, collate_fn=collate, num_workers=num_workers,
+                          prefetch_factor=1 if num_workers else None,
+                          **dataloader_workers(num_workers, dataset, collate))
 
     build = IndexBuild(StoreHome(directory), {**(info or {}), "token_dtype": str(token_dtype).replace("torch.", "")},
                        command="train.evaluation", replace=True, num_workers=num_workers,

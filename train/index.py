@@ -71,6 +71,7 @@ from modeling_testa.runtimes import auto_precision, isolated_by_default
 from modeling_testa.store_lock import StoreLockedError
 from modeling_testa.video_inputs import VIDEO_SUFFIXES, find_video_files
 from modeling_testa.video_store import TOKEN_DTYPES
+from modeling_testa.worker_process import die_with_launcher
 
 RETRIEVAL_HEADS = ("TestaForVideoTextRetrieval", "TestaForPreTraining")
 MILVUS_TOKEN_VARIABLE = "MILVUS_TOKEN"
@@ -231,6 +232,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    die_with_launcher()  # a rank ends with its launcher, however the launcher ends (train.loop.main does the same)
     args = parse_args(argv)
     store = Path(args.store)
     if store.exists() and not store.is_dir():

@@ -21,8 +21,10 @@ many GPUs and several nodes. The names of `train.recipe` and `train.data` that t
 use are importable from here too.
 """
 
+import datetime
 import json
 import math
+import multiprocessing
 import os
 import time
 from collections.abc import Mapping
@@ -31,19 +33,22 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from accelerate import Accelerator, DataLoaderConfiguration, DistributedDataParallelKwargs
+from accelerate import Accelerator, DataLoaderConfiguration, DistributedDataParallelKwargs, InitProcessGroupKwargs
 from accelerate.utils import ProjectConfiguration, set_seed
 from tqdm.auto import tqdm
 
 from modeling_testa import TestaConfig
 from modeling_testa.aggregation_settings import AGGREGATION_FIELDS
+from modeling_testa.worker_process import die_with_launcher
 
 from .data import (  # re-exported (`__all__`): `from train.loop import load_rows` keeps working
     MEDIA_ERRORS,
+    CollectiveTimeout,
     DecodeFailures,
     StreamedEpoch,
     VideoTextCollator,
     build_processor,
+    collective,
     epoch_loader,
     load_rows,
     move_to_device,
@@ -219,8 +224,23 @@ def warn_if_launch_config_ignored(accelerator: Accelerator) -> None:
                               f"{accelerator.distributed_type} here ({name} needs GPUs; see configuration/README.md)")
 
 
+def check_not_a_worker_import() -> None:
+    """DataLoader workers start from a forkserver (`modeling_testa.worker_process.WORKER_START_METHOD`), which, as
+    ``spawn``, imports the main script in every worker: a script that calls `main` outside ``if __name__ ==
+    "__main__":`` would start a second training inside each worker. Refuse it there, with the fix."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise RuntimeError(
+            "train.loop.main() was called while a DataLoader worker imported the training script: call it under "
+            "`if __name__ == \"__main__\":` in your script (DataLoader workers import the script, as with any "
+            "multiprocessing start method but fork)")
+
+
 def main(task: Task, argv: list[str] | None = None) -> dict:
     """Trains, saves ``OUT/final``, then evaluates; returns the evaluation metrics."""
+    check_not_a_worker_import()
+    # A rank ends with its launcher, however the launcher ends (its DataLoader workers and helper processes end with
+    # the rank: modeling_testa.worker_process); `accelerate launch` starts ranks from its main thread.
+    die_with_launcher()
     args = parse_args(f"TESTA {task.name} training", argv)
     recipe = load_recipe(args, task=task.name)
     if recipe.task not in (None, task.name):
@@ -244,7 +264,9 @@ def main(task: Task, argv: list[str] | None = None) -> dict:
         log_with=_trackers() or None,  # `[]` makes accelerate warn on every process
         project_config=ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(output_dir / "logs")),
         dataloader_config=DataLoaderConfiguration(dispatch_batches=False),
-        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=bool(find_unused))],
+        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=bool(find_unused)),
+                         # a process that waits longer than this for the others fails (`collective`): no endless wait
+                         InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=train_cfg.collective_timeout))],
     )
     warn_if_launch_config_ignored(accelerator)
     accelerator.print(f"{accelerator.num_processes} process(es), {accelerator.distributed_type}, mixed precision "
@@ -307,8 +329,12 @@ def main(task: Task, argv: list[str] | None = None) -> dict:
     # total (Accelerate saves custom state from the main process only, so a per-process count would be wrong there).
     failures_at_start, local_failures = state.decode_failures, 0
 
+    def at_step() -> str:  # where a collective waited, for its error
+        return f"before step {state.global_step + 1} (epoch {state.epoch})"
+
     def global_failures() -> int:  # collective
-        total = accelerator.reduce(torch.tensor([local_failures], device=accelerator.device), reduction="sum")
+        with collective(accelerator, "the other processes' count of replaced videos (all_reduce)", at_step):
+            total = accelerator.reduce(torch.tensor([local_failures], device=accelerator.device), reduction="sum")
         return failures_at_start + int(total.item())
 
     text_lengths = {name: getattr(data_cfg, key) for name, key in task.text_lengths.items()}
@@ -335,7 +361,7 @@ def main(task: Task, argv: list[str] | None = None) -> dict:
         loader = epoch_loader(rows, state, per_device_batch, seed, accelerator.process_index,
                               accelerator.num_processes, collator, workers, buffer_size)
         wait_start = time.perf_counter()
-        for batch in synchronized(loader, accelerator):
+        for batch in synchronized(loader, accelerator, at_step):
             throughput["wait_seconds"] += time.perf_counter() - wait_start
             stats = batch.pop("stats")
             throughput["decode_seconds"] += stats["decode_seconds"]
@@ -363,7 +389,8 @@ def main(task: Task, argv: list[str] | None = None) -> dict:
             state.micro_batches_in_epoch += 1
             if accelerator.sync_gradients:
                 state.global_step += 1
-                loss_value = accelerator.reduce(loss.detach().float(), reduction="mean").item()
+                with collective(accelerator, "the other processes' losses (all_reduce)", at_step):
+                    loss_value = accelerator.reduce(loss.detach().float(), reduction="mean").item()
                 progress.set_postfix(loss=f"{loss_value:.4f}")
                 progress.update(1)
                 if state.global_step % log_every == 0 or state.global_step == max_steps:
@@ -510,13 +537,15 @@ def _report_throughput(accelerator: Accelerator, throughput: dict, workers: int,
 
 def save_final(accelerator: Accelerator, model, processor, path: Path) -> None:
     """A `save_pretrained` folder with the processor: loadable with `from_pretrained` and by the pipelines."""
-    accelerator.wait_for_everyone()
+    with collective(accelerator, "the other processes to finish training (barrier)", "after the last step"):
+        accelerator.wait_for_everyone()
     unwrapped = accelerator.unwrap_model(model)
     state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         unwrapped.save_pretrained(str(path), state_dict=state_dict)
         processor.save_pretrained(str(path))
-    accelerator.wait_for_everyone()
+    with collective(accelerator, f"the main process to write {path} (barrier)", "after the last step"):
+        accelerator.wait_for_everyone()
 
 
 __all__ = [
@@ -526,6 +555,7 @@ __all__ = [
     "TrainState",
     "build_model",
     "build_scheduler",
+    "check_not_a_worker_import",
     "check_output_dir",
     "clear_previous_run",
     "final_report",
@@ -541,6 +571,7 @@ __all__ = [
     # re-exported from train.recipe and train.data, where they live
     "MEDIA_ERRORS",
     "MIXED_PRECISIONS",
+    "CollectiveTimeout",
     "RECIPE_KEYS",
     "SCHEDULERS",
     "TASKS",
@@ -550,6 +581,7 @@ __all__ = [
     "TrainRecipe",
     "VideoTextCollator",
     "build_processor",
+    "collective",
     "epoch_loader",
     "load_recipe",
     "load_rows",

@@ -77,6 +77,7 @@ class TrainRecipe:
     keep_checkpoints: int | None = 2  # the most recent checkpoints kept (older ones are deleted); null: all
     log_every: int = 1
     reservoir_size: int = 8  # recent good samples kept to replace undecodable videos
+    collective_timeout: float = 600.0  # seconds a process waits for the others in a collective, then fails
 
     CHOICES = {"scheduler": SCHEDULERS, "mixed_precision": MIXED_PRECISIONS}
 
