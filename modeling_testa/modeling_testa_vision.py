@@ -4,6 +4,7 @@ similar frames and similar patches (`aggregation_block`). Split out of the heads
 
 import math
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -289,6 +290,32 @@ class TestaPreTrainedModel(TestaHubMixin, PreTrainedModel):
     _no_split_modules = ["TestaVisionLayer"]
     _supports_sdpa = True
     _supports_attention_backend = True
+
+    weights_missing_at_load: tuple[str, ...] = ()
+    """The weights `from_pretrained` did not find in the checkpoint (left at their initialisation, which
+    transformers only logs); empty for a model built in memory. The pipelines refuse a model that lacks any."""
+
+    @classmethod
+    def from_pretrained(cls, *args: Any, output_loading_info: bool = False, **kwargs: Any) -> Any:
+        """`PreTrainedModel.from_pretrained`, recording the weights the checkpoint lacked on the model
+        (`weights_missing_at_load`), so that a folder of another head (a retrieval folder has no answer decoder) is
+        refused where it is used rather than answering from random weights."""
+        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        model.weights_missing_at_load = tuple(sorted(info["missing_keys"]))
+        model._initialise_missing_ties(set(info["missing_keys"]))
+        return (model, info) if output_loading_info else model
+
+    @torch.no_grad()
+    def _initialise_missing_ties(self, missing: set[str]) -> None:
+        """Initialises the modules holding a tie of which the checkpoint had neither side (a QA head's answer decoder
+        started from a retrieval folder): transformers marks tied weights as loaded and skips them, so such a weight
+        (the decoder's output bias) would keep uninitialised memory (NaN losses)."""
+        for target, source in (getattr(self, "all_tied_weights_keys", None) or {}).items():
+            if target in missing and source in missing:
+                owner = self.get_submodule(source.rpartition(".")[0])
+                for flagged in (owner, *owner.parameters(recurse=False)):
+                    flagged._is_hf_initialized = False
+                self._init_weights(owner)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
