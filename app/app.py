@@ -28,6 +28,8 @@ import re
 import sys
 import tempfile
 import threading
+import time
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,6 +90,7 @@ class AppState:
     served: Session = field(default_factory=Session)  # the collection every visitor searches until they index
     thumbnails: dict[tuple, str] = field(default_factory=dict)  # (video, start, end) -> PNG of a frame of it
     lock: threading.Lock = field(default_factory=threading.Lock)  # one index change at a time
+    jobs: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # every indexing job, for `stop_indexing`
     output_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="testa-app-"))
 
     def require_model(self) -> Any:
@@ -252,6 +255,9 @@ class IndexingJob:
         self.current = IndexingProgress(videos_total=len(paths))  # the rows are known once planned (`plan`)
         self.rows_per_video: Counter = Counter(paths)  # planned by `plan`: a video's windows, or 1
         self.status = ""  # the final report, or why the job failed
+        self.stopping = threading.Event()  # set by `stop`: the job ends after its current step
+        self.thread: threading.Thread | None = None  # the thread of a started job
+        state.jobs.add(self)
 
     # -- watching ----------------------------------------------------------------------------------------------------
 
@@ -292,8 +298,13 @@ class IndexingJob:
     # -- running -----------------------------------------------------------------------------------------------------
 
     def start(self) -> "IndexingJob":
-        threading.Thread(target=self.run_quietly, name="testa-app-indexing", daemon=True).start()
+        self.thread = threading.Thread(target=self.run_quietly, name="testa-app-indexing", daemon=True)
+        self.thread.start()
         return self
+
+    def stop(self) -> None:
+        """Asks the job to end after its current step (it then fails with the reason "the app is closing")."""
+        self.stopping.set()
 
     def run_quietly(self) -> None:
         """`run`, for a thread: what it did, or why it failed, goes to the log (and the page's Index box)."""
@@ -337,6 +348,8 @@ class IndexingJob:
         stats: list[EncodingStats] = []
         done = 0
         while done < len(todo):
+            if self.stopping.is_set():  # the app is closing (`stop_indexing`): no new step
+                raise gr.Error(f"Indexing stopped after {done} of {len(todo)} videos: the app is closing.")
             size = 1 if self.moments or building is None else CHUNK_VIDEOS
             step = todo[done:done + size]
             if progress is not None:
@@ -951,7 +964,38 @@ def main(argv: list[str] | None = None) -> None:
         print(f"Indexing {args.videos} in the background; the page answers meanwhile.", flush=True)
     else:
         print(state.served.index_status, flush=True)
-    launch_app(build_app(state), args.videos, server_name=args.host, server_port=args.port)
+    try:
+        launch_app(build_app(state), args.videos, server_name=args.host, server_port=args.port)  # until Ctrl-C
+    finally:
+        stop_indexing(state)
+
+
+STOP_SECONDS = 60.0
+"""How long closing the app waits for a running indexing step to end."""
+
+
+def stop_indexing(state: AppState, timeout: float = STOP_SECONDS) -> bool:
+    """Ends the app's indexing in order, once the server is closed: every running job is asked to stop after its
+    current step, and waited for (at most `timeout` seconds in all). Without this, Ctrl-C during the start-up
+    indexing left its thread inside PyTorch while the interpreter shut down, which aborted the process ("terminate
+    called without an active exception"). Returns whether every job ended; if one did not, the process exits at once
+    (`os._exit`, after flushing its output), as finalising the interpreter under a running encoder would abort."""
+    running = [job for job in list(state.jobs) if job.running]
+    for job in running:
+        job.stop()
+    deadline = time.monotonic() + timeout
+    for job in running:
+        job.wait(max(0.0, deadline - time.monotonic()))
+        if job.thread is not None:
+            job.thread.join(max(0.0, deadline - time.monotonic()))
+    left = [job for job in running if job.running or (job.thread is not None and job.thread.is_alive())]
+    if running:
+        print("Indexing stopped: the app is closing." if not left else
+              f"An indexing step still ran after {timeout:g} s: exiting without waiting for it.", flush=True)
+    if left:
+        sys.stderr.flush()
+        os._exit(1)
+    return not left
 
 
 def launch_app(demo: gr.Blocks, videos: str | None, **options: Any) -> Any:

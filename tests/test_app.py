@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import struct
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -739,3 +740,67 @@ def test_a_browser_sees_moments_their_thumbnails_and_plays_them_from_their_start
                 shutil.copy(tmp_path / "moment.png", os.environ["TESTA_KEEP_SCREENSHOT"])
         finally:
             browser.close()
+
+
+def test_closing_the_app_stops_its_indexing_in_order(moment_files):
+    """Ctrl-C (the server closed) during the start-up indexing: `stop_indexing` asks the job to stop after its
+    current step and waits for it, so the interpreter never shuts down under a running encoder (which aborted the
+    process: "terminate called without an active exception")."""
+    module, model, videos = moment_files
+    hold = threading.Event()
+    state, job, demo, _ = start_moments_app(module, model, videos, hold, held_video="long0.mp4")
+    try:
+        assert job.wait_for(lambda progress: progress.videos_done == 2, timeout=STALL), job.describe()
+        stopped = []
+        closing = threading.Thread(target=lambda: stopped.append(module.stop_indexing(state, timeout=STALL)))
+        closing.start()
+        assert job.stopping.wait(STALL) and job.running  # asked, while its step (long0.mp4) is held
+        hold.set()
+        closing.join(STALL)
+        assert stopped == [True] and not job.running and not job.thread.is_alive()
+        # long0.mp4's step ended, long1.mp4's never began; what was indexed stays searchable
+        assert state.served.index_status == (f"The start-up index of {videos} failed: Indexing stopped after 3 of 4 "
+                                             "videos: the app is closing.")
+        assert sorted({Path(name).name for name in state.served.index.names}) == ["long0.mp4", "ten_minutes.mp4"]
+    finally:
+        hold.set()
+        demo.close()
+        gr.set_static_paths([])
+
+
+def test_ctrl_c_ends_the_app_cleanly(tmp_path):
+    """The app's process group gets SIGINT, as a terminal's Ctrl-C sends it (the decoding helpers too): it exits with
+    status 0, without an abort. The page's answering is a bounded wait (a hang-guard)."""
+    import signal
+    import subprocess
+    import urllib.request
+
+    model = save_folder(build_retrieval(), tiny_processor(), tmp_path / "model")
+    for i in range(24):
+        write_noise_video(tmp_path / "videos" / f"clip{i}.mp4", seed=i)
+    import socket
+
+    with socket.socket() as probe:  # a free port
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "GRADIO_ANALYTICS_ENABLED": "False"}
+    app = subprocess.Popen([sys.executable, str(APP), "--model", str(model), "--videos", str(tmp_path / "videos"),
+                            "--port", str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + STALL
+        while time.monotonic() < deadline and app.poll() is None:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2)
+                break
+            except OSError:
+                time.sleep(0.5)
+        os.killpg(app.pid, signal.SIGINT)
+        output, _ = app.communicate(timeout=STALL)
+    finally:
+        if app.poll() is None:
+            os.killpg(app.pid, signal.SIGKILL)
+            app.communicate()
+    assert app.returncode == 0, output[-3000:]
+    assert "terminate called" not in output and "Aborted" not in output and "Traceback" not in output, output[-3000:]
+    assert "Keyboard interruption in main thread... closing server." in output
