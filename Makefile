@@ -17,7 +17,8 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	touch $@
 
 # The main job: the short-event task -> (a) 8 frames and (b) 16 frames + TESTA at the GMAC of (a), trained on CPU ->
-# retrieval table (`python train/demo.py --upper-bound` adds (c) 16 frames; `--quick`: under 2 minutes, a smoke run).
+# retrieval table, then a small VideoQA head from (b) for the QA pipeline (outputs/demo/qa/final; `--no-qa` skips it)
+# (`python train/demo.py --upper-bound` adds (c) 16 frames; `--quick`: a smoke run).
 demo: install
 	$(PY) train/demo.py --output-dir outputs/demo
 

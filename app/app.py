@@ -6,7 +6,9 @@
 
 Index a folder (or uploaded videos), search it by sentence or paragraph, see which frames and patches TESTA merged
 for a result and where the query's words land (grounding), classify a video zero-shot, ask a question about it, and
-change R_T/R_S live to see what the merging saves. The ``--videos`` folder is indexed in the background
+change R_T/R_S live to see what the merging saves (``--allow-settings``: one model serves every visitor, so only
+the operator may let a page change it). Each visitor has a `Session` of their own (their indexing, uploads, failures
+and results); the served collection is shared and read-only. The ``--videos`` folder is indexed in the background
 (`IndexingJob`): the page answers at once, its Index box shows the videos (and moments) done and the failures so far,
 and a search runs on what is indexed so far. With a window (``--window`` or the page's "Moments" field), every
 video is indexed as windows of that many seconds (half-overlapping) and a result is a moment: its start and end, a
@@ -323,7 +325,7 @@ class IndexingJob:
             self.status = self.index(progress)
             succeeded = True
         except Exception as error:
-            reason = str(error) if isinstance(error, gr.Error) else f"{type(error).__name__}: {error}"
+            reason = error.message if isinstance(error, gr.Error) else f"{type(error).__name__}: {error}"
             self.status = f"The start-up index of {self.folder} failed: {reason}" if self.background else reason
             raise
         finally:
@@ -964,9 +966,15 @@ def main(argv: list[str] | None = None) -> None:
         print(f"Indexing {args.videos} in the background; the page answers meanwhile.", flush=True)
     else:
         print(state.served.index_status, flush=True)
+    demo = build_app(state)
+    launch_app(demo, args.videos, server_name=args.host, server_port=args.port, prevent_thread_lock=True)
     try:
-        launch_app(build_app(state), args.videos, server_name=args.host, server_port=args.port)  # until Ctrl-C
-    finally:
+        print("Serving; Ctrl-C stops the app.", flush=True)
+        threading.Event().wait()  # until Ctrl-C
+    except KeyboardInterrupt:
+        print("Closing: the server, then the indexing.", flush=True)
+    finally:  # in order: no new request, then no running encoder when the interpreter shuts down
+        demo.close()
         stop_indexing(state)
 
 

@@ -212,6 +212,24 @@ def test_a_folder_of_the_other_head_is_refused_naming_the_weights_it_lacks(retri
         assert "It holds a TestaForVideoQA" in message
 
 
+def test_the_readme_qa_lines_run_on_the_folder_the_demo_writes(qa_folder, videos):
+    """The README's QA lines, run as written with `qa_folder` (the folder `make demo` writes: train/demo.py's
+    OUTPUT/qa/final) and the video replaced by the test's own: they print generated answers with their scores."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split("### The pipelines", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    lines = [line for line in block.splitlines() if line.startswith(("qa_folder =", "qa =", "qa("))]
+    assert [line.split("=")[0].strip() for line in lines] == ["qa_folder", "qa", "qa(video"]
+    assert lines[0].startswith('qa_folder = "outputs/demo/qa/final"')
+    demo = (Path(__file__).resolve().parents[1] / "train" / "demo.py").read_text()
+    assert 'REPO / "outputs" / "demo"' in demo and 'train_qa(data_dir, out / "qa"' in demo  # OUTPUT/qa/final
+    script = "\n".join(lines).replace('"outputs/demo/qa/final"', repr(str(qa_folder))).replace(
+        '"outputs/demo/data/videos/flash00000.mp4"', repr(str(videos[0])))
+    scope = {"pipeline": pipeline}
+    exec(compile(script.replace("\nqa(video", "\nresult = qa(video"), "README.md", "exec"), scope)
+    assert [sorted(item) for item in scope["result"]] == [["answer", "score"]]
+    assert isinstance(scope["result"][0]["answer"], str) and 0 < scope["result"][0]["score"] <= 1
+
+
 def safe_open_keys(folder: Path) -> list[str]:
     """The tensor names saved in a folder's model.safetensors."""
     from safetensors import safe_open
