@@ -244,7 +244,8 @@ class IndexingProgress:
 class IndexingJob:
     """One indexing run over a list of videos, a step at a time (`CHUNK_VIDEOS` whole videos, or one video's
     moments), into `target` (a visitor's `Session`, or the served collection). After every step the index built so
-    far is published to `target` as a `snapshot`, so that a search runs on it while the next step is encoded. `progress()` and `describe()` say how far it got; `wait` and
+    far is published to `target` as a `snapshot`, so that a search runs on it while the next step is encoded.
+    `progress()` and `describe()` say how far it got; `wait` and
     `wait_for` block until it finishes or gets somewhere."""
 
     def __init__(self, state: AppState, folder: str, paths: list[str], others: list[str], window: float,
@@ -740,7 +741,8 @@ def build_app(state: AppState) -> gr.Blocks:
     shows the app as it is then, not as it was when the app started."""
     vision = state.retrieval.model.config.vision_config if state.retrieval is not None else None
     with gr.Blocks(title="TESTA video search", delete_cache=(3600, 3600)) as demo:
-        session = gr.State(lambda: Session())  # a callable (not the class: gradio reads a dataclass's fields): one per visitor
+        # one Session per visitor: a callable, not the class (gradio would read a dataclass's fields as its value)
+        session = gr.State(lambda: Session())
         gr.Markdown("# TESTA video search\nSearch a folder of videos by sentence or paragraph. TESTA merges similar "
                     "frames and patches inside its video encoder; the pictures show what it merged.")
         if state.model_error:

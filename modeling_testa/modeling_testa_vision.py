@@ -281,6 +281,20 @@ class TestaVisionLayer(GradientCheckpointingLayer):
         return tuple(block(host, self, settings, self.layer_index, state, attentions, fused_kernels))
 
 
+@torch.no_grad()
+def initialise_missing_ties(model: PreTrainedModel, missing: set[str]) -> None:
+    """Initialises the modules of `model` holding a tie of which the checkpoint had neither side (`missing`: the
+    keys it lacked; a QA head's answer decoder started from a retrieval folder): transformers marks tied weights as
+    loaded and skips them, so such a weight (the decoder's output bias) would keep uninitialised memory (NaN
+    losses)."""
+    for target, source in (getattr(model, "all_tied_weights_keys", None) or {}).items():
+        if target in missing and source in missing:
+            owner = model.get_submodule(source.rpartition(".")[0])
+            for flagged in (owner, *owner.parameters(recurse=False)):
+                flagged._is_hf_initialized = False
+            model._init_weights(owner)
+
+
 class TestaPreTrainedModel(TestaHubMixin, PreTrainedModel):
     config: TestaConfig
     base_model_prefix = "testa"
@@ -302,20 +316,8 @@ class TestaPreTrainedModel(TestaHubMixin, PreTrainedModel):
         refused where it is used rather than answering from random weights."""
         model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
         model.weights_missing_at_load = tuple(sorted(info["missing_keys"]))
-        model._initialise_missing_ties(set(info["missing_keys"]))
+        initialise_missing_ties(model, set(info["missing_keys"]))
         return (model, info) if output_loading_info else model
-
-    @torch.no_grad()
-    def _initialise_missing_ties(self, missing: set[str]) -> None:
-        """Initialises the modules holding a tie of which the checkpoint had neither side (a QA head's answer decoder
-        started from a retrieval folder): transformers marks tied weights as loaded and skips them, so such a weight
-        (the decoder's output bias) would keep uninitialised memory (NaN losses)."""
-        for target, source in (getattr(self, "all_tied_weights_keys", None) or {}).items():
-            if target in missing and source in missing:
-                owner = self.get_submodule(source.rpartition(".")[0])
-                for flagged in (owner, *owner.parameters(recurse=False)):
-                    flagged._is_hf_initialized = False
-                self._init_weights(owner)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

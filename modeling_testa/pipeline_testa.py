@@ -139,9 +139,10 @@ def _check_index_settings(index: Any, config: Any) -> None:
                          f"{mine!r}: search it with the model that encoded it, or encode the videos again.")
 
 
+_RETRIEVAL_FOLDER = "a TestaForVideoTextRetrieval folder (e.g. `make demo`'s outputs/demo/runs/b/final)"
 _HEAD_FOR_TASK = {
-    "video-text-retrieval": "a TestaForVideoTextRetrieval folder (e.g. `make demo`'s outputs/demo/runs/b/final)",
-    "zero-shot-video-classification": "a TestaForVideoTextRetrieval folder (e.g. `make demo`'s outputs/demo/runs/b/final)",
+    "video-text-retrieval": _RETRIEVAL_FOLDER,
+    "zero-shot-video-classification": _RETRIEVAL_FOLDER,
     "video-question-answering": "a TestaForVideoQA folder (e.g. `make demo`'s outputs/demo/qa/final, or one trained by "
                                 "train.finetune_qa)",
 }

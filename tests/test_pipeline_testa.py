@@ -752,7 +752,12 @@ def test_hub_export_knows_the_pipeline_classes_and_saves_one_folder(retrieval_mo
     assert PIPELINE_TASKS["TestaForVideoQA"]["video-question-answering"]["impl"] is VideoQuestionAnsweringPipeline
     assert custom_pipelines_for("TestaForVideoQA") == {"video-question-answering": {
         "impl": "pipeline_testa.VideoQuestionAnsweringPipeline", "pt": ["AutoModelForVisualQuestionAnswering"],
-        "type": "multimodal"}}
+        "type": "multimodal"},
+        # the other head's tasks, whose pipelines refuse the folder naming the weights it lacks
+        "video-text-retrieval": {"impl": "pipeline_testa.VideoTextRetrievalPipeline", "pt": ["AutoModel"],
+                                 "type": "multimodal"},
+        "zero-shot-video-classification": {"impl": "pipeline_testa.ZeroShotVideoClassificationPipeline",
+                                           "pt": ["AutoModel"], "type": "multimodal"}}
     assert custom_pipelines_for("TestaVisionModel") == {}
 
     # a model and its processor in one call: the card lists the processor's video settings (a plain

@@ -356,9 +356,9 @@ def main() -> None:
     qa = None
     if not args.no_qa:
         qa = train_qa(data_dir, out / "qa", out / "runs" / "b" / "final", max_steps=20 if args.quick else None)
-        lines.append(f"VideoQA head for the QA pipeline: {out / 'qa' / 'final'} (model (b)'s encoders, a new answer "
-                     f"decoder trained {qa['train_seconds']:.0f} s; exact match on the {qa['questions']['test']} test "
-                     f"questions: {qa_accuracy(qa):.1f}%).")
+        lines.append(f"VideoQA head for the QA pipeline: {out / 'qa' / 'final'} (model (b)'s encoders and a new answer "
+                     f"decoder, trained and scored in {qa['train_seconds']:.0f} s; exact match on the "
+                     f"{qa['questions']['test']} test questions: {qa_accuracy(qa):.1f}%).")
     lines.append(f"Total demo time: {time.perf_counter() - started:.0f} s.")
     points = {k: (costs[k][0], results[k]["t2v_R@1"], 0.0) for k in keys}
     if plot_r1_vs_gmac(points, out / "recall_vs_gmac.png", f"short-event retrieval, seed {args.seed}"):
