@@ -17,7 +17,8 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	touch $@
 
 # The main job: the short-event task -> (a) 8 frames and (b) 16 frames + TESTA at the GMAC of (a), trained on CPU ->
-# retrieval table (`python train/demo.py --upper-bound` adds (c) 16 frames; `--quick`: under 2 minutes, a smoke run).
+# retrieval table, then a small VideoQA head from (b) for the QA pipeline (outputs/demo/qa/final; `--no-qa` skips it)
+# (`python train/demo.py --upper-bound` adds (c) 16 frames; `--quick`: a smoke run).
 demo: install
 	$(PY) train/demo.py --output-dir outputs/demo
 
@@ -26,10 +27,12 @@ test: install
 	$(PY) -m pytest -q -m "not slow"
 
 # The Gradio app on the demo's model (b) over the demo's test videos, at http://127.0.0.1:7860 (ranking by cosine, as
-# the demo evaluates: its short training leaves the matching head too weak to re-rank; the page can switch it on)
+# the demo evaluates: its short training leaves the matching head too weak to re-rank; the page can switch it on),
+# asking the demo's QA head; on your own machine, so the Model tab may change R_T/R_S (--allow-settings)
 app: install
 	@test -f outputs/demo/runs/b/final/model.safetensors || { echo "No demo model: run \`make demo\` first (about 8 minutes), or: python app/app.py --model FOLDER_OR_HUB_ID --videos DIR"; exit 1; }
-	$(PY) app/app.py --model outputs/demo/runs/b/final --videos outputs/demo/data/videos --no-rerank  # the demo ranks by cosine (see configuration/short_events.yaml)
+	$(PY) app/app.py --model outputs/demo/runs/b/final --videos outputs/demo/data/videos --no-rerank --allow-settings \
+	  $$(test -f outputs/demo/qa/final/model.safetensors && echo --qa-model outputs/demo/qa/final)  # the demo ranks by cosine (see configuration/short_events.yaml)
 
 test-slow: install
 	$(PY) -m pytest -q -m slow

@@ -6,7 +6,9 @@
 
 Index a folder (or uploaded videos), search it by sentence or paragraph, see which frames and patches TESTA merged
 for a result and where the query's words land (grounding), classify a video zero-shot, ask a question about it, and
-change R_T/R_S live to see what the merging saves. The ``--videos`` folder is indexed in the background
+change R_T/R_S live to see what the merging saves (``--allow-settings``: one model serves every visitor, so only
+the operator may let a page change it). Each visitor has a `Session` of their own (their indexing, uploads, failures
+and results); the served collection is shared and read-only. The ``--videos`` folder is indexed in the background
 (`IndexingJob`): the page answers at once, its Index box shows the videos (and moments) done and the failures so far,
 and a search runs on what is indexed so far. With a window (``--window`` or the page's "Moments" field), every
 video is indexed as windows of that many seconds (half-overlapping) and a result is a moment: its start and end, a
@@ -24,9 +26,12 @@ import dataclasses
 import functools
 import hashlib
 import os
+import re
 import sys
 import tempfile
 import threading
+import time
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +41,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 import gradio as gr  # noqa: E402
 
-from modeling_testa.indexing import EncodingStats, Failure, failure_summary, is_media_error  # noqa: E402
+from modeling_testa.indexing import EncodingStats, Failure, is_media_error  # noqa: E402
 from modeling_testa.index_build import window_entries  # noqa: E402
 from modeling_testa.index_homes import IndexEntry  # noqa: E402
 from modeling_testa.moments import format_time, moment_frames  # noqa: E402
@@ -50,8 +55,30 @@ EXAMPLES = ["first the screen is red. a blue square flashes. finally the screen 
 
 
 @dataclass
+class Session:
+    """One visitor's own part of the app (a `gr.State`: one per page load or `gradio_client.Client`): the index they
+    built (None: they search the served collection), what their last indexing said, their indexing job, their last
+    search's results and their folder filter. The served collection (`AppState.served`) is a `Session` too, written
+    only by the start-up indexing (or a script calling `index_videos` without a session) and only read by visitors: a
+    visitor's indexing grows a copy of it (`snapshot`), so no visitor's uploads or failures reach another one."""
+
+    index: Any = None
+    indexed: list[str] = field(default_factory=list)
+    indexed_folder: str | None = None  # the folder the index was built from (indexing it again grows the index)
+    index_status: str = ""  # what the last indexing said (shown in the Index box)
+    job: Any = None  # the last `IndexingJob` (one runs at a time)
+    hits: list[dict] = field(default_factory=list)  # the last search's results, for /moment
+    folder_filter: str = ""  # search only the videos under this folder ("": all)
+
+    @property
+    def indexing(self) -> bool:
+        return self.job is not None and self.job.running
+
+
+@dataclass
 class AppState:
-    """What the app holds: the pipelines (None with the reason when a model could not be loaded) and the index."""
+    """What the app holds for every visitor: the pipelines (None with the reason when a model could not be loaded),
+    the served collection, and the page's defaults. What a visitor builds lives in their `Session`."""
 
     retrieval: Any = None
     classifier: Any = None
@@ -60,22 +87,25 @@ class AppState:
     qa_error: str | None = None
     videos_dir: str | None = None
     rerank: bool = True  # the page's default for re-ranking
-    index: Any = None
-    indexed: list[str] = field(default_factory=list)
-    indexed_folder: str | None = None  # the folder the index was built from (indexing it again grows the index)
-    folder_filter: str = ""  # search only the videos under this folder ("": all)
     window: float = 0.0  # seconds per indexed window (moments); 0 indexes whole videos
-    index_status: str = ""  # what the last indexing said (shown in the Index box, also after the start-up index)
-    job: Any = None  # the last `IndexingJob` (one runs at a time)
-    hits: list[dict] = field(default_factory=list)  # the last search's results, for /moment
-    thumbnails: dict[tuple, str] = field(default_factory=dict)  # (video, start, end) -> PNG of a frame of the moment
+    allow_settings: bool = False  # whether a visitor may change R_T/R_S (for everyone: there is one model)
+    served: Session = field(default_factory=Session)  # the collection every visitor searches until they index
+    thumbnails: dict[tuple, str] = field(default_factory=dict)  # (video, start, end) -> PNG of a frame of it
     lock: threading.Lock = field(default_factory=threading.Lock)  # one index change at a time
+    jobs: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # every indexing job, for `stop_indexing`
     output_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="testa-app-"))
 
     def require_model(self) -> Any:
         if self.retrieval is None:
             raise gr.Error(f"No retrieval model is loaded: {self.model_error}")
         return self.retrieval
+
+    def searched(self, session: Session | None) -> Session:
+        """The collection a visitor's requests use: their own once they have indexed (or are indexing), else the
+        served one. `session` None: the served one."""
+        if session is not None and (session.index is not None or session.indexing):
+            return session
+        return self.served
 
 
 def load_state(model: str, videos_dir: str | None, qa_model: str | None, precision: str | None = None,
@@ -107,20 +137,22 @@ def load_state(model: str, videos_dir: str | None, qa_model: str | None, precisi
 
 
 def index_videos(state: AppState, folder: str, uploads: list[str] | None, progress: Any = None,
-                 window: float | None = None) -> str:
+                 window: float | None = None, session: Session | None = None) -> str:
     """Indexes the folder's videos and the uploads, each video encoded once, and returns what it did; files that
     cannot be read are left out and listed with their reasons. Indexing the folder of the current index again adds
     only the videos it lacks (and the uploads); another folder, or uploads alone, start a new index. With a `window`
     (seconds; default: the app's), every video becomes half-overlapping windows of that length: moments. Runs in the
     calling thread (an `IndexingJob`), telling `progress` (a `gr.Progress`) the moments or videos done after each
-    step."""
-    return new_indexing_job(state, folder, uploads, window).run(progress)
+    step. The index is the visitor's `session`'s (grown from a copy of the collection they search); without a
+    session it is the served collection every visitor searches."""
+    return new_indexing_job(state, folder, uploads, window, session=session).run(progress)
 
 
 def new_indexing_job(state: AppState, folder: str, uploads: list[str] | None, window: float | None,
-                     background: bool = False) -> "IndexingJob":
-    """The job that indexes the folder's videos and the uploads (see `index_videos`); refused with the reason (a
-    `gr.Error`) when there is no video to index, the window is negative, or another indexing job is running."""
+                     background: bool = False, session: Session | None = None) -> "IndexingJob":
+    """The job that indexes the folder's videos and the uploads into `session` (None: the served collection; see
+    `index_videos`); refused with the reason (a `gr.Error`) when there is no video to index, the window is negative,
+    or an indexing job of the session or of the served collection is running."""
     state.require_model()
     window = state.window if window is None else float(window or 0)
     if window < 0:
@@ -137,11 +169,13 @@ def new_indexing_job(state: AppState, folder: str, uploads: list[str] | None, wi
     if not paths:
         raise gr.Error(f"No video to index in {folder!r}" + (" or the uploads" if uploads else "") +
                        f" (looked for {', '.join(VIDEO_SUFFIXES)}; {len(others)} other files).")
-    job = IndexingJob(state, folder, paths, others, window, background)
+    target = state.served if session is None else session
+    job = IndexingJob(state, folder, paths, others, window, background, target)
     with state.lock:
-        if state.job is not None and state.job.running:
-            raise gr.Error(f"{state.job.describe()} Index again when it has finished.")
-        state.job = job
+        for busy in (target, state.served):
+            if busy.indexing:
+                raise gr.Error(f"{busy.job.describe()} Index again when it has finished.")
+        target.job = job
     return job
 
 
@@ -163,6 +197,37 @@ def stats_of(index: Any) -> EncodingStats:
     return EncodingStats(**{name: index.stats.get(name, 0) for name in names})
 
 
+def speed(stats: EncodingStats, unit: str) -> str:
+    """``"12.3 videos/s, 40% of the time waiting for decoding"``, over the videos (moments) encoded: the failed ones
+    are left out, as they took no encoding."""
+    encoded = stats.videos - stats.failed
+    waiting = 100 * stats.decode_wait_seconds / stats.seconds if stats.seconds else 0.0
+    rate = encoded / stats.seconds if stats.seconds > 0 else float("inf")
+    return f"{rate:.1f} {unit}/s, {waiting:.0f}% of the time waiting for decoding"
+
+
+ERRNO = re.compile(r"\[Errno -?\d+\]\s*")
+PATH = re.compile(r"(?:[A-Za-z]:)?(?:[\\/][^\s'\"\\/:,;()]+){2,}[\\/]?")  # two or more parts: "/tmp/x/a.mp4"
+
+
+def plain_text(text: str) -> str:
+    """`text` for the page: an errno's number dropped (``[Errno 2] ``), and every file path shortened to the file's
+    name (an upload's path is a temporary folder of gradio's, which says nothing to the visitor)."""
+    return PATH.sub(lambda match: Path(match.group(0).rstrip("/\\")).name or match.group(0), ERRNO.sub("", text))
+
+
+def plain_reason(failure: Failure) -> str:
+    """A failure's first line for the page: its code and a plain reason (`plain_text`)."""
+    return plain_text(str(failure).splitlines()[0])
+
+
+def plain_summary(failures: list[Failure], total: int) -> str:
+    """`failure_summary` for the page: file names and plain reasons."""
+    lines = [f"  {Path(failure.video).name}: {plain_reason(failure)[:300]}" for failure in failures[:8]]
+    more = [f"  ... and {len(failures) - 8} more"] if len(failures) > 8 else []
+    return f"{len(failures)} of {total} videos could not be read and were skipped:\n" + "\n".join(lines + more)
+
+
 @dataclass(frozen=True)
 class IndexingProgress:
     """How far an indexing job has got: videos and rows (a video's moments, or 1 for a whole video) done of the
@@ -178,19 +243,24 @@ class IndexingProgress:
 
 class IndexingJob:
     """One indexing run over a list of videos, a step at a time (`CHUNK_VIDEOS` whole videos, or one video's
-    moments). After every step the index built so far is published to the app's state as a `snapshot`, so that a
-    search runs on it while the next step is encoded. `progress()` and `describe()` say how far it got; `wait` and
+    moments), into `target` (a visitor's `Session`, or the served collection). After every step the index built so
+    far is published to `target` as a `snapshot`, so that a search runs on it while the next step is encoded.
+    `progress()` and `describe()` say how far it got; `wait` and
     `wait_for` block until it finishes or gets somewhere."""
 
     def __init__(self, state: AppState, folder: str, paths: list[str], others: list[str], window: float,
-                 background: bool = False):
+                 background: bool = False, target: Session | None = None):
         self.state, self.folder, self.paths, self.others, self.background = state, folder, paths, others, background
+        self.target = state.served if target is None else target
         self.folder_key = str(Path(folder).expanduser().resolve()) if folder else None
         self.moments = {"window": window, "stride": window / 2} if window > 0 else {}
         self.changed = threading.Condition()  # notified at every step
         self.current = IndexingProgress(videos_total=len(paths))  # the rows are known once planned (`plan`)
         self.rows_per_video: Counter = Counter(paths)  # planned by `plan`: a video's windows, or 1
         self.status = ""  # the final report, or why the job failed
+        self.stopping = threading.Event()  # set by `stop`: the job ends after its current step
+        self.thread: threading.Thread | None = None  # the thread of a started job
+        state.jobs.add(self)
 
     # -- watching ----------------------------------------------------------------------------------------------------
 
@@ -225,14 +295,19 @@ class IndexingJob:
         text += f" done, {len(progress.failures)} failed so far"
         if progress.failures:
             last = progress.failures[-1]
-            text += f" (last: {Path(last.video).name}: {str(last).splitlines()[0][:200]})"
+            text += f" (last: {Path(last.video).name}: {plain_reason(last)[:200]})"
         return text + ". Searches use what is indexed so far."
 
     # -- running -----------------------------------------------------------------------------------------------------
 
     def start(self) -> "IndexingJob":
-        threading.Thread(target=self.run_quietly, name="testa-app-indexing", daemon=True).start()
+        self.thread = threading.Thread(target=self.run_quietly, name="testa-app-indexing", daemon=True)
+        self.thread.start()
         return self
+
+    def stop(self) -> None:
+        """Asks the job to end after its current step (it then fails with the reason "the app is closing")."""
+        self.stopping.set()
 
     def run_quietly(self) -> None:
         """`run`, for a thread: what it did, or why it failed, goes to the log (and the page's Index box)."""
@@ -244,28 +319,29 @@ class IndexingJob:
             print(self.status, flush=True)
 
     def run(self, progress: Any = None) -> str:
-        """Indexes every video, step by step, and returns the report (also left in `status` and the app's
+        """Indexes every video, step by step, and returns the report (also left in `status` and the target's
         `index_status`); raises `gr.Error` when no video could be indexed, and the encoder's own error."""
         succeeded = False
         try:
             self.status = self.index(progress)
             succeeded = True
         except Exception as error:
-            reason = str(error) if isinstance(error, gr.Error) else f"{type(error).__name__}: {error}"
+            reason = error.message if isinstance(error, gr.Error) else f"{type(error).__name__}: {error}"
             self.status = f"The start-up index of {self.folder} failed: {reason}" if self.background else reason
             raise
         finally:
             with self.changed:
                 if succeeded or self.background:  # a failed click keeps the last index and its status
-                    self.state.index_status = self.status
+                    self.target.index_status = self.status
                 self.current = dataclasses.replace(self.current, finished=True)
                 self.changed.notify_all()
         return self.status
 
     def index(self, progress: Any) -> str:
-        with self.state.lock:
-            base = self.state.index
-            grow = (base is not None and self.folder_key is not None and self.folder_key == self.state.indexed_folder
+        with self.state.lock:  # the collection the target searches now: its own, or the served one (never grown)
+            source = self.target if self.target.index is not None else self.state.served
+            base = source.index
+            grow = (base is not None and self.folder_key is not None and self.folder_key == source.indexed_folder
                     and base.info.get("window", 0) == self.moments.get("window", 0))
         known = set(base.names) | {failure.video for failure in base.failures} if grow else set()
         todo = [path for path in self.paths if path not in known]
@@ -275,6 +351,8 @@ class IndexingJob:
         stats: list[EncodingStats] = []
         done = 0
         while done < len(todo):
+            if self.stopping.is_set():  # the app is closing (`stop_indexing`): no new step
+                raise gr.Error(f"Indexing stopped after {done} of {len(todo)} videos: the app is closing.")
             size = 1 if self.moments or building is None else CHUNK_VIDEOS
             step = todo[done:done + size]
             if progress is not None:
@@ -293,7 +371,7 @@ class IndexingJob:
             self.advance(step, building, failure)
         if building is None:
             failures = [Failure.from_dict(failure) for failure in early]
-            raise gr.Error("No video could be indexed: " + failure_summary(failures, len(todo)))
+            raise gr.Error("No video could be indexed: " + plain_summary(failures, len(todo)))
         return self.report(building, len(base) if grow else 0, stats)
 
     def plan(self, todo: list[str]) -> None:
@@ -326,11 +404,11 @@ class IndexingJob:
             return None, Failure.from_error(error, videos[0]).as_dict()
 
     def publish(self, building: Any) -> None:
-        """Hands the index built so far to the app's state (a `snapshot`: the next step grows `building` only)."""
+        """Hands the index built so far to the target (a `snapshot`: the next step grows `building` only)."""
         published = snapshot(building)
         with self.state.lock:
-            self.state.index, self.state.indexed = published, [str(video) for video in published.videos]
-            self.state.indexed_folder = self.folder_key
+            self.target.index, self.target.indexed = published, [str(video) for video in published.videos]
+            self.target.indexed_folder = self.folder_key
 
     def advance(self, step: list[str], building: Any, failure: dict | None) -> None:
         """Counts the step's videos, rows and failures as done."""
@@ -348,7 +426,7 @@ class IndexingJob:
     def report(self, index: Any, before: int, stats: list[EncodingStats]) -> str:
         """What the job did: videos (moments) indexed, new ones, speed, and every file left out with the reason."""
         requested = set(self.paths)
-        failed = [(failure.video, str(failure)) for failure in index.failures if failure.video in requested]
+        failed = [(failure.video, plain_reason(failure)) for failure in index.failures if failure.video in requested]
         head = f"Indexed {len(index)} videos"
         if self.moments:
             head = (f"Indexed {len(set(index.names))} videos as {len(index)} moments (windows of "
@@ -356,30 +434,31 @@ class IndexingJob:
         if before:
             head += f" ({len(index) - before} new, {before} already indexed)" if not self.moments else (
                 f" ({len(index) - before} new moments, {before} already indexed)")
-        if stats:
-            total = functools.reduce(EncodingStats.merged, stats)
-            waiting = 100 * total.decode_wait_seconds / total.seconds if total.seconds else 0.0
-            head += (f": {total.videos_per_second:.1f} {'moments' if self.moments else 'videos'}/s, {waiting:.0f}% "
-                     "of the time waiting for decoding.")
+        total = functools.reduce(EncodingStats.merged, stats) if stats else None
+        if total is not None and total.videos > total.failed:
+            head += f": {speed(total, 'moments' if self.moments else 'videos')}."
         else:
-            head += ": nothing new to encode."
+            head += ": nothing new to encode." if not failed or total is None else ": nothing could be encoded."
         lines = [head]
         lines += [f"Not a video, skipped: {Path(other).name}" for other in self.others]
-        lines += [f"Could not be decoded, skipped: {Path(video).name}: {reason.splitlines()[0][:300]}"
-                  for video, reason in failed]
+        lines += [f"Could not be decoded, skipped: {Path(video).name}: {reason[:300]}" for video, reason in failed]
         return "\n".join(lines)
 
 
-def search_videos(state: AppState, query: str, top_k: float, rerank: bool = True) -> tuple[list, list[list], str]:
-    """Ranked videos: gallery items (a moment shows a frame from inside it, a whole video the video), table rows
-    (rank, video, score, re-ranked; start and end for moments) and the best video's path. With ``rerank`` the
-    matching head re-scores the model's ``k_test`` nearest videos; otherwise the cosine ranks. While an indexing job
-    runs, the search runs on what is indexed so far and the page says so."""
+def search_videos(state: AppState, query: str, top_k: float, rerank: bool = True, session: Session | None = None
+                  ) -> tuple[list, list[list], str]:
+    """Ranked videos of the collection `session` searches (`AppState.searched`): gallery items (a picture of a frame
+    from the middle of each moment or video), table rows (rank, video, score, re-ranked; start and end for moments)
+    and the best video's path. With ``rerank`` the matching head re-scores the model's ``k_test`` nearest videos;
+    otherwise the cosine ranks. While an indexing job runs, the search runs on what is indexed so far and the page
+    says so."""
     retrieval = state.require_model()
     if not query or not query.strip():
         raise gr.Error("Type a sentence or a paragraph to search for.")
+    own = state.served if session is None else session
     with state.lock:
-        index, job = state.index, state.job
+        collection = state.searched(own)
+        index, job = collection.index, collection.job
     running = job is not None and job.running
     if index is None:
         raise gr.Error(f"{job.describe()} Nothing is indexed yet: search again in a moment." if running else
@@ -388,12 +467,16 @@ def search_videos(state: AppState, query: str, top_k: float, rerank: bool = True
         progress = job.progress()
         gr.Warning(f"Indexing is still running: searched the {len(index)} rows indexed so far ({progress.videos_done} "
                    f"of {progress.videos_total} videos done).")
-    filters = {"folder": state.folder_filter.strip()} if state.folder_filter.strip() else None
-    hits = retrieval.search(query.strip(), index, top_k=max(1, int(top_k)), rerank=None if rerank else False,
-                            filters=filters)
+    folder_filter = own.folder_filter.strip()
+    filters = {"folder": folder_filter} if folder_filter else None
+    try:
+        hits = retrieval.search(query.strip(), index, top_k=max(1, int(top_k)), rerank=None if rerank else False,
+                                filters=filters)
+    except ValueError as error:  # e.g. an index encoded before R_T/R_S changed: the settings check names the change
+        raise gr.Error(f"{plain_text(str(error))} Index again.") from None
     if not hits:
-        raise gr.Error(f"No indexed video lies under {state.folder_filter.strip()!r}.")
-    state.hits = hits
+        raise gr.Error(f"No indexed video lies under {folder_filter!r}.")
+    own.hits = hits
     gallery = [(moment_thumbnail(state, hit), f"{Path(hit['video']).name}  {hit['score']:.3f}" + moment_label(hit))
                for hit in hits]
     rows = [[rank, Path(hit["video"]).name, round(float(hit["score"]), 4), bool(hit["reranked"])]
@@ -410,26 +493,34 @@ THUMBNAIL_SIZE = (320, 180)  # the largest thumbnail (a frame is scaled down to 
 
 
 def moment_thumbnail(state: AppState, hit: dict) -> str:
-    """The gallery's picture of a result: for a moment, a PNG of the frame at its middle (`moment_frames`, cached per
-    moment); for a whole video, or a moment whose frame cannot be decoded, the video itself."""
+    """The gallery's picture of a result: a PNG of the frame at the middle of its moment (`moment_frames`), or of
+    the whole video (`decode_video`, one frame), cached per result, so that a tile shows a picture at once rather
+    than a player that waits for its video; a frame that cannot be decoded: the video itself (the strip says why)."""
     from PIL import Image
 
     video, start, end = hit["video"], hit.get("start"), hit.get("end")
-    if start is None:
-        return video
-    key = (str(video), float(start), float(end))
+    key = (str(video), None if start is None else float(start), None if end is None else float(end))
     if key not in state.thumbnails:
         try:
-            frame = moment_frames(video, start, end, num_frames=1)[0]
-        except (ValueError, OSError):  # shown as the video; the moment's strip says why
+            frame = middle_frame(video) if start is None else moment_frames(video, start, end, num_frames=1)[0]
+        except (ValueError, OSError):
             return video
         picture = Image.fromarray(frame)
         picture.thumbnail(THUMBNAIL_SIZE)
         digest = hashlib.sha256(repr(key).encode()).hexdigest()[:12]
-        path = Path(state.output_dir) / f"thumbnail_{Path(video).stem}_{start:.0f}_{end:.0f}_{digest}.png"
+        span = "whole" if start is None else f"{start:.0f}_{end:.0f}"
+        path = Path(state.output_dir) / f"thumbnail_{Path(video).stem}_{span}_{digest}.png"
         picture.save(path)
         state.thumbnails[key] = str(path)
     return state.thumbnails[key]
+
+
+def middle_frame(video: str) -> Any:
+    """The frame at the middle of a whole video (an `(H, W, 3)` uint8 array), one frame decoded."""
+    from modeling_testa.video_decoding import decode_video, sample_frame_indices
+
+    frames, _ = decode_video(video, lambda metadata: sample_frame_indices(metadata.total_num_frames, 1))
+    return frames[0]
 
 
 HEADERS = ["rank", "video", "score", "re-ranked"]
@@ -441,17 +532,20 @@ def moment_label(hit: dict) -> str:
     return "" if hit.get("start") is None else f"  {format_time(hit['start'])}-{format_time(hit['end'])}"
 
 
-def show_moment(state: AppState, rank: float) -> tuple[str | None, str | None, float, str]:
-    """The moment of the result at `rank` (1-based) of the last search: a strip of its frames (PNG), the video, the
-    second to play it from, and a caption. A whole-video result shows frames of the whole video, played from 0."""
+def show_moment(state: AppState, rank: float, session: Session | None = None
+                ) -> tuple[str | None, str | None, float, str]:
+    """The moment of the result at `rank` (1-based) of the session's last search: a strip of its frames (PNG), the
+    video, the second to play it from, and a caption. A whole-video result shows frames of the whole video, played
+    from 0."""
     from PIL import Image
 
-    if not state.hits:
+    hits = (state.served if session is None else session).hits
+    if not hits:
         raise gr.Error("Search first.")
     rank = int(rank or 1)
-    if not 1 <= rank <= len(state.hits):
-        raise gr.Error(f"Rank {rank} is not among the {len(state.hits)} results.")
-    hit = state.hits[rank - 1]
+    if not 1 <= rank <= len(hits):
+        raise gr.Error(f"Rank {rank} is not among the {len(hits)} results.")
+    hit = hits[rank - 1]
     video, start, end = hit["video"], hit.get("start"), hit.get("end")
     try:
         if start is None:  # a whole video: frames spread over all of it
@@ -462,7 +556,7 @@ def show_moment(state: AppState, rank: float) -> tuple[str | None, str | None, f
         else:
             frames = moment_frames(video, start, end, num_frames=MOMENT_FRAMES)
     except (ValueError, OSError) as error:
-        raise gr.Error(f"Could not show {Path(video).name} {moment_label(hit)}: {error}") from None
+        raise gr.Error(f"Could not show {Path(video).name} {moment_label(hit)}: {plain_text(str(error))}") from None
     height = 96
     width = max(1, round(frames.shape[2] * height / frames.shape[1]))
     strip = Image.new("RGB", (len(frames) * (width + 4), height), "white")
@@ -474,10 +568,11 @@ def show_moment(state: AppState, rank: float) -> tuple[str | None, str | None, f
     return str(path), video, float(start), caption
 
 
-def best_moment(state: AppState) -> tuple[str | None, str | None, float, str]:
+def best_moment(state: AppState, session: Session | None = None) -> tuple[str | None, str | None, float, str]:
     """After a search: the best result's moment when the index holds moments; an empty moment panel otherwise."""
-    if state.hits and state.hits[0].get("start") is not None:
-        return show_moment(state, 1)
+    hits = (state.served if session is None else session).hits
+    if hits and hits[0].get("start") is not None:
+        return show_moment(state, 1, session)
     return None, None, 0.0, ""
 
 
@@ -516,7 +611,7 @@ def visualize_result(state: AppState, video: str, query: str) -> tuple[str, str 
     try:
         merges = visualize_aggregation(retrieval.model, retrieval.processor, video)
     except (ValueError, OSError) as error:
-        raise gr.Error(f"Could not draw {Path(video).name}: {error}") from None
+        raise gr.Error(f"Could not draw {Path(video).name}: {plain_text(str(error))}") from None
     merge_path = out / f"merges_{Path(video).stem}.png"
     merges.save(merge_path)
     frames = merges.info.get("frame_groups", [])
@@ -543,7 +638,7 @@ def classify_video(state: AppState, video: str, labels: str) -> dict[str, float]
     try:
         result = state.classifier(video, candidate_labels=names)
     except (ValueError, OSError) as error:
-        raise gr.Error(f"Could not classify {Path(video).name}: {error}") from None
+        raise gr.Error(f"Could not classify {Path(video).name}: {plain_text(str(error))}") from None
     return {item["label"]: float(item["score"]) for item in result}
 
 
@@ -558,7 +653,7 @@ def answer_question(state: AppState, video: str, question: str) -> str:
     try:
         result = state.qa(video=video, question=question.strip())
     except (ValueError, OSError) as error:
-        raise gr.Error(f"Could not answer about {Path(video).name}: {error}") from None
+        raise gr.Error(f"Could not answer about {Path(video).name}: {plain_text(str(error))}") from None
     return str(result[0]["answer"])
 
 
@@ -579,28 +674,42 @@ def model_panel(state: AppState) -> str:
             f"(without aggregation {gmac_plain:.4g}: {gmac_plain / gmac:.2f}x)")
 
 
-def change_aggregation(state: AppState, temporal: float, spatial: float) -> str:
-    """Sets R_T/R_S on the model (`set_aggregation`) and re-indexes the indexed videos with them (refused while an
-    indexing job runs: its videos would be encoded with two settings)."""
+def change_aggregation(state: AppState, temporal: float, spatial: float, session: Session | None = None) -> str:
+    """Sets R_T/R_S on the model (`set_aggregation`) and re-indexes the served collection and `session`'s own index
+    with them. There is one model, so the change is every visitor's: a page may make it only when the app was
+    started with ``--allow-settings`` (`AppState.allow_settings`; a script, `session` None, always may); another
+    visitor's own index, encoded with the old settings, is then refused by their next search, naming the change.
+    Refused while an indexing job runs (its videos would be encoded with two settings)."""
     retrieval = state.require_model()
-    if state.job is not None and state.job.running:
-        raise gr.Error(f"{state.job.describe()} Change R_T/R_S when it has finished.")
+    if session is not None and not state.allow_settings:
+        raise gr.Error("Changing R_T/R_S is off: there is one model for every visitor, so a change would be "
+                       "everyone's. The app's operator can allow it with --allow-settings.")
+    for busy in (state.served, session):
+        if busy is not None and busy.indexing:
+            raise gr.Error(f"{busy.job.describe()} Change R_T/R_S when it has finished.")
     try:
         retrieval.model.set_aggregation(temporal_reduction=int(temporal), spatial_reduction=int(spatial))
     except ValueError as error:
         raise gr.Error(f"R_T={int(temporal)}, R_S={int(spatial)}: {error}") from None
     panel = model_panel(state)
-    if state.indexed:
+    own = [session] if session is not None and session is not state.served else []
+    for collection in [c for c in (state.served, *own) if c.indexed]:
         with state.lock:
-            failures = list(state.index.failures)  # known bad files are not decoded again
-            info = state.index.info  # an index of moments is rebuilt as moments, each video once
-            moments = {"window": info["window"], "stride": info["stride"]} if info.get("window") else {}
-            state.index = retrieval.encode_videos(list(dict.fromkeys(state.indexed)), batch_size=8,
-                                                  progress_bar=False, **moments)
-            state.index.failures += [failure for failure in failures if failure not in state.index.failures]
-        panel += (f"\n\nRe-indexed {len(set(state.indexed))} videos with these settings: "
-                  f"{state.index.stats['videos_per_second']:.1f} {'moments' if moments else 'videos'}/s.")
+            panel += "\n\n" + reindex(retrieval, collection)
     return panel
+
+
+def reindex(retrieval: Any, collection: Session) -> str:
+    """Encodes `collection`'s videos again with the model's current settings (an index of moments as moments, each
+    video once; known bad files are not decoded again) and says how fast."""
+    failures = list(collection.index.failures)
+    info = collection.index.info
+    moments = {"window": info["window"], "stride": info["stride"]} if info.get("window") else {}
+    videos = list(dict.fromkeys(collection.indexed))
+    collection.index = retrieval.encode_videos(videos, batch_size=8, progress_bar=False, **moments)
+    collection.index.failures += [failure for failure in failures if failure not in collection.index.failures]
+    rate = speed(stats_of(collection.index), "moments" if moments else "videos").split(",")[0]
+    return f"Re-indexed {len(videos)} videos with these settings: {rate}."
 
 
 def chosen_rank(event: gr.SelectData) -> int:
@@ -608,14 +717,14 @@ def chosen_rank(event: gr.SelectData) -> int:
     return int(event.index) + 1 if isinstance(event.index, int) else 1
 
 
-def chosen_video(state: AppState, event: gr.SelectData) -> str | None:
-    """The path of the video of the gallery result a user clicked (a moment's tile is a picture of it: its video is
-    the last search's result at that rank)."""
+def chosen_video(session: Session, event: gr.SelectData) -> str | None:
+    """The path of the video of the gallery result a user clicked (a tile is a picture of it: its video is the
+    session's last search's result at that rank)."""
     value = event.value if isinstance(event.value, dict) else {}
     if isinstance(value.get("video"), dict):
         return value["video"].get("path")
     rank = chosen_rank(event)
-    return state.hits[rank - 1]["video"] if 1 <= rank <= len(state.hits) else None
+    return session.hits[rank - 1]["video"] if 1 <= rank <= len(session.hits) else None
 
 
 POLL_SECONDS = 1.0  # how often an open page refreshes the Index box while an indexing job runs
@@ -626,8 +735,14 @@ ONE_MODEL = {"concurrency_id": "model", "concurrency_limit": 1}
 
 
 def build_app(state: AppState) -> gr.Blocks:
+    """The page. Every visitor gets a `Session` of their own (`gr.State`, made when the page loads or a client
+    connects): their indexing, search results and folder filter are theirs; the served collection and the model are
+    shared. Each panel is filled when the page loads (the Index box, the Model tab, the moment widgets), so a page
+    shows the app as it is then, not as it was when the app started."""
     vision = state.retrieval.model.config.vision_config if state.retrieval is not None else None
     with gr.Blocks(title="TESTA video search", delete_cache=(3600, 3600)) as demo:
+        # one Session per visitor: a callable, not the class (gradio would read a dataclass's fields as its value)
+        session = gr.State(lambda: Session())
         gr.Markdown("# TESTA video search\nSearch a folder of videos by sentence or paragraph. TESTA merges similar "
                     "frames and patches inside its video encoder; the pictures show what it merged.")
         if state.model_error:
@@ -639,7 +754,7 @@ def build_app(state: AppState) -> gr.Blocks:
                 window = gr.Number(value=state.window, minimum=0, label="Moments: seconds per window (0: whole videos)",
                                    scale=1)
                 index_button = gr.Button("Index", variant="secondary", scale=1)
-            status = gr.Textbox(label="Index", value=lambda: index_box(state), interactive=False, lines=2)
+            status = gr.Textbox(label="Index", interactive=False, lines=2)
             poll = gr.Timer(POLL_SECONDS, active=False)
             query = gr.Textbox(label="Paragraph", lines=2, placeholder="a sentence or a paragraph")
             with gr.Row():
@@ -650,11 +765,11 @@ def build_app(state: AppState) -> gr.Blocks:
             gr.Examples(EXAMPLES, inputs=query)
             gallery = gr.Gallery(label="Results", columns=5, height=220)
             table = gr.Dataframe(headers=HEADERS, label="Ranking", interactive=False)
-            with gr.Row():
+            with gr.Row(visible=False) as moment_row:  # shown only while the searched index holds moments
                 moment_rank = gr.Number(value=1, precision=0, label="Moment of result", minimum=1, scale=1)
                 moment_button = gr.Button("Show the moment", scale=1)
                 moment_caption = gr.Markdown()
-            with gr.Row():
+            with gr.Row(visible=False) as moment_player_row:
                 moment_strip = gr.Image(label="Frames of the moment", type="filepath", height=120, scale=3)
                 moment_video = gr.Video(label="The moment", elem_id="moment-video", height=240, scale=2)
             moment_start = gr.Number(visible=False)
@@ -675,74 +790,115 @@ def build_app(state: AppState) -> gr.Blocks:
             answer_button = gr.Button("Answer")
             answer = gr.Textbox(label="Answer", interactive=False)
         with gr.Tab("Model"):
-            panel = gr.Markdown(model_panel(state))
+            panel = gr.Markdown()
             # bipartite matching merges at most half of the frames (patches) of a block
-            temporal = gr.Slider(0, vision.num_frames // 2 if vision else 1, step=1,
-                                 value=vision.temporal_reduction_per_layer[0] if vision else 0,
-                                 label="R_T (frames merged per block)")
-            spatial = gr.Slider(0, vision.num_patches_per_frame // 2 if vision else 1, step=1,
-                                value=vision.spatial_reduction_per_layer[0] if vision else 0,
-                                label="R_S (patches merged per frame and block)")
-            apply_button = gr.Button("Apply and re-index")
+            temporal = gr.Slider(0, vision.num_frames // 2 if vision else 1, step=1, value=0,
+                                 label="R_T (frames merged per block)", interactive=state.allow_settings)
+            spatial = gr.Slider(0, vision.num_patches_per_frame // 2 if vision else 1, step=1, value=0,
+                                label="R_S (patches merged per frame and block)", interactive=state.allow_settings)
+            apply_button = gr.Button("Apply and re-index", interactive=state.allow_settings)
+            if not state.allow_settings:
+                gr.Markdown("R_T/R_S are the operator's to change (`--allow-settings`): there is one model for "
+                            "every visitor.")
 
-        demo.load(lambda: polling(state), None, poll, api_name=False, show_progress="hidden")
-        poll.tick(lambda: (index_box(state), polling(state)), None, [status, poll], api_name=False,
+        moment_widgets = [moment_row, moment_player_row]
+
+        def on_load(own: Session) -> tuple:  # every panel as the app is now
+            temporal_now, spatial_now = current_reductions(state)
+            return (index_box(state, own), polling(state, own), model_panel(state), temporal_now, spatial_now,
+                    *moment_visibility(state, own))
+
+        demo.load(on_load, session, [status, poll, panel, temporal, spatial, *moment_widgets], api_name=False,
                   show_progress="hidden")
-        index_button.click(lambda f, u, w, progress=gr.Progress(): index_videos(state, f, u, progress, w),
-                           [folder, uploads, window], status, api_name="index", **ONE_MODEL)
-        searched = search_button.click(lambda q, k, r: search_videos(state, q, k, r), [query, top_k, rerank],
-                                       [gallery, table, result], api_name="search", **ONE_MODEL)
+        poll.tick(lambda own: (index_box(state, own), polling(state, own), *moment_visibility(state, own)), session,
+                  [status, poll, *moment_widgets], api_name=False, show_progress="hidden")
+        index_button.click(
+            lambda f, u, w, own, progress=gr.Progress(): index_videos(state, f, u, progress, w, session=own),
+            [folder, uploads, window, session], status, api_name="index", **ONE_MODEL).then(
+            lambda own: moment_visibility(state, own), session, moment_widgets, api_name=False)
+        searched = search_button.click(lambda q, k, r, own: search_videos(state, q, k, r, session=own),
+                                       [query, top_k, rerank, session], [gallery, table, result], api_name="search",
+                                       **ONE_MODEL)
         moment_outputs = [moment_strip, moment_video, moment_start, moment_caption]
-        searched.then(lambda: best_moment(state), None, moment_outputs, api_name=False, **ONE_MODEL).then(
+        searched.then(lambda own: moment_visibility(state, own), session, moment_widgets, api_name=False).then(
+            lambda own: best_moment(state, own), session, moment_outputs, api_name=False, **ONE_MODEL).then(
             None, [moment_start, moment_video], None, js=PLAY_FROM_START, api_name=False)
-        moment_button.click(lambda r: show_moment(state, r), moment_rank, moment_outputs, api_name="moment",
-                            **ONE_MODEL).then(None, [moment_start, moment_video], None, js=PLAY_FROM_START,
-                                              api_name=False)
+        moment_button.click(lambda r, own: show_moment(state, r, own), [moment_rank, session], moment_outputs,
+                            api_name="moment", **ONE_MODEL).then(None, [moment_start, moment_video], None,
+                                                                 js=PLAY_FROM_START, api_name=False)
         show_button.click(lambda v, q: visualize_result(state, v, q), [result, query], [merges, grounding, caption],
                           api_name="visualize", **ONE_MODEL)
         classify_button.click(lambda v, labs: classify_video(state, v, labs), [classify_video_input, labels],
                               label_scores, api_name="classify", **ONE_MODEL)
         answer_button.click(lambda v, q: answer_question(state, v, q), [qa_video, question], answer,
                             api_name="answer", **ONE_MODEL)
-        apply_button.click(lambda t, s: change_aggregation(state, t, s), [temporal, spatial], panel,
-                           api_name="aggregation", **ONE_MODEL)
-        folder_filter.change(lambda f: setattr(state, "folder_filter", f or ""), folder_filter, None, api_name=False)
+        apply_button.click(lambda t, sp, own: change_aggregation(state, t, sp, session=own),
+                           [temporal, spatial, session], panel, api_name="aggregation", **ONE_MODEL)
+        folder_filter.change(lambda f, own: setattr(own, "folder_filter", f or ""), [folder_filter, session], None,
+                             api_name=False)
 
-        def clicked_video(event: gr.SelectData) -> str | None:  # gradio hands event data by this annotation
-            return chosen_video(state, event)
+        def clicked_video(own: Session, event: gr.SelectData) -> str | None:  # gradio hands event data by annotation
+            return chosen_video(own, event)
 
-        gallery.select(clicked_video, None, result, api_name=False)
+        gallery.select(clicked_video, session, result, api_name=False)
         gallery.select(chosen_rank, None, moment_rank, api_name=False).then(
-            lambda r: show_moment(state, r), moment_rank, moment_outputs, api_name=False, **ONE_MODEL).then(
-            None, [moment_start, moment_video], None, js=PLAY_FROM_START, api_name=False)
+            lambda r, own: best_or_chosen_moment(state, r, own), [moment_rank, session], moment_outputs,
+            api_name=False, **ONE_MODEL).then(None, [moment_start, moment_video], None, js=PLAY_FROM_START,
+                                              api_name=False)
         result.change(lambda v: (v, v), result, [classify_video_input, qa_video], api_name=False)
     demo.queue(default_concurrency_limit=1)  # one model: requests wait their turn, none is dropped
     return demo
 
 
+def best_or_chosen_moment(state: AppState, rank: float, session: Session) -> tuple[str | None, str | None, float, str]:
+    """A clicked tile: its moment when the results are moments (`show_moment`); nothing for whole videos (the
+    moment widgets are hidden then)."""
+    hits = session.hits
+    if hits and hits[0].get("start") is not None:
+        return show_moment(state, rank, session)
+    return None, None, 0.0, ""
+
+
+def moment_visibility(state: AppState, session: Session) -> tuple:
+    """The moment widgets' visibility: shown only while the collection the session searches holds moments."""
+    index = state.searched(session).index
+    holds_moments = bool(index is not None and (index.info or {}).get("window"))
+    return tuple(gr.update(visible=holds_moments) for _ in range(2))
+
+
+def current_reductions(state: AppState) -> tuple[int, int]:
+    """The model's R_T and R_S now (of its first block), for the Model tab's sliders."""
+    if state.retrieval is None:
+        return 0, 0
+    vision = state.retrieval.model.config.vision_config
+    return vision.temporal_reduction_per_layer[0], vision.spatial_reduction_per_layer[0]
+
+
 def startup_index(state: AppState, videos: str | None) -> "IndexingJob | None":
-    """Starts indexing the start-up folder in a thread of its own and returns the job at once (None when there is
-    nothing to index): the page answers meanwhile, its Index box shows the job's progress and then what it did (or
-    why it failed), and a search runs on what is indexed so far."""
+    """Starts indexing the start-up folder into the served collection in a thread of its own and returns the job at
+    once (None when there is nothing to index): the page answers meanwhile, its Index box shows the job's progress
+    and then what it did (or why it failed), and a search runs on what is indexed so far."""
     if state.retrieval is None or not videos:
         return None
     try:
         return new_indexing_job(state, videos, None, None, background=True).start()
     except gr.Error as error:
-        state.index_status = f"The start-up index of {videos} failed: {error}"
-        print(state.index_status, file=sys.stderr)
+        state.served.index_status = f"The start-up index of {videos} failed: {error}"
+        print(state.served.index_status, file=sys.stderr)
         return None
 
 
-def index_box(state: AppState) -> str:
-    """The Index box's text: a running job's progress, else what the last indexing said."""
-    job = state.job
-    return job.describe() if job is not None and job.running else state.index_status
+def index_box(state: AppState, session: Session | None = None) -> str:
+    """The Index box's text for a visitor: their running job's progress or their last indexing's report once they
+    have indexed; else the served collection's (its start-up job's progress, or what it did)."""
+    own = session if session is not None and (session.indexing or session.index_status) else state.served
+    return own.job.describe() if own.indexing else own.index_status
 
 
-def polling(state: AppState) -> Any:
-    """The page's timer that refreshes the Index box: ticking while an indexing job runs, stopped after it."""
-    return gr.Timer(active=state.job is not None and state.job.running)
+def polling(state: AppState, session: Session | None = None) -> Any:
+    """The page's timer that refreshes the Index box: ticking while the served collection's or the visitor's
+    indexing job runs, stopped after it."""
+    return gr.Timer(active=state.served.indexing or (session is not None and session.indexing))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -766,6 +922,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "videos; env TESTA_WINDOW)")
     parser.add_argument("--no-rerank", action="store_true",
                         help="rank by cosine by default (e.g. a model whose matching head is barely trained)")
+    parser.add_argument("--allow-settings", action="store_true",
+                        help="let visitors change R_T/R_S on the Model tab: the one model's settings, so the change is "
+                             "every visitor's (off by default: visitors are kept apart)")
     parser.add_argument("--precision", default=os.environ.get("TESTA_PRECISION"),
                         choices=("fp32", "bf16", "int8", "auto"),
                         help="the video encoder's precision (env TESTA_PRECISION; default: the model as saved)")
@@ -800,15 +959,53 @@ def main(argv: list[str] | None = None) -> None:
     state = load_state(args.model, args.videos, args.qa_model, args.precision, args.backend)
     state.rerank = not args.no_rerank
     state.window = args.window
+    state.allow_settings = args.allow_settings
     if args.index:
-        state.index = open_search_index(args.index, args.milvus, args.collection, milvus_token(args))
-        state.index_status = f"Searching {len(state.index)} rows of {args.milvus or args.index}."
-        print(state.index_status, flush=True)
+        state.served.index = open_search_index(args.index, args.milvus, args.collection, milvus_token(args))
+        state.served.index_status = f"Searching {len(state.served.index)} rows of {args.milvus or args.index}."
+        print(state.served.index_status, flush=True)
     elif startup_index(state, args.videos) is not None:
         print(f"Indexing {args.videos} in the background; the page answers meanwhile.", flush=True)
     else:
-        print(state.index_status, flush=True)
-    launch_app(build_app(state), args.videos, server_name=args.host, server_port=args.port)
+        print(state.served.index_status, flush=True)
+    demo = build_app(state)
+    launch_app(demo, args.videos, server_name=args.host, server_port=args.port, prevent_thread_lock=True)
+    try:
+        print("Serving; Ctrl-C stops the app.", flush=True)
+        threading.Event().wait()  # until Ctrl-C
+    except KeyboardInterrupt:
+        print("Closing: the server, then the indexing.", flush=True)
+    finally:  # in order: no new request, then no running encoder when the interpreter shuts down
+        demo.close()
+        stop_indexing(state)
+
+
+STOP_SECONDS = 60.0
+"""How long closing the app waits for a running indexing step to end."""
+
+
+def stop_indexing(state: AppState, timeout: float = STOP_SECONDS) -> bool:
+    """Ends the app's indexing in order, once the server is closed: every running job is asked to stop after its
+    current step, and waited for (at most `timeout` seconds in all). Without this, Ctrl-C during the start-up
+    indexing left its thread inside PyTorch while the interpreter shut down, which aborted the process ("terminate
+    called without an active exception"). Returns whether every job ended; if one did not, the process exits at once
+    (`os._exit`, after flushing its output), as finalising the interpreter under a running encoder would abort."""
+    running = [job for job in list(state.jobs) if job.running]
+    for job in running:
+        job.stop()
+    deadline = time.monotonic() + timeout
+    for job in running:
+        job.wait(max(0.0, deadline - time.monotonic()))
+        if job.thread is not None:
+            job.thread.join(max(0.0, deadline - time.monotonic()))
+    left = [job for job in running if job.running or (job.thread is not None and job.thread.is_alive())]
+    if running:
+        print("Indexing stopped: the app is closing." if not left else
+              f"An indexing step still ran after {timeout:g} s: exiting without waiting for it.", flush=True)
+    if left:
+        sys.stderr.flush()
+        os._exit(1)
+    return not left
 
 
 def launch_app(demo: gr.Blocks, videos: str | None, **options: Any) -> Any:

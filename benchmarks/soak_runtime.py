@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         current = rankings(app, state, top_k=5)
         searches += len(QUERIES)
         if first_rankings is None:
-            first_rankings, first_names = current, {Path(video).name for video in state.indexed}
+            first_rankings, first_names = current, {Path(video).name for video in state.served.indexed}
         for query, ranked in current.items():  # among the first round's videos, the order must stay the same
             kept = [name for name in ranked if name in first_names]
             if kept != first_rankings[query][:len(kept)]:
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     runtime = state.retrieval.model.vision_model.runtime
     process = getattr(runtime, "process", None)
     summary = {"runtime": settings, "minutes": round((time.monotonic() - started) / 60, 2), "rounds": rounds,
-               "searches": searches, "videos_indexed_last": len(state.index) if state.index else 0,
+               "searches": searches, "videos_indexed_last": len(state.served.index) if state.served.index else 0,
                "worker_starts": process.starts if process else None, "peak_rss_mib_first_round": round(memory[1]),
                "peak_rss_mib_last_round": round(memory[-1]), "pid": os.getpid()}
     print(json.dumps(summary), flush=True)

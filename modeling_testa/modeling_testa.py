@@ -9,13 +9,19 @@ commit 41b9486, that a function follows."""
 
 import copy
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
 from transformers.generation import GenerationConfig, GenerationMixin
-from transformers.models.blip.modeling_blip_text import BlipTextEmbeddings, BlipTextLMHeadModel, BlipTextModel
+from transformers.models.blip.modeling_blip_text import (
+    BlipTextEmbeddings,
+    BlipTextLMHeadModel,
+    BlipTextLMPredictionHead,
+    BlipTextModel,
+)
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 from transformers.utils import ModelOutput, can_return_tuple
 
@@ -206,6 +212,8 @@ class _TestaMultimodalPreTrainedModel(TestaPreTrainedModel):
         super()._init_weights(module)
         if isinstance(module, BlipTextEmbeddings):
             init.copy_(module.position_ids, torch.arange(module.position_ids.shape[-1]).expand((1, -1)))
+        if isinstance(module, BlipTextLMPredictionHead):
+            init.zeros_(module.bias)  # a bare parameter (tied to `decoder.bias`), which no module init covers
         if isinstance(module, MomentumContrast):
             # Deterministic, so that `from_pretrained` (which never loads training state) returns the same model
             # every time: empty queues, and momentum copies equal to the online weights (visited before them).

@@ -4,6 +4,7 @@ similar frames and similar patches (`aggregation_block`). Split out of the heads
 
 import math
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -280,6 +281,20 @@ class TestaVisionLayer(GradientCheckpointingLayer):
         return tuple(block(host, self, settings, self.layer_index, state, attentions, fused_kernels))
 
 
+@torch.no_grad()
+def initialise_missing_ties(model: PreTrainedModel, missing: set[str]) -> None:
+    """Initialises the modules of `model` holding a tie of which the checkpoint had neither side (`missing`: the
+    keys it lacked; a QA head's answer decoder started from a retrieval folder): transformers marks tied weights as
+    loaded and skips them, so such a weight (the decoder's output bias) would keep uninitialised memory (NaN
+    losses)."""
+    for target, source in (getattr(model, "all_tied_weights_keys", None) or {}).items():
+        if target in missing and source in missing:
+            owner = model.get_submodule(source.rpartition(".")[0])
+            for flagged in (owner, *owner.parameters(recurse=False)):
+                flagged._is_hf_initialized = False
+            model._init_weights(owner)
+
+
 class TestaPreTrainedModel(TestaHubMixin, PreTrainedModel):
     config: TestaConfig
     base_model_prefix = "testa"
@@ -289,6 +304,20 @@ class TestaPreTrainedModel(TestaHubMixin, PreTrainedModel):
     _no_split_modules = ["TestaVisionLayer"]
     _supports_sdpa = True
     _supports_attention_backend = True
+
+    weights_missing_at_load: tuple[str, ...] = ()
+    """The weights `from_pretrained` did not find in the checkpoint (left at their initialisation, which
+    transformers only logs); empty for a model built in memory. The pipelines refuse a model that lacks any."""
+
+    @classmethod
+    def from_pretrained(cls, *args: Any, output_loading_info: bool = False, **kwargs: Any) -> Any:
+        """`PreTrainedModel.from_pretrained`, recording the weights the checkpoint lacked on the model
+        (`weights_missing_at_load`), so that a folder of another head (a retrieval folder has no answer decoder) is
+        refused where it is used rather than answering from random weights."""
+        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        model.weights_missing_at_load = tuple(sorted(info["missing_keys"]))
+        initialise_missing_ties(model, set(info["missing_keys"]))
+        return (model, info) if output_loading_info else model
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

@@ -139,6 +139,34 @@ def _check_index_settings(index: Any, config: Any) -> None:
                          f"{mine!r}: search it with the model that encoded it, or encode the videos again.")
 
 
+_RETRIEVAL_FOLDER = "a TestaForVideoTextRetrieval folder (e.g. `make demo`'s outputs/demo/runs/b/final)"
+_HEAD_FOR_TASK = {
+    "video-text-retrieval": _RETRIEVAL_FOLDER,
+    "zero-shot-video-classification": _RETRIEVAL_FOLDER,
+    "video-question-answering": "a TestaForVideoQA folder (e.g. `make demo`'s outputs/demo/qa/final, or one trained by "
+                                "train.finetune_qa)",
+}
+
+
+def _check_weights(model: Any, task: str) -> None:
+    """Refuses a model whose checkpoint lacked weights (`weights_missing_at_load`, recorded by `from_pretrained`):
+    they were initialised at random, which transformers only logs, and the pipeline would answer nonsense. The
+    message names the missing modules, what the folder holds and what the task needs."""
+    missing = tuple(getattr(model, "weights_missing_at_load", None) or ())
+    if not missing:
+        return
+    modules: dict[str, int] = {}
+    for key in missing:
+        modules[key.split(".")[0]] = modules.get(key.split(".")[0], 0) + 1
+    listed = ", ".join(f"{name} ({count} tensor{'s' if count > 1 else ''})" for name, count in modules.items())
+    source = getattr(model, "name_or_path", None) or "the checkpoint"
+    held = (getattr(model.config, "architectures", None) or ["another model"])[0]
+    raise ValueError(
+        f"{task}: {source!r} lacks weights that {type(model).__name__} needs: {listed}; they would be random and "
+        f"the answers nonsense. It holds a {held}; {task} needs {_HEAD_FOR_TASK.get(task, 'a folder of its head')}."
+    )
+
+
 def _is_remote_code(obj: Any) -> bool:
     """Whether `obj`'s class was loaded as Hub remote code (its module lives in `transformers_modules`), which
     transformers only does after the user passed `trust_remote_code=True` for that repository."""
@@ -190,6 +218,7 @@ class _TestaPipeline(Pipeline):
                 worker process of its own (for long-lived processes).
             **kwargs: `device`, `batch_size`, and call arguments that become defaults (e.g. `top_k`).
         """
+        _check_weights(model, self._default_task)
         source = getattr(model, "name_or_path", None) or getattr(model.config, "_name_or_path", None)
         # the model's own folder/repo: its code was trusted when the model was loaded as remote code
         trusted = True if trust_remote_code is None and _is_remote_code(model) else trust_remote_code

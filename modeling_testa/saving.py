@@ -87,8 +87,22 @@ CUSTOM_PIPELINES: dict[str, dict[str, dict[str, Any]]] = {
 """Pipeline tasks per model class, by name: task -> `{"impl": <class in PIPELINE_MODULE>, "pt", "type"}`. `hub`
 resolves the names to the classes (`PIPELINE_TASKS`) and checks that they exist."""
 
-_EXTRA_AUTO_MAP = {"TestaForPreTraining": {"AutoModel": "TestaForVideoTextRetrieval"}}
-"""Extra `auto_map` entries per saved class (the retrieval head loads from a pre-training checkpoint)."""
+_OTHER_HEAD_TASKS: dict[str, dict[str, dict[str, Any]]] = {
+    "TestaForVideoTextRetrieval": _QA_TASKS,
+    "TestaForVideoQA": _RETRIEVAL_TASKS,
+}
+"""Tasks of the other head, also written to `custom_pipelines`: `pipeline(task, model=folder, trust_remote_code=True)`
+on a folder of the wrong head then finds the task in the folder's own code (not transformers' "Unknown task"), loads
+the task's head from it (`_EXTRA_AUTO_MAP`) and the pipeline refuses it, naming the weights the folder lacks
+(`weights_missing_at_load`), instead of answering from randomly initialised weights."""
+
+_EXTRA_AUTO_MAP = {
+    "TestaForPreTraining": {"AutoModel": "TestaForVideoTextRetrieval"},
+    "TestaForVideoTextRetrieval": {"AutoModelForVisualQuestionAnswering": "TestaForVideoQA"},
+    "TestaForVideoQA": {"AutoModel": "TestaForVideoTextRetrieval"},
+}
+"""Extra `auto_map` entries per saved class: the retrieval head loads from a pre-training checkpoint; the other
+head's class, so that its pipeline can load a folder of the wrong head and refuse it (`_OTHER_HEAD_TASKS`)."""
 
 _HEAD_DESCRIPTIONS = {
     "TestaForVideoTextRetrieval": "video-text retrieval (contrastive VTC embeddings + VTM matching head, two-stage "
@@ -100,7 +114,8 @@ _HEAD_DESCRIPTIONS = {
 
 
 def custom_pipelines_for(model_class_name: str) -> dict[str, dict[str, Any]]:
-    """The `custom_pipelines` entry of `config.json` for a saved model class (empty when no pipeline fits).
+    """The `custom_pipelines` entry of `config.json` for a saved model class (empty when no pipeline fits): the tasks
+    it serves (`CUSTOM_PIPELINES`) and those of the other head, which its pipeline refuses (`_OTHER_HEAD_TASKS`).
 
     Args:
         model_class_name (`str`): e.g. `"TestaForVideoTextRetrieval"`.
@@ -108,7 +123,7 @@ def custom_pipelines_for(model_class_name: str) -> dict[str, dict[str, Any]]:
     Returns:
         `dict`: task -> `{"impl": "pipeline_testa.<Class>", "pt": [auto class names], "type": "multimodal"}`.
     """
-    tasks = CUSTOM_PIPELINES.get(model_class_name, {})
+    tasks = {**CUSTOM_PIPELINES.get(model_class_name, {}), **_OTHER_HEAD_TASKS.get(model_class_name, {})}
     return {
         task: {"impl": f"{PIPELINE_MODULE}.{info['impl']}", "pt": list(info["pt"]), "type": info["type"]}
         for task, info in tasks.items()

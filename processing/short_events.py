@@ -109,6 +109,36 @@ def caption(video: ShortEventVideo) -> str:
     return " ".join(sentences)
 
 
+QA_QUESTIONS = ("what colour is the screen first?", "what colour is the screen at the end?",
+                "what colour is the first square?")
+"""The questions `qa_rows` asks of every video: its first scene's, its last scene's and its first flash's colour."""
+
+
+def qa_rows(row: dict) -> list[dict]:
+    """The `QA_QUESTIONS` about one video, answered from its paragraph (`caption`'s sentences), as QA rows
+    ``{"video", "question", "answer", "video_id"}``."""
+    sentences = [sentence.strip() for sentence in row["text"].split(".") if sentence.strip()]
+    scenes = [sentence.split()[-1] for sentence in sentences if " the screen is " in sentence]
+    flashes = [sentence.split()[1] for sentence in sentences if sentence.endswith(" square flashes")]
+    answers = (scenes[0], scenes[-1], flashes[0]) if scenes and flashes else ()
+    return [{"video": row["video"], "question": question, "answer": answer, "video_id": row["video_id"]}
+            for question, answer in zip(QA_QUESTIONS, answers)]
+
+
+def write_qa_splits(data_dir: str, splits: tuple[str, ...] = ("train", "test")) -> dict[str, int]:
+    """Writes ``qa_<split>.jsonl`` next to each ``<split>.jsonl`` of a short-event dataset (`qa_rows` of every
+    video) and returns the rows written per split."""
+    import json
+
+    counts = {}
+    for split in splits:
+        with open(os.path.join(data_dir, f"{split}.jsonl")) as f:
+            rows = [qa for line in f if line.strip() for qa in qa_rows(json.loads(line))]
+        write_jsonl(os.path.join(data_dir, f"qa_{split}.jsonl"), rows)
+        counts[split] = len(rows)
+    return counts
+
+
 def make_videos(
     num_videos: int = 512,
     seed: int = 0,

@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import struct
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +28,7 @@ gradio_client = require("gradio_client")
 
 APP = Path(__file__).resolve().parents[1] / "app" / "app.py"
 QUERY = "first the screen is red. a blue square flashes. finally the screen is green."
+A_PATH = re.compile(r"[\\/][^\s\\/]+[\\/]")  # a folder in a message: "/tmp/", "/gradio/"
 
 
 def load_app_module():
@@ -42,8 +44,13 @@ def png_size(path: str) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
+STALL = 120  # seconds: a bound on a stalled step (waits are on conditions), never a guess of how long one takes
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
+    """The app as `app.py --videos VIDEOS --qa-model QA --allow-settings` starts it, its start-up index finished.
+    The fixture's client is one visitor (one session) for the whole module."""
     os.environ.setdefault("GRADIO_TEMP_DIR", str(tmp_path_factory.mktemp("gradio")))
     root = tmp_path_factory.mktemp("app")
     model = save_folder(build_retrieval(), tiny_processor(), root / "model")
@@ -53,6 +60,9 @@ def served(tmp_path_factory):
     module = load_app_module()
     state = module.load_state(str(model), str(root / "videos"), str(qa))
     assert state.model_error is None and state.qa_error is None
+    state.allow_settings = True
+    job = module.startup_index(state, str(root / "videos"))
+    assert job.wait(STALL), job.describe()
     demo = module.build_app(state)
     _, url, _ = demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True, show_error=True,
                             theme=module.THEME)
@@ -63,18 +73,27 @@ def served(tmp_path_factory):
 
 def test_every_api_name_answers(served):
     module, state, client, root, _ = served
-    status = client.predict(str(root / "videos"), None, api_name="/index")
-    assert status.startswith("Indexed 6 videos") and "videos/s" in status and "waiting for decoding" in status
+    assert state.served.index_status.startswith("Indexed 6 videos: ") and "videos/s" in state.served.index_status
+    status = client.predict(str(root / "videos"), None, api_name="/index")  # the served folder: nothing to encode
+    assert status == "Indexed 6 videos (0 new, 6 already indexed): nothing new to encode."
 
     gallery, table, best = client.predict(QUERY, 4, True, api_name="/search")
-    expected = state.retrieval.search(QUERY, state.index, top_k=4)
+    expected = state.retrieval.search(QUERY, state.served.index, top_k=4)
     assert [row[1] for row in table["data"]] == [Path(hit["video"]).name for hit in expected]
     assert [row[2] for row in table["data"]] == [round(hit["score"], 4) for hit in expected]
     _, cosine, _ = client.predict(QUERY, 4, False, api_name="/search")
-    by_cosine = state.retrieval.search(QUERY, state.index, top_k=4, rerank=False)
+    by_cosine = state.retrieval.search(QUERY, state.served.index, top_k=4, rerank=False)
     assert [row[1:] for row in cosine["data"]] == [[Path(h["video"]).name, round(h["score"], 4), False]
                                                    for h in by_cosine]
-    assert all(Path(item["video"]).is_file() for item in gallery) and len(gallery) == 4
+    # each tile is a picture of the video's middle frame (a thumbnail at once, not a player waiting for its video)
+    assert len(gallery) == 4 and all(item["image"].endswith(".png") for item in gallery), gallery
+    import av
+
+    def frame_size(video: str) -> tuple[int, int]:
+        with av.open(video) as container:
+            return container.streams.video[0].width, container.streams.video[0].height
+
+    assert [png_size(item["image"]) for item in gallery] == [frame_size(hit["video"]) for hit in expected]
     assert best == expected[0]["video"]
 
     merges, grounding, caption = client.predict(best, QUERY, api_name="/visualize")
@@ -93,8 +112,8 @@ def test_every_api_name_answers(served):
     expected_answer = state.qa(video=best, question="what color is the screen?")[0]["answer"]
     assert answer == expected_answer
 
-    panel = client.predict(0, 0, api_name="/aggregation")
-    assert "R_T [0, 0], R_S [0, 0]" in panel and "Re-indexed 6 videos" in panel and "1.00x" in panel
+    panel = client.predict(0, 0, api_name="/aggregation")  # the served collection (the visitor added nothing)
+    assert "R_T [0, 0], R_S [0, 0]" in panel and panel.count("Re-indexed 6 videos") == 1 and "1.00x" in panel
     panel = client.predict(1, 3, api_name="/aggregation")  # back to the model's own settings
     assert "R_T [1, 1], R_S [3, 3]" in panel
 
@@ -117,6 +136,15 @@ def test_bad_inputs_get_a_message_and_the_app_keeps_serving(served, tmp_path):
     status = client.predict("", uploads, api_name="/index")
     assert status.startswith("Indexed 1 videos")
     assert "Not a video, skipped: notes.txt" in status and "Could not be decoded, skipped: truncated.mp4" in status
+    # the file's name and a plain reason: no upload path (a temporary folder of gradio's), no errno number
+    uploaded = {str(Path(os.environ["GRADIO_TEMP_DIR"]).resolve()), os.environ["GRADIO_TEMP_DIR"], "gradio"}
+    assert not any(part in status for part in uploaded) and "Errno" not in status and not A_PATH.search(status)
+    with pytest.raises(AppError) as refused:  # every upload unreadable: the reasons, as plainly
+        client.predict("", [gradio_client.handle_file(bad["truncated"]), gradio_client.handle_file(bad["text"])],
+                       api_name="/index")
+    message = str(refused.value)
+    assert "No video could be indexed: 2 of 2 videos" in message and "truncated.mp4: " in message
+    assert "Errno" not in message and not A_PATH.search(message), message
     with pytest.raises(AppError, match="does not exist"):
         client.predict(str(tmp_path / "gone.mp4"), "x", api_name="/visualize")
     with pytest.raises(AppError, match="at least two labels"):
@@ -158,7 +186,8 @@ def test_index_encodes_each_video_once_lists_the_bad_files_and_grows(served, tmp
     assert lines[0].startswith("Indexed 5 videos: ") and "Not a video, skipped: readme.txt" in lines
     for code, path in bad.items():
         assert any(line.startswith(f"Could not be decoded, skipped: {path.name}: {code}: ") for line in lines), code
-    assert sorted(state.index.videos) == sorted(str(p.resolve()) for p in good)
+    _, table, _ = client.predict(QUERY, 20, True, api_name="/search")  # the visitor's own index: that folder's
+    assert sorted(row[1] for row in table["data"]) == sorted(p.name for p in good)
 
     encoded.clear()  # the same folder again, with one video more: only that one is encoded
     write_noise_video(folder / "good_new.mp4", seed=60)
@@ -170,12 +199,17 @@ def test_index_encodes_each_video_once_lists_the_bad_files_and_grows(served, tmp
     assert encoded == [] and status.startswith("Indexed 6 videos (0 new, 6 already indexed): nothing new")
     _, table, _ = client.predict(QUERY, 20, True, api_name="/search")
     assert sorted(row[1] for row in table["data"]) == sorted([p.name for p in good] + ["good_new.mp4"])
+    # one more file, which cannot be read: nothing was encoded, so no speed is claimed
+    (folder / "broken_new.mp4").write_text("not a video either")
+    status = client.predict(str(folder), None, api_name="/index")
+    assert encoded == [] and "videos/s" not in status, status
+    assert status.splitlines()[0] == "Indexed 6 videos (0 new, 6 already indexed): nothing could be encoded."
+    assert any(line.startswith("Could not be decoded, skipped: broken_new.mp4: ") for line in status.splitlines())
 
 
 def test_eight_simultaneous_searches_get_the_ranking_of_one(served):
-    _, _, client, root, url = served
-    client.predict(str(root / "videos"), None, api_name="/index")
-    alone = client.predict(QUERY, 5, True, api_name="/search")[1]["data"]
+    _, _, _, _, url = served
+    alone = gradio_client.Client(url, verbose=False).predict(QUERY, 5, True, api_name="/search")[1]["data"]
 
     def search(_):
         return gradio_client.Client(url, verbose=False).predict(QUERY, 5, True, api_name="/search")[1]["data"]
@@ -200,11 +234,10 @@ def launch_chromium(playwright, executable: str):
 
 
 def test_a_browser_searches_and_sees_results_and_the_merge_picture(served, tmp_path):
-    _, _, client, root, url = served
+    _, state, _, _, url = served
     executable = chromium()
     sync_api = require("playwright.sync_api")
-    client.predict(str(root / "videos"), None, api_name="/index")
-    expected = [row[1] for row in client.predict(QUERY, 5, True, api_name="/search")[1]["data"]]
+    expected = [Path(hit["video"]).name for hit in state.retrieval.search(QUERY, state.served.index, top_k=5)]
     with sync_api.sync_playwright() as playwright:
         browser = launch_chromium(playwright, executable)
         try:
@@ -218,6 +251,14 @@ def test_a_browser_searches_and_sees_results_and_the_merge_picture(served, tmp_p
             sync_api.expect(rows).to_have_count(5, timeout=60_000)
             names = [next(w for w in rows.nth(i).inner_text().split() if w.endswith(".mp4")) for i in range(5)]
             assert names == expected
+            # every tile shows its thumbnail (a picture, loaded), none a player; no moment widget for whole videos
+            for rank in range(1, 6):
+                tile = page.get_by_role("button", name=f"Thumbnail {rank} of 5").locator("img")
+                sync_api.expect(tile).to_have_count(1, timeout=30_000)
+                page.wait_for_function("i => i.complete && i.naturalWidth > 0", arg=tile.element_handle())
+            assert page.locator("video").count() == 0
+            for widget in ("Show the moment", "Moment of result", "The moment", "Frames of the moment"):
+                sync_api.expect(page.get_by_text(widget, exact=True).first).to_be_hidden()
             page.get_by_role("button", name="What did TESTA merge?").click()
             image = page.locator("img[src*='merges_']")  # the merge picture's file name
             sync_api.expect(image).to_have_count(1, timeout=60_000)
@@ -226,6 +267,108 @@ def test_a_browser_searches_and_sees_results_and_the_merge_picture(served, tmp_p
             page.screenshot(path=str(tmp_path / "app.png"), full_page=True)
             assert png_size(str(tmp_path / "app.png"))[0] == 1280
             assert hosts <= {url.split("/")[2]}, hosts  # nothing but the app's own address
+        finally:
+            browser.close()
+
+
+def visitor(browser, url: str, sync_api):
+    """A new visitor: a browser context of its own (its own cookies and session), on the app's page."""
+    page = browser.new_context(viewport={"width": 1280, "height": 1000}).new_page()
+    page.goto(url)
+    sync_api.expect(page.get_by_label("Index", exact=True)).not_to_have_value("", timeout=30_000)
+    return page
+
+
+def searched_names(page, sync_api, count: int) -> list[str]:
+    """Searches the query for `count` results and reads the ranking's video names."""
+    page.get_by_label("Paragraph").fill(QUERY)
+    page.get_by_role("slider", name="Results").fill(str(count))
+    page.get_by_role("button", name="Search", exact=True).click()
+    rows = page.get_by_role("grid", name="Ranking").get_by_role("row").filter(has_text=".mp4")  # not the uploads' list
+    sync_api.expect(rows).to_have_count(count, timeout=60_000)
+    return [next(w for w in rows.nth(i).inner_text().split() if w.endswith(".mp4")) for i in range(count)]
+
+
+def test_two_visitors_are_apart(served, tmp_path):
+    """One visitor's uploads, their index rows and their failed uploads are theirs: another visitor (a second
+    browser context) searches the served collection without them, and sees the served collection's Index box. R_T/R_S
+    are the operator's: on an app started without --allow-settings a visitor cannot change them, and every page shows
+    the model's settings as they are when it loads."""
+    module, state, _, root, _ = served
+    executable = chromium()
+    sync_api = require("playwright.sync_api")
+    upload = write_noise_video(tmp_path / "uploaded_by_one.mp4", seed=77)
+    broken = tmp_path / "broken_upload.mp4"
+    broken.write_text("not a video")
+    closed = module.load_state(str(root / "model"), str(root / "videos"), None)  # --allow-settings not given
+    closed.served = state.served  # the same served collection, already indexed
+    demo = module.build_app(closed)
+    _, url, _ = demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True, show_error=True)
+    served_status = state.served.index_status
+    try:
+        with sync_api.sync_playwright() as playwright:
+            browser = launch_chromium(playwright, executable)
+            try:
+                one, two = visitor(browser, url, sync_api), visitor(browser, url, sync_api)
+                # visitor one adds an upload (and a broken one) to the served folder's videos
+                one.locator("input[type=file][multiple]").set_input_files([str(upload), str(broken)])
+                listed = one.get_by_role("cell", name="uploaded_by_one.mp4")  # uploaded
+                sync_api.expect(listed).to_be_visible(timeout=30_000)
+                one.get_by_role("button", name="Index", exact=True).click()
+                box_one = one.get_by_label("Index", exact=True)
+                sync_api.expect(box_one).to_have_value(re.compile(r"^Indexed 7 videos \(1 new, 6 already indexed\)"),
+                                                       timeout=60_000)
+                assert "Could not be decoded, skipped: broken_upload.mp4: " in box_one.input_value()
+                assert "uploaded_by_one.mp4" in searched_names(one, sync_api, 7)
+                # visitor two: the served collection only, and its own Index box
+                assert sorted(searched_names(two, sync_api, 6)) == [f"clip{i}.mp4" for i in range(6)]
+                assert two.get_by_label("Index", exact=True).input_value() == served_status
+                # a page loaded now: still the served collection, without anything of visitor one's
+                three = visitor(browser, url, sync_api)
+                assert three.get_by_label("Index", exact=True).input_value() == served_status
+                assert "uploaded_by_one.mp4" not in searched_names(three, sync_api, 6)
+
+                # settings: not a visitor's to change here; both pages show the model's own settings
+                for page in (one, two):
+                    page.get_by_role("tab", name="Model").click()
+                    sync_api.expect(page.get_by_text("R_T [1, 1], R_S [3, 3]")).to_be_visible(timeout=30_000)
+                    sync_api.expect(page.get_by_role("button", name="Apply and re-index")).to_be_disabled()
+                with pytest.raises(gradio_client.exceptions.AppError, match="Changing R_T/R_S is off"):
+                    gradio_client.Client(url, verbose=False).predict(0, 0, api_name="/aggregation")
+                assert closed.retrieval.model.config.vision_config.temporal_reduction_per_layer == [1, 1]
+            finally:
+                browser.close()
+    finally:
+        demo.close()
+    assert state.served.index_status == served_status and len(state.served.index) == 6  # the served one untouched
+
+
+def test_a_page_shows_the_settings_as_they_are_when_it_loads(served):
+    """With --allow-settings a change is every visitor's: a page loaded after it shows the new R_T/R_S, tokens and
+    sliders (the Model tab is filled when a page loads, not when the app starts)."""
+    _, state, client, _, url = served
+    executable = chromium()
+    sync_api = require("playwright.sync_api")
+    with sync_api.sync_playwright() as playwright:
+        browser = launch_chromium(playwright, executable)
+        try:
+            before = visitor(browser, url, sync_api)
+            before.get_by_role("tab", name="Model").click()
+            sync_api.expect(before.get_by_text("R_T [1, 1], R_S [3, 3]")).to_be_visible(timeout=30_000)
+            client.predict(0, 0, api_name="/aggregation")
+            try:
+                after = visitor(browser, url, sync_api)
+                after.get_by_role("tab", name="Model").click()
+                sync_api.expect(after.get_by_text("R_T [0, 0], R_S [0, 0]")).to_be_visible(timeout=30_000)
+                sync_api.expect(after.get_by_role("slider", name="R_T (frames merged per block)")).to_have_value("0")
+                tokens = state.retrieval.model.config.vision_config
+                assert tokens.temporal_reduction_per_layer == [0, 0]
+            finally:
+                client.predict(1, 3, api_name="/aggregation")  # back to the model's own settings
+            again = visitor(browser, url, sync_api)
+            again.get_by_role("tab", name="Model").click()
+            sync_api.expect(again.get_by_text("R_T [1, 1], R_S [3, 3]")).to_be_visible(timeout=30_000)
+            sync_api.expect(again.get_by_role("slider", name="R_T (frames merged per block)")).to_have_value("1")
         finally:
             browser.close()
 
@@ -307,7 +450,6 @@ def test_a_milvus_token_from_the_environment_or_the_option_reaches_the_milvus_cl
 # ------------------------------------------------------------------------------------------------ moments
 
 
-STALL = 120  # seconds: a bound on a stalled step (waits are on conditions), never a guess of how long one takes
 FPS = {"long0.mp4": 4, "long1.mp4": 4, "ten_minutes.mp4": 1}
 # windows of 20 s every 10 s: 60 s -> 5, 45 s -> 4 ((25, 45) last), 600 s -> 59; bad.mp4 is planned as one row
 WINDOWS = {"long0.mp4": 5, "long1.mp4": 4, "ten_minutes.mp4": 59}
@@ -335,7 +477,7 @@ def start_moments_app(module, model, videos, hold: threading.Event | None = None
     """The app as `app.py --window 20 --videos VIDEOS` starts it: the start-up indexing in the background, the page
     served at once. With `hold`, indexing waits before `held_video` (by default the last one) until `hold` is set."""
     state = module.load_state(str(model), str(videos), None)
-    state.window = 20.0
+    state.window, state.allow_settings = 20.0, True  # --window 20 --allow-settings
     if hold is not None:
         encode = state.retrieval.encode_videos
 
@@ -391,7 +533,7 @@ def test_start_up_indexing_runs_in_the_background_and_searches_what_is_there(ind
     assert module.index_box(state).startswith(
         f"Indexing {videos}: 3 of 4 videos ({done} of {done + 4} moments) done, 1 failed so far (last: bad.mp4: "
         "not_a_video: ")
-    partial = state.index
+    partial = state.served.index
     assert sorted({Path(name).name for name in partial.names}) == ["long0.mp4", "ten_minutes.mp4"]
     assert len(partial) == done - 1
     _, table, _ = client.predict(QUERY, 20, True, api_name="/search")  # searches what is indexed so far
@@ -408,16 +550,16 @@ def test_start_up_indexing_runs_in_the_background_and_searches_what_is_there(ind
     assert job.wait(STALL), job.describe()
     # what a search got stays as it was (the job grew its own copy), and the whole index is one built in one call
     assert len(partial) == done - 1 and state.retrieval.search(QUERY, partial, top_k=20) == expected
-    lines = state.index_status.splitlines()
-    assert module.index_box(state) == state.index_status and job.progress().rows_done == done + 4
+    lines = state.served.index_status.splitlines()
+    assert module.index_box(state) == state.served.index_status and job.progress().rows_done == done + 4
     assert lines[0].startswith("Indexed 3 videos as 68 moments (windows of 20 s every 10 s): ")
     assert "moments/s" in lines[0]
     assert len(lines) == 2 and lines[1].startswith("Could not be decoded, skipped: bad.mp4: not_a_video: ")
     paths = sorted(str(path) for path in videos.rglob("*.mp4"))
     reference = state.retrieval.encode_videos(paths, window=20, stride=10, progress_bar=False)
-    assert state.index.row_keys() == reference.row_keys() and len(state.index) == 68
-    assert torch.allclose(state.index.embeddings, reference.embeddings, atol=1e-5)
-    assert [(f.video, f.code) for f in state.index.failures] == [(f.video, f.code) for f in reference.failures]
+    assert state.served.index.row_keys() == reference.row_keys() and len(state.served.index) == 68
+    assert torch.allclose(state.served.index.embeddings, reference.embeddings, atol=1e-5)
+    assert [(f.video, f.code) for f in state.served.index.failures] == [(f.video, f.code) for f in reference.failures]
 
 
 def test_a_search_before_the_first_video_is_indexed_is_refused_with_the_progress(moment_files):
@@ -430,13 +572,13 @@ def test_a_search_before_the_first_video_is_indexed_is_refused_with_the_progress
         with pytest.raises(gradio_client.exceptions.AppError,
                            match=r"Indexing .*: 0 of 4 videos \(0 of 69 moments\) done.* Nothing is indexed yet"):
             client.predict(QUERY, 5, True, api_name="/search")
-        assert state.index is None and job.running
+        assert state.served.index is None and job.running
     finally:
         hold.set()
         assert job.wait(STALL), job.describe()
         demo.close()
         gr.set_static_paths([])
-    assert state.index_status.startswith("Indexed 3 videos as 68 moments")
+    assert state.served.index_status.startswith("Indexed 3 videos as 68 moments")
 
 
 def test_a_browser_sees_the_indexing_progress_searches_meanwhile_and_then_the_whole_index(indexing_held):
@@ -464,16 +606,16 @@ def test_a_browser_sees_the_indexing_progress_searches_meanwhile_and_then_the_wh
             hold.set()
             assert job.wait(STALL), job.describe()
             # the open page's Index box follows the job to its end, with no reload
-            sync_api.expect(box).to_have_value(state.index_status, timeout=30_000)
+            sync_api.expect(box).to_have_value(state.served.index_status, timeout=30_000)
         finally:
             browser.close()
 
 
 def test_moments_through_the_api(served_moments):
     module, state, client, _, _ = served_moments
-    assert state.index_status.startswith("Indexed 3 videos as 68 moments (windows of 20 s every 10 s)")
+    assert state.served.index_status.startswith("Indexed 3 videos as 68 moments (windows of 20 s every 10 s)")
     _, table, _ = client.predict(QUERY, 4, True, api_name="/search")
-    expected = state.retrieval.search(QUERY, state.index, top_k=4)
+    expected = state.retrieval.search(QUERY, state.served.index, top_k=4)
     assert table["headers"] == ["rank", "video", "score", "re-ranked", "start", "end"]
     assert [row[4:] for row in table["data"]] == [[module.format_time(h["start"]), module.format_time(h["end"])]
                                                    for h in expected]
@@ -485,10 +627,10 @@ def test_moments_through_the_api(served_moments):
     with pytest.raises(gradio_client.exceptions.AppError, match="Rank 9 is not among the 4 results"):
         client.predict(9, api_name="/moment")
     # new R_T/R_S rebuild the index as moments again, each video once
-    keys = state.index.row_keys()
+    keys = state.served.index.row_keys()
     panel = client.predict(0, 0, api_name="/aggregation")
     assert "Re-indexed 3 videos with these settings" in panel and "moments/s" in panel
-    assert state.index.row_keys() == keys
+    assert state.served.index.row_keys() == keys
     client.predict(1, 3, api_name="/aggregation")  # back to the model's own settings
 
 
@@ -498,7 +640,7 @@ def test_a_moments_thumbnail_is_a_frame_from_its_middle(served_moments):
 
     module, state, client, _, _ = served_moments
     gallery, _, _ = client.predict(QUERY, 20, True, api_name="/search")
-    expected = state.retrieval.search(QUERY, state.index, top_k=20)
+    expected = state.retrieval.search(QUERY, state.served.index, top_k=20)
     assert len(gallery) == len(expected) == 20
     for item, hit in zip(gallery, expected, strict=True):
         name = Path(hit["video"]).name
@@ -508,7 +650,9 @@ def test_a_moments_thumbnail_is_a_frame_from_its_middle(served_moments):
         assert hit["start"] <= seconds < hit["end"], (hit, seconds)
         assert abs(seconds - (hit["start"] + hit["end"]) / 2) <= 1, (hit, seconds)
     whole = module.moment_thumbnail(state, {"video": expected[0]["video"], "start": None, "end": None})
-    assert whole == expected[0]["video"]  # a whole video is shown as the video
+    frames = {"long0.mp4": 240, "long1.mp4": 180, "ten_minutes.mp4": 600}[Path(expected[0]["video"]).name]
+    frame = read_long_index(np.asarray(Image.open(whole).convert("RGB")))  # a whole video: its middle frame
+    assert whole.endswith(".png") and abs(frame - frames / 2) <= 1, (whole, frame)
     broken = module.moment_thumbnail(state, {"video": str(Path(state.output_dir) / "gone.mp4"), "start": 1.0,
                                              "end": 2.0})
     assert broken.endswith("gone.mp4")  # a frame that cannot be decoded: the video (the strip says why)
@@ -542,14 +686,15 @@ def test_a_browser_sees_moments_their_thumbnails_and_plays_them_from_their_start
     sync_api = require("playwright.sync_api")
     from modeling_testa.moments import format_time
 
-    expected = state.retrieval.search(QUERY, state.index, top_k=5)
+    expected = state.retrieval.search(QUERY, state.served.index, top_k=5)
     with sync_api.sync_playwright() as playwright:
         browser = launch_chromium(playwright, executable)
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 1400})
             page.goto(url)
             # the Index box says what the start-up indexing did
-            sync_api.expect(page.get_by_label("Index", exact=True)).to_have_value(state.index_status, timeout=30_000)
+            sync_api.expect(page.get_by_label("Index", exact=True)).to_have_value(state.served.index_status,
+                                                                                   timeout=30_000)
             page.get_by_label("Paragraph").fill(QUERY)
             page.get_by_role("button", name="Search", exact=True).click()
             rows = page.get_by_role("row").filter(has_text=".mp4")
@@ -575,7 +720,7 @@ def test_a_browser_sees_moments_their_thumbnails_and_plays_them_from_their_start
             page.get_by_role("button", name="Search", exact=True).click()
             rows = page.get_by_role("row").filter(has_text="ten_minutes.mp4")
             sync_api.expect(rows).to_have_count(20, timeout=60_000)
-            hits = state.hits
+            hits = state.retrieval.search(QUERY, state.served.index, top_k=20, filters={"folder": str(videos / "long")})
             assert {Path(hit["video"]).name for hit in hits} == {"ten_minutes.mp4"}
             rank = max(range(1, 21), key=lambda r: hits[r - 1]["start"])
             late = hits[rank - 1]
@@ -595,3 +740,70 @@ def test_a_browser_sees_moments_their_thumbnails_and_plays_them_from_their_start
                 shutil.copy(tmp_path / "moment.png", os.environ["TESTA_KEEP_SCREENSHOT"])
         finally:
             browser.close()
+
+
+def test_closing_the_app_stops_its_indexing_in_order(moment_files):
+    """Ctrl-C (the server closed) during the start-up indexing: `stop_indexing` asks the job to stop after its
+    current step and waits for it, so the interpreter never shuts down under a running encoder (which aborted the
+    process: "terminate called without an active exception")."""
+    module, model, videos = moment_files
+    hold = threading.Event()
+    state, job, demo, _ = start_moments_app(module, model, videos, hold, held_video="long0.mp4")
+    try:
+        assert job.wait_for(lambda progress: progress.videos_done == 2, timeout=STALL), job.describe()
+        stopped = []
+        closing = threading.Thread(target=lambda: stopped.append(module.stop_indexing(state, timeout=STALL)))
+        closing.start()
+        assert job.stopping.wait(STALL) and job.running  # asked, while its step (long0.mp4) is held
+        hold.set()
+        closing.join(STALL)
+        assert stopped == [True] and not job.running and not job.thread.is_alive()
+        # long0.mp4's step ended, long1.mp4's never began; what was indexed stays searchable
+        assert state.served.index_status == (f"The start-up index of {videos} failed: Indexing stopped after 3 of 4 "
+                                             "videos: the app is closing.")
+        assert sorted({Path(name).name for name in state.served.index.names}) == ["long0.mp4", "ten_minutes.mp4"]
+    finally:
+        hold.set()
+        demo.close()
+        gr.set_static_paths([])
+
+
+def test_ctrl_c_ends_the_app_cleanly(tmp_path):
+    """The app's process group gets SIGINT, as a terminal's Ctrl-C sends it (the decoding helpers too), once the app
+    serves: it exits with status 0, without an abort. Waits are bounded (hang-guards)."""
+    import queue
+    import signal
+    import subprocess
+
+    model = save_folder(build_retrieval(), tiny_processor(), tmp_path / "model")
+    for i in range(24):
+        write_noise_video(tmp_path / "videos" / f"clip{i}.mp4", seed=i)
+    import socket
+
+    with socket.socket() as probe:  # a free port
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "GRADIO_ANALYTICS_ENABLED": "False"}
+    app = subprocess.Popen([sys.executable, str(APP), "--model", str(model), "--videos", str(tmp_path / "videos"),
+                            "--port", str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, start_new_session=True)
+    lines: queue.Queue = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(line) for line in app.stdout], daemon=True)
+    reader.start()
+    output = []
+    try:
+        while not any(line.startswith("Serving; Ctrl-C stops the app.") for line in output):  # launched
+            output.append(lines.get(timeout=STALL))
+        os.killpg(app.pid, signal.SIGINT)
+        app.wait(timeout=STALL)
+        reader.join(STALL)
+    finally:
+        if app.poll() is None:
+            os.killpg(app.pid, signal.SIGKILL)
+            app.wait()
+    while not lines.empty():
+        output.append(lines.get())
+    output = "".join(output)
+    assert app.returncode == 0, output[-3000:]
+    assert "terminate called" not in output and "Aborted" not in output and "Traceback" not in output, output[-3000:]
+    assert "Closing: the server, then the indexing." in output

@@ -31,6 +31,7 @@ from transformers.pipelines import PIPELINE_REGISTRY
 
 from modeling_testa import (
     MODEL_CARD_MARKER,
+    TestaForVideoQA,
     TestaForVideoTextRetrieval,
     VideoIndex,
     VideoQuestionAnsweringPipeline,
@@ -118,9 +119,11 @@ def _scores_by_video(result):
 
 
 def test_saved_folders_are_complete_hub_repos(retrieval_folder, qa_folder, retrieval_model):
+    retrieval_tasks = {"video-text-retrieval": "AutoModel", "zero-shot-video-classification": "AutoModel"}
+    qa_tasks = {"video-question-answering": "AutoModelForVisualQuestionAnswering"}
     for folder, auto_class, tasks in (
-        (retrieval_folder, "AutoModel", {"video-text-retrieval", "zero-shot-video-classification"}),
-        (qa_folder, "AutoModelForVisualQuestionAnswering", {"video-question-answering"}),
+        (retrieval_folder, "AutoModel", {**retrieval_tasks, **qa_tasks}),
+        (qa_folder, "AutoModelForVisualQuestionAnswering", {**qa_tasks, **retrieval_tasks}),
     ):
         files = {p.name for p in folder.iterdir()}
         assert CODE_FILES <= files
@@ -132,11 +135,16 @@ def test_saved_folders_are_complete_hub_repos(retrieval_folder, qa_folder, retri
         config = json.loads((folder / "config.json").read_text())
         assert config["auto_map"]["AutoConfig"] == "configuration_testa.TestaConfig"
         assert config["auto_map"][auto_class].startswith("modeling_testa.TestaFor")
-        assert set(config["custom_pipelines"]) == tasks
+        assert config["architectures"] == [config["auto_map"][auto_class].split(".")[1]]
+        # every TESTA task: the folder's own, and the other head's (its pipeline refuses the folder, naming what
+        # the folder lacks: test_a_folder_of_the_other_head_is_refused_naming_the_weights_it_lacks)
+        assert {task: info["pt"] for task, info in config["custom_pipelines"].items()} == {
+            task: [auto] for task, auto in tasks.items()}
+        assert config["auto_map"]["AutoModel"] == "modeling_testa.TestaForVideoTextRetrieval"
+        assert config["auto_map"]["AutoModelForVisualQuestionAnswering"] == "modeling_testa.TestaForVideoQA"
         for info in config["custom_pipelines"].values():
             module, name = info["impl"].split(".")
             assert module == "pipeline_testa" and f"class {name}(" in (folder / "pipeline_testa.py").read_text()
-            assert info["pt"] == [auto_class]
 
     # the model card carries the configuration and the aggregation settings
     card = (retrieval_folder / "README.md").read_text()
@@ -153,6 +161,92 @@ def test_saved_folders_are_complete_hub_repos(retrieval_folder, qa_folder, retri
     assert "65 input tokens" in card and "| k_test (candidates re-ranked by the matching head) | 3 |" in card
     assert 'pipeline("video-text-retrieval"' in card
     assert 'pipeline("video-question-answering"' in (qa_folder / "README.md").read_text()
+
+
+OTHER_HEAD = """
+import json, sys
+from transformers import pipeline
+retrieval, qa = sys.argv[1:3]
+out = {}
+for name, task, folder in (("qa of retrieval", "video-question-answering", retrieval),
+                           ("retrieval of qa", "video-text-retrieval", qa),
+                           ("zero-shot of qa", "zero-shot-video-classification", qa),
+                           ("qa of qa", "video-question-answering", qa)):
+    try:
+        pipeline(task, model=folder, trust_remote_code=True, device="cpu")
+        out[name] = "built"
+    except Exception as error:
+        out[name] = f"{type(error).__name__}: {error}"
+out["imported"] = sorted(m for m in sys.modules if m.split(".")[0] in ("modeling_testa", "train"))
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_a_folder_of_the_other_head_is_refused_naming_the_weights_it_lacks(retrieval_folder, qa_folder, tmp_path):
+    """In a fresh interpreter that never imports the package, each task is found in the folder's own remote code
+    (no "Unknown task"); a folder of the other head is refused when the pipeline is built, naming the modules whose
+    weights it lacks (transformers would only log them and leave them random: the QA pipeline on a retrieval folder
+    answered nonsense with score 1.0)."""
+    import subprocess
+
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-c", OTHER_HEAD, str(retrieval_folder), str(qa_folder)], cwd=tmp_path,
+                          env={**env, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=600)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    result = json.loads(lines[-1][len("RESULT "):])
+    assert result["imported"] == [] and result["qa of qa"] == "built", result
+    decoder = sum(1 for key in safe_open_keys(qa_folder) if key.startswith("text_decoder."))
+    assert result["qa of retrieval"] == (
+        f"ValueError: video-question-answering: {str(retrieval_folder)!r} lacks weights that TestaForVideoQA needs: "
+        f"text_decoder ({decoder + 2} tensors); they would be random and the answers nonsense. It holds a "
+        "TestaForVideoTextRetrieval; video-question-answering needs a TestaForVideoQA folder (e.g. `make demo`'s "
+        "outputs/demo/qa/final, or one trained by train.finetune_qa).")  # + the 2 tied to other weights
+    for name, task in (("retrieval of qa", "video-text-retrieval"),
+                       ("zero-shot of qa", "zero-shot-video-classification")):
+        message = result[name]
+        assert message.startswith(f"ValueError: {task}: {str(qa_folder)!r} lacks weights that "
+                                  "TestaForVideoTextRetrieval needs: "), message
+        for module in ("vision_proj", "text_proj", "itm_head", "temp"):
+            assert f"{module} (" in message, (module, message)
+        assert "It holds a TestaForVideoQA" in message
+
+
+def test_the_readme_qa_lines_run_on_the_folder_the_demo_writes(qa_folder, videos):
+    """The README's QA lines, run as written with `qa_folder` (the folder `make demo` writes: train/demo.py's
+    OUTPUT/qa/final) and the video replaced by the test's own: they print generated answers with their scores."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split("### The pipelines", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    lines = [line for line in block.splitlines() if line.startswith(("qa_folder =", "qa =", "qa("))]
+    assert [line.split("=")[0].strip() for line in lines] == ["qa_folder", "qa", "qa(video"]
+    assert lines[0].startswith('qa_folder = "outputs/demo/qa/final"')
+    demo = (Path(__file__).resolve().parents[1] / "train" / "demo.py").read_text()
+    assert 'REPO / "outputs" / "demo"' in demo and 'train_qa(data_dir, out / "qa"' in demo  # OUTPUT/qa/final
+    script = "\n".join(lines).replace('"outputs/demo/qa/final"', repr(str(qa_folder))).replace(
+        '"outputs/demo/data/videos/flash00000.mp4"', repr(str(videos[0])))
+    scope = {"pipeline": pipeline}
+    exec(compile(script.replace("\nqa(video", "\nresult = qa(video"), "README.md", "exec"), scope)
+    assert [sorted(item) for item in scope["result"]] == [["answer", "score"]]
+    assert isinstance(scope["result"][0]["answer"], str) and 0 < scope["result"][0]["score"] <= 1
+
+
+def safe_open_keys(folder: Path) -> list[str]:
+    """The tensor names saved in a folder's model.safetensors."""
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), "pt") as weights:
+        return list(weights.keys())
+
+
+def test_a_qa_head_started_from_a_retrieval_folder_has_no_uninitialised_weight(retrieval_folder):
+    """The answer decoder a retrieval folder lacks is initialised, the output bias (a tie of which the checkpoint
+    holds neither side, which transformers skips) included: zeros, as a fresh model's; the missing weights are
+    recorded for the pipelines."""
+    model = TestaForVideoQA.from_pretrained(str(retrieval_folder))
+    assert model.weights_missing_at_load and all(k.startswith("text_decoder.") for k in model.weights_missing_at_load)
+    bias = model.text_decoder.cls.predictions.bias
+    assert torch.equal(bias, torch.zeros_like(bias))
+    assert all(torch.isfinite(parameter).all() for parameter in model.parameters())
 
 
 def test_model_card_keeps_hand_written_cards(tmp_path, retrieval_model):
@@ -658,7 +752,12 @@ def test_hub_export_knows_the_pipeline_classes_and_saves_one_folder(retrieval_mo
     assert PIPELINE_TASKS["TestaForVideoQA"]["video-question-answering"]["impl"] is VideoQuestionAnsweringPipeline
     assert custom_pipelines_for("TestaForVideoQA") == {"video-question-answering": {
         "impl": "pipeline_testa.VideoQuestionAnsweringPipeline", "pt": ["AutoModelForVisualQuestionAnswering"],
-        "type": "multimodal"}}
+        "type": "multimodal"},
+        # the other head's tasks, whose pipelines refuse the folder naming the weights it lacks
+        "video-text-retrieval": {"impl": "pipeline_testa.VideoTextRetrievalPipeline", "pt": ["AutoModel"],
+                                 "type": "multimodal"},
+        "zero-shot-video-classification": {"impl": "pipeline_testa.ZeroShotVideoClassificationPipeline",
+                                           "pt": ["AutoModel"], "type": "multimodal"}}
     assert custom_pipelines_for("TestaVisionModel") == {}
 
     # a model and its processor in one call: the card lists the processor's video settings (a plain

@@ -35,7 +35,7 @@ def test_every_recipe_is_present_and_parses():
     names = {p.name for p in RECIPES}
     expected = {f"retrieval_{d}_f{f}.yaml" for d in TEXT_LENGTHS for f in (32, 96)}
     expected |= {"vqa_activitynet_f32.yaml", "vqa_activitynet_f96.yaml", "pretrain.yaml", "synthetic_retrieval.yaml",
-                 "synthetic_qa.yaml", "short_events.yaml"}
+                 "synthetic_qa.yaml", "short_events.yaml", "short_events_qa.yaml"}
     assert expected <= names
     from train.loop import validate_recipe
 

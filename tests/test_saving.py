@@ -248,7 +248,7 @@ def test_remote_code_loads_without_the_package(setup, tmp_path):
     model_only = tmp_path / "model_only"
     assert code <= {p.name for p in model_only.iterdir()}
     assert set(json.loads((model_only / "config.json").read_text())["custom_pipelines"]) == {
-        "video-text-retrieval", "zero-shot-video-classification"}
+        "video-text-retrieval", "zero-shot-video-classification", "video-question-answering"}  # QA: refused
 
 
 def test_pretraining_and_encoder_folders(setup, tmp_path):

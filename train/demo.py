@@ -21,6 +21,11 @@ Steps (docs/evidence.md's demo section gives the measured wall time; ``--quick``
    both directions, wall times) goes to the terminal and to OUTPUT/demo_results.md / .json, and a recall-vs-GMAC
    chart to OUTPUT/recall_vs_gmac.png when matplotlib is installed. OUTPUT/runs/b/final is model (b), a
    ``save_pretrained`` folder that the pipelines load.
+4. A small VideoQA head for the QA pipeline and the app's Ask tab (``--no-qa`` skips it): model (b)'s video and
+   question encoders with a new answer decoder, fine-tuned for ``configuration/short_events_qa.yaml``'s 120 steps
+   (``--quick``: 20) on three questions per training video read off its paragraph (the colour of the first scene,
+   the last scene and the first flash; ``processing.short_events.write_qa_splits``), then scored on the test
+   videos' questions (exact match among the training answers). OUTPUT/qa/final is a TestaForVideoQA folder.
 
 One seed is one sample: ``benchmarks/frames_vs_compute.py --seeds 3`` repeats this with three training seeds and
 reports mean and spread. ``--quick`` trains 30 steps on 128 videos: it shows that everything runs, and its recall
@@ -46,6 +51,7 @@ from modeling_testa import TestaForVideoTextRetrieval, TestaVisionConfig
 from modeling_testa.flops import count_encoder_gmac
 
 RECIPE = REPO / "configuration" / "short_events.yaml"
+QA_RECIPE = REPO / "configuration" / "short_events_qa.yaml"
 GMAC_TOLERANCE = 0.10  # (b) must cost within 10% of (a)
 
 
@@ -191,6 +197,33 @@ def _train_group(group, launch, env, data_dir, runs_dir, seed, max_steps, recipe
     return seconds
 
 
+def train_qa(data_dir: Path, out: Path, retrieval_folder: Path, max_steps: int | None = None) -> dict:
+    """Fine-tunes the demo's VideoQA head (step 4 of the module docstring) into ``out`` (the model: ``out/final``)
+    and returns its test metrics with the training wall time (``train_seconds``)."""
+    from processing.short_events import write_qa_splits
+
+    counts = write_qa_splits(str(data_dir))
+    print(f"qa: {counts['train']} training and {counts['test']} test questions in {data_dir}", flush=True)
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1", "--mixed_precision", "no",
+               "--dynamo_backend", "no", "--num_processes", "1", str(REPO / "train" / "finetune_qa.py"),
+               "--config", str(QA_RECIPE), "--dataset", str(data_dir), "--output-dir", str(out),
+               "--set", f"model.init_from={retrieval_folder}"]
+    if max_steps:
+        command += ["--max-steps", str(max_steps)]
+    started = time.perf_counter()
+    with open(out.parent / "qa.log", "w") as log:
+        script = command.index(str(REPO / "train" / "finetune_qa.py"))
+        print("+ " + " ".join(command[script:]) + f"  > {out.parent / 'qa.log'}", flush=True)
+        done = subprocess.run(command, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS=str(os.cpu_count() or 1)),
+                              stdout=log, stderr=subprocess.STDOUT)
+    if done.returncode:
+        tail = "".join((out.parent / "qa.log").read_text().splitlines(True)[-15:])
+        raise RuntimeError(f"the QA run failed with exit code {done.returncode}; the end of {out.parent / 'qa.log'}:"
+                           f"\n{tail}")
+    metrics = json.loads((out / "metrics.json").read_text())
+    return {**metrics, "train_seconds": time.perf_counter() - started, "questions": counts}
+
+
 def _planned_steps(recipe: dict, data_dir: Path) -> int:
     train_cfg = recipe["train"]
     if train_cfg.get("max_steps"):
@@ -259,6 +292,12 @@ def plot_r1_vs_gmac(points: dict[str, tuple[float, float, float]], path: Path, t
     return True
 
 
+def qa_accuracy(metrics: dict) -> float:
+    """The overall exact-match accuracy (%) in a QA run's metrics."""
+    value = next(v for k, v in metrics.items() if "accuracy" in k and isinstance(v, (int, float)))
+    return 100 * value if value <= 1 else value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output-dir", type=Path, default=REPO / "outputs" / "demo")
@@ -269,6 +308,8 @@ def main() -> None:
     parser.add_argument("--upper-bound", action="store_true",
                         help="also train (c), 16 frames without aggregation (2x the compute of (a); several more "
                              "minutes on 2 CPU cores)")
+    parser.add_argument("--no-qa", action="store_true",
+                        help="skip step 4, the small VideoQA head (OUTPUT/qa/final) for the QA pipeline and the app")
     parser.add_argument("--processes", type=int, default=1,
                         help="1: the runs train side by side, one process each (default); N > 1: one after the "
                              "other, N processes each (accelerate launch --multi_gpu)")
@@ -311,8 +352,14 @@ def main() -> None:
     gain = results["b"]["t2v_R@1"] - results["a"]["t2v_R@1"]
     lines += ["", f"(b) - (a), text-to-video R@1: {gain:+.1f} points at {costs['b'][0] / costs['a'][0]:.2f}x the GMAC "
               "(one seed; `benchmarks/frames_vs_compute.py --seeds 3` gives the spread).",
-              f"Model (b) for the pipelines: {out / 'runs' / 'b' / 'final'}",
-              f"Total demo time: {time.perf_counter() - started:.0f} s."]
+              f"Model (b) for the pipelines: {out / 'runs' / 'b' / 'final'}"]
+    qa = None
+    if not args.no_qa:
+        qa = train_qa(data_dir, out / "qa", out / "runs" / "b" / "final", max_steps=20 if args.quick else None)
+        lines.append(f"VideoQA head for the QA pipeline: {out / 'qa' / 'final'} (model (b)'s encoders and a new answer "
+                     f"decoder, trained and scored in {qa['train_seconds']:.0f} s; exact match on the "
+                     f"{qa['questions']['test']} test questions: {qa_accuracy(qa):.1f}%).")
+    lines.append(f"Total demo time: {time.perf_counter() - started:.0f} s.")
     points = {k: (costs[k][0], results[k]["t2v_R@1"], 0.0) for k in keys}
     if plot_r1_vs_gmac(points, out / "recall_vs_gmac.png", f"short-event retrieval, seed {args.seed}"):
         lines.append(f"Chart: {out / 'recall_vs_gmac.png'}")
@@ -320,7 +367,7 @@ def main() -> None:
     print("\n" + table)
     (out / "demo_results.md").write_text(table + "\n")
     payload = {"seed": args.seed, "quick": args.quick, "processes": args.processes, "costs": costs, "train_seconds": train_seconds,
-               "results": results}
+               "results": results, "qa": qa}
     (out / "demo_results.json").write_text(json.dumps(payload, indent=1))
 
 
