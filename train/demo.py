@@ -206,7 +206,7 @@ def train_qa(data_dir: Path, out: Path, retrieval_folder: Path, max_steps: int |
     print(f"qa: {counts['train']} training and {counts['test']} test questions in {data_dir}", flush=True)
     command = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1", "--mixed_precision", "no",
                "--dynamo_backend", "no", "--num_processes", "1", str(REPO / "train" / "finetune_qa.py"),
-               "--config", str(QA_RECIPE), "--dataset", str(data_dir), "--output-dir", str(out),
+               "--config", str(QA_RECIPE), "--dataset", str(data_dir), "--output-dir", str(out), "--overwrite",
                "--set", f"model.init_from={retrieval_folder}"]
     if max_steps:
         command += ["--max-steps", str(max_steps)]
