@@ -38,10 +38,10 @@ import platform
 import random
 import statistics
 import subprocess
+import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-import numpy as np
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
@@ -66,9 +66,9 @@ class Experiment:
     """The sizes of one run."""
 
     seeds: tuple[int, ...] = (0, 1, 2)
-    train_videos: int = 1024
+    train_videos: int = 512
     test_videos: int = 128
-    steps: int = 160
+    steps: int = 120
     batch_size: int = 8
     lr: float = 3e-3
     eval_batch_size: int = 32
@@ -287,6 +287,7 @@ def pruned_forward(model, inputs: dict, keep: int) -> tuple[torch.Tensor, list[i
     grids = inputs["video_grid_thw"]
     features = base.get_video_features(inputs["pixel_values_videos"], grids).pooler_output
     positions, _ = base.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"], video_grid_thw=grids,
+                                       second_per_grid_ts=inputs.get("second_per_grid_ts"),
                                        attention_mask=inputs.get("attention_mask"))
     kept_features, rows, counts = [], [], []
     for index, (video, (t, h, w)) in enumerate(zip(features, grids.tolist())):
@@ -395,7 +396,6 @@ def expected_tower_tokens(arm: Arm, videos_per_batch: int) -> list[tuple[str, in
 def run(experiment: Experiment, log=print, on_seed=None) -> dict:
     """Trains one model per seed and evaluates every arm on it; ``on_seed(summary)`` after every seed (so that a
     long run leaves the seeds it finished). Returns the summary of all seeds."""
-    torch.set_num_threads(2)
     train_videos, train_questions = make_vqa_split(experiment.train_videos, seed=experiment.data_seed, size=FRAME_SIZE)
     test_videos, test_questions = make_vqa_split(experiment.test_videos, seed=experiment.data_seed + 1,
                                                  size=FRAME_SIZE)
@@ -421,7 +421,8 @@ def run(experiment: Experiment, log=print, on_seed=None) -> dict:
 
 
 def summarize(experiment: Experiment, arms: list[Arm], outcomes: dict, losses: dict) -> dict:
-    """The table (accuracy mean, min, max, standard deviation over the seeds done) and the targets."""
+    """The table (accuracy mean, min, max, standard deviation over the seeds done) and the targets; ``outcomes``:
+    per arm name, one `evaluate` result per seed of ``losses`` (in that order)."""
     table = []
     for arm in arms:
         accuracies = [outcome["accuracy"] for outcome in outcomes[arm.name]]
@@ -446,7 +447,31 @@ def summarize(experiment: Experiment, arms: list[Arm], outcomes: dict, losses: d
         "experiment": experiment.__dict__, "seeds_done": list(losses), "vision_config": VISION, "text_config": TEXT,
         "frame_size": FRAME_SIZE, "arms": table, "targets": targets,
         "final_train_loss": {str(s): statistics.fmean(l[-40:]) for s, l in losses.items()},
+        "outcomes": outcomes, "losses": {str(s): l for s, l in losses.items()},
     }
+
+
+def merge(parts: list[dict]) -> dict:
+    """One summary from the summaries of runs of the same experiment on different seeds (``--seeds`` in separate
+    processes; ``--merge``)."""
+    first = parts[0]
+    def same_run(part: dict) -> tuple:
+        return ({k: v for k, v in part["experiment"].items() if k != "seeds"}, part["vision_config"],
+                part["text_config"], part["frame_size"], part["oracle_accuracy"], part["commit"])
+
+    if any(same_run(part) != same_run(first) for part in parts[1:]):
+        raise ValueError("cannot merge runs of different experiments, models, test sets or commits")
+    experiment = Experiment(**{**first["experiment"], "seeds": tuple(s for p in parts for s in p["seeds_done"])})
+    arms = make_arms()
+    outcomes = {arm.name: [o for p in parts for o in p["outcomes"][arm.name]] for arm in arms}
+    losses = {int(s): l for p in parts for s, l in p["losses"].items()}
+    summary = summarize(experiment, arms, outcomes, losses)
+    keep = ("oracle_accuracy", "test_questions", "command", "cpu", "commit", "threads")
+    summary.update({name: first[name] for name in keep})
+    summary["date"] = max(p["date"] for p in parts)
+    summary["seconds_per_seed_run"] = [p["seconds"] for p in parts]
+    summary["command"] = " ; ".join(p["command"] for p in parts) + " ; python -m benchmarks.video_llm_quality --merge ..."
+    return summary
 
 
 def markdown(result: dict) -> str:
@@ -464,11 +489,31 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help="a few videos and steps: the pipeline end to end")
     parser.add_argument("--output", default=None, help="JSON path (default docs/video_llm_quality.json; none with "
                                                        "--quick)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=None, help="training seeds (default 0 1 2)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    parser.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                        help="merge the JSON of runs on different seeds into --output and print the table")
     args = parser.parse_args(argv)
+    if args.merge:
+        parts = []
+        for path in args.merge:
+            with open(path, encoding="utf-8") as f:
+                parts.append(json.load(f))
+        result = merge(parts)
+        with open(args.output or "docs/video_llm_quality.json", "w", encoding="utf-8", newline="\n") as f:
+            json.dump(result, f, indent=1)
+            f.write("\n")
+        print(markdown(result))
+        print(json.dumps(result["targets"]))
+        return result
     experiment = QUICK if args.quick else Experiment()
+    if args.seeds:
+        experiment = replace(experiment, seeds=tuple(args.seeds))
+    torch.set_num_threads(args.threads)
     output = args.output or (None if args.quick else "docs/video_llm_quality.json")
     start = time.perf_counter()
-    context = {"command": "python -m benchmarks.video_llm_quality" + (" --quick" if args.quick else ""),
+    command = " ".join(["python -m benchmarks.video_llm_quality", *(argv if argv is not None else sys.argv[1:])])
+    context = {"command": command,
                "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                "cpu": _cpu(), "commit": _commit(), "threads": torch.get_num_threads()}
 
