@@ -12,7 +12,7 @@ then, training-free, four ways to give it a video (issue 51):
 
 The model (random init; a word-level tokenizer written here): a 6-block Qwen2.5-VL vision tower (hidden 64, MLP 256)
 on a 2-layer LLM (hidden 64), trained on 8- and 16-frame inputs alternately (so it is not specialised to one frame
-count), loss on the one-word answer. Task: :mod:`processing.short_events_vqa` ("is there a blue square ?" -> yes /
+count), loss on the one-word answer. Task: :mod:`processing.short_events_vqa` ("is there a square in blue" -> yes /
 no) at 56 x 56 px (4 x 4 patches, 2 x 2 merge units per tubelet: small enough to train on a shared 2-core CPU).
 Each training seed trains one model; the arms are evaluated on one fixed test set (other timelines than training).
 
@@ -66,17 +66,18 @@ class Experiment:
     """The sizes of one run."""
 
     seeds: tuple[int, ...] = (0, 1, 2)
-    train_videos: int = 512
+    train_videos: int = 1024
+    val_videos: int = 32
     test_videos: int = 128
-    steps: int = 120
+    steps: int = 400
     batch_size: int = 8
-    lr: float = 3e-3
+    lr: float = 2e-3
     eval_batch_size: int = 32
     train_frames: tuple[int, ...] = (8, 16)
     data_seed: int = 1000
 
 
-QUICK = Experiment(seeds=(0,), train_videos=8, test_videos=4, steps=2, batch_size=2, eval_batch_size=8)
+QUICK = Experiment(seeds=(0,), train_videos=8, val_videos=2, test_videos=4, steps=2, batch_size=2, eval_batch_size=8)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -139,9 +140,12 @@ def encode(processor, videos, questions, num_frames: int, with_answers: bool = F
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def train(model, processor, videos, questions, experiment: Experiment, seed: int, log=print) -> list[float]:
+def train(model, processor, videos, questions, experiment: Experiment, seed: int, log=print,
+          validation=None) -> list[float]:
     """AdamW with warmup and cosine decay, cross-entropy on the answer token (the last one: every prompt has the
-    same length); batches alternate over ``experiment.train_frames``. Returns the loss per step."""
+    same length); batches alternate over ``experiment.train_frames``. ``validation``: ``(videos, questions)`` from
+    the training distribution (never the test set), whose 16-frame accuracy is logged every 100 steps, to see
+    whether the model learns. Returns the loss per step."""
     rng = random.Random(f"video-llm-quality-train-{seed}")
     optimizer = torch.optim.AdamW(model.parameters(), lr=experiment.lr, weight_decay=0.01)
     warmup = max(1, experiment.steps // 10)
@@ -172,6 +176,11 @@ def train(model, processor, videos, questions, experiment: Experiment, seed: int
         if (step + 1) % 20 == 0 or step + 1 == experiment.steps:
             log(f"  seed {seed} step {step + 1}/{experiment.steps} loss {statistics.fmean(losses[-40:]):.3f} "
                 f"({time.perf_counter() - start:.0f} s)")
+        if validation is not None and ((step + 1) % 100 == 0 or step + 1 == experiment.steps):
+            model.eval()
+            accuracy = evaluate(model, processor, *validation, Arm("validation", 16), experiment.eval_batch_size)
+            log(f"  seed {seed} step {step + 1} validation accuracy (16 frames, stock) {accuracy['accuracy']:.3f}")
+            model.train()
     model.eval()
     return losses
 
@@ -399,6 +408,7 @@ def run(experiment: Experiment, log=print, on_seed=None) -> dict:
     train_videos, train_questions = make_vqa_split(experiment.train_videos, seed=experiment.data_seed, size=FRAME_SIZE)
     test_videos, test_questions = make_vqa_split(experiment.test_videos, seed=experiment.data_seed + 1,
                                                  size=FRAME_SIZE)
+    validation = make_vqa_split(experiment.val_videos, seed=experiment.data_seed + 2, size=FRAME_SIZE)
     arms = make_arms()
     outcomes = {arm.name: [] for arm in arms}
     losses = {}
@@ -406,7 +416,7 @@ def run(experiment: Experiment, log=print, on_seed=None) -> dict:
     for seed in experiment.seeds:
         start = time.perf_counter()
         model, processor = build_model(seed)
-        losses[seed] = train(model, processor, train_videos, train_questions, experiment, seed, log)
+        losses[seed] = train(model, processor, train_videos, train_questions, experiment, seed, log, validation)
         for arm in arms:
             outcome = evaluate(model, processor, test_videos, test_questions, arm, experiment.eval_batch_size)
             outcomes[arm.name].append(outcome)

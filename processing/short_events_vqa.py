@@ -4,8 +4,11 @@ Every video is the short-events timeline (a few full-frame colour scenes and 2-3
 the middle of the frame, each lasting 1/20 to 1/10 of the video). Each video gets two questions with one-word
 answers::
 
-    is there a blue square ?   -> yes   (blue: one of its flashes, drawn at random)
-    is there a white square ?  -> no    (white: a colour that appears nowhere in the video)
+    is there a square in blue   -> yes   (blue: one of its flashes, drawn at random)
+    is there a square in white  -> no    (white: a colour that appears nowhere in the video)
+
+(The colour comes last, so the position that predicts the answer is the colour word itself: a tiny model trained
+from scratch then needs no layer to carry the colour forward first.)
 
 The flashes are spread over the video and short, so the answer to a "yes" question needs the frame that shows that
 flash: with uniform sampling of T frames a flash of length L (a fraction of the video) is seen with probability
@@ -28,12 +31,12 @@ from .short_events import ShortEventVideo, make_videos, render_frame, uniform_sa
 from .synthetic import COLOURS
 
 ANSWERS: tuple[str, ...] = ("yes", "no")
-QUESTION_WORDS: tuple[str, ...] = ("is", "there", "a", "square", "?")
+QUESTION_WORDS: tuple[str, ...] = ("is", "there", "a", "square", "in")
 
 
 @dataclass(frozen=True)
 class Question:
-    """One question about one video: ``text`` ("is there a blue square ?"), its one-word ``answer``, the ``colour``
+    """One question about one video: ``text`` ("is there a square in blue"), its one-word ``answer``, the ``colour``
     asked about, and for a "yes" question the index of the flash (in `ShortEventVideo.flashes`) it is about."""
 
     video_index: int
@@ -43,7 +46,7 @@ class Question:
 
     @property
     def text(self) -> str:
-        return f"is there a {self.colour} square ?"
+        return f"is there a square in {self.colour}"
 
 
 def vocabulary() -> list[str]:

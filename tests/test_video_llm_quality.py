@@ -25,7 +25,7 @@ def test_questions_ask_about_a_flash_and_an_absent_colour():
     video = hand_video()
     yes, no = questions_for(video, 0, random.Random(0))
     assert (yes.answer, no.answer) == ("yes", "no")
-    assert yes.colour in {"blue", "white"} and yes.text == f"is there a {yes.colour} square ?"
+    assert yes.colour in {"blue", "white"} and yes.text == f"is there a square in {yes.colour}"
     assert no.colour not in {"red", "green", "blue", "white"}
 
 
