@@ -31,50 +31,67 @@ from .short_events import ShortEventVideo, make_videos, render_frame, uniform_sa
 from .synthetic import COLOURS
 
 ANSWERS: tuple[str, ...] = ("yes", "no")
-QUESTION_WORDS: tuple[str, ...] = ("is", "there", "a", "square", "in")
+QUESTION_WORDS: tuple[str, ...] = ("is", "there", "a", "in")
 
 
 @dataclass(frozen=True)
 class Question:
     """One question about one video: ``text`` ("is there a square in blue"), its one-word ``answer``, the ``colour``
-    asked about, and for a "yes" question the index of the flash (in `ShortEventVideo.flashes`) it is about."""
+    asked about, the ``kind`` ("square": a flash; "screen": a whole-frame scene), and for a "yes" square question the
+    index of the flash (in `ShortEventVideo.flashes`) it is about."""
 
     video_index: int
     colour: str
     answer: str
     flash_index: int | None = None
+    kind: str = "square"
 
     @property
     def text(self) -> str:
-        return f"is there a square in {self.colour}"
+        return f"is there a {self.kind} in {self.colour}"
+
+
+KINDS: tuple[str, ...] = ("square", "screen")
 
 
 def vocabulary() -> list[str]:
     """Every word a question or an answer uses, in a fixed order."""
-    return [*QUESTION_WORDS, *COLOURS, *ANSWERS]
+    return [*QUESTION_WORDS, *KINDS, *COLOURS, *ANSWERS]
 
 
-def questions_for(video: ShortEventVideo, video_index: int, rng: random.Random) -> list[Question]:
-    """A "yes" question about one of ``video``'s flashes (one whose colour no scene has, where there is one: then
-    only the flash shows it) and a "no" question about a colour absent from the video (the task's timelines use at
-    most 6 of the 7 colours, so one always exists)."""
+def questions_for(video: ShortEventVideo, video_index: int, rng: random.Random,
+                  kinds: tuple[str, ...] = ("square",)) -> list[Question]:
+    """Per kind, a "yes" and a "no" question. "square": about one of ``video``'s flashes (one whose colour no scene
+    has, where there is one: then only the flash shows it); "screen": about one of its scenes (long: any sampling
+    sees every scene, an easy question that teaches a model trained from scratch to bind a colour word to the
+    video). The "no" question asks about a colour absent from the video (the task's timelines use at most 6 of the 7
+    colours, so one always exists)."""
     scene_colours = {scene.colour for scene in video.scenes}
-    short = [i for i, flash in enumerate(video.flashes) if flash.colour not in scene_colours]
-    flash_index = rng.choice(short or list(range(len(video.flashes))))
     present = scene_colours | {flash.colour for flash in video.flashes}
     absent = [colour for colour in COLOURS if colour not in present]
     if not absent:
         raise ValueError(f"video {video.video_id} uses every colour; no 'no' question can be asked about it")
-    return [Question(video_index, video.flashes[flash_index].colour, "yes", flash_index),
-            Question(video_index, rng.choice(absent), "no")]
+    questions = []
+    for kind in kinds:
+        if kind == "square":
+            short = [i for i, flash in enumerate(video.flashes) if flash.colour not in scene_colours]
+            flash_index = rng.choice(short or list(range(len(video.flashes))))
+            questions.append(Question(video_index, video.flashes[flash_index].colour, "yes", flash_index))
+        elif kind == "screen":
+            questions.append(Question(video_index, rng.choice(video.scenes).colour, "yes", kind="screen"))
+        else:
+            raise ValueError(f"kind={kind!r}; allowed: {', '.join(map(repr, KINDS))}")
+        questions.append(Question(video_index, rng.choice(absent), "no", kind=kind))
+    return questions
 
 
-def make_vqa_split(num_videos: int, seed: int, size: int = 112) -> tuple[list[ShortEventVideo], list[Question]]:
+def make_vqa_split(num_videos: int, seed: int, size: int = 112, kinds: tuple[str, ...] = ("square",)
+                   ) -> tuple[list[ShortEventVideo], list[Question]]:
     """``num_videos`` short-events timelines (all in one split: `make_videos` with no test fraction) and their
-    questions, deterministic in ``(num_videos, seed, size)``. Use different seeds for train and test."""
+    questions of ``kinds``, deterministic in the arguments. Use different seeds for train and test."""
     videos = make_videos(num_videos, seed=seed, size=size, test_fraction=0.0)
     rng = random.Random(f"testa-short-events-vqa-{seed}")
-    questions = [q for index, video in enumerate(videos) for q in questions_for(video, index, rng)]
+    questions = [q for index, video in enumerate(videos) for q in questions_for(video, index, rng, kinds)]
     return videos, questions
 
 
@@ -92,12 +109,12 @@ def colour_seen(video: ShortEventVideo, colour: str, num_frames: int) -> bool:
 
 
 def oracle_accuracy(videos: list[ShortEventVideo], questions: list[Question], num_frames: int) -> float:
-    """The accuracy of a model that sees exactly the ``num_frames`` uniformly sampled frames and answers "yes" when
-    the asked colour is in one of them, "no" otherwise: the ceiling at that frame count."""
+    """The accuracy on square questions of a model that sees exactly the ``num_frames`` uniformly sampled frames
+    and answers "yes" when the asked colour is in one of them, "no" otherwise: the ceiling at that frame count."""
     correct = sum(("yes" if colour_seen(videos[q.video_index], q.colour, num_frames) else "no") == q.answer
                   for q in questions)
     return correct / len(questions)
 
 
-__all__ = ["ANSWERS", "Question", "colour_seen", "make_vqa_split", "oracle_accuracy", "questions_for", "sampled_frames",
+__all__ = ["ANSWERS", "KINDS", "Question", "colour_seen", "make_vqa_split", "oracle_accuracy", "questions_for", "sampled_frames",
            "vocabulary"]
