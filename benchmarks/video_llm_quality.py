@@ -21,9 +21,12 @@ Compute is counted, not timed: :func:`tower_macs` adds the multiply-accumulates 
 after TESTA's merge, TESTA's matching, the patch merger) from the token counts per block, which the run checks
 against the token counts the tower's modules actually see (hooks on every block's ``qkv`` and ``mlp``).
 
-    python -m benchmarks.video_llm_quality            # the experiment (3 seeds), ~20 min on 2 cores
+    python -m benchmarks.video_llm_quality            # the experiment, 3 seeds one after the other
+    python -m benchmarks.video_llm_quality --seeds 0 --threads 1 --output s0.json   # one seed (likewise 1, 2) ...
+    python -m benchmarks.video_llm_quality --merge s0.json s1.json s2.json        # ... merged into the JSON
     python -m benchmarks.video_llm_quality --quick    # seconds: the pipeline end to end on a few videos
 
+(Three one-thread seed processes side by side took about 20 min on the shared 2-core machine at load 11-16.)
 Writes ``docs/video_llm_quality.json`` (not with ``--quick`` unless ``--output`` is given) and prints a markdown
 table.
 """
