@@ -226,15 +226,22 @@ def _draw_member(rng, scene_colours, fps, size, min_frames, max_frames, min_flas
 
 def render_frames(video: ShortEventVideo) -> Iterator[np.ndarray]:
     """Yields the `(size, size, 3)` uint8 RGB frames; a flash covers the middle half of the frame."""
+    for t in range(video.num_frames):
+        yield render_frame(video, t)
+
+
+def render_frame(video: ShortEventVideo, t: int) -> np.ndarray:
+    """Frame ``t`` of ``video`` as `(size, size, 3)` uint8 RGB (what :func:`render_frames` yields at ``t``)."""
+    scene = next((s for s in video.scenes if s.start <= t < s.end), None)
+    if scene is None:
+        raise ValueError(f"frame {t} is outside video {video.video_id!r} of {video.num_frames} frames")
     lo, hi = video.size // 4, video.size - video.size // 4
-    for scene in video.scenes:
-        for t in range(scene.start, scene.end):
-            frame = np.empty((video.size, video.size, 3), dtype=np.uint8)
-            frame[:] = COLOURS[scene.colour]
-            for flash in scene.flashes:
-                if flash.start <= t < flash.end:
-                    frame[lo:hi, lo:hi] = COLOURS[flash.colour]
-            yield frame
+    frame = np.empty((video.size, video.size, 3), dtype=np.uint8)
+    frame[:] = COLOURS[scene.colour]
+    for flash in scene.flashes:
+        if flash.start <= t < flash.end:
+            frame[lo:hi, lo:hi] = COLOURS[flash.colour]
+    return frame
 
 
 def encode_video(video: ShortEventVideo, path: str, crf: int = 20) -> None:
