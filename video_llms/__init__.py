@@ -34,7 +34,8 @@ def is_video_llm(model) -> bool:
     return adapter_for(model) is not None
 
 
-def apply_testa_to_video_llm(model, processor=None, *, temporal_reduction=0, spatial_reduction=0, **options):
+def apply_testa_to_video_llm(model, processor=None, *, temporal_reduction=0, spatial_reduction=0,
+                             chunk_frames: int | None = None, **options):
     """Makes ``model`` aggregate video tokens in its vision tower with TESTA and ``processor`` (the model's
     processor instance) emit the reduced number of video placeholders. Calling it again replaces the settings.
 
@@ -45,6 +46,10 @@ def apply_testa_to_video_llm(model, processor=None, *, temporal_reduction=0, spa
             match" otherwise).
         temporal_reduction: R_T per block: tubelets / frames merged into their most similar ones.
         spatial_reduction: R_S per block: merge units (Qwen: 2x2 token groups) merged within every tubelet / frame.
+        chunk_frames: run the vision tower over every video that many frames at a time (Qwen: a multiple of the
+            tubelet's 2 frames), with the same outputs as one pass: activation memory bounded by a chunk, not by the
+            video (`qwen_tower.run_tower_chunked`). Works with no reduction too (the stock model's outputs, in
+            chunks). None: the whole video at once.
         options: `apply_testa`'s other settings (``score_grid``, ``frame_matching``, ``aggregation_dims``, ...);
             what a tower inside an LLM cannot do raises ``ValueError`` (`common.video_settings`).
 
@@ -57,10 +62,14 @@ def apply_testa_to_video_llm(model, processor=None, *, temporal_reduction=0, spa
             f"apply_testa_to_video_llm does not support {type(model).__name__}; supported: "
             f"{', '.join(name for adapter in ADAPTERS for name in getattr(adapter, 'classes', ()))}."
         )
+    if chunk_frames is not None and (isinstance(chunk_frames, bool) or not isinstance(chunk_frames, int)
+                                     or chunk_frames < 1):
+        raise ValueError(f"chunk_frames must be None (all frames at once) or a positive int; got {chunk_frames!r}.")
     settings = video_settings(adapter.num_blocks(model), temporal_reduction, spatial_reduction, **options)
     if patch_of(model) is not None:
         remove_testa_from_video_llm(model)
-    model.__dict__[STATE_ATTRIBUTE] = InstancePatch(settings=settings, adapter=adapter, processor=processor)
+    model.__dict__[STATE_ATTRIBUTE] = InstancePatch(settings=settings, adapter=adapter, processor=processor,
+                                                   chunk_frames=chunk_frames)
     try:
         adapter.apply(model, processor, settings)
     except BaseException:

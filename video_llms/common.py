@@ -80,6 +80,7 @@ class InstancePatch:
         processor: the processor instance patched with the model (or None).
         replaced: ``(object, attribute, what the object's __dict__ held or _MISSING)`` in patching order.
         cache: scratch space of the adapter (e.g. the features of the last encoded videos).
+        chunk_frames: frames the tower takes at a time (None: the whole video at once).
     """
 
     settings: AggregationSettings
@@ -87,6 +88,7 @@ class InstancePatch:
     processor: Any = None
     replaced: list = field(default_factory=list)
     cache: dict = field(default_factory=dict)
+    chunk_frames: int | None = None
 
     def replace_attribute(self, obj: Any, name: str, value: Any) -> None:
         """Sets ``obj.name = value`` on the instance, remembering what its ``__dict__`` held."""
