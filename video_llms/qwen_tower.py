@@ -312,6 +312,11 @@ def split_groups(groups: TokenGroups, chunk_slices: int) -> list[TokenGroups]:
     return [part(start) for start in range(0, groups.grid[0], chunk_slices)]
 
 
+def copy_groups(groups: TokenGroups) -> TokenGroups:
+    return TokenGroups(groups.tokens.clone(), groups.sizes.clone(), groups.positions.clone(),
+                       None if groups.labels is None else groups.labels.clone(), [t.clone() for t in groups.carried])
+
+
 def run_tower_chunked(visual, pixel_values: torch.Tensor, grid_thw: torch.Tensor, settings, family,
                       chunk_slices: int, *, position_embedding=None, by_slice: bool = False, window=None,
                       full_attention_blocks=(), deepstack_blocks=(), deepstack_mergers=None) -> list[VideoFeatures]:
@@ -363,8 +368,13 @@ def run_tower_chunked(visual, pixel_values: torch.Tensor, grid_thw: torch.Tensor
                     stop = index  # the same for every chunk: the next block whose R_T is not 0
             chunks = []
             if stopped:  # the temporal merge over the whole video
-                whole = aggregate(concat_groups(stopped), torch.cat(keys), settings, stop)
-                chunks, block, resume = split_groups(whole, chunk_slices), stop, True
+                whole, keys = concat_groups(stopped), torch.cat(keys)
+                stopped.clear()  # (each copy of the whole video's hidden states freed as soon as it can be)
+                whole = aggregate(whole, keys, settings, stop)
+                # copies, not views: a chunk's hidden states are freed once it has run on, not when the last one has
+                chunks = [copy_groups(part) for part in split_groups(whole, chunk_slices)]
+                del whole, keys
+                block, resume = stop, True
         video = concat_groups(finished)
         results.append(video_features(video, video.tokens.reshape(video.grid[0] * video.grid[1], -1), by_slice))
     return results
