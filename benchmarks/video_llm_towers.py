@@ -8,21 +8,22 @@ transformers against TESTA inside the tower, post-encoder pruning beside it, and
 The towers are built from the vision-config dimensions below (facts copied from the models' config.json files;
 nothing is downloaded), with random weights, in bfloat16 where the CPU has native bf16 arithmetic
 (``avx512_bf16`` or ``amx_bf16`` in /proc/cpuinfo), else float32. Inputs are random patches (the tower's flattened
-``pixel_values``) of ``--height`` x ``--width`` px frames; token counts and costs depend only on the grid, not on the
-pixels.
+``pixel_values``) of ``--height`` x ``--width`` px frames, by default 28 x 56 px (Qwen3-VL: 32 x 64; 1 x 2 merge
+units, 8 tower tokens per tubelet: small enough that the whole run takes minutes on a loaded 2-core CPU); token
+counts and costs depend only on the grid, not on the pixels.
 
 Configurations, each measured in a fresh child process (its own peak; the children run one after another):
 
 * ``stock``: transformers' own tower (``model.visual(pixel_values, grid_thw=...)``);
-* ``prune``: the same stock tower, then a post-encoder pruning step at TESTA's token count, as the serving engines
-  do (vLLM's EVS: a token's score is 1 - cosine similarity to the token at the same place in the previous tubelet,
-  the first tubelet is kept whole, the top tokens are kept in order). Its tower time is the stock one; the pruning
-  step is timed on its own;
+* ``stock + prune``: after the same stock run (its tower time is the stock one), a post-encoder pruning step to
+  TESTA's 25% token count, as the serving engines do (vLLM's EVS: a token's score is 1 - cosine similarity to the
+  token at the same place in the previous tubelet, the first tubelet is kept whole, the top tokens are kept in
+  order), timed on its own;
 * ``testa50`` / ``testa25``: TESTA in the tower (`video_llms` adapters) with the schedule
-  `video_llms.budget.plan_kept_fraction` gives for the video's grid at 50% / 25% of the video tokens kept;
+  `video_llms.budget.plan_kept_fraction` gives for the video's grid at 50% / 25% of the video tokens kept (of its
+  splits between time and space, `plan_for`, the one that keeps the most within the budget);
 * ``*-chunk``: the same through ``chunk_frames`` (the tower over ``--chunk-frames`` frames at a time,
-  `video_llms.qwen_tower.run_tower_chunked`); ``idle-chunk`` is TESTA with R = 0 in chunks (the stock outputs);
-  ``idle`` the same in one pass.
+  `video_llms.qwen_tower.run_tower_chunked`); ``idle-chunk`` is TESTA with R = 0 in chunks (the stock outputs).
 
 Every child builds the tower, runs it once on a 2-frame video (warm-up: kernels chosen, pools made), reads its
 resident set (VmRSS: the weights, the inputs, the runtime), resets its peak (``/proc/self/clear_refs``), runs the
@@ -49,6 +50,13 @@ import time
 from types import SimpleNamespace
 
 import torch
+from transformers.initialization import no_init_weights
+
+from video_llms import token_grid
+from video_llms.budget import plan_kept_fraction
+from video_llms.common import video_settings
+from video_llms.qwen2_5_vl import Qwen2_5_VLAdapter
+from video_llms.qwen3_vl import Qwen3VLAdapter
 
 # Qwen/Qwen2.5-VL-7B-Instruct, config.json "vision_config" (the tower's dimensions as published).
 QWEN2_5_VL_7B_VISION = {
@@ -102,18 +110,34 @@ def build_tower(family: str, quick: bool, dtype: torch.dtype):
         if family == "qwen2_5_vl":
             from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
             from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
-            config = Qwen2_5_VLVisionConfig(**dimensions)
-            config._attn_implementation = "sdpa"
-            tower = Qwen2_5_VisionTransformerPretrainedModel._from_config(config, dtype=dtype)
+            config, cls = Qwen2_5_VLVisionConfig(**dimensions), Qwen2_5_VisionTransformerPretrainedModel
         else:
             from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
             from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
-            config = Qwen3VLVisionConfig(**dimensions)
-            config._attn_implementation = "sdpa"
-            tower = Qwen3VLVisionModel._from_config(config, dtype=dtype)
+            config, cls = Qwen3VLVisionConfig(**dimensions), Qwen3VLVisionModel
+        config._attn_implementation = "sdpa"
+        with no_init_weights():  # (buffers such as the rotary frequencies are still computed by the modules)
+            tower = cls._from_config(config, dtype=dtype)
     finally:
         torch.set_default_dtype(previous)
+    fill_random(tower)
     return tower.eval()
+
+
+def fill_random(module: torch.nn.Module, std: float = 0.02) -> None:
+    """Random weights, fast: matrices from one tiled pool of N(0, std) values (drawing 0.6 B normals would take
+    longer than the runs on a loaded 2-core machine; what a tower costs does not depend on its values), norms' scales
+    1, biases 0."""
+    pool = torch.randn(1 << 22, generator=torch.Generator().manual_seed(0)) * std
+    with torch.no_grad():
+        for name, parameter in module.named_parameters():
+            if parameter.ndim == 1:
+                parameter.fill_(1.0 if "norm" in name and name.endswith("weight") else 0.0)
+                continue
+            flat = parameter.view(-1)
+            for start in range(0, flat.numel(), pool.numel()):
+                piece = flat[start:start + pool.numel()]
+                piece.copy_(pool[:piece.numel()])
 
 
 def video_inputs(tower, frames: int, height: int, width: int, dtype: torch.dtype, seed: int = 0):
@@ -141,6 +165,23 @@ def evs_prune(features: torch.Tensor, slices: int, keep: int) -> torch.Tensor:
     return features[kept]
 
 
+def plan_for(depth: int, slices: int, units: int, keep: float) -> dict[str, list[int]]:
+    """`plan_kept_fraction` with the split between time and space (``temporal_share`` 0.5, else 1 or 0) that keeps
+    the count closest to ``keep`` (with few units per tubelet the even split can fall well short of it)."""
+    plans = []
+    for share in (0.5, 1.0, 0.0):
+        try:
+            plans.append(plan_kept_fraction(depth, slices, units, keep, temporal_share=share))
+        except ValueError:  # this split cannot reach the budget within TESTA's caps
+            pass
+
+    def kept(plan):
+        t, u = token_grid(video_settings(depth, **plan), slices, units)
+        return t * u
+
+    return max(plans, key=kept)  # every plan keeps at most `keep`; the first of the largest
+
+
 def memory_kib() -> dict[str, int]:
     values = {}
     for line in open("/proc/self/status"):
@@ -163,12 +204,6 @@ def reset_peak() -> bool:
 def measure(spec: dict) -> dict:
     """One configuration (``spec``: family, mode, frames, quick, height, width, chunk_frames, dtype): tower time,
     token counts, outputs' bytes and the activation peak."""
-    from video_llms import token_grid
-    from video_llms.budget import plan_kept_fraction
-    from video_llms.common import video_settings
-    from video_llms.qwen2_5_vl import Qwen2_5_VLAdapter
-    from video_llms.qwen3_vl import Qwen3VLAdapter
-
     torch.set_grad_enabled(False)
     dtype = getattr(torch, spec["dtype"])
     family, mode, frames = spec["family"], spec["mode"], spec["frames"]
@@ -180,13 +215,13 @@ def measure(spec: dict) -> dict:
     depth = len(tower.blocks)
     kind = mode.removesuffix("-chunk")
     chunk = spec["chunk_frames"] if mode.endswith("-chunk") else None
-    keep = KEEP.get(kind if kind != "prune" else "testa25")
-    schedule = plan_kept_fraction(depth, slices, units, keep) if keep else {}
+    keep = KEEP.get(kind)
+    schedule = plan_for(depth, slices, units, keep) if keep else {}
     settings = video_settings(depth, schedule.get("temporal_reduction", 0), schedule.get("spatial_reduction", 0))
     kept_slices, kept_units = token_grid(settings, slices, units)
 
     def run(pixel_values, grid_thw):
-        if kind in ("stock", "prune"):
+        if kind == "stock":
             output = tower(pixel_values, grid_thw=grid_thw)
             features = [output.pooler_output] + list(getattr(output, "deepstack_features", None) or [])
             return features
@@ -202,17 +237,18 @@ def measure(spec: dict) -> dict:
     outputs = run(pixels, grid)
     tower_s = time.perf_counter() - start
     peak = memory_kib()["VmHWM"]
-    prune_s = None
+    prune_s = pruned_tokens = None
     llm_tokens = outputs[0].shape[0]
-    if kind == "prune":
+    if kind == "stock":  # post-encoder pruning to TESTA's 25% count, after the same stock tower
+        prune_grid = token_grid(video_settings(depth, **plan_for(depth, slices, units, 0.25)), slices, units)
         start = time.perf_counter()
-        pruned = evs_prune(outputs[0], slices, kept_slices * kept_units)
+        pruned = evs_prune(outputs[0], slices, prune_grid[0] * prune_grid[1])
         prune_s = time.perf_counter() - start
-        llm_tokens = pruned.shape[0]
+        pruned_tokens = pruned.shape[0]
     return {
         **spec, "tubelets": slices, "units_per_tubelet": units, "tower_tokens_in": slices * units * 4,
         "llm_video_tokens": llm_tokens, "stock_llm_video_tokens": slices * units, "tower_s": tower_s,
-        "prune_s": prune_s, "weights_mib": weights / 2**20, "rss_before_mib": before / 1024,
+        "prune_s": prune_s, "pruned_llm_video_tokens": pruned_tokens, "weights_mib": weights / 2**20, "rss_before_mib": before / 1024,
         "activation_peak_mib": (peak - before) / 1024 if peak_reset else None,
         "outputs_mib": sum(o.numel() * o.element_size() for o in outputs) / 2**20,
         "schedule": schedule,
@@ -237,11 +273,11 @@ def plan(args) -> list[dict]:
               "dtype": args.dtype}
     for family in args.families:
         for frames in args.frames:
-            for mode in ("stock", "prune", "testa50", "testa25"):
+            for mode in ("stock", "testa50", "testa25"):
                 specs.append({**common, "family": family, "mode": mode, "frames": frames})
         small, large = args.chunk_frames, args.long_frames
-        for frames, mode in ((small, "idle"), (small, "testa25"), (large, "stock"), (large, "idle-chunk"),
-                             (large, "testa25"), (large, "testa25-chunk")):
+        for frames, mode in ((small, "stock"), (small, "testa25"), (large, "stock"), (large, "idle-chunk"),
+                             (large, "testa25-chunk")):
             spec = {**common, "family": family, "mode": mode, "frames": frames}
             if spec not in specs:
                 specs.append(spec)
@@ -261,12 +297,15 @@ def summary(rows: list[dict], args) -> dict:
             stock = row("stock", frames)
             for mode in ("testa50", "testa25"):
                 ratios[f"{mode}_time_over_stock@{frames}"] = row(mode, frames)["tower_s"] / stock["tower_s"]
+                ratios[f"{mode}_llm_tokens_over_stock@{frames}"] = (row(mode, frames)["llm_video_tokens"]
+                                                                    / stock["llm_video_tokens"])
+            ratios[f"prune25_time_over_stock@{frames}"] = (stock["tower_s"] + stock["prune_s"]) / stock["tower_s"]
         stock_small, stock_large = row("stock", small), row("stock", large)
         if stock_small and stock_large and stock_small["activation_peak_mib"] is not None:
             ratios[f"stock_peak_growth_{small}_to_{large}"] = (stock_large["activation_peak_mib"]
                                                               / stock_small["activation_peak_mib"])
-            for chunked, reference in (("idle-chunk", "stock"), ("idle-chunk", "idle"),
-                                       ("testa25-chunk", "testa25"), ("testa25-chunk", "stock")):
+            for chunked, reference in (("idle-chunk", "stock"), ("testa25-chunk", "testa25"),
+                                       ("testa25-chunk", "stock")):
                 c, r = row(chunked, large), row(reference, small)
                 ratios[f"{chunked}@{large}_peak_over_{reference}@{small}_peak_plus_outputs"] = (
                     c["activation_peak_mib"] / (r["activation_peak_mib"] + c["outputs_mib"]))
@@ -277,10 +316,16 @@ def summary(rows: list[dict], args) -> dict:
 def table(rows: list[dict]) -> str:
     lines = ["| tower | frames | config | tower tokens in | LLM video tokens | tower s | prune s | activation peak MiB "
              "| outputs MiB |", "|---|---|---|---|---|---|---|---|---|"]
+    shown = []
     for r in rows:
+        shown.append(r)
+        if r["mode"] == "stock":  # the engines' way: the stock tower, then pruning (its time beside)
+            shown.append({**r, "mode": "stock + prune to testa25's count", "llm_video_tokens": r["pruned_llm_video_tokens"],
+                          "activation_peak_mib": None})
+    for r in shown:
         name = FAMILIES[r["family"]][0] + (" (tiny)" if r["quick"] else "")
         peak = "n/a" if r["activation_peak_mib"] is None else f"{r['activation_peak_mib']:.1f}"
-        prune = "" if r["prune_s"] is None else f"{r['prune_s']:.4f}"
+        prune = f"{r['prune_s']:.4f}" if r["mode"].startswith("stock +") else ""
         lines.append(f"| {name} | {r['frames']} | {r['mode']} | {r['tower_tokens_in']} | {r['llm_video_tokens']} "
                      f"| {r['tower_s']:.2f} | {prune} | {peak} | {r['outputs_mib']:.1f} |")
     return "\n".join(lines)
@@ -290,10 +335,10 @@ def parse(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny towers, few frames (seconds)")
     parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
-    parser.add_argument("--frames", type=int, nargs="+", default=None, help="default 32 64 128 (--quick: 4 8)")
-    parser.add_argument("--long-frames", type=int, default=None, help="the long video (default 256, --quick 16)")
-    parser.add_argument("--chunk-frames", type=int, default=None, help="frames per chunk (default 32, --quick 4)")
-    parser.add_argument("--height", type=int, default=None, help="px (default 56 / Qwen3-VL 64: 2 merge units)")
+    parser.add_argument("--frames", type=int, nargs="+", default=None, help="default 32 64 128 (--quick: 8 16)")
+    parser.add_argument("--long-frames", type=int, default=None, help="the long video (default 256, --quick 32)")
+    parser.add_argument("--chunk-frames", type=int, default=None, help="frames per chunk (default 32, --quick 8)")
+    parser.add_argument("--height", type=int, default=None, help="px (default 28 / Qwen3-VL 32: 1 merge unit)")
     parser.add_argument("--width", type=int, default=None, help="px (default 56 / Qwen3-VL 64: 2 merge units)")
     parser.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
                         help="default bfloat16 where the CPU has native bf16, else float32")
@@ -302,9 +347,9 @@ def parse(argv=None):
     parser.add_argument("--json", help="write rows, ratios and the run's facts here")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    args.frames = args.frames or ([4, 8] if args.quick else [32, 64, 128])
-    args.long_frames = args.long_frames or (16 if args.quick else 256)
-    args.chunk_frames = args.chunk_frames or (4 if args.quick else 32)
+    args.frames = args.frames or ([8, 16] if args.quick else [32, 64, 128])
+    args.long_frames = args.long_frames or (32 if args.quick else 256)
+    args.chunk_frames = args.chunk_frames or (8 if args.quick else 32)
     args.dtype = args.dtype or ("bfloat16" if native_bf16() else "float32")
     return args
 
@@ -316,9 +361,9 @@ def main(argv=None) -> dict:
         return {}
     rows, load_start = [], os.getloadavg()
     for spec in plan(args):
-        # Qwen3-VL's patches are 16 px, Qwen2.5-VL's 14: the same 2 x 2 merge units per frame by default
+        # Qwen3-VL's patches are 16 px, Qwen2.5-VL's 14: the same 1 x 2 merge units per frame by default
         patch = 16 if spec["family"] == "qwen3_vl" else 14
-        spec["height"] = spec["height"] or 4 * patch
+        spec["height"] = spec["height"] or 2 * patch
         spec["width"] = spec["width"] or 4 * patch
         rows.append(measure(spec) if args.in_process else child(spec))
         print(f"{rows[-1]['family']} {rows[-1]['mode']} {rows[-1]['frames']} frames: {rows[-1]['tower_s']:.2f} s, "
