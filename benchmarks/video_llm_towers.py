@@ -8,9 +8,11 @@ transformers against TESTA inside the tower, post-encoder pruning beside it, and
 The towers are built from the vision-config dimensions below (facts copied from the models' config.json files;
 nothing is downloaded), with random weights, in bfloat16 where the CPU has native bf16 arithmetic
 (``avx512_bf16`` or ``amx_bf16`` in /proc/cpuinfo), else float32. Inputs are random patches (the tower's flattened
-``pixel_values``) of ``--height`` x ``--width`` px frames, by default 28 x 56 px (Qwen3-VL: 32 x 64; 1 x 2 merge
-units, 8 tower tokens per tubelet: small enough that the whole run takes minutes on a loaded 2-core CPU); token
-counts and costs depend only on the grid, not on the pixels.
+``pixel_values``) of ``--height`` x ``--width`` px frames, by default 112 x 112 px (Qwen3-VL: 128 x 128; 4 x 4
+merge units, 64 tower tokens per tubelet, 2048 at 64 frames: small enough that the run takes about 20 minutes on a
+loaded 2-core CPU, large enough that the tower's matrix products have a thousand rows or more: on this CPU a bf16
+product with fewer rows costs mostly a fixed ~35 ms per call for a 1280 x 3420 weight, whatever the rows, which
+would hide any saving in tokens). Token counts and costs depend only on the grid, not on the pixels.
 
 Configurations, each measured in a fresh child process (its own peak; the children run one after another):
 
@@ -338,8 +340,8 @@ def parse(argv=None):
     parser.add_argument("--frames", type=int, nargs="+", default=None, help="default 32 64 128 (--quick: 8 16)")
     parser.add_argument("--long-frames", type=int, default=None, help="the long video (default 256, --quick 32)")
     parser.add_argument("--chunk-frames", type=int, default=None, help="frames per chunk (default 32, --quick 8)")
-    parser.add_argument("--height", type=int, default=None, help="px (default 28 / Qwen3-VL 32: 1 merge unit)")
-    parser.add_argument("--width", type=int, default=None, help="px (default 56 / Qwen3-VL 64: 2 merge units)")
+    parser.add_argument("--height", type=int, default=None, help="px (default 112 / Qwen3-VL 128: 4 merge units; --quick 28 / 32)")
+    parser.add_argument("--width", type=int, default=None, help="px (default 112 / Qwen3-VL 128: 4 merge units; --quick 56 / 64)")
     parser.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
                         help="default bfloat16 where the CPU has native bf16, else float32")
     parser.add_argument("--in-process", action="store_true",
@@ -361,10 +363,10 @@ def main(argv=None) -> dict:
         return {}
     rows, load_start = [], os.getloadavg()
     for spec in plan(args):
-        # Qwen3-VL's patches are 16 px, Qwen2.5-VL's 14: the same 1 x 2 merge units per frame by default
+        # Qwen3-VL's patches are 16 px, Qwen2.5-VL's 14: the same 4 x 4 merge units per frame by default
         patch = 16 if spec["family"] == "qwen3_vl" else 14
-        spec["height"] = spec["height"] or 2 * patch
-        spec["width"] = spec["width"] or 4 * patch
+        spec["height"] = spec["height"] or (2 if args.quick else 8) * patch
+        spec["width"] = spec["width"] or (4 if args.quick else 8) * patch
         rows.append(measure(spec) if args.in_process else child(spec))
         print(f"{rows[-1]['family']} {rows[-1]['mode']} {rows[-1]['frames']} frames: {rows[-1]['tower_s']:.2f} s, "
               f"peak {rows[-1]['activation_peak_mib']} MiB", file=sys.stderr, flush=True)
