@@ -235,9 +235,9 @@ def measure(spec: dict) -> dict:
     weights = sum(p.numel() * p.element_size() for p in tower.parameters())
     before = memory_kib()["VmRSS"]
     peak_reset = reset_peak()
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     outputs = run(pixels, grid)
-    tower_s = time.perf_counter() - start
+    tower_s, tower_cpu_s = time.perf_counter() - start, time.process_time() - start_cpu
     peak = memory_kib()["VmHWM"]
     prune_s = pruned_tokens = None
     llm_tokens = outputs[0].shape[0]
@@ -250,6 +250,7 @@ def measure(spec: dict) -> dict:
     return {
         **spec, "tubelets": slices, "units_per_tubelet": units, "tower_tokens_in": slices * units * 4,
         "llm_video_tokens": llm_tokens, "stock_llm_video_tokens": slices * units, "tower_s": tower_s,
+        "tower_cpu_s": tower_cpu_s,
         "prune_s": prune_s, "pruned_llm_video_tokens": pruned_tokens, "weights_mib": weights / 2**20, "rss_before_mib": before / 1024,
         "activation_peak_mib": (peak - before) / 1024 if peak_reset else None,
         "outputs_mib": sum(o.numel() * o.element_size() for o in outputs) / 2**20,
@@ -297,8 +298,15 @@ def summary(rows: list[dict], args) -> dict:
         ratios = {}
         for frames in args.frames:
             stock = row("stock", frames)
+            if stock is None:  # (a merged partial run: what was not measured has no ratio)
+                continue
             for mode in ("testa50", "testa25"):
+                if row(mode, frames) is None:
+                    continue
                 ratios[f"{mode}_time_over_stock@{frames}"] = row(mode, frames)["tower_s"] / stock["tower_s"]
+                if "tower_cpu_s" in stock and "tower_cpu_s" in row(mode, frames):  # CPU seconds: less disturbed
+                    ratios[f"{mode}_cpu_time_over_stock@{frames}"] = (row(mode, frames)["tower_cpu_s"]
+                                                                      / stock["tower_cpu_s"])
                 ratios[f"{mode}_llm_tokens_over_stock@{frames}"] = (row(mode, frames)["llm_video_tokens"]
                                                                     / stock["llm_video_tokens"])
             ratios[f"prune25_time_over_stock@{frames}"] = (stock["tower_s"] + stock["prune_s"]) / stock["tower_s"]
@@ -306,11 +314,12 @@ def summary(rows: list[dict], args) -> dict:
         if stock_small and stock_large and stock_small["activation_peak_mib"] is not None:
             ratios[f"stock_peak_growth_{small}_to_{large}"] = (stock_large["activation_peak_mib"]
                                                               / stock_small["activation_peak_mib"])
-            for chunked, reference in (("idle-chunk", "stock"), ("testa25-chunk", "testa25"),
-                                       ("testa25-chunk", "stock")):
-                c, r = row(chunked, large), row(reference, small)
-                ratios[f"{chunked}@{large}_peak_over_{reference}@{small}_peak_plus_outputs"] = (
-                    c["activation_peak_mib"] / (r["activation_peak_mib"] + c["outputs_mib"]))
+        for chunked, reference in (("idle-chunk", "stock"), ("testa25-chunk", "testa25"), ("testa25-chunk", "stock")):
+            c, r = row(chunked, large), row(reference, small)
+            if c is None or r is None or r["activation_peak_mib"] is None:
+                continue
+            ratios[f"{chunked}@{large}_peak_over_{reference}@{small}_peak_plus_outputs"] = (
+                c["activation_peak_mib"] / (r["activation_peak_mib"] + c["outputs_mib"]))
         out[family] = ratios
     return out
 
@@ -347,6 +356,9 @@ def parse(argv=None):
     parser.add_argument("--in-process", action="store_true",
                         help="measure in this process (no fresh child per configuration: peaks not comparable)")
     parser.add_argument("--json", help="write rows, ratios and the run's facts here")
+    parser.add_argument("--merge", nargs="+", metavar="JSON",
+                        help="no run: the rows of these earlier --json files (or their .partial rows) together, with "
+                             "their ratios (e.g. the two towers measured by two runs at the same time)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.frames = args.frames or ([8, 16] if args.quick else [32, 64, 128])
@@ -361,6 +373,22 @@ def main(argv=None) -> dict:
     if args.child:
         print(json.dumps(measure(json.loads(args.child))))
         return {}
+    if args.merge:
+        rows, facts = [], {}
+        for path in args.merge:
+            with open(path) as handle:
+                loaded = json.load(handle)
+            rows += loaded["rows"] if isinstance(loaded, dict) else loaded
+            if isinstance(loaded, dict):
+                facts.setdefault("runs", []).append({k: v for k, v in loaded.items() if k not in ("rows", "ratios")})
+        args.families = [f for f in FAMILIES if any(r["family"] == f for r in rows)]
+        result = {**facts, "rows": rows, "ratios": summary(rows, args)}
+        print(table(rows))
+        print(json.dumps(result["ratios"], indent=1))
+        if args.json:
+            with open(args.json, "w") as handle:
+                json.dump(result, handle, indent=1)
+        return result
     rows, load_start = [], os.getloadavg()
     for spec in plan(args):
         # Qwen3-VL's patches are 16 px, Qwen2.5-VL's 14: the same 4 x 4 merge units per frame by default
