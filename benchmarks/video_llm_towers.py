@@ -276,8 +276,10 @@ def plan(args) -> list[dict]:
               "dtype": args.dtype}
     for family in args.families:
         for frames in args.frames:
-            for mode in ("stock", "testa50", "testa25"):
+            for mode in args.modes:
                 specs.append({**common, "family": family, "mode": mode, "frames": frames})
+        if args.skip_long:
+            continue
         small, large = args.chunk_frames, args.long_frames
         for frames, mode in ((small, "stock"), (small, "testa25"), (large, "stock"), (large, "idle-chunk"),
                              (large, "testa25-chunk")):
@@ -325,8 +327,8 @@ def summary(rows: list[dict], args) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| tower | frames | config | tower tokens in | LLM video tokens | tower s | prune s | activation peak MiB "
-             "| outputs MiB |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| tower | frames | config | tower tokens in | LLM video tokens | tower s (wall) | tower CPU s | prune s "
+             "| activation peak MiB | outputs MiB |", "|---|---|---|---|---|---|---|---|---|---|"]
     shown = []
     for r in rows:
         shown.append(r)
@@ -337,8 +339,9 @@ def table(rows: list[dict]) -> str:
         name = FAMILIES[r["family"]][0] + (" (tiny)" if r["quick"] else "")
         peak = "n/a" if r["activation_peak_mib"] is None else f"{r['activation_peak_mib']:.1f}"
         prune = f"{r['prune_s']:.4f}" if r["mode"].startswith("stock +") else ""
+        cpu = f"{r['tower_cpu_s']:.2f}" if "tower_cpu_s" in r else "n/a"
         lines.append(f"| {name} | {r['frames']} | {r['mode']} | {r['tower_tokens_in']} | {r['llm_video_tokens']} "
-                     f"| {r['tower_s']:.2f} | {prune} | {peak} | {r['outputs_mib']:.1f} |")
+                     f"| {r['tower_s']:.2f} | {cpu} | {prune} | {peak} | {r['outputs_mib']:.1f} |")
     return "\n".join(lines)
 
 
@@ -356,6 +359,9 @@ def parse(argv=None):
     parser.add_argument("--in-process", action="store_true",
                         help="measure in this process (no fresh child per configuration: peaks not comparable)")
     parser.add_argument("--json", help="write rows, ratios and the run's facts here")
+    parser.add_argument("--modes", nargs="+", default=["stock", "testa50", "testa25"],
+                        choices=["stock", "testa50", "testa25"], help="what to time at --frames")
+    parser.add_argument("--skip-long", action="store_true", help="no runs at --long-frames (memory)")
     parser.add_argument("--merge", nargs="+", metavar="JSON",
                         help="no run: the rows of these earlier --json files (or their .partial rows) together, with "
                              "their ratios (e.g. the two towers measured by two runs at the same time)")
