@@ -10,9 +10,8 @@ nothing is downloaded), with random weights, in bfloat16 where the CPU has nativ
 (``avx512_bf16`` or ``amx_bf16`` in /proc/cpuinfo), else float32. Inputs are random patches (the tower's flattened
 ``pixel_values``) of ``--height`` x ``--width`` px frames, by default 112 x 112 px (Qwen3-VL: 128 x 128; 4 x 4
 merge units, 64 tower tokens per tubelet, 2048 at 64 frames: small enough that the run takes about 20 minutes on a
-loaded 2-core CPU, large enough that the tower's matrix products have a thousand rows or more: on this CPU a bf16
-product with fewer rows costs mostly a fixed ~35 ms per call for a 1280 x 3420 weight, whatever the rows, which
-would hide any saving in tokens). Token counts and costs depend only on the grid, not on the pixels.
+loaded 2-core CPU, large enough that the tower's matrix products have a thousand rows or more: with far fewer rows a
+CPU's bf16 product costs mostly a fixed part per call, which would hide any saving in tokens). Token counts and costs depend only on the grid, not on the pixels.
 
 Configurations, each measured in a fresh child process (its own peak; the children run one after another):
 
