@@ -48,7 +48,7 @@ class QwenVideoAdapter:
     base_class = ""
     allowed_settings = GEOMETRY_MERGE_ONLY
     settings_defaults: dict = {}
-    options: tuple[str, ...] = ()
+    options: tuple[str, ...] = ("chunk_frames",)
 
     def supports(self, model) -> bool:
         return bool(_class_names(model) & set(self.classes))
@@ -62,6 +62,7 @@ class QwenVideoAdapter:
 
     def check(self, model) -> None:
         visual = self.base_model(model).visual
+        self.chunk_slices(visual, patch_of(model).chunk_frames)
         if visual.spatial_merge_size != 2:
             raise ValueError(
                 f"TESTA merges Qwen's 2x2 merger units; this tower has spatial_merge_size={visual.spatial_merge_size}."
@@ -69,8 +70,20 @@ class QwenVideoAdapter:
 
     # -- the tower ----------------------------------------------------------------------------------------------------
 
-    def encode(self, base, pixel_values, grid_thw, settings):
+    def encode(self, base, pixel_values, grid_thw, settings, chunk_frames: int | None = None):
         raise NotImplementedError
+
+    @staticmethod
+    def chunk_slices(visual, chunk_frames: int | None) -> int | None:
+        """Tubelets per chunk for ``chunk_frames`` frames (a multiple of the tower's ``temporal_patch_size``, else
+        ValueError); None: all at once."""
+        if chunk_frames is None:
+            return None
+        frames = visual.config.temporal_patch_size
+        if chunk_frames % frames:
+            raise ValueError(f"chunk_frames={chunk_frames!r} must be a multiple of the tower's "
+                             f"temporal_patch_size ({frames} frames per tubelet).")
+        return chunk_frames // frames
 
     def features(self, patch: InstancePatch, base, pixel_values, grid_thw):
         """The tower's `VideoFeatures` per video: the ones `positions` computed for these very pixels (generate),
@@ -79,7 +92,7 @@ class QwenVideoAdapter:
         if pending is not None and self._same_pixels(pending, pixel_values, grid_thw):
             videos = pending["videos"]
         else:
-            videos = self.encode(base, pixel_values, grid_thw, patch.settings)
+            videos = self.encode(base, pixel_values, grid_thw, patch.settings, patch.chunk_frames)
         self._record(patch, pixel_values, grid_thw, videos)
         return videos
 
@@ -96,7 +109,7 @@ class QwenVideoAdapter:
                 "The M-RoPE positions of TESTA-reduced video tokens depend on what the tower merged: call the model "
                 "(or generate) with pixel_values_videos, or get_video_features first, before get_rope_index."
             )
-        videos = self.encode(base, pixel_values, grid_thw, patch.settings)
+        videos = self.encode(base, pixel_values, grid_thw, patch.settings, patch.chunk_frames)
         self._record(patch, pixel_values, grid_thw, videos)
         patch.cache["pending"] = {**patch.cache["positions"], "videos": videos}
         return patch.cache["positions"]["positions"]
@@ -161,13 +174,14 @@ class Qwen2_5_VLAdapter(QwenVideoAdapter):
     classes = ("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLModel")
     base_class = "Qwen2_5_VLModel"
 
-    def encode(self, base, pixel_values, grid_thw, settings):
+    def encode(self, base, pixel_values, grid_thw, settings, chunk_frames: int | None = None):
         from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as family
 
         visual = base.visual
         window = visual.window_size // visual.spatial_merge_size // visual.patch_size
         return run_tower(visual, pixel_values, grid_thw, settings, family, window=window,
-                         full_attention_blocks=tuple(visual.fullatt_block_indexes))
+                         full_attention_blocks=tuple(visual.fullatt_block_indexes),
+                         chunk_slices=self.chunk_slices(visual, chunk_frames))
 
     def video_output(self, videos: list):
         return BaseModelOutputWithPooling(pooler_output=tuple(v.features for v in videos))

@@ -38,20 +38,23 @@ class Qwen3VLAdapter(QwenVideoAdapter):
     classes = ("Qwen3VLForConditionalGeneration", "Qwen3VLModel")
     base_class = "Qwen3VLModel"
 
-    def encode(self, base, pixel_values, grid_thw, settings):
+    def encode(self, base, pixel_values, grid_thw, settings, chunk_frames: int | None = None):
         from transformers.models.qwen3_vl import modeling_qwen3_vl as family
         from transformers.vision_utils import get_vision_interpolation_indices_and_weights
 
         visual = base.visual
-        indices, weights = get_vision_interpolation_indices_and_weights(
-            grid_thw, num_grid_per_side=visual.num_grid_per_side, mode=visual.interpolation_mode,
-            align_corners=visual.interpolation_align_corners, spatial_merge_size=visual.config.spatial_merge_size,
-        )
-        position_embedding = (visual.pos_embed(indices) * weights[:, :, None]).sum(1)
+
+        def position_embedding(grid: torch.Tensor) -> torch.Tensor:  # as the stock tower, for any (videos, 3) grid
+            indices, weights = get_vision_interpolation_indices_and_weights(
+                grid, num_grid_per_side=visual.num_grid_per_side, mode=visual.interpolation_mode,
+                align_corners=visual.interpolation_align_corners, spatial_merge_size=visual.config.spatial_merge_size,
+            )
+            return (visual.pos_embed(indices) * weights[:, :, None]).sum(1)
+
         return run_tower(visual, pixel_values, grid_thw, settings, family,
                          deepstack_blocks=tuple(visual.deepstack_visual_indexes),
                          deepstack_mergers=visual.deepstack_merger_list, position_embedding=position_embedding,
-                         by_slice=True)
+                         by_slice=True, chunk_slices=self.chunk_slices(visual, chunk_frames))
 
     def video_output(self, videos: list):
         from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures

@@ -172,47 +172,46 @@ def slice_order(groups: TokenGroups) -> torch.Tensor:
     return (slice_rank.view(-1, 1) * units + within[slice_rank]).flatten()
 
 
-def run_tower(visual, pixel_values: torch.Tensor, grid_thw: torch.Tensor, settings, family,
-              window: int | None = None, full_attention_blocks=(), deepstack_blocks=(), deepstack_mergers=None,
-              position_embedding=None, by_slice: bool = False) -> list[VideoFeatures]:
-    """Runs a Qwen vision tower over ``pixel_values`` of the videos of ``grid_thw`` with TESTA's aggregation.
+def advance(visual, videos: list[TokenGroups], settings, family, first: int = 0, *, resume: bool = False,
+            stop_at_temporal: bool = False, window: int | None = None, full_attention_blocks=(), deepstack_blocks=(),
+            deepstack_mergers=None) -> tuple[int | None, list[torch.Tensor] | None]:
+    """Runs the tower's blocks from ``first`` on ``videos``: their ``tokens`` updated in place, a merged video's
+    groups replaced in the list.
 
     Args:
-        visual: the tower (`Qwen2_5_VisionTransformerPretrainedModel` / `Qwen3VLVisionModel`).
-        settings: `AggregationSettings` for its blocks.
-        family: the transformers modeling module of the model.
-        window: Qwen2.5-VL's window in units (``window_size // 2 // patch_size``), None for full attention only;
-            then ``full_attention_blocks`` are the blocks that attend over the whole slice.
-        deepstack_blocks, deepstack_mergers: Qwen3-VL's tapped blocks and their mergers.
-        position_embedding: Qwen3-VL's learned positions, ``(tokens, C)`` in the input order, added to the patches.
-        by_slice: order the output slice by slice (`slice_order`: Qwen3-VL's prompt has one group of tokens per
-            tubelet), else token by token (`common.chronological_order`).
+        resume: start with block ``first``'s MLP (its attention and merges already done: after `sync_temporal`).
+        stop_at_temporal: stop in the first block (after ``first``'s attention when not resuming) whose R_T is not 0,
+            after its attention and residual and before its merges, so that the caller can match slices across
+            videos' parts (`run_tower_chunked`).
+        (the rest as `run_tower`)
+
+    Returns:
+        ``(block, unit keys per video)`` where it stopped, or ``(None, None)`` after the last block.
     """
-    hidden = visual.patch_embed(pixel_values.type(visual.dtype))
-    if position_embedding is not None:
-        hidden = hidden + position_embedding.to(hidden.dtype)
-    hidden_size = hidden.shape[-1]
-    grids = [tuple(int(v) for v in row) for row in grid_thw.tolist()]
-    parts = hidden.split([t * h * w for t, h, w in grids])
-    videos = [initial_groups(part, grid, window) for part, grid in zip(parts, grids)]
-    rotary = seqlens = windows = None
+    hidden_size = videos[0].tokens.shape[-1] // UNIT
     sequence_now = sequence(videos, hidden_size)
-    for index, block in enumerate(visual.blocks):
-        if rotary is None:  # after a merge: positions and segments of the tokens that remain
-            rotary = visual.rotary_pos_emb(sequence_now, torch.cat([rotary_positions(g) for g in videos]))
-            seqlens = slice_seqlens(videos).to(hidden.device)
-            windows = window_seqlens(videos).to(hidden.device) if window is not None else None
-        cu_seqlens = seqlens if window is None or index in full_attention_blocks else windows
-        output, keys = attention(block.attn, block.norm1(sequence_now), cu_seqlens, rotary, family)
-        sequence_now = sequence_now + output
-        r_t, r_s = settings.reductions(index)
-        if r_t or r_s:
-            key_parts = keys.split([g.grid[0] * g.grid[1] * UNIT for g in videos])
-            for i, (groups, tokens, key) in enumerate(zip(videos, split_sequence(sequence_now, videos), key_parts)):
-                groups.tokens = tokens
-                videos[i] = aggregate(groups, unit_keys(key, groups.grid), settings, index)
-            sequence_now = sequence(videos, hidden_size)
-            rotary = None
+    rotary = seqlens = windows = None
+    for index in range(first, len(visual.blocks)):
+        block = visual.blocks[index]
+        if not (resume and index == first):
+            if rotary is None:  # at the start or after a merge: positions and segments of the tokens that remain
+                rotary = visual.rotary_pos_emb(sequence_now, torch.cat([rotary_positions(g) for g in videos]))
+                seqlens = slice_seqlens(videos).to(sequence_now.device)
+                windows = window_seqlens(videos).to(sequence_now.device) if window is not None else None
+            cu_seqlens = seqlens if window is None or index in full_attention_blocks else windows
+            output, keys = attention(block.attn, block.norm1(sequence_now), cu_seqlens, rotary, family)
+            sequence_now = sequence_now + output
+            r_t, r_s = settings.reductions(index)
+            if r_t or r_s:
+                key_parts = keys.split([g.grid[0] * g.grid[1] * UNIT for g in videos])
+                for groups, tokens in zip(videos, split_sequence(sequence_now, videos)):
+                    groups.tokens = tokens
+                if r_t and stop_at_temporal:
+                    return index, [unit_keys(key, g.grid) for key, g in zip(key_parts, videos)]
+                for i, (groups, key) in enumerate(zip(videos, key_parts)):
+                    videos[i] = aggregate(groups, unit_keys(key, groups.grid), settings, index)
+                sequence_now = sequence(videos, hidden_size)
+                rotary = None
         sequence_now = sequence_now + block.mlp(block.norm2(sequence_now))
         for groups, tokens in zip(videos, split_sequence(sequence_now, videos)):
             groups.tokens = tokens
@@ -223,21 +222,163 @@ def run_tower(visual, pixel_values: torch.Tensor, grid_thw: torch.Tensor, settin
                 count = groups.grid[0] * groups.grid[1]
                 groups.carried.append(tapped[start:start + count].view(*groups.grid, -1))
                 start += count
-    merged = visual.merger(sequence_now)
+    return None, None
+
+
+def video_features(groups: TokenGroups, merged: torch.Tensor, by_slice: bool) -> VideoFeatures:
+    """One video's `VideoFeatures` from its final groups and the merger's ``(slices * units, out)`` rows (layout
+    order), put in output order."""
+    count = groups.grid[0] * groups.grid[1]
+    positions = groups.positions.reshape(count, 3)
+    order = slice_order(groups) if by_slice else chronological_order(positions)
+    return VideoFeatures(
+        features=merged[order],
+        positions=positions[order],
+        sizes=groups.sizes.reshape(count)[order],
+        deepstack=[t.reshape(count, -1)[order] for t in groups.carried],
+        grid=groups.grid,
+    )
+
+
+def run_tower(visual, pixel_values: torch.Tensor, grid_thw: torch.Tensor, settings, family,
+              window: int | None = None, full_attention_blocks=(), deepstack_blocks=(), deepstack_mergers=None,
+              position_embedding=None, by_slice: bool = False, chunk_slices: int | None = None,
+              ) -> list[VideoFeatures]:
+    """Runs a Qwen vision tower over ``pixel_values`` of the videos of ``grid_thw`` with TESTA's aggregation.
+
+    Args:
+        visual: the tower (`Qwen2_5_VisionTransformerPretrainedModel` / `Qwen3VLVisionModel`).
+        settings: `AggregationSettings` for its blocks.
+        family: the transformers modeling module of the model.
+        window: Qwen2.5-VL's window in units (``window_size // 2 // patch_size``), None for full attention only;
+            then ``full_attention_blocks`` are the blocks that attend over the whole slice.
+        deepstack_blocks, deepstack_mergers: Qwen3-VL's tapped blocks and their mergers.
+        position_embedding: Qwen3-VL's learned positions: a function of a ``(videos, 3)`` grid giving ``(tokens, C)``
+            in the input order, added to the patches.
+        by_slice: order the output slice by slice (`slice_order`: Qwen3-VL's prompt has one group of tokens per
+            tubelet), else token by token (`common.chronological_order`).
+        chunk_slices: run every video through the tower that many slices (tubelets) at a time
+            (`run_tower_chunked`); None: all videos at once.
+    """
+    options = dict(window=window, full_attention_blocks=full_attention_blocks, deepstack_blocks=deepstack_blocks,
+                   deepstack_mergers=deepstack_mergers)
+    if chunk_slices is not None:
+        return run_tower_chunked(visual, pixel_values, grid_thw, settings, family, chunk_slices,
+                                 position_embedding=position_embedding, by_slice=by_slice, **options)
+    hidden = embed(visual, pixel_values, grid_thw, position_embedding)
+    grids = [tuple(int(v) for v in row) for row in grid_thw.tolist()]
+    parts = hidden.split([t * h * w for t, h, w in grids])
+    videos = [initial_groups(part, grid, window) for part, grid in zip(parts, grids)]
+    advance(visual, videos, settings, family, **options)
+    merged = visual.merger(sequence(videos, hidden.shape[-1]))
     results, start = [], 0
     for groups in videos:
         count = groups.grid[0] * groups.grid[1]
-        positions = groups.positions.reshape(count, 3)
-        order = slice_order(groups) if by_slice else chronological_order(positions)
-        results.append(VideoFeatures(
-            features=merged[start:start + count][order],
-            positions=positions[order],
-            sizes=groups.sizes.reshape(count)[order],
-            deepstack=[t.reshape(count, -1)[order] for t in groups.carried],
-            grid=groups.grid,
-        ))
+        results.append(video_features(groups, merged[start:start + count], by_slice))
         start += count
     return results
 
 
-__all__ = ["UNIT", "VideoFeatures", "attention", "initial_groups", "run_tower", "window_labels"]
+def embed(visual, pixel_values: torch.Tensor, grid_thw: torch.Tensor, position_embedding=None) -> torch.Tensor:
+    """The patch embedding of ``pixel_values`` (plus Qwen3-VL's learned positions for ``grid_thw``)."""
+    hidden = visual.patch_embed(pixel_values.type(visual.dtype))
+    if position_embedding is not None:
+        hidden = hidden + position_embedding(grid_thw).to(hidden.dtype)
+    return hidden
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Chunks of frames
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def concat_groups(parts: list[TokenGroups]) -> TokenGroups:
+    """Parts of one video (each some of its slices, all with the same units) as one `TokenGroups`, slices in
+    order."""
+    if len(parts) == 1:
+        return parts[0]
+    labels = None if parts[0].labels is None else torch.cat([p.labels for p in parts])
+    return TokenGroups(torch.cat([p.tokens for p in parts]), torch.cat([p.sizes for p in parts]),
+                       torch.cat([p.positions for p in parts]), labels,
+                       [torch.cat(tensors) for tensors in zip(*(p.carried for p in parts))])
+
+
+def split_groups(groups: TokenGroups, chunk_slices: int) -> list[TokenGroups]:
+    """``groups`` as parts of ``chunk_slices`` slices (the last one shorter), views of its tensors."""
+    def part(start: int) -> TokenGroups:
+        cut = slice(start, start + chunk_slices)
+        return TokenGroups(groups.tokens[cut], groups.sizes[cut], groups.positions[cut],
+                           None if groups.labels is None else groups.labels[cut], [t[cut] for t in groups.carried])
+    return [part(start) for start in range(0, groups.grid[0], chunk_slices)]
+
+
+def copy_groups(groups: TokenGroups) -> TokenGroups:
+    return TokenGroups(groups.tokens.clone(), groups.sizes.clone(), groups.positions.clone(),
+                       None if groups.labels is None else groups.labels.clone(), [t.clone() for t in groups.carried])
+
+
+def run_tower_chunked(visual, pixel_values: torch.Tensor, grid_thw: torch.Tensor, settings, family,
+                      chunk_slices: int, *, position_embedding=None, by_slice: bool = False, window=None,
+                      full_attention_blocks=(), deepstack_blocks=(), deepstack_mergers=None) -> list[VideoFeatures]:
+    """`run_tower`, video by video, ``chunk_slices`` slices (tubelets) at a time, with the same outputs.
+
+    Every block attends within a slice (or a window of it), merges units within a slice, and applies its MLP, the
+    DeepStack mergers and the patch merger token by token, so a chunk of slices runs through the tower on its own,
+    from the patch embedding to the merger; only what it leaves (one feature per unit) is kept. A temporal merge
+    compares slices across the whole video, chunk edges included: at a block with R_T > 0 every chunk stops after
+    the block's attention (`advance` with ``stop_at_temporal``), the video's slices are matched and merged as in one
+    pass (`common.aggregate` on all of them), and the merged video goes on in chunks again. So the outputs are the
+    one-pass outputs (up to rounding of the matrix products), and the memory is one chunk's activations, plus, in the
+    blocks from the first temporal merge up to the last one, the hidden states of the whole video at that block
+    (its remaining tokens x hidden size).
+    """
+    if chunk_slices < 1:
+        raise ValueError(f"chunk_slices must be a positive int; got {chunk_slices!r}.")
+    options = dict(window=window, full_attention_blocks=full_attention_blocks, deepstack_blocks=deepstack_blocks,
+                   deepstack_mergers=deepstack_mergers)
+    grids = [tuple(int(v) for v in row) for row in grid_thw.tolist()]
+    pixel_parts = pixel_values.split([t * h * w for t, h, w in grids])
+    results = []
+    for pixels, (t, h, w) in zip(pixel_parts, grids):
+        per_slice = h * w
+        chunks = []
+        for start in range(0, t, chunk_slices):
+            count = min(chunk_slices, t - start)
+            grid = torch.tensor([[count, h, w]], device=grid_thw.device, dtype=grid_thw.dtype)
+            hidden = embed(visual, pixels[start * per_slice:(start + count) * per_slice], grid, position_embedding)
+            groups = initial_groups(hidden, (count, h, w), window)
+            groups.positions[..., 0] += start
+            chunks.append(groups)
+        block, resume, finished = 0, False, []
+        while chunks:
+            stopped, keys = [], []
+            for chunk in chunks:
+                state = [chunk]  # advance replaces the groups it merges
+                index, chunk_keys = advance(visual, state, settings, family, block, resume=resume,
+                                            stop_at_temporal=True, **options)
+                groups = state[0]
+                if index is None:  # through the last block: keep what the merger gives, drop the hidden states
+                    hidden_size = groups.tokens.shape[-1] // UNIT
+                    merged = visual.merger(groups.tokens.reshape(-1, hidden_size))
+                    finished.append(TokenGroups(merged.view(*groups.grid, -1), groups.sizes, groups.positions,
+                                                None, groups.carried))
+                else:
+                    stopped.append(groups)
+                    keys.append(chunk_keys[0])
+                    stop = index  # the same for every chunk: the next block whose R_T is not 0
+            chunks = []
+            if stopped:  # the temporal merge over the whole video
+                whole, keys = concat_groups(stopped), torch.cat(keys)
+                stopped.clear()  # (each copy of the whole video's hidden states freed as soon as it can be)
+                whole = aggregate(whole, keys, settings, stop)
+                # copies, not views: a chunk's hidden states are freed once it has run on, not when the last one has
+                chunks = [copy_groups(part) for part in split_groups(whole, chunk_slices)]
+                del whole, keys
+                block, resume = stop, True
+        video = concat_groups(finished)
+        results.append(video_features(video, video.tokens.reshape(video.grid[0] * video.grid[1], -1), by_slice))
+    return results
+
+
+__all__ = ["UNIT", "VideoFeatures", "advance", "attention", "initial_groups", "run_tower", "run_tower_chunked",
+           "window_labels"]

@@ -1,0 +1,124 @@
+"""Qwen vision towers run in chunks of frames (`video_llms.qwen_tower.run_tower_chunked`, the ``chunk_frames`` option
+of `apply_testa_to_video_llm`), on tiny offline models (`helpers.video_llms`).
+
+References: the one-pass tower of the same patched model (features, positions, sizes and DeepStack features within
+1e-5, with and without TESTA, temporal merges across chunk edges included) and the stock model (R = 0, chunked:
+logits within 1e-5 and the same greedy tokens); hooks on the blocks' MLPs show that no block ever sees more than
+one chunk's tokens."""
+
+import itertools
+
+import pytest
+import torch
+
+from helpers import video_llms as tiny
+
+from video_llms import apply_testa_to_video_llm, remove_testa_from_video_llm
+
+# Two videos of different lengths: 8 frames (4 tubelets) and 6 frames (3 tubelets), 4 merge units per tubelet
+# (Qwen3-VL: 2x2 units at 64x64 px; Qwen2.5-VL at 112x84 px: 4x3 units in 4 uneven windows).
+VIDEOS = (8, 6)
+SCHEDULES = {
+    "idle": {},
+    "temporal+spatial": {"temporal_reduction": [1, 0, 1, 0], "spatial_reduction": [0, 1, 1, 0]},
+    "temporal first block": {"temporal_reduction": [1, 0, 0, 0]},
+    "spatial only": {"spatial_reduction": [1, 0, 1, 0]},
+}
+
+
+def _model(family: str, attention: str = "sdpa"):
+    if family == "qwen2_5_vl":
+        return tiny.qwen2_5_vl(attention, frame_pixels=112 * 84)
+    return tiny.qwen3_vl(attention)
+
+
+def _inputs(family: str, processor, frames=VIDEOS):
+    texts = [tiny.prompt(processor, text) for text, _ in zip(itertools.cycle(["describe the video", "what happens"]),
+                                                               frames)]
+    if family == "qwen2_5_vl":
+        videos = [tiny.video(count, i, 84, 112) for i, count in enumerate(frames)]
+        return processor(text=texts, videos=videos, return_tensors="pt", padding=True)
+    videos = [tiny.video(count, i, 64, 64) for i, count in enumerate(frames)]
+    return processor(text=texts, videos=videos, video_metadata=[tiny.metadata(count) for count in frames],
+                     return_tensors="pt", padding=True)
+
+
+def _encode(model, inputs, chunk_frames):
+    patch = model.testa_video_llm
+    with torch.no_grad():
+        return patch.adapter.encode(model.model, inputs["pixel_values_videos"], inputs["video_grid_thw"],
+                                    patch.settings, chunk_frames)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_chunked_tower_equals_one_pass(family, schedule):
+    """Chunks of 1 and 2 tubelets (the 3-tubelet video's last chunk shorter): the same tokens, centroids, sizes and
+    DeepStack features as the one-pass tower, in the same order."""
+    model, processor = _model(family)
+    apply_testa_to_video_llm(model, processor, **SCHEDULES[schedule])
+    inputs = _inputs(family, processor)
+    one_pass = _encode(model, inputs, None)
+    for chunk_frames in (2, 4):
+        chunked = _encode(model, inputs, chunk_frames)
+        for whole, parts in zip(one_pass, chunked):
+            assert parts.grid == whole.grid
+            torch.testing.assert_close(parts.features, whole.features, atol=1e-5, rtol=0)
+            torch.testing.assert_close(parts.positions, whole.positions, atol=1e-6, rtol=0)
+            assert torch.equal(parts.sizes, whole.sizes)
+            assert len(parts.deepstack) == len(whole.deepstack) == (2 if family == "qwen3_vl" else 0)
+            for a, b in zip(parts.deepstack, whole.deepstack):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    if "temporal" in schedule:  # with one tubelet per chunk, every temporal merge joins tubelets of two chunks
+        times = torch.cat([video.positions[:, 0] for video in one_pass])
+        assert bool((times != times.round()).any())
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_chunked_idle_model_equals_stock(family, attention):
+    """R = 0 with ``chunk_frames=2`` (one tubelet at a time): the stock logits within 1e-5 and the same greedy
+    tokens, for a batch of two videos of different lengths."""
+    model, processor = _model(family, attention)
+    inputs = _inputs(family, processor)
+    with torch.no_grad():
+        stock_logits = model(**inputs).logits
+        stock_tokens = model.generate(**inputs, max_new_tokens=3, do_sample=False)
+    apply_testa_to_video_llm(model, processor, chunk_frames=2)
+    try:
+        with torch.no_grad():
+            torch.testing.assert_close(model(**inputs).logits, stock_logits, atol=1e-5, rtol=0)
+            assert torch.equal(model.generate(**inputs, max_new_tokens=3, do_sample=False), stock_tokens)
+    finally:
+        remove_testa_from_video_llm(model)
+
+
+@pytest.mark.parametrize("schedule", ["idle", "temporal+spatial"])
+def test_no_block_sees_more_than_a_chunk(schedule):
+    """Hooks on every block's MLP and attention record the tokens they get: one tubelet's at ``chunk_frames=2``
+    (48 tokens at 112x84 px: 8x6 patches), the whole batch's without chunks."""
+    model, processor = _model("qwen2_5_vl")
+    apply_testa_to_video_llm(model, processor, **SCHEDULES[schedule])
+    inputs = _inputs("qwen2_5_vl", processor)
+    seen = []
+    hooks = [module.register_forward_hook(lambda module, args, output: seen.append(args[0].shape[0]))
+             for block in model.model.visual.blocks for module in (block.mlp, block.attn.qkv)]
+    try:
+        _encode(model, inputs, 2)
+        assert max(seen) == 48
+        seen.clear()
+        _encode(model, inputs, None)
+        assert max(seen) == 7 * 48
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def test_bad_chunk_frames_are_refused_by_name():
+    model, processor = _model("qwen3_vl")
+    for bad in (0, -2, True, 2.0, "4"):
+        with pytest.raises(ValueError, match="chunk_frames"):
+            apply_testa_to_video_llm(model, processor, chunk_frames=bad)
+    with pytest.raises(ValueError, match="chunk_frames=3 must be a multiple"):
+        apply_testa_to_video_llm(model, processor, chunk_frames=3)
+    assert "testa_video_llm" not in model.__dict__ and "get_video_features" not in model.model.__dict__
