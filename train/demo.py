@@ -221,7 +221,21 @@ def train_qa(data_dir: Path, out: Path, retrieval_folder: Path, max_steps: int |
         raise RuntimeError(f"the QA run failed with exit code {done.returncode}; the end of {out.parent / 'qa.log'}:"
                            f"\n{tail}")
     metrics = json.loads((out / "metrics.json").read_text())
-    return {**metrics, "train_seconds": time.perf_counter() - started, "questions": counts}
+    return {**metrics, "train_seconds": time.perf_counter() - started, "questions": counts,
+            "baselines": qa_baselines(data_dir)}
+
+
+def qa_baselines(data_dir: Path) -> dict:
+    """What a head that ignores the video scores on the test questions: chance among the training answers (the
+    candidates), and always answering the commonest training answer (`majority`, its share of the test questions)."""
+    def answers(split: str) -> list[str]:
+        lines = (data_dir / f"qa_{split}.jsonl").read_text().splitlines()
+        return [str(json.loads(line)["answer"]) for line in lines if line.strip()]
+
+    train, test = answers("train"), answers("test")
+    majority = max(dict.fromkeys(train), key=train.count)
+    return {"candidates": len(set(train)), "chance": 100 / len(set(train)), "majority_answer": majority,
+            "majority": 100 * sum(answer == majority for answer in test) / len(test)}
 
 
 def _planned_steps(recipe: dict, data_dir: Path) -> int:
@@ -358,7 +372,9 @@ def main() -> None:
         qa = train_qa(data_dir, out / "qa", out / "runs" / "b" / "final", max_steps=20 if args.quick else None)
         lines.append(f"VideoQA head for the QA pipeline: {out / 'qa' / 'final'} (model (b)'s encoders and a new answer "
                      f"decoder, trained and scored in {qa['train_seconds']:.0f} s; exact match on the "
-                     f"{qa['questions']['test']} test questions: {qa_accuracy(qa):.1f}%).")
+                     f"{qa['questions']['test']} test questions: {qa_accuracy(qa):.1f}%; chance among the "
+                     f"{qa['baselines']['candidates']} candidate answers {qa['baselines']['chance']:.1f}%, always "
+                     f"'{qa['baselines']['majority_answer']}' {qa['baselines']['majority']:.1f}%).")
     lines.append(f"Total demo time: {time.perf_counter() - started:.0f} s.")
     points = {k: (costs[k][0], results[k]["t2v_R@1"], 0.0) for k in keys}
     if plot_r1_vs_gmac(points, out / "recall_vs_gmac.png", f"short-event retrieval, seed {args.seed}"):
