@@ -22,10 +22,12 @@ Steps (docs/evidence.md's demo section gives the measured wall time; ``--quick``
    chart to OUTPUT/recall_vs_gmac.png when matplotlib is installed. OUTPUT/runs/b/final is model (b), a
    ``save_pretrained`` folder that the pipelines load.
 4. A small VideoQA head for the QA pipeline and the app's Ask tab (``--no-qa`` skips it): model (b)'s video and
-   question encoders with a new answer decoder, fine-tuned for ``configuration/short_events_qa.yaml``'s 120 steps
+   question encoders with an answer decoder started from its text encoder (`train.loop.decoder_from_text_encoder`),
+   fine-tuned for ``configuration/short_events_qa.yaml``'s 120 steps
    (``--quick``: 20) on three questions per training video read off its paragraph (the colour of the first scene,
    the last scene and the first flash; ``processing.short_events.write_qa_splits``), then scored on the test
-   videos' questions (exact match among the training answers). OUTPUT/qa/final is a TestaForVideoQA folder.
+   videos' questions (exact match among the training answers, beside chance and the commonest training answer's
+   share). OUTPUT/qa/final is a TestaForVideoQA folder.
 
 One seed is one sample: ``benchmarks/frames_vs_compute.py --seeds 3`` repeats this with three training seeds and
 reports mean and spread. ``--quick`` trains 30 steps on 128 videos: it shows that everything runs, and its recall
