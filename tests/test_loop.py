@@ -198,6 +198,39 @@ def test_init_from_our_folder_blip_and_original_checkpoints(synthetic, tmp_path)
     torch.testing.assert_close(reloaded.itm_head.weight, fresh.itm_head.weight)
 
 
+def test_a_qa_head_from_a_retrieval_folder_starts_its_answer_decoder_from_the_text_encoder(tmp_path):
+    """`init_from` a retrieval folder (no answer decoder): the decoder's BERT is a copy of the saved text encoder
+    (embeddings, self- and cross-attention, feed-forward), the LM head's output stays tied to the copied word
+    embeddings, its transform stays fresh, and only the LM head's own weights remain recorded as missing."""
+    from safetensors.torch import load_file
+
+    from modeling_testa import TestaForVideoQA, TestaForVideoTextRetrieval
+    from train.finetune_qa import TASK
+    from train.loop import build_model, load_recipe, parse_args
+
+    retrieval = build_model(TestaForVideoTextRetrieval, load_recipe(parse_args("t", [
+        "--config", "configuration/synthetic_retrieval.yaml", *TINY])))
+    retrieval.save_pretrained(tmp_path / "retrieval")
+    saved = load_file(str(tmp_path / "retrieval" / "model.safetensors"))
+    qa = build_model(TASK.model_class, load_recipe(parse_args("t", [
+        "--config", "configuration/synthetic_retrieval.yaml", *TINY, "--init-from", str(tmp_path / "retrieval")])))
+    assert isinstance(qa, TestaForVideoQA)
+    decoder = qa.text_decoder
+    for name, tensor in (
+        ("embeddings.word_embeddings.weight", decoder.bert.embeddings.word_embeddings.weight),
+        ("embeddings.position_embeddings.weight", decoder.bert.embeddings.position_embeddings.weight),
+        ("encoder.layer.0.attention.self.query.weight", decoder.bert.encoder.layer[0].attention.self.query.weight),
+        ("encoder.layer.1.crossattention.self.value.bias", decoder.bert.encoder.layer[1].crossattention.self.value.bias),
+        ("encoder.layer.1.output.LayerNorm.weight", decoder.bert.encoder.layer[1].output.LayerNorm.weight),
+    ):
+        assert torch.equal(tensor, saved[f"text_encoder.{name}"]), name
+    assert decoder.cls.predictions.decoder.weight.data_ptr() == decoder.bert.embeddings.word_embeddings.weight.data_ptr()
+    transform = decoder.cls.predictions.transform.dense.weight  # the LM head's own: fresh, not a copy
+    assert not any(torch.equal(transform, value) for value in saved.values() if value.shape == transform.shape)
+    assert qa.weights_missing_at_load and all(k.startswith("text_decoder.cls.") for k in qa.weights_missing_at_load)
+    assert all(torch.isfinite(parameter).all() for parameter in qa.parameters())
+
+
 # ---------------------------------------------------------------------------------------------------- streamed data
 
 

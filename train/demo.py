@@ -22,10 +22,12 @@ Steps (docs/evidence.md's demo section gives the measured wall time; ``--quick``
    chart to OUTPUT/recall_vs_gmac.png when matplotlib is installed. OUTPUT/runs/b/final is model (b), a
    ``save_pretrained`` folder that the pipelines load.
 4. A small VideoQA head for the QA pipeline and the app's Ask tab (``--no-qa`` skips it): model (b)'s video and
-   question encoders with a new answer decoder, fine-tuned for ``configuration/short_events_qa.yaml``'s 120 steps
+   question encoders with an answer decoder started from its text encoder (`train.loop.decoder_from_text_encoder`),
+   fine-tuned for ``configuration/short_events_qa.yaml``'s 120 steps
    (``--quick``: 20) on three questions per training video read off its paragraph (the colour of the first scene,
    the last scene and the first flash; ``processing.short_events.write_qa_splits``), then scored on the test
-   videos' questions (exact match among the training answers). OUTPUT/qa/final is a TestaForVideoQA folder.
+   videos' questions (exact match among the training answers, beside chance and the commonest training answer's
+   share). OUTPUT/qa/final is a TestaForVideoQA folder.
 
 One seed is one sample: ``benchmarks/frames_vs_compute.py --seeds 3`` repeats this with three training seeds and
 reports mean and spread. ``--quick`` trains 30 steps on 128 videos: it shows that everything runs, and its recall
@@ -221,7 +223,21 @@ def train_qa(data_dir: Path, out: Path, retrieval_folder: Path, max_steps: int |
         raise RuntimeError(f"the QA run failed with exit code {done.returncode}; the end of {out.parent / 'qa.log'}:"
                            f"\n{tail}")
     metrics = json.loads((out / "metrics.json").read_text())
-    return {**metrics, "train_seconds": time.perf_counter() - started, "questions": counts}
+    return {**metrics, "train_seconds": time.perf_counter() - started, "questions": counts,
+            "baselines": qa_baselines(data_dir)}
+
+
+def qa_baselines(data_dir: Path) -> dict:
+    """What a head that ignores the video scores on the test questions: chance among the training answers (the
+    candidates), and always answering the commonest training answer (`majority`, its share of the test questions)."""
+    def answers(split: str) -> list[str]:
+        lines = (data_dir / f"qa_{split}.jsonl").read_text().splitlines()
+        return [str(json.loads(line)["answer"]) for line in lines if line.strip()]
+
+    train, test = answers("train"), answers("test")
+    majority = max(dict.fromkeys(train), key=train.count)
+    return {"candidates": len(set(train)), "chance": 100 / len(set(train)), "majority_answer": majority,
+            "majority": 100 * sum(answer == majority for answer in test) / len(test)}
 
 
 def _planned_steps(recipe: dict, data_dir: Path) -> int:
@@ -358,7 +374,9 @@ def main() -> None:
         qa = train_qa(data_dir, out / "qa", out / "runs" / "b" / "final", max_steps=20 if args.quick else None)
         lines.append(f"VideoQA head for the QA pipeline: {out / 'qa' / 'final'} (model (b)'s encoders and a new answer "
                      f"decoder, trained and scored in {qa['train_seconds']:.0f} s; exact match on the "
-                     f"{qa['questions']['test']} test questions: {qa_accuracy(qa):.1f}%).")
+                     f"{qa['questions']['test']} test questions: {qa_accuracy(qa):.1f}%; chance among the "
+                     f"{qa['baselines']['candidates']} candidate answers {qa['baselines']['chance']:.1f}%, always "
+                     f"'{qa['baselines']['majority_answer']}' {qa['baselines']['majority']:.1f}%).")
     lines.append(f"Total demo time: {time.perf_counter() - started:.0f} s.")
     points = {k: (costs[k][0], results[k]["t2v_R@1"], 0.0) for k in keys}
     if plot_r1_vs_gmac(points, out / "recall_vs_gmac.png", f"short-event retrieval, seed {args.seed}"):
