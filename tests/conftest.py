@@ -29,8 +29,14 @@ def pytest_runtest_makereport(item, call):
     report = outcome.get_result()
     if call.when != "call":
         return
-    new = {name: record for name, record in fork_guard.records(FORK_RECORDS).items() if name not in _reported}
-    _reported.update(new)
+    found = {name: record for name, record in fork_guard.records(FORK_RECORDS).items() if name not in _reported}
+    _reported.update(found)
+    # a fork with no frame of ours on its stack (a library's own thread) is reported beside the test, not failed
+    new = {name: record for name, record in found.items() if record.get("ours", True)}
+    theirs = [record for record in found.values() if not record.get("ours", True)]
+    if theirs:
+        report.sections.append(("fork guard: forks taken by a library's own thread",
+                                "\n\n".join(map(fork_guard.describe, theirs))))
     if new and not report.failed:
         report.outcome = "failed"
         report.longrepr = (f"{len(new)} fork(s) with other threads alive during this test (a forked child can "

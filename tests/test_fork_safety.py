@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from helpers import fork_guard
@@ -40,6 +41,18 @@ def test_the_guard_records_a_fork_with_threads_alive_and_not_fork_exec(tmp_path)
     assert any(thread.startswith("busy ") for thread in found[0]["threads"])
     assert "pid = os.fork()" in found[0]["stack"]
     assert json.loads(json.dumps(found[0]))["argv"] == [str(script)]
+    assert found[0]["ours"] is False  # the script lies outside the repository: a library's fork, reported only
+
+
+def test_a_fork_is_ours_when_the_repository_s_code_is_on_its_stack():
+    """The guard fails a test for forks our code took (a DataLoader iterated in `train/data.py`, a test's own
+    ``get_context("fork")``), and only reports a fork that a library took on a thread of its own (OpenVINO's
+    telemetry), which has no frame of ours."""
+    root = fork_guard.REPOSITORY
+    assert fork_guard.started_by_our_code(str(root / "train" / "data.py"))
+    assert fork_guard.started_by_our_code(str(root / "tests" / "test_store_writers.py"))
+    assert not fork_guard.started_by_our_code(str(root / ".venv" / "lib" / "python3.11" / "site-packages" / "x.py"))
+    assert not fork_guard.started_by_our_code(threading.__file__)
 
 
 def test_train_index_with_worker_processes_on_two_processes(tmp_path):

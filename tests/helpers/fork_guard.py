@@ -28,6 +28,9 @@ ENV = "TESTA_FORK_GUARD_DIR"
 SITE = Path(__file__).resolve().parent / "fork_guard_site"
 """The folder that goes on ``PYTHONPATH`` so that child interpreters install the hook (its ``sitecustomize``)."""
 
+REPOSITORY = Path(__file__).resolve().parents[2]
+"""The repository's root: a fork is ours when a frame of its stack is a file below it (not in a virtual environment)."""
+
 _installed = False
 
 
@@ -43,14 +46,31 @@ def _record_fork() -> None:
     threads = other_threads()
     if not directory or not threads:
         return
+    stack = traceback.extract_stack()[:-1]
     record = {"pid": os.getpid(), "argv": sys.argv, "forking_thread": threading.current_thread().name,
               "threads": [f"{thread.name} ({type(thread).__name__}, daemon={thread.daemon})" for thread in threads],
-              "stack": "".join(traceback.format_stack()[:-1])}
+              "stack": "".join(traceback.format_list(stack)),
+              "ours": any(started_by_our_code(frame.filename) for frame in stack)}
     path = Path(directory) / f"fork-{os.getpid()}-{threading.get_ident()}-{len(os.listdir(directory))}.json"
     try:
         path.write_text(json.dumps(record, indent=1))
     except OSError:  # the folder is gone (the session ended): nothing to report to
         pass
+
+
+def started_by_our_code(filename: str) -> bool:
+    """Whether a stack frame's file is the project's code (the packages, scripts, benchmarks, app, tests; not a
+    virtual environment's site-packages). A fork with none of ours on its stack was taken by a library on a thread of its own
+    (OpenVINO's telemetry sends from a thread pool through a forked process): reported, not failed, since no change
+    of ours can remove it; `docs/training.md` says how a user turns it off."""
+    path = Path(filename)
+    if not path.is_absolute():
+        path = Path.cwd() / path
+    try:
+        relative = path.resolve().relative_to(REPOSITORY)
+    except (ValueError, OSError):
+        return False
+    return relative.parts[:1] != (".venv",) and "site-packages" not in relative.parts
 
 
 def install() -> None:
@@ -79,4 +99,4 @@ def describe(record: dict) -> str:
             f"fork called from:\n{record['stack'][-3000:]}")
 
 
-__all__ = ["ENV", "SITE", "describe", "install", "other_threads", "records"]
+__all__ = ["ENV", "REPOSITORY", "SITE", "describe", "install", "other_threads", "records", "started_by_our_code"]
