@@ -9,19 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.models import TINY_MODEL_RECIPE
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 TINY = [
-    "--set", "model.vision_config.num_frames=4", "--set", "model.vision_config.image_size=32",
-    "--set", "model.vision_config.patch_size=8", "--set", "model.vision_config.hidden_size=32",
-    "--set", "model.vision_config.num_hidden_layers=2", "--set", "model.vision_config.num_attention_heads=2",
-    "--set", "model.vision_config.intermediate_size=64", "--set", "model.vision_config.temporal_reduction=1",
-    "--set", "model.vision_config.spatial_reduction=3",
-    "--set", "model.text_config.hidden_size=32", "--set", "model.text_config.num_hidden_layers=2",
-    "--set", "model.text_config.num_attention_heads=2", "--set", "model.text_config.intermediate_size=64",
-    "--set", "model.projection_dim=16", "--set", "model.queue_size=8",
+    *TINY_MODEL_RECIPE,
     "--set", "data.num_frames=4", "--set", "data.image_size=32", "--set", "data.num_workers=1",
     "--set", "data.sampling=random", "--set", "train.batch_size=4", "--set", "train.lr=1e-3",
     "--set", "train.warmup_ratio=0.25", "--set", "eval.batch_size=4", "--set", "eval.k_test=4",

@@ -12,20 +12,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.models import TINY_MODEL_RECIPE
 
 from train.finetune_retrieval import TASK
 from train.loop import main
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = [
-    "--set", "model.vision_config.num_frames=4", "--set", "model.vision_config.image_size=32",
-    "--set", "model.vision_config.patch_size=8", "--set", "model.vision_config.hidden_size=32",
-    "--set", "model.vision_config.num_hidden_layers=2", "--set", "model.vision_config.num_attention_heads=2",
-    "--set", "model.vision_config.intermediate_size=64", "--set", "model.vision_config.temporal_reduction=1",
-    "--set", "model.vision_config.spatial_reduction=3",
-    "--set", "model.text_config.hidden_size=32", "--set", "model.text_config.num_hidden_layers=2",
-    "--set", "model.text_config.num_attention_heads=2", "--set", "model.text_config.intermediate_size=64",
-    "--set", "model.projection_dim=16", "--set", "model.queue_size=8",
+    *TINY_MODEL_RECIPE,
     "--set", "data.num_frames=4", "--set", "data.image_size=32", "--set", "data.num_workers=0",
     "--set", "train.batch_size=4", "--set", "eval.batch_size=4", "--set", "eval.k_test=4",
     "--set", "train.save_every=1", "--set", "train.log_every=1",

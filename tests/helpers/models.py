@@ -97,3 +97,17 @@ def random_vision_model(seed: int = 0, **overrides) -> TestaVisionModel:
     model = TestaVisionModel(tiny_vision_config(**overrides)).eval()
     randomize(model, seed=seed)
     return model
+
+
+TINY_MODEL_RECIPE = [
+    "--set", "model.vision_config.num_frames=4", "--set", "model.vision_config.image_size=32",
+    "--set", "model.vision_config.patch_size=8", "--set", "model.vision_config.hidden_size=32",
+    "--set", "model.vision_config.num_hidden_layers=2", "--set", "model.vision_config.num_attention_heads=2",
+    "--set", "model.vision_config.intermediate_size=64", "--set", "model.vision_config.temporal_reduction=1",
+    "--set", "model.vision_config.spatial_reduction=3",
+    "--set", "model.text_config.hidden_size=32", "--set", "model.text_config.num_hidden_layers=2",
+    "--set", "model.text_config.num_attention_heads=2", "--set", "model.text_config.intermediate_size=64",
+    "--set", "model.projection_dim=16", "--set", "model.queue_size=8",
+]
+"""`--set` overrides that make a training recipe's model tiny (2 + 2 layers of width 32 on 4 frames of 32 px; the
+data settings are each test's): the training-script tests' shared start."""
