@@ -30,7 +30,7 @@ test: install
 # the demo evaluates: its short training leaves the matching head too weak to re-rank; the page can switch it on),
 # asking the demo's QA head; on your own machine, so the Model tab may change R_T/R_S (--allow-settings)
 app: install
-	@test -f outputs/demo/runs/b/final/model.safetensors || { echo "No demo model: run \`make demo\` first (about 8 minutes), or: python app/app.py --model FOLDER_OR_HUB_ID --videos DIR"; exit 1; }
+	@test -f outputs/demo/runs/b/final/model.safetensors || { echo "No demo model: run \`make demo\` first, or: python app/app.py --model FOLDER_OR_HUB_ID --videos DIR"; exit 1; }
 	$(PY) app/app.py --model outputs/demo/runs/b/final --videos outputs/demo/data/videos --no-rerank --allow-settings \
 	  $$(test -f outputs/demo/qa/final/model.safetensors && echo --qa-model outputs/demo/qa/final)  # the demo ranks by cosine (see configuration/short_events.yaml)
 
