@@ -308,7 +308,7 @@ def plot_r1_vs_gmac(points: dict[str, tuple[float, float, float]], path: Path, t
     return True
 
 
-def qa_accuracy(metrics: dict) -> float:
+def qa_exact_match_percent(metrics: dict) -> float:
     """The overall exact-match accuracy (%) in a QA run's metrics."""
     value = next(v for k, v in metrics.items() if "accuracy" in k and isinstance(v, (int, float)))
     return 100 * value if value <= 1 else value
@@ -374,7 +374,7 @@ def main() -> None:
         qa = train_qa(data_dir, out / "qa", out / "runs" / "b" / "final", max_steps=20 if args.quick else None)
         lines.append(f"VideoQA head for the QA pipeline: {out / 'qa' / 'final'} (model (b)'s encoders and a new answer "
                      f"decoder, trained and scored in {qa['train_seconds']:.0f} s; exact match on the "
-                     f"{qa['questions']['test']} test questions: {qa_accuracy(qa):.1f}%; chance among the "
+                     f"{qa['questions']['test']} test questions: {qa_exact_match_percent(qa):.1f}%; chance among the "
                      f"{qa['baselines']['candidates']} candidate answers {qa['baselines']['chance']:.1f}%, always "
                      f"'{qa['baselines']['majority_answer']}' {qa['baselines']['majority']:.1f}%).")
     lines.append(f"Total demo time: {time.perf_counter() - started:.0f} s.")
