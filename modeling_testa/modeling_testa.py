@@ -882,6 +882,33 @@ class TestaForVideoQA(_TestaMultimodalPreTrainedModel, GenerationMixin):
         )
 
     @torch.no_grad()
+    def start_decoder_from_text_encoder(self) -> list[str]:
+        """Starts an answer decoder that the checkpoint lacked (a QA head loaded from a retrieval folder) from the text
+        encoder's weights, as BLIP starts its decoder from the pre-trained text model: both are BERT layouts with
+        cross-attention, so embeddings, self-attention, cross-attention and feed-forward carry over (the LM head's
+        output layer is tied to the word embeddings; only its transform and bias stay freshly initialised). A random
+        decoder learns one constant answer within a small training budget.
+
+        Copies ``text_encoder.X`` into every missing ``text_decoder.bert.X`` of the same shape and returns the decoder
+        names copied (which then leave ``weights_missing_at_load``); a head whose checkpoint held its decoder is left
+        as it is.
+        """
+        missing = set(getattr(self, "weights_missing_at_load", ()))
+        if not missing:
+            return []
+        encoder = self.text_encoder.state_dict()
+        decoder = dict(self.text_decoder.bert.named_parameters())
+        decoder.update(self.text_decoder.bert.named_buffers())
+        copied = []
+        for name, target in decoder.items():
+            key = f"text_decoder.bert.{name}"
+            if key in missing and name in encoder and encoder[name].shape == target.shape:
+                target.copy_(encoder[name])
+                copied.append(key)
+        self.weights_missing_at_load = tuple(sorted(missing - set(copied)))
+        return copied
+
+    @torch.no_grad()
     def answer_log_likelihoods(
         self, answer_ids: torch.Tensor, question_states: torch.Tensor, question_mask: torch.Tensor
     ) -> torch.Tensor:

@@ -582,7 +582,10 @@ class DecoderProcess(WorkerProcess):
         """Opens `source` in the helper (started if needed); returns its metadata. Call with `lock` held."""
         self._ensure_started(source, backend)
         self.log_offset = self.log_mark()
-        replies = self._request(("open", backend, source, int(num_threads or 0)), source, backend, timeout,
+        # a shared helper keeps the working directory it started in: a relative path is resolved here, in the caller's
+        # (its messages still name `source` as given)
+        path = source if "://" in source else os.path.abspath(source)
+        replies = self._request(("open", backend, path, int(num_threads or 0)), source, backend, timeout,
                                 lambda: "opening it")
         return [reply for reply in replies if reply[0] == "metadata"][0][1]
 

@@ -29,6 +29,7 @@ from modeling_testa import VideoTextRetrievalPipeline
 from modeling_testa.store_lock import LOCK_FILE, check_lock_token, pid_namespace, read_lock
 from modeling_testa.video_index import VideoIndex
 from modeling_testa.video_store import VideoTokenStore, journaled_count
+from modeling_testa.worker_process import worker_context
 
 NUM_VIDEOS = 96
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -169,7 +170,8 @@ def take_over(directory: str, barrier, results) -> None:
 
 
 def test_racers_taking_over_one_stale_lock_never_both_win(tmp_path):
-    context = multiprocessing.get_context("fork")
+    # racers from the library's forkserver, not "fork": earlier tests leave threads alive in this process
+    context = worker_context(("modeling_testa.store_lock", __name__))
     racers = 6
     for round_ in range(8):
         directory = tmp_path / f"round{round_}"

@@ -22,7 +22,7 @@ Steps (docs/evidence.md's demo section gives the measured wall time; ``--quick``
    chart to OUTPUT/recall_vs_gmac.png when matplotlib is installed. OUTPUT/runs/b/final is model (b), a
    ``save_pretrained`` folder that the pipelines load.
 4. A small VideoQA head for the QA pipeline and the app's Ask tab (``--no-qa`` skips it): model (b)'s video and
-   question encoders with an answer decoder started from its text encoder (`train.loop.decoder_from_text_encoder`),
+   question encoders with an answer decoder started from its text encoder (`TestaForVideoQA.start_decoder_from_text_encoder`),
    fine-tuned for ``configuration/short_events_qa.yaml``'s 120 steps
    (``--quick``: 20) on three questions per training video read off its paragraph (the colour of the first scene,
    the last scene and the first flash; ``processing.short_events.write_qa_splits``), then scored on the test

@@ -37,7 +37,7 @@ from accelerate import Accelerator, DataLoaderConfiguration, DistributedDataPara
 from accelerate.utils import ProjectConfiguration, set_seed
 from tqdm.auto import tqdm
 
-from modeling_testa import TestaConfig
+from modeling_testa import TestaConfig, TestaForVideoQA
 from modeling_testa.aggregation_settings import AGGREGATION_FIELDS
 from modeling_testa.worker_process import die_with_launcher
 
@@ -102,7 +102,7 @@ def build_model(model_class: type, recipe: "Recipe | Mapping"):
         model = model_class.from_pretrained(str(source), dtype=torch.float32, **top_level)
         aggregation = {k: v for k, v in overrides.items() if k in RECIPE_AGGREGATION_FIELDS}
         model.set_aggregation(**aggregation)  # the head's: its momentum encoder (if any) follows the online one
-        copied = decoder_from_text_encoder(model)
+        copied = model.start_decoder_from_text_encoder() if isinstance(model, TestaForVideoQA) else []
         if copied:
             print(f"{source}: the answer decoder starts from the text encoder's weights ({len(copied)} tensors)")
         return model
@@ -112,34 +112,6 @@ def build_model(model_class: type, recipe: "Recipe | Mapping"):
     vision = config.vision_config
     return convert_blip_to_testa(init_from, num_frames=vision.num_frames, image_size=vision.image_size,
                                  model_class=model_class, **overrides)
-
-
-@torch.no_grad()
-def decoder_from_text_encoder(model) -> list[str]:
-    """Starts an answer decoder that the checkpoint lacked (a QA head from a retrieval folder) from the text
-    encoder's weights, as BLIP starts its decoder from the pre-trained text model: both are BERT layouts with
-    cross-attention, so embeddings, self-attention, cross-attention and feed-forward carry over (the LM head's output
-    layer is tied to the word embeddings; only its transform and bias stay freshly initialised). A random decoder
-    learns one constant answer within the demo's small budget.
-
-    Copies ``text_encoder.X`` into every missing ``text_decoder.bert.X`` of the same shape and returns the decoder
-    names copied (which then leave ``weights_missing_at_load``); a model without both modules, or whose checkpoint
-    held its decoder, is left as it is.
-    """
-    missing = set(getattr(model, "weights_missing_at_load", ()))
-    if not (hasattr(model, "text_encoder") and hasattr(model, "text_decoder")) or not missing:
-        return []
-    encoder = model.text_encoder.state_dict()
-    decoder = dict(model.text_decoder.bert.named_parameters())
-    decoder.update(model.text_decoder.bert.named_buffers())
-    copied = []
-    for name, target in decoder.items():
-        key = f"text_decoder.bert.{name}"
-        if key in missing and name in encoder and encoder[name].shape == target.shape:
-            target.copy_(encoder[name])
-            copied.append(key)
-    model.weights_missing_at_load = tuple(sorted(missing - set(copied)))
-    return copied
 
 
 # The aggregation settings a recipe applies to a loaded checkpoint: all of them but `trace_source`, an output option.
