@@ -41,10 +41,10 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 import gradio as gr  # noqa: E402
 
-from modeling_testa.indexing import EncodingStats, Failure, is_media_error  # noqa: E402
-from modeling_testa.index_build import window_entries  # noqa: E402
-from modeling_testa.index_homes import IndexEntry  # noqa: E402
-from modeling_testa.moments import format_time, moment_frames  # noqa: E402
+from testa_search.encoding import EncodingStats, Failure, is_media_error  # noqa: E402
+from testa_search.build import window_entries  # noqa: E402
+from testa_search.homes import IndexEntry  # noqa: E402
+from testa_search.moments import format_time, moment_frames  # noqa: E402
 from modeling_testa.video_inputs import VIDEO_SUFFIXES, find_video_files, is_video_file_name  # noqa: E402
 
 THEME = gr.themes.Default(font=[gr.themes.LocalFont("Source Sans Pro", weights=(400, 700)), "ui-sans-serif",
@@ -115,7 +115,7 @@ def load_state(model: str, videos_dir: str | None, qa_model: str | None, precisi
     process of its own, so that a crash of the engine cannot take the app down."""
     from transformers import pipeline
 
-    from modeling_testa.runtimes import isolated_by_default
+    from testa_runtimes.runtimes import isolated_by_default
 
     state = AppState(videos_dir=videos_dir)
     try:
@@ -945,7 +945,7 @@ def open_search_index(store: str, milvus: str | None, collection: str, token: st
     """The index ``--index`` names: the store, or with `milvus` (a Milvus Lite file or a server's URI) its collection
     `collection` as a `MilvusIndex`, logged in with `token` (a secured server's credentials; settings from the store,
     which the collection must share; tokens from the stores its rows name): `train.search.open_index`."""
-    from train.search import open_index
+    from testa_search.cli.search import open_index
 
     return open_index(store, milvus, collection, token)
 

@@ -68,7 +68,8 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     import modeling_testa
-    from modeling_testa import TestaVisionConfig, TestaVisionModel, optimize_for_inference
+    from modeling_testa import TestaVisionConfig, TestaVisionModel
+    from testa_runtimes import optimize_for_inference
 
     torch.set_num_threads(args.threads)
     backend, precision = args.worker.split("-")

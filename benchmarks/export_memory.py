@@ -90,8 +90,9 @@ def record_steps(engine: type, peaks: StepPeaks) -> None:
 
 def child(args) -> None:
     """One export in this (fresh) process; prints a json line."""
-    from modeling_testa import TestaVisionConfig, TestaVisionModel, optimize_for_inference
-    from modeling_testa.engines import ENGINES
+    from modeling_testa import TestaVisionConfig, TestaVisionModel
+    from testa_runtimes import optimize_for_inference
+    from testa_runtimes.engines import ENGINES
 
     peaks = StepPeaks()
     torch.manual_seed(0)

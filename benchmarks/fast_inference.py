@@ -48,7 +48,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from modeling_testa import TestaVisionConfig, TestaVisionModel, optimize_for_inference
+from modeling_testa import TestaVisionConfig, TestaVisionModel
+from testa_runtimes import optimize_for_inference
 from benchmarks.encoder_args import add_encoder_arguments, encoder_settings
 
 
@@ -130,8 +131,8 @@ def sdpa_attention(module, hidden_states, output_attentions: bool = False):
 
 def available_engines() -> list[str]:
     """The exported variants this machine can run: the backends installed, bf16 only where the CPU has it."""
-    from modeling_testa.engines import cpu_has_bf16
-    from modeling_testa.runtimes import RUNTIMES
+    from testa_runtimes.engines import cpu_has_bf16
+    from testa_runtimes.runtimes import RUNTIMES
 
     found = []
     for variant in ENGINE_VARIANTS:
@@ -322,7 +323,7 @@ def quality(args) -> dict:
     from accelerate import Accelerator
 
     from modeling_testa import TestaForVideoTextRetrieval, TestaProcessor
-    from modeling_testa.video_store import VideoTokenStore
+    from testa_search.store.video_store import VideoTokenStore
     from train.evaluation import evaluate_retrieval
 
     recipe = yaml.safe_load(args.config.read_text())

@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from modeling_testa import TestaForPreTraining, TestaVisionModel, fused_aggregation, optimize_for_inference
+from modeling_testa import TestaForPreTraining, TestaVisionModel, fused_aggregation
+from testa_runtimes import optimize_for_inference
 from modeling_testa.pipeline_testa import (
     VideoQuestionAnsweringPipeline,
     VideoTextRetrievalPipeline,

@@ -61,14 +61,8 @@ from typing import Any
 import torch
 import transformers
 
-from modeling_testa import (
-    TestaForVideoTextRetrieval,
-    TestaVisionConfig,
-    TestaVisionModel,
-    estimate_encoder_gmac,
-    fused_aggregation,
-    optimize_for_inference,
-)
+from modeling_testa import TestaForVideoTextRetrieval, TestaVisionConfig, TestaVisionModel, estimate_encoder_gmac, fused_aggregation
+from testa_runtimes import optimize_for_inference
 from modeling_testa.aggregation import mode as deterministic_mode
 from benchmarks.encoder_args import encoder_settings
 from benchmarks.encoder_speed import build, synchronize, time_forward

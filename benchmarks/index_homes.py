@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.search_scale import exact_top_k, percentiles, top_k_overlap, write_synthetic_store
-from modeling_testa.milvus_home import MilvusHome, row_payload
-from modeling_testa.video_index import VideoIndex, faiss_module
+from testa_search.milvus import MilvusHome, row_payload
+from testa_search.index import VideoIndex, faiss_module
 
 DIM = 256
 

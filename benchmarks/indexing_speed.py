@@ -26,14 +26,9 @@ from pathlib import Path
 
 import torch
 
-from modeling_testa import (
-    TestaConfig,
-    TestaForVideoTextRetrieval,
-    TestaProcessor,
-    TestaVideoProcessor,
-    optimize_for_inference,
-)
-from modeling_testa.indexing import DecodeAhead, InMemorySink, encode_videos
+from modeling_testa import TestaConfig, TestaForVideoTextRetrieval, TestaProcessor, TestaVideoProcessor
+from testa_runtimes import optimize_for_inference
+from testa_search.encoding import DecodeAhead, InMemorySink, encode_videos
 from modeling_testa.pipeline_testa import VideoTextRetrievalPipeline
 from modeling_testa.video_decoding import own_decoder_process
 

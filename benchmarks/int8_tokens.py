@@ -1,4 +1,4 @@
-"""Re-ranking with int8 tokens (one scale per token, `modeling_testa.int8_tokens`) against fp16 tokens.
+"""Re-ranking with int8 tokens (one scale per token, `testa_search.store.int8_tokens`) against fp16 tokens.
 
     python -m benchmarks.int8_tokens                                   # the demo's model (b) and test set
     python -m benchmarks.int8_tokens --model DIR --data DIR --split test
@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from modeling_testa import TestaForVideoTextRetrieval, TestaProcessor, VideoTextRetrievalPipeline
-from modeling_testa.int8_tokens import SCALE_BYTES, pack, unpack
-from modeling_testa.video_index import VideoIndex
+from testa_search.store.int8_tokens import SCALE_BYTES, pack, unpack
+from testa_search.index import VideoIndex
 from train.evaluation import load_metric
 
 DEMO = Path("outputs/demo")

@@ -130,12 +130,8 @@ def video_path(cache: Path, name: str) -> Path:
 def load_pipeline(args, fast: bool = False):
     import torch
 
-    from modeling_testa import (
-        TestaForVideoTextRetrieval,
-        TestaProcessor,
-        VideoTextRetrievalPipeline,
-        optimize_for_inference,
-    )
+    from modeling_testa import TestaForVideoTextRetrieval, TestaProcessor, VideoTextRetrievalPipeline
+    from testa_runtimes import optimize_for_inference
 
     model = TestaForVideoTextRetrieval.from_pretrained(args.model).eval()
     processor = TestaProcessor.from_pretrained(args.model)
@@ -168,7 +164,7 @@ def plain_decode(path: Path, backend: str) -> dict:
 
 def window_frames(path: Path, num_frames: int) -> list[int]:
     """The union of every window's frames (what the index decodes)."""
-    from modeling_testa.moments import data_end, frames_in_window, plan_windows, probe_duration
+    from testa_search.moments import data_end, frames_in_window, plan_windows, probe_duration
     from modeling_testa.video_decoding_worker import PyAVReader
 
     times = PyAVReader(str(path), None).metadata["frame_times"]
@@ -211,7 +207,7 @@ def measure(kind: str, path: Path, args) -> dict:
             result["frames"] = sum(1 for _ in reader.frames(wanted))
             result["seeks"] = reader.seeks
         elif kind.startswith("moment:"):  # a strip of 6 frames at 50:00-50:20, as the app shows a moment
-            from modeling_testa.moments import moment_frames
+            from testa_search.moments import moment_frames
 
             backend = kind.split(":")[1]
             for call in ("first_call", "second_call"):  # the first one starts the decoder helper
@@ -219,7 +215,7 @@ def measure(kind: str, path: Path, args) -> dict:
                 moment_frames(path, 3000.0, 3020.0, num_frames=6, backend=backend)
                 result[f"{call}_seconds"] = time.perf_counter() - started
         elif kind.startswith("stream:"):
-            from modeling_testa.moments import (
+            from testa_search.moments import (
                 WindowStream,
                 plan_windows,
                 processor_frame_steps,
@@ -239,7 +235,7 @@ def measure(kind: str, path: Path, args) -> dict:
             index = pipe.encode_videos([str(path)], window=WINDOW, stride=STRIDE, batch_size=8, progress_bar=False)
             result.update(index.stats, rows=len(index), failed=len(index.failures))
         elif kind.startswith("train.index:"):
-            from train.index import main as index_main
+            from testa_search.cli.index import main as index_main
 
             copy = path.with_name(path.stem + ".copy.mp4")
             if not copy.exists():

@@ -37,9 +37,9 @@ import torch.nn.functional as F
 
 from modeling_testa import TestaProcessor, VideoTextRetrievalPipeline
 from modeling_testa.grounding import ground_phrases
-from modeling_testa.moments import frame_spans, refine_moment, window_pixel_values
+from testa_search.moments import frame_spans, refine_moment, window_pixel_values
 from processing.long_videos import generate_long_videos_dataset
-from train.index import load_retrieval_model
+from testa_search.cli.index import load_retrieval_model
 from train.moment_evaluation import moment_queries, score_moment_search
 
 

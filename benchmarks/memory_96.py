@@ -32,7 +32,8 @@ from pathlib import Path
 
 import torch
 
-from modeling_testa import TestaVisionConfig, TestaVisionModel, optimize_for_inference, token_schedule
+from modeling_testa import TestaVisionConfig, TestaVisionModel, token_schedule
+from testa_runtimes import optimize_for_inference
 from benchmarks.encoder_args import add_encoder_arguments, encoder_settings, status_kib
 
 

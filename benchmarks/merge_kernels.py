@@ -59,14 +59,8 @@ from contextlib import contextmanager
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from modeling_testa import (
-    TestaVisionConfig,
-    TestaVisionModel,
-    aggregation,
-    aggregation_block,
-    fused_aggregation,
-    optimize_for_inference,
-)
+from modeling_testa import TestaVisionConfig, TestaVisionModel, aggregation, aggregation_block, fused_aggregation
+from testa_runtimes import optimize_for_inference
 
 
 METADATA_ONLY = frozenset(

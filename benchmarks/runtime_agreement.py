@@ -46,7 +46,8 @@ import torch
 import torch.nn.functional as F
 
 import modeling_testa.aggregation as aggregation
-from modeling_testa import TestaForVideoTextRetrieval, optimize_for_inference
+from modeling_testa import TestaForVideoTextRetrieval
+from testa_runtimes import optimize_for_inference
 from modeling_testa.aggregation import DEFAULT_SCORE_GRID
 from modeling_testa.processing_testa import TestaProcessor
 

@@ -45,8 +45,8 @@ import torch.nn.functional as F
 
 from modeling_testa import TestaConfig, TestaForVideoTextRetrieval, TestaProcessor, TestaVideoProcessor
 from modeling_testa.pipeline_testa import VideoTextRetrievalPipeline
-from modeling_testa.video_index import EXACT_MAX_VIDEOS, FIRST_STAGE_FILE, VideoIndex, faiss_module
-from modeling_testa.video_store import VideoStoreWriter, finalize_store
+from testa_search.index import EXACT_MAX_VIDEOS, FIRST_STAGE_FILE, VideoIndex, faiss_module
+from testa_search.store.video_store import VideoStoreWriter, finalize_store
 
 
 DIM = 256

@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     TestaProcessor.from_pretrained(args.model).save_pretrained(model_folder)
     app = load_app()
     if args.in_process:  # what the app passes, with isolation off
-        import modeling_testa.runtimes as runtimes
+        import testa_runtimes.runtimes as runtimes
 
         runtimes.isolated_by_default = lambda backend, device="cpu": False
     state = app.load_state(str(model_folder), None, None, args.precision, args.backend)

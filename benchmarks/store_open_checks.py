@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from modeling_testa.video_store import (
+from testa_search.store.video_store import (
     SHARD_FIELDS,
     VideoStoreWriter,
     VideoTokenStore,

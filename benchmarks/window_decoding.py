@@ -24,7 +24,7 @@ import tempfile
 import time
 
 from benchmarks.decode_speed import make_video
-from modeling_testa.moments import decode_windows, plan_windows, window_frame_indices
+from testa_search.moments import decode_windows, plan_windows, window_frame_indices
 from modeling_testa.video_decoding import decode_video, decord_available, sample_frame_indices
 
 

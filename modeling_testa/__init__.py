@@ -27,7 +27,6 @@ from .hub import (
     save_for_hub,
     write_model_card,
 )
-from .inference import BACKENDS, PRECISIONS, Bf16Linear, Int8DynamicLinear, optimize_for_inference
 from .modeling_testa import (
     TestaAnswerRankingOutput,
     TestaForPreTraining,
@@ -44,17 +43,14 @@ from .modeling_testa import (
 )
 from .patching import apply_testa, remove_testa
 from .pipeline_testa import (
-    VideoIndex,
     VideoQuestionAnsweringPipeline,
     VideoTextRetrievalPipeline,
     ZeroShotVideoClassificationPipeline,
     register_testa_pipelines,
 )
 from .processing_testa import TestaProcessor, build_testa_tokenizer, pre_caption
-from .store_lock import StoreLock, StoreLockedError
 from .video_decoding import VideoDecodingError, VideoDecodingTimeoutError, decode_video, sample_frame_indices
 from .video_processing_testa import TestaVideoProcessor
-from .video_store import DamagedStoreError
 from .visualization import AggregationGroups, aggregation_groups, draw_aggregation, visualize_aggregation
 
 
@@ -85,16 +81,9 @@ register_testa_pipelines()
 __all__ = [
     "MODEL_CARD_MARKER",
     "PIPELINE_TASKS",
-    "BACKENDS",
-    "PRECISIONS",
     "AggregationGroups",
-    "Bf16Linear",
-    "DamagedStoreError",
     "Grounding",
-    "Int8DynamicLinear",
     "Matching",
-    "StoreLock",
-    "StoreLockedError",
     "TestaAnswerRankingOutput",
     "TestaConfig",
     "TestaForPreTraining",
@@ -112,7 +101,6 @@ __all__ = [
     "TestaVisionModelOutput",
     "VideoDecodingError",
     "VideoDecodingTimeoutError",
-    "VideoIndex",
     "VideoQuestionAnsweringPipeline",
     "VideoTextRetrievalPipeline",
     "ZeroShotVideoClassificationPipeline",
@@ -130,7 +118,6 @@ __all__ = [
     "importance_matching",
     "merge_tokens",
     "model_card",
-    "optimize_for_inference",
     "pre_caption",
     "register_testa_pipelines",
     "remove_testa",

@@ -31,9 +31,9 @@ This file is Hub remote code: flat relative imports only, absolute imports of in
 optional and imported inside `try`).
 """
 
+import importlib
 import os
 import re
-import sys
 from typing import Any
 
 import torch
@@ -41,16 +41,9 @@ from transformers.pipelines import PIPELINE_REGISTRY
 from transformers.pipelines.base import Pipeline
 from transformers.utils import logging
 
-from .index_build import FileDecoder, IndexBuild, build_settings, window_entries
-from .index_homes import IndexEntry, InMemoryHome, StoreHome, as_entries
-from .indexing import DecodeEach, check_on_error
-from .inference import optimize_for_inference
-from .moments import best_moment_per_video, check_window_options
 from .processing_testa import TestaProcessor, load_testa_processor
-from .ranking import RankingOptions, ranked_order, two_stage_scores
+from .ranking import ranked_order
 from .saving import check_savable, push_folder_to_hub
-from .index_settings import IndexInfo
-from .video_index import VideoIndex
 from .video_inputs import check_video, is_array, is_single_video, text_list, video_list
 
 
@@ -58,6 +51,20 @@ logger = logging.get_logger(__name__)
 
 PROGRESS_BAR_MIN_VIDEOS = 16
 """With `progress_bar=None`, a progress bar is shown when at least this many videos are encoded."""
+
+
+LIBRARY = "the TESTA library (`pip install testa-hf`)"
+
+
+def library(module: str, feature: str) -> Any:
+    """The library's `module` (e.g. `testa_search.pipeline_methods`), which `feature` of a pipeline runs on. The
+    search system and the runtimes are not Hub code: a pipeline loaded from a Hub folder without the library installed
+    raises an `ImportError` saying in one line what to install. (Imported by name at call time, so that transformers,
+    which checks a Hub file's imports when it loads it, does not ask for them.)"""
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        raise ImportError(f"{feature} needs {LIBRARY}; it is not in a Hub folder: {error}") from error
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -79,12 +86,12 @@ def _common_parameters(
     return ({"text_kwargs": text_kwargs} if text_kwargs is not None else {}), merged
 
 
-def _check_top_k(top_k: Any) -> None:
+def check_top_k(top_k: Any) -> None:
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"`top_k` must be a positive int or None, got {top_k!r}.")
 
 
-def _check_rerank_k(rerank_k: Any) -> None:
+def check_rerank_k(rerank_k: Any) -> None:
     if isinstance(rerank_k, bool) or not isinstance(rerank_k, int) or rerank_k < 1:
         raise ValueError(
             f"`rerank_k` must be a positive int (the candidates re-ranked per query), got {rerank_k!r}."
@@ -101,42 +108,6 @@ def _result_list(items: list[Any], scores: torch.Tensor, similarity: torch.Tenso
         results.append({"video": items[i], "score": float(scores[i] if reranked else similarity[i]),
                         "reranked": reranked})
     return results
-
-
-def _describer(items: Any) -> Any:
-    """``row -> {"video", ...}``: an index's `entry` (the row's video and, when it has them, its `start`/`end`
-    (an index of moments) and `dataset`); for a plain list of videos, ``{"video": items[row]}``."""
-    entry = getattr(items, "entry", None)
-    if entry is not None:
-        videos = items.videos
-        return lambda row: {**entry(row), "video": videos[row]}
-    return lambda row: {"video": items[row]}
-
-
-def _candidate_results(items: Any, candidates: torch.Tensor, cosines: torch.Tensor,
-                       head_scores: torch.Tensor | None, top_k: int | None) -> list[dict]:
-    """`_result_list` computed from one query's candidates only (O(candidates), not O(collection)): the first
-    ``len(head_scores)`` candidates re-ranked (by decreasing two-stage score), then the other candidates by
-    decreasing cosine; ties by index, as `ranking.ranked_order` orders them. Every result says what `_describer`
-    says of its row."""
-    rows, cosines = candidates.tolist(), cosines.tolist()
-    reranked = 0 if head_scores is None else len(head_scores)
-    head = sorted(zip(rows[:reranked], head_scores.tolist() if reranked else []), key=lambda pair: (-pair[1], pair[0]))
-    rest = sorted(zip(rows[reranked:], cosines[reranked:]), key=lambda pair: (-pair[1], pair[0]))
-    describe = _describer(items)
-    results = [{**describe(i), "score": score, "reranked": True} for i, score in head]
-    results += [{**describe(i), "score": score, "reranked": False} for i, score in rest]
-    return results if top_k is None else results[:top_k]
-
-
-def _check_index_settings(index: Any, config: Any) -> None:
-    """Refuses to search an index encoded by a model of another projection size or aggregation settings (the
-    `IndexInfo` settings read from a model's config; an index that does not record a setting is not checked for it),
-    naming the setting and both values."""
-    differing = IndexInfo.from_dict(getattr(index, "info", None) or {}).model_differences(config)
-    for key, (recorded, mine) in differing.items():
-        raise ValueError(f"The index was encoded with {key} = {recorded!r}, but this model has {key} = "
-                         f"{mine!r}: search it with the model that encoded it, or encode the videos again.")
 
 
 _RETRIEVAL_FOLDER = "a TestaForVideoTextRetrieval folder (e.g. `make demo`'s outputs/demo/runs/b/final)"
@@ -252,19 +223,19 @@ class _TestaPipeline(Pipeline):
             model=model, processor=processor, tokenizer=tokenizer, video_processor=video_processor, **kwargs
         )
         if precision is not None:
-            optimize_for_inference(self.model, precision, backend=backend, compile=compile, include_text=include_text,
-                                   isolate=isolate)
+            library("testa_runtimes", "precision=").optimize_for_inference(
+                self.model, precision, backend=backend, compile=compile, include_text=include_text, isolate=isolate)
         elif compile or include_text or isolate or backend != "torch":
             raise ValueError("`compile`, `include_text`, `isolate` and `backend` go with `precision` (e.g. "
                              "precision='fp32', compile=True, or precision='int8', backend='openvino').")
 
     # -- inputs -----------------------------------------------------------------------------------------------------
 
-    def _tokenize(self, texts: list[str], text_kwargs: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
+    def tokenize(self, texts: list[str], text_kwargs: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
         encoded = self.processor(text=texts, return_tensors="pt", **(text_kwargs or {}))
         return {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
 
-    def _pixels(self, item: Any, label: str, video_kwargs: dict[str, Any] | None = None) -> torch.Tensor:
+    def pixel_values(self, item: Any, label: str, video_kwargs: dict[str, Any] | None = None) -> torch.Tensor:
         """`(1, frames, 3, H, W)` pixel values of one video. Decoding errors of files propagate unchanged (they name
         the file); errors about in-memory videos are re-raised naming `label`."""
         is_path = isinstance(item, (str, os.PathLike))
@@ -283,13 +254,6 @@ class _TestaPipeline(Pipeline):
     def _progress(self, total: int, progress_bar: bool | None, desc: str) -> Any:
         disable = (total < PROGRESS_BAR_MIN_VIDEOS) if progress_bar is None else not progress_bar
         return logging.tqdm(total=total, desc=desc, unit="video", disable=disable)
-
-    def _decoder_for_thread(self) -> Any:
-        """A decoder helper process of its own for the calling thread (decoding threads then decode in parallel),
-        from the video processor's own copy of the decoding code; None when it has none."""
-        module = sys.modules.get(type(self.video_processor).__module__)
-        own = getattr(module, "own_decoder_process", None)
-        return own() if own is not None else None
 
     # -- saving -----------------------------------------------------------------------------------------------------
 
@@ -384,13 +348,13 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         if video_kwargs:
             forward["video_kwargs"] = video_kwargs
         if rerank_k is not None:
-            _check_rerank_k(rerank_k)
+            check_rerank_k(rerank_k)
         for name, value in (("rerank_k", rerank_k), ("itm_score", itm_score), ("add_cosine", add_cosine),
                             ("progress_bar", progress_bar), ("video_batch_size", video_batch_size)):
             if value is not None:
                 forward[name] = value
         if top_k is not None:
-            _check_top_k(top_k)
+            check_top_k(top_k)
             forward["top_k"] = top_k
             postprocess["top_k"] = top_k
         return preprocess, forward, postprocess
@@ -410,7 +374,7 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
     def preprocess(self, inputs: dict[str, Any], text_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
         texts, single = text_list(inputs.get("text"), "text")
         videos = video_list(inputs.get("videos"), "videos")
-        return {**self._tokenize(texts, text_kwargs), "videos": videos, "single": single}
+        return {**self.tokenize(texts, text_kwargs), "videos": videos, "single": single}
 
     def _forward(
         self,
@@ -424,18 +388,15 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         video_batch_size: int | None = None,
     ) -> dict[str, Any]:
         videos = model_inputs["videos"]
-        index = self.encode_videos(
-            videos, batch_size=video_batch_size or self._batch_size or 8, store_tokens=True,
-            progress_bar=progress_bar, on_error="raise", **(video_kwargs or {}),
-        )
-        window = self._window(len(videos), top_k, rerank_k)
+        embeddings, tokens, token_sizes = self.encode_for_ranking(
+            videos, video_batch_size or self._batch_size or 8, progress_bar, video_kwargs)
         ranking = self.model.rank_videos(
             model_inputs["input_ids"],
-            index.tokens,
+            tokens,
             attention_mask=model_inputs["attention_mask"],
-            video_token_sizes=index.token_sizes,
-            video_features=index.embeddings,
-            k=window,
+            video_token_sizes=token_sizes,
+            video_features=embeddings,
+            k=self.rerank_depth(len(videos), top_k, rerank_k),
             itm_score=itm_score,
             add_cosine=add_cosine,
         )
@@ -446,11 +407,35 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
             "single": model_inputs["single"],
         }
 
-    def _window(self, num_videos: int, top_k: int | None, rerank_k: int | None) -> int:
+    @torch.no_grad()
+    def encode_for_ranking(self, videos: list[Any], batch_size: int, progress_bar: bool | None = None,
+                           video_kwargs: dict[str, Any] | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(embeddings, tokens, token sizes or None)`` of `videos` (in the order given), encoded `batch_size` at a
+        time: embeddings in float32, tokens in the model's dtype, on the CPU, as an in-memory `encode_videos` index
+        holds them. A video that cannot be read raises, naming it."""
+        embeddings, tokens, token_sizes = [], [], []
+        dtype = getattr(self.model, "dtype", torch.float32)
+        with self._progress(len(videos), progress_bar, "Encoding videos") as bar:
+            for first in range(0, len(videos), batch_size):
+                batch = videos[first : first + batch_size]
+                pixels = torch.cat([self.pixel_values(video, f"videos[{first + i}]", video_kwargs)
+                                    for i, video in enumerate(batch)])
+                out = self.model.get_video_tokens(pixels.to(self.device, dtype=dtype))
+                features = self.model.get_video_features(video_tokens=out.last_hidden_state,
+                                                         video_token_sizes=out.token_sizes).pooler_output
+                embeddings.append(features.float().cpu())
+                tokens.append(out.last_hidden_state.detach().cpu())
+                if out.token_sizes is not None:  # an encoder whose every token is one patch reports none
+                    token_sizes.append(out.token_sizes.detach().float().cpu())
+                bar.update(len(batch))
+        return torch.cat(embeddings), torch.cat(tokens), (torch.cat(token_sizes) if token_sizes else None)
+
+    def rerank_depth(self, num_videos: int, top_k: int | None, rerank_k: int | None) -> int:
         """Candidates re-ranked per query: `max(top_k, rerank_k or config.k_test)` (`top_k=None` counts as 0),
         capped at the number of videos."""
         if rerank_k is not None:
-            _check_rerank_k(rerank_k)
+            check_rerank_k(rerank_k)
         base = rerank_k if rerank_k is not None else self.model.config.k_test
         return min(num_videos, max(top_k or 0, base))
 
@@ -473,11 +458,11 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         store_dir: str | os.PathLike | None = None,
         num_workers: int = 0,
         on_error: str = "skip",
-        index: VideoIndex | None = None,
+        index: "VideoIndex | None" = None,
         window: float | None = None,
         stride: float | None = None,
         **video_kwargs: Any,
-    ) -> VideoIndex:
+    ) -> "VideoIndex":
         """Decodes and encodes every video once and returns a [`VideoIndex`].
 
         Args:
@@ -541,87 +526,15 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         the time the encoder waited for decoding, the encoder's own time (decoding is the bottleneck when the wait
         dominates) and the failures.
         """
-        if isinstance(videos, (list, tuple)) and any(isinstance(item, IndexEntry) for item in videos):
-            entries = as_entries(videos)
-            names = video_list([entry.video for entry in entries], "videos")
-        else:
-            names = video_list(videos, "videos")
-            entries = as_entries(names)
-        self._check_encode_arguments(entries, batch_size, num_workers, on_error, store_dir, store_tokens, index,
-                                     window, video_kwargs)
-        window, stride = check_window_options(window, stride)
-        directory = store_dir if store_dir is not None else getattr(getattr(index, "store", None), "directory", None)
-        num_frames = int(video_kwargs.get("num_frames", self.video_processor.num_frames))
-        settings = build_settings(self.model, num_frames, window=window, stride=stride,
-                                  token_dtype=token_dtype if directory is not None else None)
-        if directory is not None:
-            home = StoreHome(directory)
-            known = home.stored_plan()["videos"] if window is not None else ()
-        else:
-            home = InMemoryHome(store_tokens, token_dtype, index)
-            known = [*index.names, *(f.video for f in index.failures)] if window is not None and index else ()
-        if window is not None:  # the rows are the videos' windows, planned from their durations
-            entries = window_entries(entries, window, stride, skip=known)
-        moments = any(entry.start is not None for entry in entries)
-        decode = FileDecoder(DecodeEach(lambda video, i: self._pixels(video, f"videos[{i}]", video_kwargs), on_error),
-                             self.video_processor, num_frames, batch_size, num_workers, on_error,
-                             thread_initializer=self._decoder_for_thread)
-        build = IndexBuild(home, settings, command="VideoTextRetrievalPipeline.encode_videos",
-                           progress_bar=self._show_progress(len(entries), progress_bar), num_workers=num_workers,
-                           description="Encoding windows" if moments else "Encoding videos")
-        result = build.run(self.model, entries, decode)
-        built = result.index
-        if not result.report.handled:
-            logger.info("All %d videos are already in the index; nothing to encode.", len(names))
-        built.stats = result.report.stats()
-        if index is not None and built is not index:  # a grown store: the caller's index object reads it now
-            index.__dict__.update(built.__dict__)
-            return index
-        return built
+        return library("testa_search.pipeline_methods", "encode_videos").encode_videos(
+            self, videos, batch_size=batch_size, store_tokens=store_tokens, token_dtype=token_dtype,
+            progress_bar=progress_bar, store_dir=store_dir, num_workers=num_workers, on_error=on_error, index=index,
+            window=window, stride=stride, **video_kwargs)
 
-    @staticmethod
-    def _check_encode_arguments(entries: list[IndexEntry], batch_size: Any, num_workers: Any, on_error: str,
-                                store_dir: Any, store_tokens: bool, index: Any, window: Any,
-                                video_kwargs: dict[str, Any]) -> None:
-        """Refuses, naming the argument, what `encode_videos` cannot do; nothing is decoded before."""
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"`batch_size` must be a positive int, got {batch_size!r}.")
-        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-            raise ValueError(f"`num_workers` must be a non-negative int, got {num_workers!r}.")
-        check_on_error(on_error)
-        arrays = [i for i, entry in enumerate(entries) if not isinstance(entry.video, (str, os.PathLike))]
-        if index is not None:
-            if not all(hasattr(index, name) for name in ("names", "embeddings", "add", "info")):
-                raise TypeError(f"`index` must be a VideoIndex to grow, got {type(index)}.")
-            if store_dir is not None:
-                raise ValueError("`index=` grows that index where it lives (in memory, or its own store); do not "
-                                 "pass `store_dir` with it.")
-            if arrays:
-                raise ValueError(f"`index=` tells the videos already in the index by their paths; videos{arrays[:3]} "
-                                 "are in-memory videos, which have none.")
-        stored = store_dir is not None or getattr(index, "store", None) is not None
-        if stored and not store_tokens:
-            raise ValueError("A store holds the tokens: `store_dir` (or a store-backed `index`) cannot be combined "
-                             "with store_tokens=False.")
-        if stored and arrays:
-            raise ValueError(f"A store tells its videos by their paths; videos{arrays[:3]} are in-memory videos, "
-                             "which have none: index them in memory (no `store_dir`).")
-        if window is not None:
-            unsupported = sorted(set(video_kwargs) - {"num_frames"})
-            if unsupported:
-                raise ValueError(f"With `window=`, `num_frames` is the only video argument taken; got {unsupported}.")
-            if arrays:
-                raise ValueError(f"`window=` cuts video files by time; videos{arrays[:3]} are in-memory videos.")
-
-    @staticmethod
-    def _show_progress(count: int, progress_bar: bool | None) -> bool:
-        return (count >= PROGRESS_BAR_MIN_VIDEOS) if progress_bar is None else bool(progress_bar)
-
-    @torch.no_grad()
     def search(
         self,
         text: str | list[str],
-        index: VideoIndex,
+        index: "SearchableIndex",
         top_k: int | None = 10,
         rerank: bool | None = None,
         rerank_k: int | None = None,
@@ -658,64 +571,9 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
             ValueError: when the index was encoded by a model of another `projection_dim` or aggregation settings
                 (`temporal_reduction`, `spatial_reduction`, as recorded in `index.info`), naming both values.
         """
-        if not all(hasattr(index, name) for name in ("videos", "embeddings", "tokens", "nearest")):
-            # duck-typed: the index may come from another copy of this module (installed package vs Hub code)
-            raise TypeError(
-                f"`index` must be a VideoIndex (from `encode_videos` or `VideoIndex.load`), got {type(index)}."
-            )
-        _check_top_k(top_k)
-        if rerank_k is not None:
-            _check_rerank_k(rerank_k)
-        if use_faiss not in (None, True, False):
-            raise ValueError(f"`use_faiss` must be None, True or False, got {use_faiss!r}.")
-        if group_by not in (None, "video"):
-            raise ValueError(f"`group_by` must be None or 'video', got {group_by!r}.")
-        _check_index_settings(index, self.model.config)
-        grouped_top_k = top_k if group_by == "video" else None
-        if group_by == "video":
-            top_k = None  # every row, so that grouping keeps each video's best moment
-        texts, single = text_list(text, "text")
-        if rerank and not index.has_tokens:
-            raise ValueError("rerank=True needs an index built with store_tokens=True.")
-        if rerank is None and not index.has_tokens:
-            logger.warning_once("This index holds no re-ranking tokens (built with store_tokens=False, or a Milvus "
-                                "collection whose rows name no token store): search ranks by cosine only.")
-        rerank = index.has_tokens if rerank is None else bool(rerank)
-        encoded = self._tokenize(texts, text_kwargs)
-        input_ids = encoded["input_ids"].to(self.device)
-        attention_mask = encoded["attention_mask"].to(self.device)
-        text_features = self.model.get_text_features(input_ids, attention_mask).pooler_output.float().cpu()
-        num_videos = len(index)
-        window = self._window(num_videos, top_k, rerank_k) if rerank else 0
-        depth = num_videos if top_k is None else max(window, min(top_k, num_videos))
-        max_results = getattr(index, "max_results", None)  # a Milvus collection's bound; none for other homes
-        if max_results is not None and depth > max_results:
-            logger.warning_once(f"This index returns at most {max_results} results per search: top_k and the "
-                                "re-ranking window are cut to that.")
-            depth = max_results
-        if filters:
-            cosines, candidates = index.nearest(text_features, depth, use_faiss=use_faiss, filters=filters)
-        else:
-            cosines, candidates = index.nearest(text_features, depth, use_faiss=use_faiss)
-        results = []
-        for q in range(len(texts)):
-            # only the candidates are scored: the work per query does not grow with the collection
-            found = candidates[q] >= 0  # a filtered search may find fewer rows than asked
-            rows, row_cosines = candidates[q][found], cosines[q][found].float()
-            head = rows[:window]
-            head_scores = None
-            if head.numel():
-                head_scores = two_stage_scores(
-                    self.model, queries_are_texts=True, input_ids=input_ids[q : q + 1],
-                    attention_mask=attention_mask[q : q + 1], text_features=text_features[q : q + 1],
-                    video_features=index.embeddings[head], read_tokens=lambda rows: index.tokens[head[rows]],
-                    options=RankingOptions(k=len(head), itm_score=itm_score, add_cosine=add_cosine),
-                ).scores[0].float().cpu()
-            ranked = _candidate_results(index, rows, row_cosines, head_scores, top_k)
-            if group_by == "video":
-                ranked = best_moment_per_video(ranked)[:grouped_top_k]
-            results.append(ranked)
-        return results[0] if single else results
+        return library("testa_search.pipeline_methods", "search").search(
+            self, text, index, top_k=top_k, rerank=rerank, rerank_k=rerank_k, itm_score=itm_score,
+            add_cosine=add_cosine, use_faiss=use_faiss, text_kwargs=text_kwargs, filters=filters, group_by=group_by)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -764,7 +622,7 @@ class ZeroShotVideoClassificationPipeline(_TestaPipeline):
         if video_kwargs:
             preprocess["video_kwargs"] = video_kwargs
         if top_k is not None:
-            _check_top_k(top_k)
+            check_top_k(top_k)
             postprocess["top_k"] = top_k
         return preprocess, {}, postprocess
 
@@ -810,10 +668,10 @@ class ZeroShotVideoClassificationPipeline(_TestaPipeline):
         prompts = [hypothesis_template.format(label) for label in labels]
         labels_prefix = "video" if inputs["single"] else "videos"
         pixels = [
-            self._pixels(item, labels_prefix if inputs["single"] else f"videos[{inputs['offset'] + j}]", video_kwargs)
+            self.pixel_values(item, labels_prefix if inputs["single"] else f"videos[{inputs['offset'] + j}]", video_kwargs)
             for j, item in enumerate(inputs["videos"])
         ]
-        return {"pixel_values": torch.cat(pixels), **self._tokenize(prompts, text_kwargs), "candidate_labels": labels}
+        return {"pixel_values": torch.cat(pixels), **self.tokenize(prompts, text_kwargs), "candidate_labels": labels}
 
     def _forward(self, model_inputs: dict[str, Any]) -> dict[str, Any]:
         dtype = getattr(self.model, "dtype", torch.float32)
@@ -895,7 +753,7 @@ class VideoQuestionAnsweringPipeline(_TestaPipeline):
         if video_kwargs:
             preprocess["video_kwargs"] = video_kwargs
         if top_k is not None:
-            _check_top_k(top_k)
+            check_top_k(top_k)
             forward["top_k"] = top_k
         if label_smoothing is not None:
             forward["label_smoothing"] = label_smoothing
@@ -930,8 +788,8 @@ class VideoQuestionAnsweringPipeline(_TestaPipeline):
             raise ValueError("`video` is missing; pass a path, a 4-D array or a list of frames.")
         check_video(video, "video")
         questions, single = text_list(inputs.get("question"), "question")
-        model_inputs = self._tokenize(questions, text_kwargs)
-        model_inputs["pixel_values"] = self._pixels(video, "video", video_kwargs)
+        model_inputs = self.tokenize(questions, text_kwargs)
+        model_inputs["pixel_values"] = self.pixel_values(video, "video", video_kwargs)
         model_inputs["single"] = single
         if candidate_answers is not None:
             answers, _ = text_list(candidate_answers, "candidate_answers")

@@ -9,6 +9,7 @@ from typing import Any
 from transformers import BertTokenizer
 from transformers.processing_utils import ProcessorMixin
 
+from .saving import cap_tokenizer_length
 from .video_inputs import VIDEO_SUFFIXES, text_list
 from .video_processing_testa import TestaVideoProcessor
 
@@ -270,19 +271,6 @@ def load_testa_processor(source: str | os.PathLike, trust_remote_code: bool | No
     return TestaProcessor(video_processor=video_processor, tokenizer=tokenizer)
 
 
-def cap_tokenizer_length(save_directory: str | os.PathLike, limit: int) -> None:
-    """Caps `model_max_length` in the folder's `tokenizer_config.json` (when there is one) at `limit`, the text
-    encoder's `max_position_embeddings`: generic code (Sentence Transformers' `max_seq_length`) reads it there."""
-    path = Path(save_directory) / "tokenizer_config.json"
-    if not path.is_file():
-        return
-    settings = json.loads(path.read_text(encoding="utf-8"))
-    current = settings.get("model_max_length")
-    if not isinstance(current, (int, float)) or current > limit:
-        settings["model_max_length"] = int(limit)
-        path.write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
 def text_limit_in(save_directory: str | os.PathLike) -> int | None:
     """`text_config.max_position_embeddings` of a TESTA `config.json` already saved in the folder, or None."""
     path = Path(save_directory) / "config.json"
@@ -322,7 +310,6 @@ __all__ = [
     "ENC_TOKEN",
     "TASK_CAPTION_WORDS",
     "TASK_TEXT_SETTINGS",
-    "cap_tokenizer_length",
     "check_not_video_paths",
     "load_testa_processor",
     "TestaProcessor",

@@ -30,7 +30,6 @@ from types import SimpleNamespace
 from typing import Any
 
 from .configuration_testa import AGGREGATION_FIELDS, token_schedule
-from .processing_testa import cap_tokenizer_length
 
 
 logger = logging.getLogger(__name__)
@@ -46,6 +45,19 @@ PIPELINE_MODULE = "pipeline_testa"
 INFERENCE_ATTRIBUTE = "inference_settings"
 """Set by `optimize_for_inference` on an optimized model (and its sub-models): a dict of its settings. Such a model
 is for inference only and `save_pretrained` refuses it (`check_savable`)."""
+
+
+def cap_tokenizer_length(save_directory: str | os.PathLike, limit: int) -> None:
+    """Caps `model_max_length` in the folder's `tokenizer_config.json` (when there is one) at `limit`, the text
+    encoder's `max_position_embeddings`: generic code (Sentence Transformers' `max_seq_length`) reads it there."""
+    path = Path(save_directory) / "tokenizer_config.json"
+    if not path.is_file():
+        return
+    settings = json.loads(path.read_text(encoding="utf-8"))
+    current = settings.get("model_max_length")
+    if not isinstance(current, (int, float)) or current > limit:
+        settings["model_max_length"] = int(limit)
+        path.write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def check_savable(model: Any) -> None:

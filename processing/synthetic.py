@@ -395,8 +395,8 @@ def write_videos(videos_dir: str, prefix: str, jobs: list[tuple], encode_job, nu
     bar = tqdm(total=len(jobs), desc=desc, unit="video", disable=not progress)
     if num_workers > 1:
         # never `fork`: this process may run threads by now (tqdm's monitor), and a child forked from a
-        # multi-threaded process can deadlock (modeling_testa.worker_process.WORKER_START_METHOD)
-        from modeling_testa.worker_process import worker_context
+        # multi-threaded process can deadlock (modeling_testa.process_start.WORKER_START_METHOD)
+        from modeling_testa.process_start import worker_context
 
         with worker_context((encode_job.__module__,)).Pool(num_workers) as pool:
             for _ in pool.imap_unordered(encode_job, jobs, chunksize=8):

@@ -422,7 +422,7 @@ def test_a_milvus_token_from_the_environment_or_the_option_reaches_the_milvus_cl
     app's Milvus client logs in with; the index it opens searches as the store it was written with."""
     pymilvus = require("pymilvus")
     require("milvus_lite")
-    from train.index import main as index_main
+    from testa_search.cli.index import main as index_main
 
     module, state, _, root, _ = served
     store, milvus = tmp_path / "store", str(tmp_path / "videos.db")
@@ -435,7 +435,7 @@ def test_a_milvus_token_from_the_environment_or_the_option_reaches_the_milvus_cl
     assert (module.milvus_token(from_env), module.milvus_token(given)) == ("reader:from-env", "reader:given")
     index = module.open_search_index(str(store), milvus, "videos", module.milvus_token(from_env))
     assert tokens == ["reader:from-env"]
-    from modeling_testa.video_index import VideoIndex
+    from testa_search.index import VideoIndex
 
     got = state.retrieval.search(QUERY, index, top_k=3)
     want = state.retrieval.search(QUERY, VideoIndex.load(store), top_k=3)
@@ -684,7 +684,7 @@ def test_a_browser_sees_moments_their_thumbnails_and_plays_them_from_their_start
     _, state, _, videos, url = served_moments
     executable = chromium()
     sync_api = require("playwright.sync_api")
-    from modeling_testa.moments import format_time
+    from testa_search.moments import format_time
 
     expected = state.retrieval.search(QUERY, state.served.index, top_k=5)
     with sync_api.sync_playwright() as playwright:

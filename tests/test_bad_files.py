@@ -1,4 +1,4 @@
-"""Bad files are data: the one encode loop (`modeling_testa.indexing`) records a video it cannot read with a reason
+"""Bad files are data: the one encode loop (`testa_search.encoding`) records a video it cannot read with a reason
 code and goes on, for `DecodeVideos` (train.index, the evaluation), `DecodeAhead` (the pipeline) and the pipeline's
 `encode_videos`; and an in-memory index grows (`encode_videos(..., index=existing)`).
 
@@ -11,10 +11,11 @@ import torch
 from helpers.pipelines import build_retrieval, tiny_processor
 from helpers.videos import write_bad_videos, write_noise_video, write_video
 
-import modeling_testa.indexing as indexing
+import testa_search.encoding as indexing
 import modeling_testa.video_processing_testa as video_processing
-from modeling_testa import VideoIndex, VideoTextRetrievalPipeline
-from modeling_testa.indexing import (
+from modeling_testa import VideoTextRetrievalPipeline
+from testa_search import VideoIndex
+from testa_search.encoding import (
     FAILURE_CODES,
     DecodeAhead,
     DecodeVideos,
@@ -25,7 +26,7 @@ from modeling_testa.indexing import (
     looks_like_video,
 )
 from modeling_testa.video_decoding import VideoDecodingError, VideoDecodingTimeoutError
-from modeling_testa.index_build import IndexBuild
+from testa_search.build import IndexBuild
 
 QUERIES = ["a red square on a blue screen", "green and yellow blocks", "first dark then bright"]
 
@@ -208,7 +209,7 @@ def test_encode_videos_indexes_the_good_videos_and_records_the_bad_ones(pipe, fi
 
 
 def test_a_store_records_the_bad_videos_and_search_skips_them(pipe, files, tmp_path):
-    from modeling_testa import VideoIndex
+    from testa_search import VideoIndex
 
     good, bad, mixed = files
     reference = pipe.encode_videos(good, batch_size=3)

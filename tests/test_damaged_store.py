@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from modeling_testa import DamagedStoreError
-from modeling_testa.video_index import FIRST_STAGE_INFO_FILE, VideoIndex, faiss_module
-from modeling_testa.video_store import VideoStoreWriter, VideoTokenStore, finalize_store
+from testa_search import DamagedStoreError
+from testa_search.index import FIRST_STAGE_INFO_FILE, VideoIndex, faiss_module
+from testa_search.store.video_store import VideoStoreWriter, VideoTokenStore, finalize_store
 
 COUNT, TOKENS, HIDDEN, DIM = 12, 5, 4, 8
 NAMES = [f"video{i:02d}.mp4" for i in range(COUNT)]
@@ -212,8 +212,8 @@ def test_damaged_train_index_files_are_named(store, tmp_path):
     from helpers.pipelines import build_retrieval, save_folder, tiny_processor
     from helpers.videos import write_noise_video
 
-    from train.index import main as index_main
-    from train.search import search
+    from testa_search.cli.index import main as index_main
+    from testa_search.cli.search import search
 
     settings = store / "index_settings.json"
     settings.write_bytes(b"\xff\xfe{not json")

@@ -15,10 +15,11 @@ import torch.nn.functional as F
 from helpers.models import random_vision_model, videos
 from helpers.requirements import skip_or_fail, under_ci
 
-import modeling_testa.engines as engines
-from modeling_testa import TestaVisionModel, optimize_for_inference
-from modeling_testa.engines import ExportedEncoder, cache_key, matching_matmuls
-from modeling_testa.runtimes import OnnxRuntimeRuntime, OpenVINORuntime, auto_precision
+import testa_runtimes.engines as engines
+from modeling_testa import TestaVisionModel
+from testa_runtimes import optimize_for_inference
+from testa_runtimes.engines import ExportedEncoder, cache_key, matching_matmuls
+from testa_runtimes.runtimes import OnnxRuntimeRuntime, OpenVINORuntime, auto_precision
 
 
 def _installed(backend: str) -> bool:
@@ -568,7 +569,7 @@ def test_pipeline_and_train_index_take_the_backend(tmp_path, monkeypatch):
     from helpers.pipelines import build_retrieval, save_folder, tiny_processor, write_videos
 
     from modeling_testa import VideoTextRetrievalPipeline
-    from modeling_testa.video_index import VideoIndex
+    from testa_search.index import VideoIndex
 
     videos = write_videos(tmp_path / "videos")
     plain = VideoTextRetrievalPipeline(model=build_retrieval(), processor=tiny_processor(), device="cpu")
@@ -606,8 +607,8 @@ def test_an_isolated_engine_equals_in_process_and_outlives_its_worker(cache_dir,
     import os
     import signal
 
-    import modeling_testa.runtimes as runtimes
-    from modeling_testa.runtimes import EngineProcessError
+    import testa_runtimes.runtimes as runtimes
+    from testa_runtimes.runtimes import EngineProcessError
 
     model = _vision_model()
     in_process = optimize_for_inference(copy.deepcopy(model), "fp32", backend="openvino", cache_dir=cache_dir)
@@ -656,7 +657,7 @@ def test_a_worker_killed_between_calls_is_replaced_and_said(cache_dir, caplog):
         worker = model.runtime.process
         worker.process.kill()
         worker.process.wait()
-        caplog.set_level(logging.WARNING, logger="modeling_testa.runtimes")
+        caplog.set_level(logging.WARNING, logger="testa_runtimes.runtimes")
         assert torch.equal(model(video, trace_source=True).last_hidden_state, expected.last_hidden_state)
     assert worker.starts == 2 and "died while idle (killed by SIGKILL)" in caplog.text
     worker.stop()
@@ -669,7 +670,7 @@ import gc, os, signal, sys
 import numpy as np
 import openvino as ov
 import openvino.opset13 as ops
-from modeling_testa.engines import OpenVINOEngine
+from testa_runtimes.engines import OpenVINOEngine
 
 parameter = ops.parameter([2, 4], np.float32)
 ov.save_model(ov.Model([ops.relu(parameter)], [parameter]), sys.argv[1])

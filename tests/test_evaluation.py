@@ -30,7 +30,7 @@ from helpers.evaluation import (
 )
 
 from modeling_testa.ranking import match_scores
-from modeling_testa.video_store import (
+from testa_search.store.video_store import (
     VideoStoreWriter,
     VideoTokenStore,
     finalize_store,
@@ -309,7 +309,7 @@ QUERIES = ["a red square moves", "a blue bar", "gray noise"]
 
 
 def test_video_index_backed_by_a_store(pipe, mp4s, tmp_path):
-    from modeling_testa import VideoIndex
+    from testa_search import VideoIndex
 
     in_memory = pipe.encode_videos(mp4s, batch_size=2)
     stored = pipe.encode_videos(mp4s, batch_size=2, store_dir=tmp_path / "fp32", token_dtype=torch.float32)
@@ -350,7 +350,7 @@ def test_video_index_backed_by_a_store(pipe, mp4s, tmp_path):
 def test_evaluation_store_opens_as_an_index(dataset, tmp_path):
     """The store the evaluation writes (with a video that could not be decoded) is a searchable VideoIndex, and the
     failed video is never a candidate."""
-    from modeling_testa import VideoIndex
+    from testa_search import VideoIndex
 
     processor = tiny_processor()
     model = tiny_model(vocab_size=len(processor.tokenizer))

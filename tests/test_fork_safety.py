@@ -61,7 +61,7 @@ def test_train_index_with_worker_processes_on_two_processes(tmp_path):
     processes forked with threads alive, as the index build did before its workers came from a forkserver."""
     from helpers.pipelines import INDEX_LAUNCH_2, index_collection
 
-    from modeling_testa.video_store import journaled_count
+    from testa_search.store.video_store import journaled_count
 
     root, model = index_collection(tmp_path, 6)
     store = tmp_path / "store"

@@ -8,7 +8,8 @@ float64 re-computation of the size-weighted average for the merged rows, and han
 import pytest
 import torch
 
-from modeling_testa import TestaVisionConfig, TestaVisionModel, aggregation, fused_aggregation, optimize_for_inference
+from modeling_testa import TestaVisionConfig, TestaVisionModel, aggregation, fused_aggregation
+from testa_runtimes import optimize_for_inference
 
 
 pytestmark = pytest.mark.skipif(not fused_aggregation.triton_available(), reason="Triton is not installed")

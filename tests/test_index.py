@@ -21,8 +21,8 @@ from helpers.pipelines import build_qa, index_collection, save_folder, tiny_proc
 from helpers.videos import write_noise_video
 
 from modeling_testa import TestaForVideoTextRetrieval, TestaProcessor, VideoTextRetrievalPipeline
-from modeling_testa.video_index import VideoIndex
-from modeling_testa.video_store import journaled_count
+from testa_search.index import VideoIndex
+from testa_search.store.video_store import journaled_count
 
 NUM_VIDEOS = 200
 QUERIES = ["a red square on a blue screen", "green and yellow blocks", "first dark then bright", "a cat"]
@@ -177,7 +177,7 @@ def test_a_resumed_writer_cuts_what_a_torn_batch_left_and_continues(tmp_path):
     """A kill between the data and the journal line: the data files hold more than the journal says, and the last
     journal line is torn. The resumed writer keeps exactly the journaled videos; the finished store equals the
     tensors given (float32 tokens: bit for bit)."""
-    from modeling_testa.video_store import VideoStoreWriter, VideoTokenStore, finalize_store
+    from testa_search.store.video_store import VideoStoreWriter, VideoTokenStore, finalize_store
 
     generator = torch.Generator().manual_seed(0)
     tokens, sizes = torch.randn(6, 5, 4, generator=generator), torch.rand(6, 5, generator=generator) + 1
@@ -260,8 +260,8 @@ def test_a_folder_with_five_percent_bad_files_in_process(collection, tmp_path, m
     embeddings those of the pipeline's own encode of the good videos."""
     from helpers.videos import write_bad_videos, write_video
 
-    from modeling_testa.video_store import store_metadata
-    from train.index import main
+    from testa_search.store.video_store import store_metadata
+    from testa_search.cli.index import main
 
     root, model = collection
     folder = tmp_path / "mixed"
@@ -299,7 +299,7 @@ def test_a_folder_with_five_percent_bad_files_in_process(collection, tmp_path, m
 
 
 def test_bad_stores_and_empty_folders_get_one_message_and_nothing_is_written(collection, tmp_path):
-    from train.index import main
+    from testa_search.cli.index import main
 
     root, model = collection
     empty = tmp_path / "no_videos"
@@ -335,8 +335,8 @@ def test_a_folder_where_no_video_can_be_read_publishes_no_store(collection, tmp_
     """Every file bad: one message with the reasons, and no finalised store (it would hold 0-d embeddings)."""
     from helpers.videos import write_bad_videos, write_video
 
-    from modeling_testa.video_store import is_video_store
-    from train.index import main
+    from testa_search.store.video_store import is_video_store
+    from testa_search.cli.index import main
 
     _, model = collection
     folder = tmp_path / "all_bad"
@@ -352,7 +352,7 @@ def test_an_index_saved_as_a_store_is_grown_from_its_own_rows_and_never_saved_ov
     """`VideoIndex.save(as_store=True)` into a folder holding a store is refused and the store keeps its rows; saved
     into a new folder, the store records its settings and `train.index` grows it from its own rows, encoding only
     what it lacks."""
-    from train.index import main
+    from testa_search.cli.index import main
 
     root, model = collection
     videos = sorted(str(p.resolve()) for p in (root / "videos").glob("*.mp4"))[:6]

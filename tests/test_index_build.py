@@ -19,10 +19,11 @@ from helpers.milvus_server import record_milvus_tokens
 from helpers.pipelines import build_retrieval, save_folder, tiny_processor
 from helpers.videos import write_long_video, write_noise_video
 
-from modeling_testa import VideoIndex, VideoTextRetrievalPipeline
-from modeling_testa.index_build import IndexBuild, build_settings
-from modeling_testa.index_homes import IndexEntry, StoreHome
-from modeling_testa.index_settings import SETTINGS_FILE, IndexSettingsError
+from modeling_testa import VideoTextRetrievalPipeline
+from testa_search import VideoIndex
+from testa_search.build import IndexBuild, build_settings
+from testa_search.homes import IndexEntry, StoreHome
+from testa_search.settings import SETTINGS_FILE, IndexSettingsError
 
 ROOT = Path(__file__).resolve().parents[1]
 QUERY = "first the screen is red. a blue square flashes."
@@ -131,7 +132,7 @@ def test_a_folder_that_is_not_a_store_is_refused_and_an_index_is_never_saved_ove
 def test_moments_go_into_a_store_through_the_pipeline_and_train_index_grows_it(pipe, model_folder, tmp_path):
     """`encode_videos(window=, store_dir=)` writes the moments `window=` builds in memory; run again it is a no-op,
     and `train.index --window` (the same build) grows it by a new video."""
-    from train.index import main as index_main
+    from testa_search.cli.index import main as index_main
 
     (tmp_path / "videos").mkdir()
     minute = str(write_long_video(tmp_path / "videos" / "minute.mp4", 120, fps=2))
@@ -156,7 +157,7 @@ def test_an_evaluation_scratch_store_is_not_grown(pipe, tmp_path):
     """The training evaluation rewrites its store every time: growing it would mix models, so it is refused."""
     from accelerate import Accelerator
 
-    from modeling_testa.indexing import DecodeVideos
+    from testa_search.encoding import DecodeVideos
     from train.evaluation import encode_to_store
 
     videos = [str(write_noise_video(tmp_path / "videos" / f"clip{i}.mp4", seed=i)) for i in range(2)]
@@ -193,7 +194,7 @@ def milvus_modules():
 
 
 def train_index(model: Path, videos: Path, store: Path, *extra: str) -> dict:
-    from train.index import main as index_main
+    from testa_search.cli.index import main as index_main
 
     return index_main(["--model", str(model), "--videos", str(videos), "--store", str(store), "--num-workers", "0",
                        "--token-dtype", "float32", *extra])
@@ -202,8 +203,8 @@ def train_index(model: Path, videos: Path, store: Path, *extra: str) -> dict:
 def test_two_models_never_mix_in_one_milvus_collection(milvus_modules, model_folder, tmp_path):
     """The second model's `train.index` into the first one's collection is refused, naming the difference, before
     anything is encoded; the first store's Milvus search still equals its own store search."""
-    from modeling_testa.milvus_home import MilvusHome
-    from train.search import search
+    from testa_search.milvus import MilvusHome
+    from testa_search.cli.search import search
 
     folder = tmp_path / "videos"
     for i in range(6):
@@ -228,7 +229,7 @@ def test_two_models_never_mix_in_one_milvus_collection(milvus_modules, model_fol
 
 def test_milvus_refuses_a_wrong_dimension_and_another_programs_collection_in_one_line(milvus_modules, tmp_path):
     pymilvus, _ = milvus_modules
-    from modeling_testa.milvus_home import MilvusHome, MilvusHomeError
+    from testa_search.milvus import MilvusHome, MilvusHomeError
 
     db = str(tmp_path / "videos.db")
     MilvusHome(db).check_settings({"model_class": "A", "projection_dim": 8})
@@ -263,7 +264,7 @@ def test_an_unreachable_milvus_server_stops_train_index_before_encoding_with_one
 
 
 def test_a_milvus_lite_file_open_in_another_process_is_refused_with_the_reason(milvus_modules, tmp_path):
-    from modeling_testa.milvus_home import MilvusHome, MilvusHomeError
+    from testa_search.milvus import MilvusHome, MilvusHomeError
 
     db = tmp_path / "videos.db"
     holder = subprocess.Popen([sys.executable, "-c", f"from pymilvus import MilvusClient; c = MilvusClient({str(db)!r})"
@@ -281,7 +282,7 @@ def test_a_milvus_lite_file_open_in_another_process_is_refused_with_the_reason(m
 def test_milvus_search_asks_the_server_for_no_row_count_and_filters_folders_exactly(milvus_modules, tmp_path):
     """Top-k in folder ``a_1`` gives k rows of ``a_1`` (a `like` pattern read ``_`` as a wildcard and ``aX1`` rows
     took places that were then dropped), and searching never counts the collection's rows (O(rows) in Milvus)."""
-    from modeling_testa.milvus_home import MilvusHome
+    from testa_search.milvus import MilvusHome
 
     entries = [IndexEntry(f"/data/{folder}/clip{i}.mp4") for folder in ("a_1", "aX1", "a%1") for i in range(8)]
     vectors = torch.nn.functional.normalize(torch.randn(len(entries), 16, generator=torch.Generator().manual_seed(3)),
@@ -328,7 +329,7 @@ def test_the_milvus_token_reaches_pymilvus_from_the_option_and_the_environment(m
     assert seen and set(seen) == {"user:secret"}
     seen.clear()
     monkeypatch.setenv("MILVUS_TOKEN", "from-the-environment")
-    from train.search import main as search_main
+    from testa_search.cli.search import main as search_main
 
     search_main(["--store", str(tmp_path / "store"), "--milvus", db, "--json", "a query"])
     assert seen and set(seen) == {"from-the-environment"}
@@ -340,7 +341,7 @@ def test_two_evaluations_into_one_store_dir_each_encode_their_own_model(pipe, tm
     is refused, and left as it was."""
     from accelerate import Accelerator
 
-    from modeling_testa.indexing import DecodeVideos
+    from testa_search.encoding import DecodeVideos
     from train.evaluation import encode_to_store
 
     videos = [str(write_noise_video(tmp_path / "videos" / f"clip{i}.mp4", seed=i)) for i in range(3)]
@@ -364,7 +365,7 @@ def test_a_save_killed_halfway_is_finished_with_its_own_rows(pipe, tmp_path, mon
     """`VideoIndex.save(as_store=True)` writes its rows' plan before its shard, so the next build into that folder
     resumes it with the save's rows in the save's order (a build in another order once took the journal's rows for
     other videos, and published one video under another's name)."""
-    from modeling_testa.video_store import VideoStoreWriter
+    from testa_search.store.video_store import VideoStoreWriter
 
     videos = [str(write_noise_video(tmp_path / "videos" / f"clip{i}.mp4", seed=i)) for i in range(4)]
     broken = tmp_path / "videos" / "broken.mp4"
@@ -394,15 +395,15 @@ def test_milvus_takes_stores_of_either_token_dtype_and_searches_collections_of_e
     """The tokens stay in the stores: two stores of one model with float16 and float32 tokens share a collection. A
     collection written before collections recorded their settings is searched (with a warning) but takes no rows."""
     pymilvus, _ = milvus_modules
-    from modeling_testa.milvus_home import MilvusHome, MilvusHomeError
-    from train.search import open_index
+    from testa_search.milvus import MilvusHome, MilvusHomeError
+    from testa_search.cli.search import open_index
 
     folder = tmp_path / "videos"
     for i in range(3):
         write_noise_video(folder / f"clip{i}.mp4", seed=i)
     db = str(tmp_path / "videos.db")
     train_index(model_folder, folder, tmp_path / "fp32", "--milvus", db)
-    from train.index import main as index_main
+    from testa_search.cli.index import main as index_main
 
     index_main(["--model", str(model_folder), "--videos", str(folder), "--store", str(tmp_path / "fp16"),
                 "--num-workers", "0", "--token-dtype", "float16", "--milvus", db])
@@ -433,7 +434,7 @@ def test_train_index_on_two_processes_mirrors_into_milvus(milvus_modules, model_
     from helpers.milvus_server import milvus_lite_server
     from helpers.pipelines import INDEX_LAUNCH_2
 
-    from modeling_testa.milvus_home import MilvusHome
+    from testa_search.milvus import MilvusHome
 
     folder = tmp_path / "videos"
     for i in range(6):
@@ -455,7 +456,7 @@ def test_train_index_on_two_processes_mirrors_into_milvus(milvus_modules, model_
 def test_a_store_that_does_not_say_which_model_encoded_it_is_not_grown(pipe, tmp_path):
     """An earlier evaluation's store records only its frames; an index saved from memory records its weights' hash,
     so a model retrained into the same folder is refused (it once added its rows to the other model's)."""
-    from modeling_testa.video_store import VideoStoreWriter, finalize_store
+    from testa_search.store.video_store import VideoStoreWriter, finalize_store
 
     videos = [str(write_noise_video(tmp_path / "videos" / f"clip{i}.mp4", seed=i)) for i in range(3)]
     legacy = tmp_path / "legacy_eval"
@@ -503,8 +504,9 @@ def test_an_optimized_model_is_named_by_the_weights_it_was_given(model_folder):
 
     from safetensors.torch import load_file
 
-    from modeling_testa import TestaForVideoTextRetrieval, optimize_for_inference
-    from modeling_testa.index_settings import weights_fingerprint
+    from modeling_testa import TestaForVideoTextRetrieval
+    from testa_runtimes import optimize_for_inference
+    from testa_search.settings import weights_fingerprint
 
     plain = TestaForVideoTextRetrieval.from_pretrained(model_folder)
     state = dict(plain.state_dict())  # the reference: the loaded weights, hashed by hand

@@ -16,9 +16,9 @@ from helpers.pipelines import index_collection
 from helpers.videos import write_noise_video
 
 from modeling_testa import TestaForVideoTextRetrieval, TestaProcessor, VideoTextRetrievalPipeline
-from modeling_testa.video_index import VideoIndex
-from modeling_testa.video_store import store_metadata
-from train.index import main
+from testa_search.index import VideoIndex
+from testa_search.store.video_store import store_metadata
+from testa_search.cli.index import main
 
 COMMON = ["--num-workers", "0", "--token-dtype", "float32"]
 

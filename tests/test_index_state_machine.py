@@ -33,12 +33,12 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test  # noqa: E402
 
-from modeling_testa.index_build import IndexBuild  # noqa: E402
-from modeling_testa.index_homes import IndexEntry, InMemoryHome, StoreHome  # noqa: E402
-from modeling_testa.index_settings import IndexSettingsError  # noqa: E402
-from modeling_testa.indexing import Failure  # noqa: E402
-from modeling_testa.store_lock import StoreLock, StoreLockedError  # noqa: E402
-from modeling_testa.video_index import VideoIndex  # noqa: E402
+from testa_search.build import IndexBuild  # noqa: E402
+from testa_search.homes import IndexEntry, InMemoryHome, StoreHome  # noqa: E402
+from testa_search.settings import IndexSettingsError  # noqa: E402
+from testa_search.encoding import Failure  # noqa: E402
+from testa_search.store.lock import StoreLock, StoreLockedError  # noqa: E402
+from testa_search.index import VideoIndex  # noqa: E402
 
 DIM = 8
 BATCH = 2
@@ -303,12 +303,12 @@ class MilvusMachine(IndexMachine):
         self.collection = f"c{uuid.uuid4().hex}"
 
     def home(self):
-        from modeling_testa.milvus_home import MilvusHome
+        from testa_search.milvus import MilvusHome
 
         return MilvusHome(self.uri, self.collection)
 
     def opened(self):
-        from modeling_testa.milvus_home import MilvusHome
+        from testa_search.milvus import MilvusHome
 
         home = MilvusHome(self.uri, self.collection)
         return home.open() if home.recorded_settings() is not None and self.finished else None

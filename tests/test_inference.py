@@ -16,16 +16,10 @@ from torch import nn
 from transformers import pipeline
 
 import modeling_testa.aggregation_block as aggregation_block
-import modeling_testa.linear_layers as linear_layers
+import testa_runtimes.linear_layers as linear_layers
 import modeling_testa.video_decoding as video_decoding
-from modeling_testa import (
-    PRECISIONS,
-    Bf16Linear,
-    Int8DynamicLinear,
-    TestaVisionModel,
-    TestaVisionModelOutput,
-    optimize_for_inference,
-)
+from modeling_testa import TestaVisionModel, TestaVisionModelOutput
+from testa_runtimes import PRECISIONS, Bf16Linear, Int8DynamicLinear, optimize_for_inference
 
 
 LINEARS_PER_LAYER = 7  # temporal qkv, projection and temporal_fc; spatial qkv and projection; fc1, fc2
@@ -102,7 +96,7 @@ def test_compiled_bf16_takes_eagers_merges_and_outputs(monkeypatch):
     merge now writes through a view of the output's B part, and the compiled encoder equals eager. ``auto`` with
     ``compile=True`` picks bf16 on a GPU again."""
     from modeling_testa import TestaVisionConfig, TestaVisionModel
-    from modeling_testa.runtimes import TorchEagerRuntime, choose
+    from testa_runtimes.runtimes import TorchEagerRuntime, choose
 
     torch.manual_seed(0)
     config = TestaVisionConfig(num_frames=4, image_size=32, patch_size=16, hidden_size=64, num_hidden_layers=2,
@@ -120,7 +114,7 @@ def test_compiled_bf16_takes_eagers_merges_and_outputs(monkeypatch):
     cosine = F.cosine_similarity(got.last_hidden_state.flatten(1), expected.last_hidden_state.flatten(1))
     assert cosine.min() > 0.9999, cosine
     torch.testing.assert_close(got.last_hidden_state, expected.last_hidden_state, atol=2e-2, rtol=2e-2)
-    import modeling_testa.runtimes as runtimes
+    import testa_runtimes.runtimes as runtimes
 
     monkeypatch.setattr(runtimes, "device_type", lambda module: "cuda")  # what `choose` reads of the model
     assert choose("torch", "auto", reference, compile=True) == (TorchEagerRuntime, "bf16")
@@ -368,7 +362,7 @@ def test_compiling_the_importance_strategy_is_refused_before_and_after_set_aggre
     """TorchInductor compiles the importance strategy's merges wrongly (see the slow test below): refused when asked,
     and a compiled model switched to it by `set_aggregation` refuses to run rather than answer (the compiler is
     stubbed here: what is tested is the runtime's check, not TorchInductor)."""
-    import modeling_testa.runtimes as runtimes
+    import testa_runtimes.runtimes as runtimes
 
     model = _importance_model()
     with pytest.raises(ValueError, match="aggregation_strategy='importance'"):
@@ -391,7 +385,7 @@ def test_compiling_the_importance_strategy_is_refused_before_and_after_set_aggre
 def test_inductor_still_compiles_the_importance_merge_wrongly():
     """Why the refusal above exists: the importance strategy compiled by TorchInductor (bypassing the refusal)
     against eager, fp32. When this test fails, TorchInductor got it right: lift `COMPILED_IMPORTANCE_REFUSAL`."""
-    from modeling_testa.linear_layers import compile_blocks
+    from testa_runtimes.linear_layers import compile_blocks
 
     reference = _importance_model()
     compiled = copy.deepcopy(reference)

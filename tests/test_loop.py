@@ -249,7 +249,7 @@ def _video_ids(rows: list[dict]) -> list[str]:
 def _epoch_batches(stream, epoch: int, rank: int, world: int, start: int = 0, workers: int = 0) -> list[list[str]]:
     from torch.utils.data import DataLoader
 
-    from modeling_testa.worker_process import dataloader_workers
+    from modeling_testa.process_start import dataloader_workers
     from train.loop import StreamedEpoch
 
     data = StreamedEpoch(stream, seed=3, epoch=epoch, rank=rank, world=world, batch_size=2, start_batch=start,

@@ -21,10 +21,10 @@ require("milvus_lite")
 from helpers.milvus_server import milvus_lite_server, stop  # noqa: E402
 from helpers.milvus_writer import SETTINGS, LookupModel, collection  # noqa: E402
 
-from modeling_testa.index_build import IndexBuild  # noqa: E402
-from modeling_testa.index_homes import InMemoryHome  # noqa: E402
-from modeling_testa.indexing import encode_videos  # noqa: E402
-from modeling_testa.milvus_home import MilvusHome, matches, row_key  # noqa: E402
+from testa_search.build import IndexBuild  # noqa: E402
+from testa_search.homes import InMemoryHome  # noqa: E402
+from testa_search.encoding import encode_videos  # noqa: E402
+from testa_search.milvus import MilvusHome, matches, row_key  # noqa: E402
 
 
 def by_row(entries, positions):
@@ -132,8 +132,8 @@ def test_train_index_into_milvus_then_train_search_equals_the_store_search(tmp_p
     from helpers.pipelines import build_retrieval, save_folder, tiny_processor
     from helpers.videos import write_noise_video
 
-    from train.index import main as index_main
-    from train.search import search
+    from testa_search.cli.index import main as index_main
+    from testa_search.cli.search import search
 
     model = save_folder(build_retrieval(), tiny_processor(), tmp_path / "model")
     for i in range(12):
@@ -168,9 +168,9 @@ def test_train_index_of_moments_into_milvus_keeps_start_and_end_and_searches_as_
     from helpers.pipelines import build_retrieval, save_folder, tiny_processor
     from helpers.videos import write_long_video
 
-    from modeling_testa.video_index import VideoIndex
-    from train.index import main as index_main
-    from train.search import search
+    from testa_search.index import VideoIndex
+    from testa_search.cli.index import main as index_main
+    from testa_search.cli.search import search
 
     model = save_folder(build_retrieval(), tiny_processor(), tmp_path / "model")
     (tmp_path / "videos").mkdir()

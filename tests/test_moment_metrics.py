@@ -229,7 +229,7 @@ def test_the_command_indexes_windows_and_scores_every_sentence(tmp_path, capsys)
                    "--top-k", "5", "--save-index", str(tmp_path / "index")])
     assert json.loads(capsys.readouterr().out) == scores
     # the same numbers by hand: the saved index of moments searched with each sentence
-    from modeling_testa.video_index import VideoIndex
+    from testa_search.index import VideoIndex
 
     index = VideoIndex.load(tmp_path / "index")
     assert len(set(index.names)) == 2 and len(index) == 2 * 5  # 90 s in 30 s windows every 15 s: 5 each

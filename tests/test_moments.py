@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers.videos import CountingContainer, read_long_index, write_long_video, write_truncated_faststart_mp4
 
-from modeling_testa.moments import (
+from testa_search.moments import (
     best_moment_per_video,
     check_window_options,
     decode_windows,
@@ -235,7 +235,7 @@ def test_refine_moment_merges_overlapping_windows_in_time_order_and_skips_nan():
 
 
 def test_moment_frames_come_from_inside_the_moment(hour_video):
-    from modeling_testa.moments import moment_frames
+    from testa_search.moments import moment_frames
 
     frames = moment_frames(hour_video, 1800, 1830, num_frames=3, isolate_decoder=False)
     # frames 3600..3659 at 2 fps: 3 segments of 20, midpoints 10, 30, 50

@@ -12,8 +12,8 @@ from helpers.requirements import require
 from helpers.videos import write_long_video
 
 from modeling_testa import VideoTextRetrievalPipeline
-from modeling_testa.moments import window_frame_indices
-from modeling_testa.video_index import VideoIndex
+from testa_search.moments import window_frame_indices
+from testa_search.index import VideoIndex
 
 
 require("faiss")
@@ -104,7 +104,7 @@ def test_group_by_video_gives_each_video_once_at_its_best_moment(pipe, videos):
 def test_moments_given_as_entries_are_the_rows_window_plans(pipe, videos):
     """`IndexEntry` moments (with a dataset) go through the same builder and decoder as `window=`: the same rows,
     the same embeddings, and the dataset carried into the results."""
-    from modeling_testa.index_homes import IndexEntry
+    from testa_search.homes import IndexEntry
 
     planned = pipe.encode_videos(videos, window=25, stride=15)
     entries = [IndexEntry(name, start, end, dataset="lectures") for name, start, end in planned.row_keys()]
@@ -120,7 +120,7 @@ def test_moments_given_as_entries_are_the_rows_window_plans(pipe, videos):
 def test_a_video_given_whole_and_as_a_moment_gets_both_rows(pipe, videos):
     """Entries of one video mixing the whole video and a window: each row gets its own clip, as when each is encoded
     alone (they once shared one decoded clip, and the batch came up one clip short)."""
-    from modeling_testa.index_homes import IndexEntry
+    from testa_search.homes import IndexEntry
 
     mixed = pipe.encode_videos([IndexEntry(videos[0]), IndexEntry(videos[0], 0.0, 25.0)], batch_size=2)
     whole = pipe.encode_videos([IndexEntry(videos[0])])
@@ -189,7 +189,7 @@ def test_bad_input_for_windows(pipe, videos, tmp_path):
 def test_search_command_prints_moments_as_h_mm_ss(pipe, videos, tmp_path, capsys):
     from helpers.pipelines import save_folder
 
-    from train.search import main
+    from testa_search.cli.search import main
 
     model = save_folder(pipe.model, pipe.processor, tmp_path / "model")
     index = pipe.encode_videos(videos, window=25, stride=15)
@@ -223,7 +223,7 @@ def test_decoding_threads_give_the_same_moments(pipe, videos, tmp_path):
 def test_train_index_writes_a_store_of_moments_and_grows_it(pipe, videos, tmp_path, capsys):
     from helpers.pipelines import save_folder
 
-    from train.index import main as index_main
+    from testa_search.cli.index import main as index_main
 
     model = save_folder(pipe.model, pipe.processor, tmp_path / "model")
     store = tmp_path / "store"
@@ -238,7 +238,7 @@ def test_train_index_writes_a_store_of_moments_and_grows_it(pipe, videos, tmp_pa
     assert index.store is not None and index.row_keys() == reference.row_keys()
     torch.testing.assert_close(index.embeddings, reference.embeddings, atol=1e-5, rtol=1e-5)
     # shards hold whole videos: half_minute's 2 rows, then minute's 4
-    from modeling_testa.video_store import store_metadata
+    from testa_search.store.video_store import store_metadata
 
     assert [[s["start"], s["stop"]] for s in store_metadata(store)["shards"]] == [[0, 2], [2, 6]]
     assert "Indexing 6 moments of 2 videos into 2 shards" in capsys.readouterr().out
@@ -263,9 +263,9 @@ def test_train_index_writes_a_store_of_moments_and_grows_it(pipe, videos, tmp_pa
 def test_a_resumed_shard_decodes_only_the_rows_it_lacks(pipe, videos):
     """`WindowRowDecoder` on the rows a shard still lacks (here rows 2, 3 and 5 of a plan over two videos) streams
     each video once and gives exactly those windows' pixel values and rows, batched."""
-    from modeling_testa.index_build import window_entries
-    from modeling_testa.index_homes import IndexEntry
-    from modeling_testa.moments import WindowRowDecoder, video_groups
+    from testa_search.build import window_entries
+    from testa_search.homes import IndexEntry
+    from testa_search.moments import WindowRowDecoder, video_groups
 
     entries = window_entries([IndexEntry(video) for video in videos[:2]], 25, 15)
     names = [str(entry.video) for entry in entries]
@@ -282,7 +282,7 @@ def test_a_resumed_shard_decodes_only_the_rows_it_lacks(pipe, videos):
 
 
 def window_pixel_values_of(pipe, video, window, stride):
-    from modeling_testa.moments import window_pixel_values
+    from testa_search.moments import window_pixel_values
 
     return window_pixel_values(pipe.video_processor, video, window, stride)[1]
 
@@ -290,11 +290,11 @@ def window_pixel_values_of(pipe, video, window, stride):
 def test_a_killed_store_of_moments_resumes_and_decodes_only_what_it_lacks(pipe, videos, tmp_path, monkeypatch):
     import json
 
-    import modeling_testa.moments as moments_module
+    import testa_search.moments as moments_module
     from helpers.pipelines import save_folder
 
-    from modeling_testa.video_store import VideoStoreWriter
-    from train.index import main as index_main
+    from testa_search.store.video_store import VideoStoreWriter
+    from testa_search.cli.index import main as index_main
 
     model = save_folder(pipe.model, pipe.processor, tmp_path / "model")
     store = tmp_path / "store"
@@ -343,9 +343,9 @@ def test_each_process_of_an_index_launch_probes_only_its_share_of_the_durations(
     processes: it probes the second half of the videos (those the store lacks), the first half's windows come from
     the other process (through the gather), and the rows are every video's windows in order, an unreadable file one
     whole-video row (its decoding then says why)."""
-    import modeling_testa.index_build as build_module
-    from modeling_testa.index_homes import IndexEntry
-    from modeling_testa.moments import plan_windows, probe_duration
+    import testa_search.build as build_module
+    from testa_search.homes import IndexEntry
+    from testa_search.moments import plan_windows, probe_duration
 
     broken = tmp_path / "broken.mp4"
     broken.write_bytes(b"not a video at all" * 50)

@@ -29,16 +29,8 @@ from transformers import pipeline
 from transformers.dynamic_module_utils import get_relative_imports
 from transformers.pipelines import PIPELINE_REGISTRY
 
-from modeling_testa import (
-    MODEL_CARD_MARKER,
-    TestaForVideoQA,
-    TestaForVideoTextRetrieval,
-    VideoIndex,
-    VideoQuestionAnsweringPipeline,
-    VideoTextRetrievalPipeline,
-    ZeroShotVideoClassificationPipeline,
-    token_schedule,
-)
+from modeling_testa import MODEL_CARD_MARKER, TestaForVideoQA, TestaForVideoTextRetrieval, VideoQuestionAnsweringPipeline, VideoTextRetrievalPipeline, ZeroShotVideoClassificationPipeline, token_schedule
+from testa_search import VideoIndex
 
 
 require("av")

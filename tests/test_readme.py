@@ -277,8 +277,8 @@ def test_the_search_snippet_prints_its_results_and_the_shell_commands_print_the_
     """The Python snippet, run as a script, prints its five results; the two shell commands (`train.index`, then
     `train.search`, run in this process) print the same videos in the same order, and the footer says "re-ranked"
     only when a result was."""
-    from train.index import main as index_main
-    from train.search import main as search_main
+    from testa_search.cli.index import main as index_main
+    from testa_search.cli.search import main as search_main
 
     title = "Search a folder of videos"
     python, shell = section_code(title, "python"), section_code(title, "bash")

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from helpers.models import randomize, tiny_vision_config
 from helpers.requirements import skip_or_fail
 
-from modeling_testa import TestaVisionModel, optimize_for_inference
+from modeling_testa import TestaVisionModel
+from testa_runtimes import optimize_for_inference
 from modeling_testa.aggregation import DEFAULT_SCORE_GRID, best_partner, first_max, geometry_matching, snap_scores
 from processing.realistic_videos import (
     KINDS,
@@ -228,7 +229,7 @@ def test_openvino_bf16_agrees_with_fp32_as_pytorch_bf16_does(tmp_path):
     (`engines.linear_layers_in_bf16`). The plugin's own bf16 hint, used before, rounded the key similarities to bf16
     too: on these clips it kept fp32's decisions on 2 of 18 and moved an embedding to cosine 0.87."""
     _needs("openvino")
-    from modeling_testa.engines import cpu_has_bf16
+    from testa_runtimes.engines import cpu_has_bf16
 
     if not cpu_has_bf16():
         pytest.skip("OpenVINO bf16 needs a CPU with AVX-512 BF16 or AMX (refused elsewhere)")
@@ -255,7 +256,7 @@ def test_openvino_int8_and_bf16_meet_the_targets_on_every_video_of_the_demo_mode
     from benchmarks.runtime_agreement import main
 
     _needs("openvino")
-    from modeling_testa.engines import cpu_has_bf16
+    from testa_runtimes.engines import cpu_has_bf16
 
     demo = Path(os.environ.get("TESTA_DEMO", "outputs/demo"))
     if not (demo / "runs" / "b" / "final").is_dir():

@@ -14,9 +14,10 @@ import pytest
 import torch
 from helpers.models import random_vision_model, videos
 
-import modeling_testa.runtimes as runtimes
-from modeling_testa import Bf16Linear, TestaVisionModel, optimize_for_inference
-from modeling_testa.runtimes import (
+import testa_runtimes.runtimes as runtimes
+from modeling_testa import TestaVisionModel
+from testa_runtimes import Bf16Linear, optimize_for_inference
+from testa_runtimes.runtimes import (
     BACKENDS,
     RUNTIMES,
     CudaGraphRuntime,
@@ -100,7 +101,7 @@ def test_every_runtime_is_registered_by_its_name_and_declares_what_it_can_do():
 def test_one_class_per_engine_declares_what_its_runtime_offers():
     """Issue 45: each engine (`engines.ENGINES`) owns its name, precisions, extra, packages and file names, and its
     runtime takes them from it: nothing about an engine is declared twice."""
-    from modeling_testa import engines
+    from testa_runtimes import engines
 
     exported = {name: runtime for name, runtime in RUNTIMES.items() if runtime.exported}
     assert set(exported) == set(engines.ENGINES)
@@ -118,7 +119,7 @@ def test_no_engine_is_told_apart_by_its_name_outside_the_registry():
     import re
     from pathlib import Path
 
-    from modeling_testa import engines
+    from testa_runtimes import engines
 
     package = Path(runtimes.__file__).parent
     names = "|".join(engines.ENGINES)
@@ -245,7 +246,7 @@ def test_a_shape_is_captured_the_second_time_and_replays_equal_eager(graphs, cap
     model = optimize_for_inference(_vision_model(), "fp32", backend=graphs)
     runtime = model.runtime
     videos = [_video(seed=s) for s in (1, 2, 3)]
-    caplog.set_level(logging.INFO, logger="modeling_testa.runtimes")
+    caplog.set_level(logging.INFO, logger="testa_runtimes.runtimes")
     with torch.no_grad():
         outputs = [model(v, trace_source=True) for v in videos]
         expected = [reference(v, trace_source=True) for v in videos]
@@ -267,7 +268,7 @@ def test_what_a_graph_cannot_serve_runs_eager_with_the_reason_logged_once(graphs
     runtime = model.runtime
     runtime.max_graphs = 1
     video, other = _video(), _video(batch=1)
-    caplog.set_level(logging.INFO, logger="modeling_testa.runtimes")
+    caplog.set_level(logging.INFO, logger="testa_runtimes.runtimes")
     with torch.no_grad():
         model(video), model(video)  # captured
         for _ in range(2):

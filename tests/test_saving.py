@@ -111,12 +111,15 @@ def _in_process_results(setup) -> dict:
 
 REMOTE_SCRIPT = """
 import contextlib, io, json, os, sys
-sys.modules["modeling_testa"] = None  # not importable here (run outside the repository: not on the path either)
-try:
-    import modeling_testa
-    raise SystemExit("modeling_testa must not be importable here")
-except ImportError:
-    pass
+with_library = {with_library!r}
+if not with_library:  # none of the library importable here (run outside the repository: not on the path either)
+    for package in ("modeling_testa", "testa_search", "testa_runtimes"):
+        sys.modules[package] = None
+        try:
+            __import__(package)
+            raise SystemExit(package + " must not be importable here")
+        except ImportError:
+            pass
 import torch
 from transformers import AutoModel, AutoModelForVisualQuestionAnswering, AutoProcessor, pipeline
 
@@ -133,7 +136,8 @@ assert {prompt!r} in untrusted.getvalue(), "the check of the prompt would not se
 
 def remote(obj):
     module = type(obj).__module__
-    assert module.startswith("transformers_modules."), module
+    # once the Hub code ran the installed library, the library's classes are registered in-process and load instead
+    assert module.startswith("transformers_modules.") or (with_library and "modeling_testa" in sys.modules), module
     return type(obj).__name__
 
 with torch.no_grad():
@@ -153,9 +157,20 @@ with torch.no_grad():
     qa_model = AutoModelForVisualQuestionAnswering.from_pretrained(qa_dir, trust_remote_code=True)
     classes += [remote(qa_pipe.model), remote(qa_model)]
     ranked = retrieval_pipe(text=queries, videos=videos)
-    index = retrieval_pipe.encode_videos(videos, batch_size=2)
-    index.save(os.path.join(out_dir, "index"))
-    searched = retrieval_pipe.search(queries, type(index).load(os.path.join(out_dir, "index")), top_k=None)
+    searched, missing = None, []
+    if with_library:  # the Hub code's methods run the installed search package
+        index = retrieval_pipe.encode_videos(videos, batch_size=2)
+        index.save(os.path.join(out_dir, "index"))
+        searched = retrieval_pipe.search(queries, type(index).load(os.path.join(out_dir, "index")), top_k=None)
+    else:  # what the folder does not ship says in one line what to install
+        for call in (lambda: retrieval_pipe.encode_videos(videos), lambda: retrieval_pipe.search(queries, None),
+                     lambda: pipeline("video-text-retrieval", model=retrieval_dir, trust_remote_code=True,
+                                      device="cpu", precision="bf16")):
+            try:
+                call()
+                raise SystemExit("a method of the library ran without it")
+            except ImportError as error:
+                missing.append(str(error))
 
     vision = AutoModel.from_pretrained(vision_dir, trust_remote_code=True).eval()
     classes.append(remote(vision))
@@ -163,13 +178,14 @@ with torch.no_grad():
 
     # re-saving remote-code objects writes a complete repo again (code, auto_map, custom_pipelines, card)
     retrieval_pipe.save_pretrained(os.path.join(out_dir, "resaved"))
-    leaked = sorted(m for m, v in sys.modules.items() if m.split(".")[0] == "modeling_testa" and v is not None)
+    leaked = sorted(m for m, v in sys.modules.items() if m.split(".")[0] in ("modeling_testa", "testa_search", "testa_runtimes") and v is not None)
     result = dict(
         classes=classes,
         leaked=leaked,
         direct=direct.tolist(),
         ranked=[[(str(i["video"]), i["score"]) for i in r] for r in ranked],
-        searched=[[(str(i["video"]), i["score"]) for i in r] for r in searched],
+        searched=searched and [[(str(i["video"]), i["score"]) for i in r] for r in searched],
+        missing=missing,
         zero_shot=[(i["label"], i["score"]) for i in zero_shot(videos[0], candidate_labels=labels)],
         qa_generate=[(i["answer"], i["score"]) for i in qa_pipe(video=videos[1], question={question!r})],
         qa_rank=[(i["answer"], i["score"]) for i in qa_pipe(video=videos[1], question={question!r},
@@ -185,12 +201,16 @@ def _assert_pairs_close(got, expected, rtol=1e-4, atol=1e-5):
     np.testing.assert_allclose([s for _, s in got], [s for _, s in expected], rtol=rtol, atol=atol)
 
 
-def test_remote_code_loads_without_the_package(setup, tmp_path):
+@pytest.mark.parametrize("with_library", [False, True], ids=["hub-folder-alone", "with-the-library"])
+def test_remote_code_loads_without_the_package(setup, tmp_path, with_library):
+    """A saved folder, loaded as Hub code in a process started outside the repository: its models, processors and
+    pipeline calls give the in-process results. Without the library (nothing of it importable) `encode_videos`,
+    `search` and `precision=` say in one line what to install; with it installed, the Hub code's methods run it."""
     expected = _in_process_results(setup)
     script = REMOTE_SCRIPT.format(
         retrieval=str(setup.retrieval_folder), qa=str(setup.qa_folder),
         vision=str(setup.vision_folder), out=str(tmp_path), videos=setup.videos, queries=QUERIES, labels=LABELS,
-        question=QUESTION, answers=ANSWERS, prompt=PROMPT,
+        question=QUESTION, answers=ANSWERS, prompt=PROMPT, with_library=with_library,
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"), TOKENIZERS_PARALLELISM="false")
@@ -202,7 +222,15 @@ def test_remote_code_loads_without_the_package(setup, tmp_path):
     assert not str(tmp_path).startswith(str(REPO))  # the script ran outside the repository
     got = json.loads(result.stdout.split("RESULT ", 1)[1])
 
-    assert got["leaked"] == []
+    if with_library:
+        assert got["missing"] == []
+        for remote_list, local_list in zip(got["searched"], expected["ranked"]):
+            _assert_pairs_close(remote_list, local_list)
+    else:
+        assert got["leaked"] == [] and got["searched"] is None
+        assert len(got["missing"]) == 3
+        for message in got["missing"]:
+            assert "pip install testa-hf" in message and "\n" not in message, message
     assert got["classes"] == [
         "TestaForVideoTextRetrieval", "TestaProcessor", "TestaVideoProcessor", "VideoTextRetrievalPipeline",
         "ZeroShotVideoClassificationPipeline", "VideoQuestionAnsweringPipeline", "TestaForVideoQA",
@@ -210,8 +238,6 @@ def test_remote_code_loads_without_the_package(setup, tmp_path):
     ]
     np.testing.assert_allclose(got["direct"], expected["direct"], atol=1e-5, rtol=0)
     for remote_list, local_list in zip(got["ranked"], expected["ranked"]):
-        _assert_pairs_close(remote_list, local_list)
-    for remote_list, local_list in zip(got["searched"], expected["ranked"]):
         _assert_pairs_close(remote_list, local_list)
     # the pipeline's scores are the model's own two-stage scores (re-ranking every video)
     for q, ranked in enumerate(expected["ranked_all"]):

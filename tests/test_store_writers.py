@@ -1,4 +1,4 @@
-"""One writer per video store (`modeling_testa.store_lock`): real processes.
+"""One writer per video store (`testa_search.store.lock`): real processes.
 
 Two `python -m train.index` runs started at once on one `--store`: exactly one writes, the other exits non-zero
 naming the first (host, pid, start time, command) before writing anything, and the store equals a clean build. A
@@ -24,12 +24,13 @@ from helpers.pipelines import INDEX_LAUNCH_2 as LAUNCH_2
 from helpers.pipelines import index_collection
 from helpers.videos import write_noise_video
 
-from modeling_testa import StoreLock, StoreLockedError, TestaForVideoTextRetrieval, TestaProcessor
+from modeling_testa import TestaForVideoTextRetrieval, TestaProcessor
+from testa_search import StoreLock, StoreLockedError
 from modeling_testa import VideoTextRetrievalPipeline
-from modeling_testa.store_lock import LOCK_FILE, check_lock_token, pid_namespace, read_lock
-from modeling_testa.video_index import VideoIndex
-from modeling_testa.video_store import VideoTokenStore, journaled_count
-from modeling_testa.worker_process import worker_context
+from testa_search.store.lock import LOCK_FILE, check_lock_token, pid_namespace, read_lock
+from testa_search.index import VideoIndex
+from testa_search.store.video_store import VideoTokenStore, journaled_count
+from modeling_testa.process_start import worker_context
 
 NUM_VIDEOS = 96
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -171,7 +172,7 @@ def take_over(directory: str, barrier, results) -> None:
 
 def test_racers_taking_over_one_stale_lock_never_both_win(tmp_path):
     # racers from the library's forkserver, not "fork": earlier tests leave threads alive in this process
-    context = worker_context(("modeling_testa.store_lock", __name__))
+    context = worker_context(("testa_search.store.lock", __name__))
     racers = 6
     for round_ in range(8):
         directory = tmp_path / f"round{round_}"

@@ -26,7 +26,7 @@ from helpers.videos import (
 
 import modeling_testa.video_decoding as decoding
 from modeling_testa import VideoTextRetrievalPipeline
-from modeling_testa.moments import WindowStream, decode_windows, moment_frames, plan_windows, probe_duration
+from testa_search.moments import WindowStream, decode_windows, moment_frames, plan_windows, probe_duration
 from modeling_testa.video_decoding import VideoDecodingTimeoutError, decode_video, format_time
 
 

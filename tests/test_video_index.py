@@ -17,12 +17,12 @@ import torch.nn.functional as F
 from helpers.pipelines import build_retrieval, tiny_processor, write_videos
 from helpers.requirements import require
 
-import modeling_testa.video_index as video_index_module
-import modeling_testa.video_store as video_store_module
+import testa_search.index as video_index_module
+import testa_search.store.video_store as video_store_module
 from modeling_testa import VideoTextRetrievalPipeline
-from modeling_testa.indexing import Failure
-from modeling_testa.video_index import FIRST_STAGE_FILE, FIRST_STAGE_INFO_FILE, FirstStage, VideoIndex
-from modeling_testa.video_store import VideoStoreWriter, finalize_store
+from testa_search.encoding import Failure
+from testa_search.index import FIRST_STAGE_FILE, FIRST_STAGE_INFO_FILE, FirstStage, VideoIndex
+from testa_search.store.video_store import VideoStoreWriter, finalize_store
 
 
 faiss = require("faiss")
@@ -404,7 +404,7 @@ def test_search_without_faiss_above_the_exact_limit_warns_once(monkeypatch, capl
 
 
 def test_filters_keep_only_matching_rows_and_moments_reach_the_results(pipe, videos):
-    from modeling_testa.index_homes import IndexEntry
+    from testa_search.homes import IndexEntry
 
     entries = [IndexEntry(videos[0], dataset="a"), IndexEntry(videos[1], dataset="b"),
                IndexEntry(videos[2], dataset="a")]
@@ -442,8 +442,8 @@ def test_a_filter_matching_fewer_rows_than_the_rerank_window_reranks_only_those(
 
 
 def test_int8_tokens_round_trip_through_a_store_within_half_a_step_per_token(tmp_path):
-    from modeling_testa import int8_tokens
-    from modeling_testa.video_store import VideoTokenStore
+    from testa_search.store import int8_tokens
+    from testa_search.store.video_store import VideoTokenStore
 
     generator = torch.Generator().manual_seed(11)
     # tokens of very different norms (one scale per token keeps the small ones), one all-zero token

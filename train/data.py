@@ -22,7 +22,7 @@ import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
-from modeling_testa.worker_process import dataloader_workers
+from modeling_testa.process_start import dataloader_workers
 from processing.data import load_split
 
 from .recipe import Recipe, as_recipe
@@ -247,7 +247,7 @@ def epoch_loader(rows, state, per_device_batch: int, seed: int, rank: int, world
     ``state`` is the loop's `TrainState` (its ``epoch`` and ``micro_batches_in_epoch`` are read). Every process
     consumes the same number of rows per step, so the saved position (micro-batches into the epoch)
     is the same on all of them. Its workers start from a forkserver, never by forking this process, which runs
-    threads by then (`modeling_testa.worker_process.dataloader_workers`).
+    threads by then (`modeling_testa.process_start.dataloader_workers`).
     """
     from datasets import IterableDataset
 

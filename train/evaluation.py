@@ -5,7 +5,7 @@ Retrieval follows the original protocol (two-stage ranking: the cosine of the co
 memory bounded by the number of candidates, not by the collection:
 
 1. Every evaluated video is decoded and encoded **once**, each process encoding a contiguous share, into an on-disk
-   token store (`modeling_testa.video_store`: tokens in fp16 by default, one shard per process, plus the
+   token store (`testa_search.store.video_store`: tokens in fp16 by default, one shard per process, plus the
    embeddings). A video that cannot be decoded is reported (path and reason) and counted as a miss.
 2. Every process reads all embeddings (``num_videos x projection_dim``) and embeds all texts, then ranks its share
    of the queries in chunks of ``rerank_batch_size`` queries: the chunk's similarity row, its top-k, and the ITM
@@ -30,12 +30,12 @@ from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list, gather_object
 from torch.utils.data import DataLoader
 
-from modeling_testa.index_build import IndexBuild
-from modeling_testa.index_homes import IndexEntry, StoreHome
-from modeling_testa.indexing import DecodeVideos
+from testa_search.build import IndexBuild
+from testa_search.homes import IndexEntry, StoreHome
+from testa_search.encoding import DecodeVideos
 from modeling_testa.ranking import RankingOptions, ranked_order, two_stage_scores
-from modeling_testa.video_store import VideoTokenStore, missing_shards, shard_range
-from modeling_testa.worker_process import dataloader_workers
+from testa_search.store.video_store import VideoTokenStore, missing_shards, shard_range
+from modeling_testa.process_start import dataloader_workers
 
 from .loop import load_rows
 from .recipe import Recipe, as_recipe
@@ -81,7 +81,7 @@ def encode_to_store(model, items: list, collate: Callable, accelerator: Accelera
     """Encodes every item once into a scratch token store in ``directory`` (`index_build.IndexBuild` with
     ``replace``: the store holds exactly these items, in order, whatever the folder held before): process ``r``
     encodes its contiguous share and writes shard ``r``. ``collate([(index, item), ...])`` returns ``(indices,
-    pixel_values or None, failures)`` (see `modeling_testa.indexing.DecodeVideos`); ``batch_size`` is global.
+    pixel_values or None, failures)`` (see `testa_search.encoding.DecodeVideos`); ``batch_size`` is global.
     Returns the opened store (on every process) and the encoder's wall time (the mean over processes). Failures are
     reported on the main process."""
     names = [str(item) for item in items] if names is None else names

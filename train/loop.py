@@ -39,7 +39,7 @@ from tqdm.auto import tqdm
 
 from modeling_testa import TestaConfig, TestaForVideoQA
 from modeling_testa.aggregation_settings import AGGREGATION_FIELDS
-from modeling_testa.worker_process import die_with_launcher
+from modeling_testa.process_start import die_with_launcher
 
 from .data import (  # re-exported (`__all__`): `from train.loop import load_rows` keeps working
     MEDIA_ERRORS,
@@ -228,7 +228,7 @@ def warn_if_launch_config_ignored(accelerator: Accelerator) -> None:
 
 
 def check_not_a_worker_import() -> None:
-    """DataLoader workers start from a forkserver (`modeling_testa.worker_process.WORKER_START_METHOD`), which, as
+    """DataLoader workers start from a forkserver (`modeling_testa.process_start.WORKER_START_METHOD`), which, as
     ``spawn``, imports the main script in every worker: a script that calls `main` outside ``if __name__ ==
     "__main__":`` would start a second training inside each worker. Refuse it there, with the fix."""
     if getattr(multiprocessing.current_process(), "_inheriting", False):

@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
     from modeling_testa import TestaProcessor, VideoTextRetrievalPipeline
     from processing.data import load_split
 
-    from .index import load_retrieval_model
+    from testa_search.cli.index import load_retrieval_model
 
     args = parse_args(argv)
     try:

@@ -44,7 +44,7 @@ class PixelCollate:
 
     def __call__(self, batch):
         good = [i for i, _ in batch if i not in self.broken]
-        from modeling_testa.indexing import Failure
+        from testa_search.encoding import Failure
 
         failures = [Failure(item, "unreadable", "synthetic failure", i) for i, item in batch if i in self.broken]
         return good, (self.pixels[good] if good else None), failures

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 import torch
 
-from modeling_testa.index_homes import IndexEntry
-from modeling_testa.indexing import encode_videos
-from modeling_testa.milvus_home import MilvusHome
+from testa_search.homes import IndexEntry
+from testa_search.encoding import encode_videos
+from testa_search.milvus import MilvusHome
 
 SETTINGS = {"model_class": "LookupModel", "num_frames": 1}
 """What the writers of one collection record and share (with the embedding size)."""

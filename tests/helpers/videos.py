@@ -151,7 +151,7 @@ def write_noise_video(path: Path, seed: int, frames: int = 4, size: int = 32, fp
 
 
 # ---------------------------------------------------------------------------------------------- files that are not
-# videos, each named by the failure code (`modeling_testa.indexing.FAILURE_CODES`) the encode loop must give it
+# videos, each named by the failure code (`testa_search.encoding.FAILURE_CODES`) the encode loop must give it
 
 
 def write_text_named_mp4(path: Path) -> Path:

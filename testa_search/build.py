@@ -39,15 +39,15 @@ from typing import Any
 
 import torch
 
-from .distributed import barrier, broadcast_object, gather_objects, raise_on_every_rank, rank, world_size
-from .index_homes import Decoder, IndexEntry, IndexHome, RowPlan, StoreHome, as_entries
-from .index_settings import IndexInfo, IndexSettingsError, write_json_atomically
-from .indexing import DecodeAhead, DecodedBatch, EncodingStats, Failure, encode_videos
-from .moments import WindowRowDecoder, check_window_options, plan_windows, probe_duration, rebatch
-from .saving import INFERENCE_ATTRIBUTE
-from .store_lock import StoreLockedError, check_lock_token
-from .video_store import journaled_count, journaled_failures
-from .worker_process import dataloader_workers
+from modeling_testa.distributed import barrier, broadcast_object, gather_objects, raise_on_every_rank, rank, world_size
+from testa_search.homes import Decoder, IndexEntry, IndexHome, RowPlan, StoreHome, as_entries
+from testa_search.settings import IndexInfo, IndexSettingsError, write_json_atomically
+from testa_search.encoding import DecodeAhead, DecodedBatch, EncodingStats, Failure, encode_videos
+from testa_search.moments import WindowRowDecoder, check_window_options, plan_windows, probe_duration, rebatch
+from modeling_testa.saving import INFERENCE_ATTRIBUTE
+from testa_search.store.lock import StoreLockedError, check_lock_token
+from testa_search.store.video_store import journaled_count, journaled_failures
+from modeling_testa.process_start import dataloader_workers
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def encoder_precision(model: Any) -> str:
     otherwise the weights' dtype (``"fp32"``)."""
     settings = getattr(model, INFERENCE_ATTRIBUTE, None)
     if settings:
-        from .runtimes import embeddings_label  # the runtimes import the engines: only an optimized model needs them
+        from testa_runtimes.runtimes import embeddings_label  # the runtimes import the engines: only an optimized model needs them
 
         return embeddings_label(settings["runtime"], settings["precision"], next(model.parameters()).device.type)
     dtype = next(model.parameters()).dtype

@@ -48,10 +48,10 @@ from typing import Any
 
 from torch import nn
 
-from .index_settings import name_converted_weights, weights_fingerprint
-from .linear_layers import Bf16Linear, Int8DynamicLinear
-from .runtimes import BACKENDS, INT8_DEPRECATION, OPTION_DEFAULTS, RUNTIMES, RuntimeOptions, choose
-from .saving import INFERENCE_ATTRIBUTE
+from testa_search.settings import name_converted_weights, weights_fingerprint
+from testa_runtimes.linear_layers import Bf16Linear, Int8DynamicLinear
+from testa_runtimes.runtimes import BACKENDS, INT8_DEPRECATION, OPTION_DEFAULTS, RUNTIMES, RuntimeOptions, choose
+from modeling_testa.saving import INFERENCE_ATTRIBUTE
 
 
 logger = logging.getLogger(__name__)

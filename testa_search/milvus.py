@@ -28,10 +28,10 @@ from typing import Any
 
 import torch
 
-from .index_filters import FILTER_KEYS, matches, milvus_filter
-from .index_homes import IndexEntry, NoLock, RowPlan, new_rows
-from .index_settings import IndexSettingsError, check_settings
-from .indexing import Failure
+from testa_search.filters import FILTER_KEYS, matches, milvus_filter
+from testa_search.homes import IndexEntry, NoLock, RowPlan, new_rows
+from testa_search.settings import IndexSettingsError, check_settings
+from testa_search.encoding import Failure
 
 logger = logging.getLogger(__name__)
 
@@ -297,7 +297,7 @@ class MilvusHome:
         """Upserts the encoded rows ``[start, stop)`` of a closed store shard (its embeddings, and the store and row
         where their tokens are), each with its `IndexEntry` of `entries` (the store's rows), after `check_settings`;
         returns how many. Idempotent: a repeated or resumed run rewrites the same rows."""
-        from .video_store import open_safetensors
+        from testa_search.store.video_store import open_safetensors
 
         if self.settings is None:
             raise RuntimeError(f"{self.location}: check_settings must pass before rows are written.")
@@ -420,7 +420,7 @@ class MilvusIndex:
     def token_store(self, directory: str) -> Any:
         """The `VideoTokenStore` in `directory`, opened once."""
         if directory not in self._stores:
-            from .video_store import VideoTokenStore
+            from testa_search.store.video_store import VideoTokenStore
 
             self._stores[directory] = VideoTokenStore(directory)
         return self._stores[directory]

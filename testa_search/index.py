@@ -24,8 +24,8 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from .index_filters import matches
-from .index_settings import (
+from testa_search.filters import matches
+from testa_search.settings import (
     IndexInfo,
     IndexSettingsError,
     check_settings,
@@ -33,9 +33,9 @@ from .index_settings import (
     recorded_store_settings,
     write_json_atomically,
 )
-from .indexing import Failure
-from .store_lock import StoreLock
-from .video_store import (
+from testa_search.encoding import Failure
+from testa_search.store.lock import StoreLock
+from testa_search.store.video_store import (
     PLAN_FILE,
     STORE_INFO_FILE,
     DamagedStoreError,

@@ -51,12 +51,12 @@ from typing import Any, Callable, ClassVar
 import torch
 from torch import nn
 
-from .aggregation_settings import AGGREGATION_FIELDS
-from .fused_aggregation import check_option as check_fused_kernels_option
-from .linear_layers import compile_blocks, convert_linears
-from .engines import EncoderGraph, Engine, ExportedEncoder, OnnxRuntimeEngine, OpenVINOEngine
-from .worker_process import WorkerProcess, exit_with_parent, read_message, signal_name, write_message
-from .worker_process import serve as serve_requests
+from modeling_testa.aggregation_settings import AGGREGATION_FIELDS
+from modeling_testa.fused_aggregation import check_option as check_fused_kernels_option
+from testa_runtimes.linear_layers import compile_blocks, convert_linears
+from testa_runtimes.engines import EncoderGraph, Engine, ExportedEncoder, OnnxRuntimeEngine, OpenVINOEngine
+from modeling_testa.worker_process import WorkerProcess, exit_with_parent, read_message, signal_name, write_message
+from modeling_testa.worker_process import serve as serve_requests
 
 
 logger = logging.getLogger(__name__)
@@ -433,7 +433,7 @@ class CudaGraphRuntime(EncoderRuntime):
             return tuple(output.clone() for output in static_outputs)
 
     def __call__(self, pixel_values, output_hidden_states=False, output_attentions=False, trace_source=None):
-        from .modeling_testa_vision import TestaVisionModelOutput
+        from modeling_testa.modeling_testa_vision import TestaVisionModelOutput
 
         model = self.vision_model
         model.check_pixel_values(pixel_values)
@@ -591,7 +591,7 @@ class EngineProcess(WorkerProcess):
         return reply
 
     def encode(self, pixel_values: torch.Tensor, trace_source: bool | None):
-        from .modeling_testa_vision import TestaVisionModelOutput
+        from modeling_testa.modeling_testa_vision import TestaVisionModelOutput
 
         vision = self.runtime.vision_model
         vision.check_pixel_values(pixel_values)
@@ -610,8 +610,8 @@ class EngineProcess(WorkerProcess):
 
 
 def _worker_runtime(init: dict[str, Any]) -> "ExportedRuntime":
-    from .configuration_testa import TestaVisionConfig
-    from .modeling_testa_vision import TestaVisionModel
+    from modeling_testa.configuration_testa import TestaVisionConfig
+    from modeling_testa.modeling_testa_vision import TestaVisionModel
 
     torch.set_num_threads(init["threads"])  # the engines use as many threads as PyTorch does in the caller
     vision = TestaVisionModel(TestaVisionConfig(**init["config"])).eval()

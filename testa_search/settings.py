@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from .store_lock import LOCK_FILE
-from .video_store import PLAN_FILE, forget_rows, is_video_store, read_json_file, store_metadata
+from testa_search.store.lock import LOCK_FILE
+from testa_search.store.video_store import PLAN_FILE, forget_rows, is_video_store, read_json_file, store_metadata
 
 SETTINGS_FILE = "index_settings.json"
 """A store's settings, written when its first build starts (`check_store_folder`)."""

@@ -28,7 +28,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from .index_settings import (
+from testa_search.settings import (
     SCRATCH_KEY,
     IndexSettingsError,
     check_settings,
@@ -36,10 +36,10 @@ from .index_settings import (
     recorded_store_settings,
     write_json_atomically,
 )
-from .indexing import SUMMARY_FAILURES, DecodedBatch, Failure, InMemorySink
-from .store_lock import LOCK_FILE, StoreLock
-from .video_index import ROW_FIELDS, VideoIndex, segments_tensor, video_name
-from .video_store import (
+from testa_search.encoding import SUMMARY_FAILURES, DecodedBatch, Failure, InMemorySink
+from testa_search.store.lock import LOCK_FILE, StoreLock
+from testa_search.index import ROW_FIELDS, VideoIndex, segments_tensor, video_name
+from testa_search.store.video_store import (
     PLAN_FILE,
     STORE_INFO_FILE,
     TOKEN_DTYPES,

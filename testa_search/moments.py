@@ -35,8 +35,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .indexing import DecodedBatch, Failure, check_on_error, is_media_error
-from .video_decoding import (
+from testa_search.encoding import DecodedBatch, Failure, check_on_error, is_media_error
+from modeling_testa.video_decoding import (
     VideoDecodingError,
     VideoFrames,
     backends_to_try,
@@ -527,7 +527,7 @@ def refine_moment(spans: list[tuple[float, float]], scores: Any, level: float = 
 def probe_duration(source: str | os.PathLike) -> float:
     """A video's duration in seconds from its container (PyAV: the frames it declares, else its packets, over the
     frame rate; no frame is decoded). Raises `ValueError` naming the file."""
-    from .video_decoding_worker import DecodeFailure, pyav_open, pyav_probe
+    from modeling_testa.video_decoding_worker import DecodeFailure, pyav_open, pyav_probe
 
     source = os.fspath(source)
     try:

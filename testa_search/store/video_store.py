@@ -47,7 +47,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from .int8_tokens import SCALE_BYTES, pack, unpack
+from testa_search.store.int8_tokens import SCALE_BYTES, pack, unpack
 
 STORE_INFO_FILE = "video_store.json"
 PLAN_FILE = "index_plan.json"

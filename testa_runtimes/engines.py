@@ -66,9 +66,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .aggregation import snap_scores
-from .aggregation_block import sequence, token_sizes_with_cls
-from .modeling_testa_vision import TestaVisionModelOutput
+from modeling_testa.aggregation import snap_scores
+from modeling_testa.aggregation_block import sequence, token_sizes_with_cls
+from modeling_testa.modeling_testa_vision import TestaVisionModelOutput
 
 
 logger = logging.getLogger(__name__)
