@@ -21,7 +21,7 @@ from sentence_transformers import CrossEncoder, SentenceTransformer
 
 from modeling_testa import TestaForVideoTextRetrieval
 from modeling_testa.processing_testa import TestaProcessor
-from modeling_testa.saving import save_cross_encoder
+from modeling_testa.cross_encoder import save_cross_encoder
 from train.demo import RECIPE, evaluate_variant
 from train.mteb_evaluation import TestaMTEBCrossEncoder, TestaMTEBEncoder, first_stage_top_k, local_retrieval_task
 

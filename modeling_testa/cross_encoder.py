@@ -1,6 +1,6 @@
 """TESTA's matching head as a Sentence Transformers `CrossEncoder` input module: scores (text, video) pairs.
 
-A folder written by `saving.save_cross_encoder(model, processor, folder)` loads with
+A folder written by `save_cross_encoder(model, processor, folder)` loads with
 ``CrossEncoder(folder, trust_remote_code=True)``; then ``ce.rank(paragraph, video_paths)`` re-ranks videos and
 ``ce.predict([(text, video), ...])`` scores pairs. A pair's score is the ITM "match" logit (or its softmax,
 ``itm_score="softmax"``) plus, by default, the cosine of the contrastive embeddings: `rank_videos`' score, computed by
@@ -14,9 +14,12 @@ is a path, ``{"video": path}``, or frames (array/tensor/list, encoded each time 
 This file is Hub remote code (it needs `sentence-transformers` installed): flat relative imports only.
 """
 
+import json
 import os
+import shutil
 from collections import OrderedDict
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,6 +28,7 @@ from sentence_transformers.base.modules import InputModule
 from .modeling_testa import TestaForVideoTextRetrieval
 from .processing_testa import TestaProcessor, load_testa_processor
 from .ranking import check_itm_score, pair_scores
+from .saving import SENTENCE_TRANSFORMERS_HEADS, write_sentence_transformers_files
 
 
 def _is_video(item: Any) -> bool:
@@ -123,8 +127,6 @@ class TestaVideoTextMatcher(InputModule):
         return {**features, "scores": scores}
 
     def save(self, output_path: str, *args: Any, safe_serialization: bool = True, **kwargs: Any) -> None:
-        from .saving import save_cross_encoder
-
         save_cross_encoder(self.model, self.processor, output_path, **self.get_config_dict())
 
     @classmethod
@@ -141,4 +143,38 @@ class TestaVideoTextMatcher(InputModule):
         return cls(model, processor, **config)
 
 
-__all__ = ["TestaVideoTextMatcher"]
+def save_cross_encoder(model: Any, processor: Any, save_directory: str | os.PathLike, **options: Any) -> Path:
+    """Saves `model` and `processor` as a Sentence Transformers `CrossEncoder` folder: the model's files, the
+    re-ranker module's code (`cross_encoder.py`, with the model code it imports) and its settings.
+
+    `CrossEncoder(save_directory, trust_remote_code=True)` then scores (text, video) pairs with the matching head
+    (`.predict`, `.rank`). One folder cannot be both a `SentenceTransformer` and a `CrossEncoder` (one
+    `modules.json`), so this is a second folder (or Hub repo) beside the model's own.
+
+    Args:
+        options: the re-ranker's settings (`itm_score`, `add_cosine`, `cache_size`, `batch_size`; see
+            `TestaVideoTextMatcher`).
+    """
+    if type(model).__name__ not in SENTENCE_TRANSFORMERS_HEADS:
+        raise TypeError(f"A re-ranker needs a retrieval model ({', '.join(SENTENCE_TRANSFORMERS_HEADS)}), got "
+                        f"{type(model).__name__}.")
+    directory = Path(save_directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "sentence_bert_config.json").unlink(missing_ok=True)  # a bi-encoder's, if the folder held one
+    write_sentence_transformers_files(directory, "cross-encoder")  # first: save_pretrained keeps a modules.json
+    model.save_pretrained(directory)
+    processor.save_pretrained(directory)
+    from transformers.dynamic_module_utils import get_relative_import_files
+
+    source = Path(__file__).resolve()
+    for module in (source, *map(Path, get_relative_import_files(source))):
+        target = directory / module.name
+        if module.resolve() != target.resolve():
+            shutil.copyfile(module, target)
+    settings = {"itm_score": "logit", "add_cosine": True, "cache_size": 4096, "batch_size": 32, **options}
+    (directory / "testa_cross_encoder_config.json").write_text(json.dumps(settings, indent=2) + "\n",
+                                                              encoding="utf-8")
+    return directory
+
+
+__all__ = ["TestaVideoTextMatcher", "save_cross_encoder"]

@@ -27,8 +27,8 @@ channel count raise `ValueError`. The exception is `VideoTextRetrievalPipeline.e
 collection: there a file that cannot be read is data (`index.failures`, video -> reason) and the others are indexed
 (`on_error="raise"` raises instead).
 
-This file is Hub remote code: flat relative imports only, absolute imports of installed packages only (FAISS is
-optional and imported inside `try`).
+This file is Hub remote code (flat relative imports only). `encode_videos`, `search` and `precision=` run the
+library's `testa_search` and `testa_runtimes`, imported when called (`library`): they are not in a Hub folder.
 """
 
 import importlib
@@ -183,8 +183,8 @@ class _TestaPipeline(Pipeline):
                 optimized pipeline cannot be saved (`save_pretrained` raises).
             compile, include_text (`bool`, defaults to `False`): passed to `optimize_for_inference` with `precision`.
             backend (`str`, defaults to `"torch"`): passed to `optimize_for_inference` with `precision`: the runtime
-                of the video encoder by name (`runtimes.py`): `"torch"` (eager; CUDA graphs on a GPU), `"openvino"`
-                or `"onnxruntime"` (an exported graph, see `engines.py`), `"torch-eager"`, `"cuda-graphs"`.
+                of the video encoder by name (`testa_runtimes`): `"torch"` (eager; CUDA graphs on a GPU), `"openvino"`
+                or `"onnxruntime"` (an exported graph, see `testa_runtimes.engines`), `"torch-eager"`, `"cuda-graphs"`.
             isolate (`bool`, defaults to `False`): passed to `optimize_for_inference`: an exported engine runs in a
                 worker process of its own (for long-lived processes).
             **kwargs: `device`, `batch_size`, and call arguments that become defaults (e.g. `top_k`).
@@ -466,7 +466,7 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         """Decodes and encodes every video once and returns a [`VideoIndex`].
 
         Args:
-            videos (`list`): paths, 4-D arrays/tensors or frame lists, or `index_homes.IndexEntry` rows (a video
+            videos (`list`): paths, 4-D arrays/tensors or frame lists, or `testa_search.homes.IndexEntry` rows (a video
                 with a `dataset` name, carried into the index and search results, to filter by; or a moment of a
                 video file, with `start`/`end`, decoded as `window=` decodes its windows). A video (or moment) given
                 twice is one row.
@@ -486,7 +486,7 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
                 same videos or a subset: nothing is encoded, the store is returned as it is; a build killed halfway
                 is resumed), and a store built with other settings (model weights, frames, R_T/R_S, precision, token
                 dtype, window) is refused with every difference named, before anything is encoded or written. One
-                writer at a time (`store_lock`).
+                writer at a time (`testa_search.StoreLock`).
             num_workers (`int`, defaults to 0): decode in this many threads, each with its own decoder process
                 (`isolate_decoder=True`), while the encoder runs: the next batches (up to two batches, and at least
                 `num_workers` videos, ahead) are decoded during the current forward. 0 decodes each batch before
@@ -495,7 +495,7 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
             on_error (`str`, defaults to `"skip"`): what a video file that cannot be read does (missing, empty, not a
                 video, truncated, no frames, decoder crash or timeout). `"skip"`: it is left out of the index and
                 recorded in `index.failures` (video -> reason, the reason starting with a code of
-                `indexing.FAILURE_CODES`); the progress bar counts the failures and a warning at the end lists them.
+                `testa_search.encoding.FAILURE_CODES`); the progress bar counts the failures and a warning at the end lists them.
                 Search never returns a failed video. `"raise"`: the decoder's error (naming the file) is raised and
                 no index is returned. Bad arguments (e.g. an array of the wrong shape) always raise.
             index (`VideoIndex`, *optional*): an index to grow, in memory or store-backed. Videos already in it (by
@@ -503,28 +503,21 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
                 place (a store gets a new shard, written and finished on disk), and it is returned.
                 It must have been built with the same settings (frames, R_T/R_S, projection size, precision,
                 window): another setting is refused, naming the difference, before anything is encoded.
-            window (`float`, *optional*): index moments instead of whole videos: every video file is cut into
-                windows of this many seconds (planned from its duration, `moments.plan_windows`; a video shorter
-                than one window is one entry), each video streamed once for all its windows
-                (`moments.WindowRowDecoder`: memory bounded by the windows still open, whatever the video's
-                length), and each window is one row of the index with its `start` and `end`
-                (`VideoIndex.segments`); `search` then returns moments. Paths only, in memory or in a store (as
-                `python -m train.index --window` writes one); `num_frames` is the only video argument taken. With
-                `num_workers`, the next videos are decoded (each in one pass) in threads while the current windows
-                are encoded.
+            window (`float`, *optional*): index moments: every video file is cut into windows of this many seconds
+                (`testa_search.moments.plan_windows`), each video streamed once for all its windows (memory bounded
+                whatever its length), each window one row with its `start` and `end`; `search` then returns moments.
+                Paths only; `num_frames` is the only video argument taken.
             stride (`float`, *optional*): seconds between window starts (default: `window`).
             **video_kwargs: video-processor arguments (`num_frames=...`).
 
         Raises:
             `ValueError`: no video of `videos` could be read (the message lists why), or a bad argument.
-            `index_settings.IndexSettingsError` (a `ValueError`): the index or store was built with other settings,
-                or `store_dir` holds files that are not a video store; nothing in it changed.
-            `store_lock.StoreLockedError`: another writer is writing the store.
+            `testa_search.settings.IndexSettingsError` (a `ValueError`): the index or store was built with other
+                settings, or `store_dir` holds files that are not a video store; nothing in it changed.
+            `testa_search.StoreLockedError`: another writer is writing the store.
 
-        Every step (lock, settings check, plan, resume, decoding, finish) is `index_build.IndexBuild`'s, the one
-        build that `python -m train.index` runs too. The returned index's `stats` say how fast it went: videos/s,
-        the time the encoder waited for decoding, the encoder's own time (decoding is the bottleneck when the wait
-        dominates) and the failures.
+        It runs `testa_search.build.IndexBuild`, the build `python -m train.index` runs too; the index's `stats` say
+        how fast it went (videos/s, the time spent waiting for decoding and encoding, the failures).
         """
         return library("testa_search.pipeline_methods", "encode_videos").encode_videos(
             self, videos, batch_size=batch_size, store_tokens=store_tokens, token_dtype=token_dtype,
@@ -546,7 +539,7 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
         group_by: str | None = None,
     ) -> Any:
         """Searches an encoded collection without decoding any video: a `VideoIndex` (in memory or store-backed) or
-        a `milvus_home.MilvusIndex`, with payload `filters` (``{"folder": DIR}``: the videos under DIR;
+        a `testa_search.milvus.MilvusIndex`, with payload `filters` (``{"folder": DIR}``: the videos under DIR;
         ``{"dataset": NAME or [NAMES]}``; ``{"video": PATH}``), applied before the first stage.
 
         The first stage takes the nearest videos by cosine (`VideoIndex.nearest`): with FAISS when installed

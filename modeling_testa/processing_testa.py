@@ -9,7 +9,7 @@ from typing import Any
 from transformers import BertTokenizer
 from transformers.processing_utils import ProcessorMixin
 
-from .saving import cap_tokenizer_length
+from .saved_tokenizer import cap_tokenizer_length, text_limit_in
 from .video_inputs import VIDEO_SUFFIXES, text_list
 from .video_processing_testa import TestaVideoProcessor
 
@@ -271,15 +271,6 @@ def load_testa_processor(source: str | os.PathLike, trust_remote_code: bool | No
     return TestaProcessor(video_processor=video_processor, tokenizer=tokenizer)
 
 
-def text_limit_in(save_directory: str | os.PathLike) -> int | None:
-    """`text_config.max_position_embeddings` of a TESTA `config.json` already saved in the folder, or None."""
-    path = Path(save_directory) / "config.json"
-    try:
-        return int(json.loads(path.read_text(encoding="utf-8"))["text_config"]["max_position_embeddings"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
 VIDEO_FILE_NAME = re.compile(r"^\S+(" + "|".join(re.escape(s) for s in VIDEO_SUFFIXES) + ")$", re.IGNORECASE)
 """A text that is only a video file name: no caption or question looks like this, but a video path that a caller
 (e.g. Sentence Transformers, for a file that does not exist or an extension it does not know) passed as text does."""
@@ -315,5 +306,4 @@ __all__ = [
     "TestaProcessor",
     "build_testa_tokenizer",
     "pre_caption",
-    "text_limit_in",
 ]

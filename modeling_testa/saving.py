@@ -30,6 +30,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from .configuration_testa import AGGREGATION_FIELDS, token_schedule
+from .saved_tokenizer import cap_tokenizer_length
 
 
 logger = logging.getLogger(__name__)
@@ -45,19 +46,6 @@ PIPELINE_MODULE = "pipeline_testa"
 INFERENCE_ATTRIBUTE = "inference_settings"
 """Set by `optimize_for_inference` on an optimized model (and its sub-models): a dict of its settings. Such a model
 is for inference only and `save_pretrained` refuses it (`check_savable`)."""
-
-
-def cap_tokenizer_length(save_directory: str | os.PathLike, limit: int) -> None:
-    """Caps `model_max_length` in the folder's `tokenizer_config.json` (when there is one) at `limit`, the text
-    encoder's `max_position_embeddings`: generic code (Sentence Transformers' `max_seq_length`) reads it there."""
-    path = Path(save_directory) / "tokenizer_config.json"
-    if not path.is_file():
-        return
-    settings = json.loads(path.read_text(encoding="utf-8"))
-    current = settings.get("model_max_length")
-    if not isinstance(current, (int, float)) or current > limit:
-        settings["model_max_length"] = int(limit)
-        path.write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def check_savable(model: Any) -> None:
@@ -238,40 +226,6 @@ def write_sentence_transformers_files(save_directory: str | os.PathLike, kind: s
     """Writes `sentence_transformers_files(kind)` into `save_directory`."""
     for name, content in sentence_transformers_files(kind).items():
         (Path(save_directory) / name).write_text(json.dumps(content, indent=2) + "\n", encoding="utf-8")
-
-
-def save_cross_encoder(model: Any, processor: Any, save_directory: str | os.PathLike, **options: Any) -> Path:
-    """Saves `model` and `processor` as a Sentence Transformers `CrossEncoder` folder: the model's files, the
-    re-ranker module's code (`cross_encoder.py`, with the model code it imports) and its settings.
-
-    `CrossEncoder(save_directory, trust_remote_code=True)` then scores (text, video) pairs with the matching head
-    (`.predict`, `.rank`). One folder cannot be both a `SentenceTransformer` and a `CrossEncoder` (one
-    `modules.json`), so this is a second folder (or Hub repo) beside the model's own.
-
-    Args:
-        options: the re-ranker's settings (`itm_score`, `add_cosine`, `cache_size`, `batch_size`; see
-            `cross_encoder.TestaVideoTextMatcher`).
-    """
-    if type(model).__name__ not in SENTENCE_TRANSFORMERS_HEADS:
-        raise TypeError(f"A re-ranker needs a retrieval model ({', '.join(SENTENCE_TRANSFORMERS_HEADS)}), got "
-                        f"{type(model).__name__}.")
-    directory = Path(save_directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "sentence_bert_config.json").unlink(missing_ok=True)  # a bi-encoder's, if the folder held one
-    write_sentence_transformers_files(directory, "cross-encoder")  # first: save_pretrained keeps a modules.json
-    model.save_pretrained(directory)
-    processor.save_pretrained(directory)
-    from transformers.dynamic_module_utils import get_relative_import_files
-
-    source = Path(__file__).resolve().parent / f"{CROSS_ENCODER_MODULE}.py"
-    for module in (source, *map(Path, get_relative_import_files(source))):
-        target = directory / module.name
-        if module.resolve() != target.resolve():
-            shutil.copyfile(module, target)
-    settings = {"itm_score": "logit", "add_cosine": True, "cache_size": 4096, "batch_size": 32, **options}
-    (directory / "testa_cross_encoder_config.json").write_text(json.dumps(settings, indent=2) + "\n",
-                                                              encoding="utf-8")
-    return directory
 
 
 def model_card(model: Any, processor: Any = None, repo_id: str | None = None) -> str:

@@ -75,7 +75,7 @@ class VideoDecodingError(ValueError):
         reason (`str`): why it failed (the decoder's own message where there is one).
         backend (`str` or `None`): the decoder that failed (`"decord"`, `"pyav"`), or `None` when no decoder was run or
             when all decoders failed (the reason then lists each).
-        code (`str`): why, as a stable word set where the error is raised (`indexing.FAILURE_CODES`): `"empty"`,
+        code (`str`): why, as a stable word set where the error is raised (`testa_search.encoding.FAILURE_CODES`): `"empty"`,
             `"no_frames"`, `"decoder_crash"`, `"timeout"`, or `"unreadable"` (the default: any other reason).
     """
 

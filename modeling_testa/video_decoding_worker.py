@@ -44,7 +44,7 @@ PROGRESS_EVERY = 0.5
 
 class DecodeFailure(Exception):
     """The video cannot be decoded; the message is the final, human-readable reason, `code` the stable word for it
-    (`indexing.FAILURE_CODES`: ``"no_frames"``, or ``"unreadable"`` for any other reason)."""
+    (`testa_search.encoding.FAILURE_CODES`: ``"no_frames"``, or ``"unreadable"`` for any other reason)."""
 
     def __init__(self, reason: str, code: str = "unreadable") -> None:
         super().__init__(reason)

@@ -67,6 +67,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from modeling_testa.aggregation import snap_scores
+from testa_runtimes.fingerprints import tensor_fingerprint
 from modeling_testa.aggregation_block import sequence, token_sizes_with_cls
 from modeling_testa.modeling_testa_vision import TestaVisionModelOutput
 
@@ -158,16 +159,6 @@ def default_cache_dir() -> Path:
     from huggingface_hub import constants
 
     return Path(constants.HF_HOME) / "testa" / "engines"
-
-
-def tensor_fingerprint(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """SHA-256 of named tensors (names, shapes, dtypes and bytes)."""
-    digest = hashlib.sha256()
-    for name, tensor in tensors:
-        tensor = tensor.detach().cpu().contiguous().reshape(-1)
-        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
-        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
-    return digest.hexdigest()
 
 
 def graph_code_fingerprint() -> str:

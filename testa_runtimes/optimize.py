@@ -48,7 +48,7 @@ from typing import Any
 
 from torch import nn
 
-from testa_search.settings import name_converted_weights, weights_fingerprint
+from testa_runtimes.fingerprints import name_converted_weights, weights_fingerprint
 from testa_runtimes.linear_layers import Bf16Linear, Int8DynamicLinear
 from testa_runtimes.runtimes import BACKENDS, INT8_DEPRECATION, OPTION_DEFAULTS, RUNTIMES, RuntimeOptions, choose
 from modeling_testa.saving import INFERENCE_ATTRIBUTE

@@ -1,7 +1,10 @@
 """The repository's import structure, read from the source with `ast` (lazy imports inside functions included).
 
-- `modeling_testa/` imports its siblings flat and relative only (it is exported as Hub remote code), with no cycle,
-  and its dependencies run one way: the models know nothing of the pipelines or of the Hub export code.
+- The files a saved folder ships (the relative-import closure of the models, the pipelines and the processors in
+  `modeling_testa/`) import their siblings flat and relative only (Hub remote code), with no cycle, and their
+  dependencies run one way: the models know nothing of the pipelines or of the Hub export code.
+- The packages run one way: `testa_search` and `testa_runtimes` use `modeling_testa`, never the reverse (the
+  pipelines reach them by name at call time, `pipeline_testa.library`), and the runtimes know nothing of search.
 - No private name (`_x`) crosses a module boundary anywhere in the repository: neither imported from another module
   nor called on another module's objects (what another module needs is public).
 - No file edits `sys.path`: `modeling_testa`, `processing` and `train` are installed packages, and the benchmarks run as
@@ -22,8 +25,12 @@ from modeling_testa import TestaVisionConfig, token_schedule
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "modeling_testa"
 MODULES = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
-OUR_PACKAGES = ("modeling_testa", "processing", "train", "benchmarks", "tests", "app", "video_llms")
-SOURCE_DIRS = ("modeling_testa", "processing", "train", "benchmarks", "tests", "app", "video_llms")
+OUR_PACKAGES = ("modeling_testa", "testa_search", "testa_runtimes", "processing", "train", "benchmarks", "tests", "app",
+                "video_llms")
+SOURCE_DIRS = OUR_PACKAGES
+SHIPPED_ENTRY_POINTS = ("modeling_testa", "pipeline_testa", "processing_testa", "video_processing_testa",
+                        "configuration_testa", "modeling_testa_vision")
+"""The modules a saved folder names in `auto_map` / `custom_pipelines`: the shipped code is their import closure."""
 
 
 def _python_files() -> list[Path]:
@@ -97,6 +104,36 @@ def test_cycle_finder_finds_cycles():
     assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
     assert _closure({"a": {"b"}, "b": {"c"}, "c": set()}, "a") == {"b", "c"}
+
+
+def _shipped(graph: dict[str, set[str]]) -> set[str]:
+    return set(SHIPPED_ENTRY_POINTS).union(*(_closure(graph, name) for name in SHIPPED_ENTRY_POINTS))
+
+
+def _absolute_imports(path: Path) -> set[str]:
+    """Top-level packages `path` imports absolutely (anywhere in the file)."""
+    found = set()
+    for node in ast.walk(_tree(path)):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[0] for alias in node.names)
+    return found
+
+
+def test_shipped_code_imports_no_package_of_ours_and_the_packages_run_one_way():
+    graph = _graph()
+    shipped = _shipped(graph)
+    assert {"modeling_testa", "pipeline_testa", "saving", "aggregation"} <= shipped
+    assert not {"flops", "patching", "hub", "process_start", "visualization"} & shipped, sorted(shipped)
+    for name in sorted(shipped):
+        ours = _absolute_imports(PACKAGE / f"{name}.py") & set(OUR_PACKAGES)
+        assert not ours, f"{name}.py ships in a Hub folder but imports {sorted(ours)}"
+    for path in PACKAGE.glob("*.py"):
+        upward = _absolute_imports(path) & {"testa_search", "testa_runtimes", "train", "processing", "app"}
+        assert not upward, f"modeling_testa/{path.name} imports {sorted(upward)}: the packages use the model, not back"
+    for path in (REPO / "testa_runtimes").rglob("*.py"):
+        assert "testa_search" not in _absolute_imports(path), f"{path.relative_to(REPO)}: runtimes know no search"
 
 
 def test_imports_are_flat_siblings_and_match_what_transformers_exports():

@@ -12,7 +12,7 @@ from helpers.videos import write_noise_video
 from helpers.requirements import require
 
 from modeling_testa import TestaForVideoTextRetrieval
-from modeling_testa.saving import save_cross_encoder
+from modeling_testa.cross_encoder import save_cross_encoder
 
 mteb = require("mteb")  # the `mteb` extra, installed by `make test`
 sentence_transformers = require("sentence_transformers")

@@ -389,9 +389,10 @@ def _random_index(module, num_videos: int, dim: int = 16, seed: int = 0):
 def test_faiss_search_equals_the_exact_torch_search(retrieval_pipe, videos):
     """The FAISS branch (installed by the `faiss` extra, which `make test` uses) against the exact torch search."""
     faiss = require("faiss")
-    module = sys.modules[type(retrieval_pipe).__module__]
-    assert sys.modules[module.VideoIndex.__module__].faiss_module() is faiss
-    index = _random_index(module, 300)
+    import testa_search
+
+    assert sys.modules[testa_search.VideoIndex.__module__].faiss_module() is faiss
+    index = _random_index(testa_search, 300)
     queries = F.normalize(torch.randn(7, 16, generator=torch.Generator().manual_seed(1)), dim=-1)
     exact = (queries @ index.embeddings.T).topk(25)  # the reference: plain matrix product
     for use_faiss in (True, False, None):

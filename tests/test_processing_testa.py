@@ -145,9 +145,9 @@ def test_save_load_and_remote_code(tmp_path, processor, video):
     custom = TestaProcessor(video_processor=TestaVideoProcessor(num_frames=6, resize_mode="shortest_edge"))
     custom.save_pretrained(folder)
     files = sorted(p.name for p in folder.iterdir())
-    assert files == ["processing_testa.py", "processor_config.json", "tokenizer.json", "tokenizer_config.json",
-                     "video_decoding.py", "video_decoding_worker.py", "video_inputs.py", "video_processing_testa.py",
-                     "worker_process.py"]
+    assert files == ["processing_testa.py", "processor_config.json", "saved_tokenizer.py", "tokenizer.json",
+                     "tokenizer_config.json", "video_decoding.py", "video_decoding_worker.py", "video_inputs.py",
+                     "video_processing_testa.py", "worker_process.py"]
     config = json.loads((folder / "processor_config.json").read_text())
     assert config["auto_map"] == {"AutoProcessor": "processing_testa.TestaProcessor"}
     assert config["video_processor"]["auto_map"]["AutoVideoProcessor"] == "video_processing_testa.TestaVideoProcessor"

@@ -14,7 +14,8 @@ from helpers.videos import write_noise_video
 from helpers.requirements import require
 
 from modeling_testa import TestaForVideoTextRetrieval, TestaVideoProcessor
-from modeling_testa.saving import MODEL_CARD_MARKER, save_cross_encoder
+from modeling_testa.cross_encoder import save_cross_encoder
+from modeling_testa.saving import MODEL_CARD_MARKER
 
 sentence_transformers = require("sentence_transformers")  # the `st` extra, installed by `make test`
 

@@ -29,7 +29,7 @@ from testa_search.filters import FILTER_KEYS
 from testa_search.settings import SETTINGS_FILE, recorded_store_settings
 from testa_search.index import VideoIndex
 
-from modeling_testa.index import add_milvus_arguments, load_retrieval_model
+from testa_search.cli.index import add_milvus_arguments, load_retrieval_model
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
