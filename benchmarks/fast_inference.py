@@ -15,7 +15,7 @@ compared with the merged fp32 one: the cosine of the CLS token and of the mean o
 retrieval head pools by default), per video.
 
 **Exported encoders** (``--backends openvino onnxruntime``, those installed): the TESTA encoder exported with its
-merging (`modeling_testa/engines.py`) in every precision the backend offers on this CPU; their first forward exports
+merging (`testa_runtimes/engines.py`) in every precision the backend offers on this CPU; their first forward exports
 (or loads ``--cache-dir``). Next to TimesformerModel as transformers runs it (eager attention) stands the same model
 with its attention computed by `F.scaled_dot_product_attention`, so the share of any ratio that SDPA alone gives shows.
 The merged variants trace their merge decisions (``trace_source``) and the table gives the share of videos whose

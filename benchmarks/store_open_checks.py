@@ -1,5 +1,5 @@
 """What checking a video store costs when it is opened (`DamagedStoreError`: file sizes, row maps, journals, the
-row-order embeddings against the kept ones; see `modeling_testa/video_store.py`).
+row-order embeddings against the kept ones; see `testa_search/store/video_store.py`).
 
     python -m benchmarks.store_open_checks                       # 100k videos
     python -m benchmarks.store_open_checks --sizes 100000 1000000

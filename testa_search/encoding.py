@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from transformers.utils import logging
@@ -196,12 +196,14 @@ DecodedBatch = tuple[list[int], "torch.Tensor | None", list[Failure]]
 the collection, and the ones that could not be decoded (`Failure` records with their `index`)."""
 
 
+@runtime_checkable
 class Sink(Protocol):
-    """Where encoded videos go (`InMemorySink`, `video_store.VideoStoreWriter`, a Milvus writer).
+    """Where encoded videos go, the one writer protocol (`InMemorySink`, `video_store.VideoStoreWriter`, a Milvus
+    writer; what an index home's `writer` returns for one shard): a context manager; `done` holds the rows already
+    written (a resumed shard skips them), `failures` what `add_failure` was given, in order (`Failure` records or,
+    for a store writer, their `Failure.as_dict` form)."""
 
-    `failures` holds what `add_failure` was given, in order: `Failure` records or, for a store writer, their
-    `Failure.as_dict` form."""
-
+    done: set[int]
     failures: list[Any]
 
     def add_batch(self, indices: Iterable[int], tokens: torch.Tensor, token_sizes: torch.Tensor | None,
@@ -209,8 +211,11 @@ class Sink(Protocol):
 
     def add_failure(self, index: int, video: str, reason: str, code: str | None = None) -> None: ...
 
+    def __enter__(self) -> "Sink": ...
 
-@dataclass
+    def __exit__(self, *exc_info: Any) -> Any: ...
+
+
 class EncodingStats:
     """How fast a collection was encoded.
 
@@ -286,6 +291,14 @@ class InMemorySink:
 
     def add_failure(self, index: int, video: str, reason: str, code: str | None = None) -> None:
         self.failures.append(Failure(str(video), code or "unknown", str(reason), int(index)))
+
+    done: set[int] = frozenset()  # a sink in memory is never resumed
+
+    def __enter__(self) -> "InMemorySink":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        pass
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """``(embeddings, tokens or None, token_sizes or None)`` of every video encoded (`indices`), at least one."""

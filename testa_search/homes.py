@@ -36,7 +36,7 @@ from testa_search.settings import (
     recorded_store_settings,
     write_json_atomically,
 )
-from testa_search.encoding import SUMMARY_FAILURES, DecodedBatch, Failure, InMemorySink
+from testa_search.encoding import SUMMARY_FAILURES, DecodedBatch, Failure, InMemorySink, Sink
 from testa_search.store.lock import LOCK_FILE, StoreLock
 from testa_search.index import ROW_FIELDS, VideoIndex, segments_tensor, video_name
 from testa_search.store.video_store import (
@@ -146,24 +146,6 @@ class RowPlan:
 
 
 @runtime_checkable
-class HomeWriter(Protocol):
-    """Writes the rows ``[start, stop)`` of a plan (one shard): a context manager and an `indexing.Sink`."""
-
-    done: set[int]
-    """The rows already written (a resumed shard skips them)."""
-    failures: list[Any]
-
-    def add_batch(self, indices: Iterable[int], tokens: torch.Tensor, token_sizes: torch.Tensor | None,
-                  embeddings: torch.Tensor) -> None: ...
-
-    def add_failure(self, index: int, video: str, reason: str, code: str | None = None) -> None: ...
-
-    def __enter__(self) -> "HomeWriter": ...
-
-    def __exit__(self, *exc_info: Any) -> Any: ...
-
-
-@runtime_checkable
 class IndexHome(Protocol):
     """Where a build writes its rows. `index_build.IndexBuild` calls, in this order:
 
@@ -190,7 +172,7 @@ class IndexHome(Protocol):
     def read_plan(self) -> RowPlan: ...
 
     def writer(self, shard: int, start: int, stop: int, resume: bool = False,
-               entries: list[IndexEntry] | None = None) -> HomeWriter: ...
+               entries: list[IndexEntry] | None = None) -> Sink: ...
 
     def finish(self, plan: RowPlan, settings: dict[str, Any], stats: dict[str, Any] | None = None,
                **options: Any) -> "SearchableIndex": ...
@@ -251,18 +233,6 @@ class NoLock:
 # ---------------------------------------------------------------------------------------------------- in memory
 
 
-class _InMemoryWriter(InMemorySink):
-    """An `InMemorySink` with the writer protocol of the homes (a context manager with `done`)."""
-
-    done: set[int] = frozenset()
-
-    def __enter__(self) -> "_InMemoryWriter":
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        pass
-
-
 class InMemoryHome:
     """An index in this process' memory: embeddings (fp32) and, with `store_tokens`, tokens (in `token_dtype`,
     default the model's) and token sizes. With `index`, a build grows that `VideoIndex` in place by the rows it
@@ -273,7 +243,7 @@ class InMemoryHome:
     def __init__(self, store_tokens: bool = True, token_dtype: torch.dtype | None = None,
                  index: VideoIndex | None = None):
         self.store_tokens, self.token_dtype, self.index = store_tokens, token_dtype, index
-        self.sink: _InMemoryWriter | None = None
+        self.sink: InMemorySink | None = None
 
     def lock(self, command: str) -> NoLock:
         return NoLock()
@@ -301,8 +271,8 @@ class InMemoryHome:
     def read_plan(self) -> RowPlan:
         raise RuntimeError("An in-memory index is built by one process.")
 
-    def writer(self, shard: int, start: int, stop: int, resume: bool = False, entries: Any = None) -> _InMemoryWriter:
-        self.sink = _InMemoryWriter(self.store_tokens, self.token_dtype)
+    def writer(self, shard: int, start: int, stop: int, resume: bool = False, entries: Any = None) -> InMemorySink:
+        self.sink = InMemorySink(self.store_tokens, self.token_dtype)
         return self.sink
 
     def failures(self) -> list[Failure]:
@@ -573,6 +543,6 @@ class StoreHome:
         return index
 
 
-__all__ = ["PLAN_FILE", "TOKEN_DTYPES", "Decoder", "HomeWriter", "IndexEntry", "IndexHome", "InMemoryHome", "NoLock",
+__all__ = ["PLAN_FILE", "TOKEN_DTYPES", "Decoder", "IndexEntry", "IndexHome", "InMemoryHome", "NoLock",
            "RowPlan", "SearchableIndex", "StoreHome", "as_entries", "default_shard_size", "new_rows", "row_fields_of",
            "segments_of", "shard_ranges"]

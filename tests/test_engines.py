@@ -1,4 +1,4 @@
-"""The exported TESTA encoder (`modeling_testa/engines.py`): OpenVINO and ONNX Runtime graphs with the merging inside
+"""The exported TESTA encoder (`testa_runtimes/engines.py`): OpenVINO and ONNX Runtime graphs with the merging inside
 equal PyTorch fp32 (same merge decisions: the source map and the token sizes are identical; outputs to float
 rounding), int8 stays within the quality contract with the matching's matrix multiplies left in fp32, the cache is
 keyed by every setting, and bad inputs get messages naming what to do. Tiny random models; every export is cached in

@@ -1,4 +1,4 @@
-"""Evaluation through the on-disk video store (modeling_testa/video_store.py, train/evaluation.py).
+"""Evaluation through the on-disk video store (testa_search/store/video_store.py, train/evaluation.py).
 
 The reference everywhere is the in-memory two-stage ranking of the model (`rank_videos`/`rank_texts` on all tokens,
 what the evaluation did before the store): the store path must give the same ranks with fp32 token storage, and the

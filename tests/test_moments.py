@@ -1,4 +1,4 @@
-"""Moments of long videos (modeling_testa/moments.py): window plans worked out by hand, an hour-long video decoded
+"""Moments of long videos (testa_search/moments.py): window plans worked out by hand, an hour-long video decoded
 once for all its windows (decoder opens, packets and seeks counted), and windows equal to the same frames decoded
 window by window."""
 

@@ -1,4 +1,4 @@
-"""The runtimes of the video encoder (`modeling_testa/runtimes.py`): the registry and the choice by name and device,
+"""The runtimes of the video encoder (`testa_runtimes/runtimes.py`): the registry and the choice by name and device,
 one refusal per thing a runtime cannot do (naming the runtime, the option and the allowed values), the model's
 forward handing calls to its ``runtime`` attribute, and the CUDA-graph runtime's logic (capture per shape, static
 buffers, fallback to eager with the reason logged) run on the CPU.
