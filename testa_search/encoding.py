@@ -216,6 +216,7 @@ class Sink(Protocol):
     def __exit__(self, *exc_info: Any) -> Any: ...
 
 
+@dataclass
 class EncodingStats:
     """How fast a collection was encoded.
 
