@@ -42,7 +42,7 @@ from transformers.pipelines.base import Pipeline
 from transformers.utils import logging
 
 from .processing_testa import TestaProcessor, load_testa_processor
-from .ranking import ranked_order
+from .ranking import encode_video_batch, ranked_order
 from .saving import check_savable, push_folder_to_hub
 from .video_inputs import check_video, is_array, is_single_video, text_list, video_list
 
@@ -51,6 +51,11 @@ logger = logging.get_logger(__name__)
 
 PROGRESS_BAR_MIN_VIDEOS = 16
 """With `progress_bar=None`, a progress bar is shown when at least this many videos are encoded."""
+
+
+def show_progress(count: int, progress_bar: bool | None) -> bool:
+    """Whether encoding `count` videos shows a progress bar: `progress_bar`, or from `PROGRESS_BAR_MIN_VIDEOS` on."""
+    return (count >= PROGRESS_BAR_MIN_VIDEOS) if progress_bar is None else bool(progress_bar)
 
 
 LIBRARY = "the TESTA library (`pip install testa-hf`)"
@@ -252,8 +257,7 @@ class _TestaPipeline(Pipeline):
         return pixels
 
     def _progress(self, total: int, progress_bar: bool | None, desc: str) -> Any:
-        disable = (total < PROGRESS_BAR_MIN_VIDEOS) if progress_bar is None else not progress_bar
-        return logging.tqdm(total=total, desc=desc, unit="video", disable=disable)
+        return logging.tqdm(total=total, desc=desc, unit="video", disable=not show_progress(total, progress_bar))
 
     # -- saving -----------------------------------------------------------------------------------------------------
 
@@ -421,13 +425,11 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
                 batch = videos[first : first + batch_size]
                 pixels = torch.cat([self.pixel_values(video, f"videos[{first + i}]", video_kwargs)
                                     for i, video in enumerate(batch)])
-                out = self.model.get_video_tokens(pixels.to(self.device, dtype=dtype))
-                features = self.model.get_video_features(video_tokens=out.last_hidden_state,
-                                                         video_token_sizes=out.token_sizes).pooler_output
+                batch_tokens, sizes, features = encode_video_batch(self.model, pixels.to(self.device, dtype=dtype))
                 embeddings.append(features.float().cpu())
-                tokens.append(out.last_hidden_state.detach().cpu())
-                if out.token_sizes is not None:  # an encoder whose every token is one patch reports none
-                    token_sizes.append(out.token_sizes.detach().float().cpu())
+                tokens.append(batch_tokens.detach().cpu())
+                if sizes is not None:  # an encoder whose every token is one patch reports none
+                    token_sizes.append(sizes.detach().float().cpu())
                 bar.update(len(batch))
         return torch.cat(embeddings), torch.cat(tokens), (torch.cat(token_sizes) if token_sizes else None)
 
@@ -891,7 +893,6 @@ register_testa_pipelines()
 
 __all__ = [
     "PIPELINE_CLASSES",
-    "VideoIndex",
     "VideoQuestionAnsweringPipeline",
     "VideoTextRetrievalPipeline",
     "ZeroShotVideoClassificationPipeline",

@@ -227,12 +227,22 @@ def ranked_order(
     return ranked[:length]
 
 
+def encode_video_batch(model: Any, pixel_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """What two-stage ranking reads of a batch of videos, from a retrieval head (`get_video_tokens`,
+    `get_video_features`): ``(tokens, token sizes or None, embeddings)``, as the model computes them (on its device,
+    in its dtype). The pipeline call and the index build encode through this one step."""
+    out = model.get_video_tokens(pixel_values)
+    features = model.get_video_features(video_tokens=out.last_hidden_state, video_token_sizes=out.token_sizes)
+    return out.last_hidden_state, out.token_sizes, features.pooler_output
+
+
 __all__ = [
     "ITM_SCORES",
     "RankingOptions",
     "TestaRankingOutput",
     "check_batch_size",
     "check_itm_score",
+    "encode_video_batch",
     "match_scores",
     "pair_scores",
     "ranked_order",

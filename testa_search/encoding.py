@@ -29,6 +29,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from transformers.utils import logging
 
+from modeling_testa.ranking import encode_video_batch
+
 
 logger = logging.get_logger(__name__)
 
@@ -352,13 +354,10 @@ def encode_videos(
                 sink.add_failure(failure.index, failure.video, failure.reason, code=failure.code)
                 failed.append(failure)
             if pixel_values is not None:
-                out = model.get_video_tokens(pixel_values.to(device, dtype=dtype))
-                features = model.get_video_features(
-                    video_tokens=out.last_hidden_state, video_token_sizes=out.token_sizes
-                ).pooler_output
+                tokens, token_sizes, features = encode_video_batch(model, pixel_values.to(device, dtype=dtype))
                 encoding += time.perf_counter() - ready
-                sink.add_batch(indices, out.last_hidden_state, out.token_sizes, features)
-                del out, features, pixel_values  # the largest buffers of a step
+                sink.add_batch(indices, tokens, token_sizes, features)
+                del tokens, token_sizes, features, pixel_values  # the largest buffers of a step
             count += len(indices) + len(failures)
             bar.update(len(indices) + len(failures))
             elapsed = time.perf_counter() - begin

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
-from modeling_testa.pipeline_testa import PROGRESS_BAR_MIN_VIDEOS, check_rerank_k, check_top_k
+from modeling_testa.pipeline_testa import check_rerank_k, check_top_k, show_progress
 from modeling_testa.ranking import RankingOptions, two_stage_scores
 from modeling_testa.video_inputs import text_list, video_list
 
@@ -25,11 +25,6 @@ from .settings import IndexInfo
 
 
 logger = logging.get_logger(__name__)
-
-
-def show_progress(count: int, progress_bar: bool | None) -> bool:
-    """Whether a build of `count` rows shows a progress bar: `progress_bar`, or from `PROGRESS_BAR_MIN_VIDEOS` on."""
-    return (count >= PROGRESS_BAR_MIN_VIDEOS) if progress_bar is None else bool(progress_bar)
 
 
 def decoder_for_thread(pipe: Any) -> Any:
@@ -121,17 +116,14 @@ def encode_videos(pipe: Any, videos: list[Any], batch_size: int = 8, store_token
     return built
 
 
-def describer(items: Any) -> Any:
-    """``row -> {"video", ...}``: an index's `entry` (the row's video and, when it has them, its `start`/`end`
-    (an index of moments) and `dataset`); for a plain list of videos, ``{"video": items[row]}``."""
-    entry = getattr(items, "entry", None)
-    if entry is not None:
-        videos = items.videos
-        return lambda row: {**entry(row), "video": videos[row]}
-    return lambda row: {"video": items[row]}
+def describer(index: SearchableIndex) -> Any:
+    """``row -> {"video", ...}``: the index's `entry` (the row's video and, when it has them, its `start`/`end`
+    (an index of moments) and `dataset`), with the video as the index holds it."""
+    entry, videos = index.entry, index.videos
+    return lambda row: {**entry(row), "video": videos[row]}
 
 
-def candidate_results(items: Any, candidates: torch.Tensor, cosines: torch.Tensor,
+def candidate_results(index: SearchableIndex, candidates: torch.Tensor, cosines: torch.Tensor,
                       head_scores: torch.Tensor | None, top_k: int | None) -> list[dict]:
     """The pipeline's result list computed from one query's candidates only (O(candidates), not O(collection)): the
     first ``len(head_scores)`` candidates re-ranked (by decreasing two-stage score), then the other candidates by
@@ -141,7 +133,7 @@ def candidate_results(items: Any, candidates: torch.Tensor, cosines: torch.Tenso
     reranked = 0 if head_scores is None else len(head_scores)
     head = sorted(zip(rows[:reranked], head_scores.tolist() if reranked else []), key=lambda pair: (-pair[1], pair[0]))
     rest = sorted(zip(rows[reranked:], cosines[reranked:]), key=lambda pair: (-pair[1], pair[0]))
-    describe = describer(items)
+    describe = describer(index)
     results = [{**describe(i), "score": score, "reranked": True} for i, score in head]
     results += [{**describe(i), "score": score, "reranked": False} for i, score in rest]
     return results if top_k is None else results[:top_k]

@@ -17,9 +17,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from testa_runtimes.fingerprints import name_converted_weights, weights_fingerprint
+from testa_runtimes.fingerprints import weights_fingerprint
 from testa_search.store.lock import LOCK_FILE
 from testa_search.store.video_store import PLAN_FILE, forget_rows, is_video_store, read_json_file, store_metadata
 
@@ -217,4 +215,4 @@ def write_json_atomically(path: Path, value: Any) -> None:
 
 __all__ = ["MODEL_KEYS", "SCRATCH_KEY", "SETTINGS_FILE", "IndexInfo", "IndexSettingsError", "check_settings", "check_store_folder",
            "config_setting", "describe_differences", "json_value", "recorded_store_settings", "settings_differences",
-           "name_converted_weights", "weights_fingerprint", "write_json_atomically"]
+           "weights_fingerprint", "write_json_atomically"]
