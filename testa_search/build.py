@@ -173,10 +173,9 @@ class FileDecoder:
                                   prefetch_factor=1 if self.num_workers else None,
                                   **dataloader_workers(self.num_workers, collate))
             return
-        ahead = DecodeAhead(lambda j: collate([items[j]]), len(items), self.num_workers,
-                            max(2 * self.batch_size, self.num_workers), self.thread_initializer)
-        with ahead:
-            yield from map(ahead.get, range(len(items)))
+        with DecodeAhead(lambda j: collate([items[j]]), len(items), self.num_workers,
+                         max(2 * self.batch_size, self.num_workers), self.thread_initializer) as ahead:
+            yield from ahead
 
 
 # ---------------------------------------------------------------------------------------------------- progress

@@ -171,6 +171,36 @@ def test_decode_ahead_skips_in_order_with_and_without_threads(files, workers):
         list(ahead.batches(3, "raise"))
 
 
+@pytest.mark.parametrize("workers", [0, 1, 3])
+def test_decode_ahead_streams_in_order_raise_in_place_and_close_on_exit(workers):
+    """Streams (`max_items`: what `WindowRowDecoder` runs, one video's windows each): every item of stream 0, then
+    of stream 1, ...; a stream's error is raised after its items; leaving early closes the started generators."""
+    def stream(i):
+        yield from ((i, j) for j in range(5))
+        if i == 2:
+            raise ValueError("stream 2 broke")
+
+    got = []
+    with pytest.raises(ValueError, match="stream 2 broke"), DecodeAhead(stream, 4, workers, max_items=2) as ahead:
+        got.extend(ahead)
+    assert got == [(i, j) for i in range(3) for j in range(5)]
+    started, closed = [], []
+
+    def endless(i):
+        started.append(i)
+        try:
+            yield from range(10**6)
+        finally:
+            closed.append(i)
+
+    with DecodeAhead(endless, 5, workers, max_items=2) as ahead:
+        items = iter(ahead)
+        assert [next(items) for _ in range(3)] == [0, 1, 2]
+        items.close()
+    # stream 0 and those the threads had begun (at most one a thread): each closed, none left running
+    assert 0 in started and sorted(closed) == sorted(started) and len(started) <= max(workers, 1)
+
+
 # ------------------------------------------------------------------------------------------------ the pipeline
 
 
