@@ -513,7 +513,9 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
             **video_kwargs: video-processor arguments (`num_frames=...`).
 
         Raises:
-            `ValueError`: no video of `videos` could be read (the message lists why), or a bad argument.
+            `testa_search.NoReadableVideoError` (a `ValueError`): no video of `videos` could be read (the message
+                lists why; its `failures` hold every video's `Failure`).
+            `ValueError`: a bad argument.
             `testa_search.settings.IndexSettingsError` (a `ValueError`): the index or store was built with other
                 settings, or `store_dir` holds files that are not a video store; nothing in it changed.
             `testa_search.StoreLockedError`: another writer is writing the store.

@@ -188,6 +188,17 @@ class Failure:
         return cls(str(video), failure_code(error, source), f"{type(error).__name__}: {error}", index, start, end)
 
 
+class NoReadableVideoError(ValueError):
+    """No row of a build could be read, so no index was made (nothing written): ``failures`` holds every row's
+    `Failure`, so a caller can say why without decoding the videos again; the message lists the first
+    `SUMMARY_FAILURES` of them."""
+
+    def __init__(self, failures: Iterable[Failure], note: str = ""):
+        self.failures = list(failures)
+        super().__init__(f"None of the {len(self.failures)} videos could be read{note}:\n"
+                         + failure_lines(self.failures))
+
+
 def failure_reason(error: BaseException, source: str | os.PathLike | None = None) -> str:
     """``"<code>: <ErrorType>: <message>"``: the `failure_code` and the error that says why ``source`` failed."""
     return str(Failure.from_error(error, str(source), source=source))
@@ -368,13 +379,17 @@ def encode_videos(
     return EncodingStats(count, time.perf_counter() - begin, waited, encoding, num_workers, len(failed))
 
 
-def failure_summary(failures: list[Failure], total: int, limit: int = SUMMARY_FAILURES) -> str:
-    """``"F of N videos could not be read and were skipped:"`` and the first ``limit`` ``video: code: reason``
-    lines."""
+def failure_lines(failures: list[Failure], limit: int = SUMMARY_FAILURES) -> str:
+    """The first ``limit`` failures as ``  video: code: reason`` lines, and how many more there are."""
     lines = [f"  {failure.video}: {str(failure)[:300]}" for failure in failures[:limit]]
     if len(failures) > limit:
         lines.append(f"  ... and {len(failures) - limit} more")
-    return f"{len(failures)} of {total} videos could not be read and were skipped:\n" + "\n".join(lines)
+    return "\n".join(lines)
+
+
+def failure_summary(failures: list[Failure], total: int, limit: int = SUMMARY_FAILURES) -> str:
+    """``"F of N videos could not be read and were skipped:"`` and the `failure_lines`."""
+    return f"{len(failures)} of {total} videos could not be read and were skipped:\n" + failure_lines(failures, limit)
 
 
 def decode_or_failure(decode: Callable[[], torch.Tensor], index: int, video: str, on_error: str
@@ -577,7 +592,7 @@ class DecodeAhead:
 
 __all__ = [
     "FAILURE_CODES", "ON_ERROR", "SUMMARY_FAILURES", "DecodeAhead", "DecodeEach", "DecodeVideos", "DecodedBatch",
-    "EncodingStats", "Failure",
-    "InMemorySink", "Sink", "check_on_error", "decode_or_failure", "encode_videos", "failure_code", "failure_reason",
-    "failure_summary", "is_media_error", "looks_like_video", "mp4_is_truncated",
+    "EncodingStats", "Failure", "InMemorySink", "NoReadableVideoError", "Sink", "check_on_error", "decode_or_failure",
+    "encode_videos", "failure_code", "failure_lines", "failure_reason", "failure_summary", "is_media_error",
+    "looks_like_video", "mp4_is_truncated",
 ]

@@ -36,7 +36,7 @@ from testa_search.settings import (
     recorded_store_settings,
     write_json_atomically,
 )
-from testa_search.encoding import SUMMARY_FAILURES, DecodedBatch, Failure, InMemorySink, Sink
+from testa_search.encoding import DecodedBatch, Failure, InMemorySink, NoReadableVideoError, Sink
 from testa_search.store.lock import LOCK_FILE, StoreLock
 from testa_search.index import ROW_FIELDS, VideoIndex, segments_tensor, video_name
 from testa_search.store.video_store import (
@@ -281,8 +281,8 @@ class InMemoryHome:
 
     def finish(self, plan: RowPlan, settings: dict[str, Any], stats: dict[str, Any] | None = None,
                **options: Any) -> VideoIndex:
-        """The new index of the encoded rows, or the grown `index`. Raises ValueError when a new index would hold no
-        encoded row; a grown index takes the failures."""
+        """The new index of the encoded rows, or the grown `index`. Raises `NoReadableVideoError` when a new index
+        would hold no encoded row; a grown index takes the failures."""
         stats = dict(stats or {})
         if not plan.rows:
             return self.index
@@ -290,8 +290,7 @@ class InMemoryHome:
         sink = self.sink
         if not sink.indices:
             if self.index is None:
-                raise ValueError(f"None of the {len(plan.rows)} videos could be read:\n" + "\n".join(
-                    f"  {f.video}: {str(f)[:300]}" for f in failures[:SUMMARY_FAILURES]))
+                raise NoReadableVideoError(failures)
             self.index.add(failures_only(self.index, failures))
             self.index.stats = stats
             return self.index
@@ -516,8 +515,8 @@ class StoreHome:
     def finish(self, plan: RowPlan, settings: dict[str, Any], stats: dict[str, Any] | None = None,
                first_stage: bool = True, require_encoded: bool = True) -> VideoIndex:
         """Writes the store's index (`finalize_store`: every shard must be closed) and, with `first_stage`, its first
-        stage; returns the store-backed `VideoIndex`. With `require_encoded`, raises ValueError (naming the reasons,
-        and leaving no readable store) when no row could be encoded."""
+        stage; returns the store-backed `VideoIndex`. With `require_encoded`, raises `NoReadableVideoError` (naming
+        the reasons, and leaving no readable store) when no row could be encoded."""
         if self.finished(plan):  # nothing was written: the store as it is
             return VideoIndex.load(self.directory, first_stage=first_stage)
         info = {key: value for key, value in settings.items() if key != "segments"}
@@ -533,9 +532,7 @@ class StoreHome:
             (self.directory / STORE_INFO_FILE).unlink()
             if self.new:  # nothing indexed: nothing written (the folder held no store; only the lock stays, for now)
                 self.discard()
-            reasons = "\n".join(f"  {f.video}: {str(f)[:300]}" for f in failures[:SUMMARY_FAILURES])
-            more = f"\n  ... and {len(failures) - SUMMARY_FAILURES} more" if len(failures) > SUMMARY_FAILURES else ""
-            raise ValueError(f"None of the {len(failures)} videos could be read; nothing was written:\n{reasons}{more}")
+            raise NoReadableVideoError(failures, "; nothing was written")
         if first_stage:
             index.save_first_stage(self.directory)
             index.load_first_stage(self.directory)

@@ -14,7 +14,7 @@ from helpers.videos import write_bad_videos, write_noise_video, write_video
 import testa_search.encoding as indexing
 import modeling_testa.video_processing_testa as video_processing
 from modeling_testa import VideoTextRetrievalPipeline
-from testa_search import VideoIndex
+from testa_search import Failure, NoReadableVideoError, VideoIndex
 from testa_search.encoding import (
     FAILURE_CODES,
     DecodeAhead,
@@ -268,6 +268,19 @@ def test_no_readable_video_is_one_clear_error_and_writes_no_store(pipe, files, t
     with pytest.raises(ValueError, match=r"None of the 5 videos could be read; nothing was written:\n  .*notes.mp4"):
         pipe.encode_videos(list(bad.values()), store_dir=tmp_path / "store")
     assert not (tmp_path / "store").exists()  # no half-written store folder (issue 52)
+
+
+@pytest.mark.parametrize("stored", [False, True])
+def test_no_readable_video_error_carries_every_failure(pipe, files, tmp_path, stored):
+    """The error says why each video failed (`failures`, one `Failure` a video, its code told by the file), so a
+    caller (the app) need not decode them again to say it."""
+    _, bad, _ = files
+    with pytest.raises(NoReadableVideoError) as raised:
+        pipe.encode_videos(list(bad.values()), store_dir=tmp_path / "store" if stored else None)
+    assert isinstance(raised.value, ValueError)
+    assert all(isinstance(failure, Failure) for failure in raised.value.failures)
+    assert {failure.video: failure.code for failure in raised.value.failures} == \
+        {path: code for code, path in bad.items()}
 
 
 def test_an_index_grown_in_two_calls_equals_one_built_at_once(pipe, files, monkeypatch):
