@@ -244,6 +244,7 @@ class InMemoryHome:
                  index: VideoIndex | None = None):
         self.store_tokens, self.token_dtype, self.index = store_tokens, token_dtype, index
         self.sink: InMemorySink | None = None
+        self.retried: set[str] = set()  # videos whose failed rows `plan` plans again
 
     def lock(self, command: str) -> NoLock:
         return NoLock()
@@ -261,9 +262,24 @@ class InMemoryHome:
         check_settings("The index", self.index.info, settings)
         return {**settings, **self.index.info}
 
+    def held_videos(self) -> set[str]:
+        """The videos of the index none of whose rows failed (a moment build does not plan them again)."""
+        if self.index is None:
+            return set()
+        return set(self.index.names) - {failure.video for failure in self.index.failures}
+
+    def retry_failures(self, entries: list[IndexEntry]) -> int:
+        """Lets `plan` plan again the failed rows of the given entries' videos (a failure is not a permanent
+        verdict); the index changes only at `finish`, where a row now encoded leaves its failures (`VideoIndex.add`).
+        Returns how many failed rows are retried."""
+        names = {entry.name(i) for i, entry in enumerate(entries)}
+        failed = [] if self.index is None else [f for f in self.index.failures if f.video in names]
+        self.retried = {failure.video for failure in failed}
+        return len(failed)
+
     def plan(self, entries: list[IndexEntry], shard_size: int | None = None, num_processes: int = 1) -> RowPlan:
-        known = set() if self.index is None else (
-            set(self.index.row_keys()) | {failure.key for failure in self.index.failures})
+        known = set() if self.index is None else (set(self.index.row_keys()) | {
+            failure.key for failure in self.index.failures if failure.video not in self.retried})
         added = new_rows(entries, known)
         rows = [entries[i] for i in added]
         return RowPlan(rows, [[0, len(rows)]] if rows else [], [0] if rows else [], added)
@@ -275,9 +291,11 @@ class InMemoryHome:
         self.sink = InMemorySink(self.store_tokens, self.token_dtype)
         return self.sink
 
-    def failures(self) -> list[Failure]:
-        """The failures of the build (`index` None: an in-memory index has no rows for them)."""
-        return [dataclasses.replace(f, index=None) for f in self.sink.failures] if self.sink is not None else []
+    def failures(self, plan: RowPlan) -> list[Failure]:
+        """The failures of the build, each with its row's moment (`index` None: an in-memory index has no rows for
+        them)."""
+        return [dataclasses.replace(f, index=None, start=plan.rows[f.index].start, end=plan.rows[f.index].end)
+                for f in self.sink.failures] if self.sink is not None else []
 
     def finish(self, plan: RowPlan, settings: dict[str, Any], stats: dict[str, Any] | None = None,
                **options: Any) -> VideoIndex:
@@ -286,7 +304,7 @@ class InMemoryHome:
         stats = dict(stats or {})
         if not plan.rows:
             return self.index
-        failures = self.failures()
+        failures = self.failures(plan)
         sink = self.sink
         if not sink.indices:
             if self.index is None:
@@ -431,11 +449,12 @@ class StoreHome:
 
     # -- removing rows -----------------------------------------------------------------------------------------------
 
-    def failed_videos(self) -> set[str]:
-        """The videos with a row that could not be read, in a finished store (empty otherwise)."""
-        if not is_video_store(self.directory):
-            return set()
-        return {str(failure["video"]) for failure in store_metadata(self.directory)["failures"]}
+    def held_videos(self) -> set[str]:
+        """The videos of the store's plan none of whose rows failed in its finished index (a moment build does not
+        plan them again; the failed ones it does, and the build retries their failed rows)."""
+        failed = {str(f["video"]) for f in store_metadata(self.directory)["failures"]} \
+            if is_video_store(self.directory) else set()
+        return set(self.stored_plan()["videos"]) - failed
 
     def retry_failures(self, entries: list[IndexEntry]) -> int:
         """Removes the failed rows of the given entries' videos from a finished store, so that `plan` plans them
