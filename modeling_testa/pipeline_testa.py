@@ -498,11 +498,12 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
                 video, truncated, no frames, decoder crash or timeout). `"skip"`: it is left out of the index and
                 recorded in `index.failures` (video -> reason, the reason starting with a code of
                 `testa_search.encoding.FAILURE_CODES`); the progress bar counts the failures and a warning at the end lists them.
-                Search never returns a failed video. `"raise"`: the decoder's error (naming the file) is raised and
-                no index is returned. Bad arguments (e.g. an array of the wrong shape) always raise.
+                Search never returns a failed video; the next call given it (`store_dir`, `index=`) tries it again
+                (a failure is not a permanent verdict: the file may be repaired). `"raise"`: the decoder's error
+                (naming the file) is raised and no index is returned. Bad arguments (e.g. an array of the wrong shape) always raise.
             index (`VideoIndex`, *optional*): an index to grow, in memory or store-backed. Videos already in it (by
-                path and `start`/`end`; failed ones too) are skipped, the others are encoded and appended to it in
-                place (a store gets a new shard, written and finished on disk), and it is returned.
+                path and `start`/`end`) are skipped, the others are encoded and appended to it in place (a store gets
+                a new shard, written and finished on disk), and it is returned.
                 It must have been built with the same settings (frames, R_T/R_S, projection size, precision,
                 window): another setting is refused, naming the difference, before anything is encoded.
             window (`float`, *optional*): index moments: every video file is cut into windows of this many seconds
@@ -513,7 +514,9 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
             **video_kwargs: video-processor arguments (`num_frames=...`).
 
         Raises:
-            `ValueError`: no video of `videos` could be read (the message lists why), or a bad argument.
+            `testa_search.NoReadableVideoError` (a `ValueError`): no video of `videos` could be read (the message
+                lists why; its `failures` hold every video's `Failure`).
+            `ValueError`: a bad argument.
             `testa_search.settings.IndexSettingsError` (a `ValueError`): the index or store was built with other
                 settings, or `store_dir` holds files that are not a video store; nothing in it changed.
             `testa_search.StoreLockedError`: another writer is writing the store.

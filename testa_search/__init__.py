@@ -11,10 +11,12 @@ ships `modeling_testa` only).
 - The pipeline's `encode_videos` and `search` (`pipeline_methods.py`) and the command lines (`cli/`).
 """
 
+from .encoding import Failure, NoReadableVideoError
 from .homes import SearchableIndex
 from .index import VideoIndex
 from .store.lock import StoreLock, StoreLockedError
 from .store.video_store import DamagedStoreError
 
 
-__all__ = ["DamagedStoreError", "SearchableIndex", "StoreLock", "StoreLockedError", "VideoIndex"]
+__all__ = ["DamagedStoreError", "Failure", "NoReadableVideoError", "SearchableIndex", "StoreLock", "StoreLockedError",
+           "VideoIndex"]

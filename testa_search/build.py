@@ -13,7 +13,9 @@ through the same home steps (`index_homes.StoreHome`). A build runs these steps,
    difference, before anything is encoded; nothing in it changes then. A new home records them. A mirror (a Milvus
    collection, `milvus_home.MilvusHome`) is checked the same way.
 3. **Plan.** The rows the home lacks are planned after its own (`RowPlan`): running a build again with the same
-   videos, a subset or a superset encodes only what is new, and a killed build's open shards are resumed.
+   videos, a subset or a superset encodes only what is new, and a killed build's open shards are resumed. The rows
+   of the given videos that failed before are planned again (`retry_failures`): a failure is never a permanent
+   verdict.
 4. **Encode.** Each process encodes its open shards (shard ``s`` on process ``s % N``) with the one encode loop
    (`indexing.encode_videos`), decoding with `FileDecoder` (the decoder choice), resuming after what a killed run
    journaled. Unreadable videos become failures (`indexing.Failure`), never errors.
@@ -22,8 +24,6 @@ through the same home steps (`index_homes.StoreHome`). A build runs these steps,
    (a store: its index and first stage).
 7. **Report.** `BuildReport`: rows, what this run added, encoded and found there, the failures and the time spent
    decoding and encoding; a store keeps it as ``index_report.json``.
-
-This file is Hub remote code: flat relative imports only, absolute imports of installed packages only.
 """
 
 import contextlib
@@ -173,10 +173,9 @@ class FileDecoder:
                                   prefetch_factor=1 if self.num_workers else None,
                                   **dataloader_workers(self.num_workers, collate))
             return
-        ahead = DecodeAhead(lambda j: collate([items[j]]), len(items), self.num_workers,
-                            max(2 * self.batch_size, self.num_workers), self.thread_initializer)
-        with ahead:
-            yield from map(ahead.get, range(len(items)))
+        with DecodeAhead(lambda j: collate([items[j]]), len(items), self.num_workers,
+                         max(2 * self.batch_size, self.num_workers), self.thread_initializer) as ahead:
+            yield from ahead
 
 
 # ---------------------------------------------------------------------------------------------------- progress
@@ -347,8 +346,6 @@ class IndexBuild:
             step 2 like the home.
         progress_bar, num_workers, description: the encode loop's (`indexing.encode_videos`).
         finish_options: passed to the home's `finish` (a store: ``first_stage``, ``require_encoded``).
-        retry_failed: before planning, the home forgets the failed rows of the given videos (a store's
-            `retry_failures`), so that they are decoded again: a failure is not a permanent verdict.
         say: where the build's messages go (default: this module's logger at INFO; `train.index` prints them): the
             plan, a lock taken over, each process' shards.
     """
@@ -356,11 +353,7 @@ class IndexBuild:
     def __init__(self, home: IndexHome, settings: dict[str, Any], command: str = "IndexBuild",
                  shard_size: int | None = None, replace: bool = False, mirror: Any = None,
                  progress_bar: bool = False, num_workers: int = 0, description: str = "Encoding videos",
-                 finish_options: dict[str, Any] | None = None, say: Callable[[str], None] | None = None,
-                 retry_failed: bool = False):
-        if retry_failed and not hasattr(home, "retry_failures"):
-            raise TypeError(f"retry_failed: {type(home).__name__} cannot forget its failed rows.")
-        self.retry_failed = retry_failed
+                 finish_options: dict[str, Any] | None = None, say: Callable[[str], None] | None = None):
         self.home, self.settings, self.command = home, dict(settings), command
         self.say = say or logger.info
         self.shard_size, self.replace, self.mirror = shard_size, replace, mirror
@@ -420,10 +413,13 @@ class IndexBuild:
         self.settings = self.home.check_settings(self.settings, replace=self.replace)
         if self.mirror is not None:
             self.mirror.check_settings(self.settings)
-        if self.retry_failed:
-            retried = self.home.retry_failures(entries)
-            if retried:
-                self.say(f"Trying again {retried} rows that could not be read before.")
+        # a failure is not a permanent verdict (a file repaired, copied in full; a decoder crash that does not
+        # recur): the failed rows of the given videos are planned again, by every build. A home that keeps no
+        # failures (Milvus) has nothing to retry; a replaced home holds only the given rows, all encoded anew.
+        retry = getattr(self.home, "retry_failures", None)
+        retried = retry(entries) if retry is not None and not self.replace else 0
+        if retried:
+            self.say(f"Trying again {retried} rows that could not be read before.")
         plan = self.home.plan(entries, self.shard_size, world_size())
         self.say(describe_plan(plan, len(entries), self.shard_size, world_size()))
         return plan

@@ -13,14 +13,14 @@ it into a `Failure` record and go on, the sink records it, the progress bar coun
 the first `SUMMARY_FAILURES`. ``on_error="raise"`` (`ON_ERROR`) raises the decoder's own error instead. A failure's
 `code` (`FAILURE_CODES`) is set where the error was raised (`VideoDecodingError.code`) or told by the file's first
 bytes (`failure_code`); it is never read from a message.
-
-This file is Hub remote code: flat relative imports only, absolute imports of installed packages only.
 """
 
 import os
+import queue
 import struct
+import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -186,6 +186,17 @@ class Failure:
         """The failure `error` says ``video`` (read from `source`, default: `video`) had."""
         source = video if source is None else source
         return cls(str(video), failure_code(error, source), f"{type(error).__name__}: {error}", index, start, end)
+
+
+class NoReadableVideoError(ValueError):
+    """No row of a build could be read, so no index was made (nothing written): ``failures`` holds every row's
+    `Failure`, so a caller can say why without decoding the videos again; the message lists the first
+    `SUMMARY_FAILURES` of them."""
+
+    def __init__(self, failures: Iterable[Failure], note: str = ""):
+        self.failures = list(failures)
+        super().__init__(f"None of the {len(self.failures)} videos could be read{note}:\n"
+                         + failure_lines(self.failures))
 
 
 def failure_reason(error: BaseException, source: str | os.PathLike | None = None) -> str:
@@ -368,13 +379,17 @@ def encode_videos(
     return EncodingStats(count, time.perf_counter() - begin, waited, encoding, num_workers, len(failed))
 
 
-def failure_summary(failures: list[Failure], total: int, limit: int = SUMMARY_FAILURES) -> str:
-    """``"F of N videos could not be read and were skipped:"`` and the first ``limit`` ``video: code: reason``
-    lines."""
+def failure_lines(failures: list[Failure], limit: int = SUMMARY_FAILURES) -> str:
+    """The first ``limit`` failures as ``  video: code: reason`` lines, and how many more there are."""
     lines = [f"  {failure.video}: {str(failure)[:300]}" for failure in failures[:limit]]
     if len(failures) > limit:
         lines.append(f"  ... and {len(failures) - limit} more")
-    return f"{len(failures)} of {total} videos could not be read and were skipped:\n" + "\n".join(lines)
+    return "\n".join(lines)
+
+
+def failure_summary(failures: list[Failure], total: int, limit: int = SUMMARY_FAILURES) -> str:
+    """``"F of N videos could not be read and were skipped:"`` and the `failure_lines`."""
+    return f"{len(failures)} of {total} videos could not be read and were skipped:\n" + failure_lines(failures, limit)
 
 
 def decode_or_failure(decode: Callable[[], torch.Tensor], index: int, video: str, on_error: str
@@ -428,28 +443,75 @@ class DecodeVideos(DecodeEach):
         return self.video_processor(videos=[path], num_frames=self.num_frames, frame_sampling="uniform")["pixel_values"]
 
 
+class _Channel:
+    """One stream's way from its thread to the consumer: at most `size` items wait in it; its end (or its error)
+    never waits, so a finished stream never holds its thread."""
+
+    ITEM, END, ERROR = range(3)
+
+    def __init__(self, size: int) -> None:
+        self.entries: queue.SimpleQueue = queue.SimpleQueue()
+        self.room = threading.Semaphore(size)
+
+    def put(self, item: Any, stopped: threading.Event) -> bool:
+        """Waits for room (checking `stopped` every 0.1 s) and puts `item`; False when stopped first."""
+        while not stopped.is_set():
+            if self.room.acquire(timeout=0.1):
+                self.entries.put((self.ITEM, item))
+                return True
+        return False
+
+    def end(self, error: BaseException | None = None) -> None:
+        self.entries.put((self.END, None) if error is None else (self.ERROR, error))
+
+    def __iter__(self) -> Iterator[Any]:
+        while True:
+            kind, item = self.entries.get()
+            if kind == self.ERROR:
+                raise item
+            if kind == self.END:
+                return
+            self.room.release()
+            yield item
+
+
 class DecodeAhead:
-    """Decodes ``decode(i)`` for ``i in range(count)`` in ``num_workers`` threads, at most ``window`` items ahead of
-    the next one asked for, in order; with ``num_workers=0``, decodes each item when it is asked for. A context
-    manager: leaving it cancels what is pending and stops what ``thread_initializer`` started.
+    """Decoding ahead of the encoder, in threads, in order: the one kit behind the pipeline's decoding threads
+    (`build.FileDecoder`) and `moments.WindowRowDecoder` (each thread streaming one video's windows).
+
+    Runs ``decode(i)`` for ``i in range(count)`` in ``num_workers`` threads and hands the results out in order
+    (`get`, iteration, `batches`). An item: at most ``window`` items are decoded ahead of the one asked for. A stream
+    (``max_items`` set: ``decode(i)`` returns an iterable, e.g. the windows of one video): every item of stream 0,
+    then of stream 1, ...; while one is consumed the next ``num_workers - 1`` run ahead, one a thread, each at most
+    ``max_items`` items ahead (memory stays bounded: ``num_workers x max_items`` items and what each stream holds).
+    With ``num_workers=0``, each is decoded in the calling thread when its turn comes.
+
+    An exception in ``decode(i)`` is raised where its item is asked for (`get` of a failed item raises, the next
+    `get` goes on). A context manager: leaving it stops the streams (their generators are closed), cancels what is
+    pending and stops what ``thread_initializer`` started.
 
     Args:
-        decode: ``i -> pixel_values``; its exceptions reach the caller of `get` for that item.
-        count: the number of items.
+        decode: ``i -> item`` (``i -> iterable of items`` with ``max_items``).
+        count: the number of items (streams).
         num_workers: decoding threads (0: decode in the calling thread).
-        window: how far ahead of the item asked for the threads may decode.
+        window: how many items past the one asked for the threads may decode (items only: a stream waiting for
+            room holds its thread, so streams run one a thread).
         thread_initializer: called once in every thread (e.g. to give the thread a decoder process of its own);
             what it returns is stopped (``.stop()``) on exit, when not None.
+        max_items: streams: the items each may hold ahead of the consumer.
     """
 
-    def __init__(self, decode: Callable[[int], torch.Tensor], count: int, num_workers: int = 0, window: int = 1,
-                 thread_initializer: Callable[[], Any] | None = None) -> None:
-        self.decode, self.count = decode, count
-        self.num_workers, self.window = num_workers, window
+    def __init__(self, decode: Callable[[int], Any], count: int, num_workers: int = 0, window: int = 1,
+                 thread_initializer: Callable[[], Any] | None = None, max_items: int | None = None) -> None:
+        self.decode, self.count, self.num_workers = decode, count, num_workers
+        self.streams = max_items is not None
+        self.ahead = max(num_workers - 1, 0) if self.streams else window
+        self.max_items = max(1, max_items or 1)
         self.thread_initializer = thread_initializer
-        self.futures: dict[int, Any] = {}
+        self.channels: dict[int, _Channel] = {}
         self.submitted = 0
-        self.executor = None
+        self.executor: ThreadPoolExecutor | None = None
+        self.stopped = threading.Event()
         self.started: list[Any] = []
 
     def _initialize_thread(self) -> None:
@@ -460,18 +522,47 @@ class DecodeAhead:
 
     def __enter__(self) -> "DecodeAhead":
         if self.num_workers:
-            self.executor = ThreadPoolExecutor(
-                self.num_workers, thread_name_prefix="testa-decode", initializer=self._initialize_thread
-            )
+            self.executor = ThreadPoolExecutor(self.num_workers, thread_name_prefix="testa-decode",
+                                               initializer=self._initialize_thread)
         return self
 
-    def get(self, i: int) -> torch.Tensor:
+    def _items_of(self, i: int) -> Iterable[Any]:
+        return self.decode(i) if self.streams else (self.decode(i),)
+
+    def _produce(self, i: int, channel: _Channel) -> None:
+        stream = None
+        try:
+            stream = self._items_of(i)
+            for item in stream:
+                if not channel.put(item, self.stopped):
+                    return
+            channel.end()
+        except BaseException as error:  # noqa: BLE001 - raised in the consumer
+            channel.end(error)
+        finally:
+            close = getattr(stream, "close", None)
+            if close is not None:
+                close()
+
+    def stream(self, i: int) -> Iterator[Any]:
+        """The items of ``i`` (asked for in order: ``i = 0, 1, ...``, each consumed before the next)."""
         if self.executor is None:
-            return self.decode(i)
-        while self.submitted < min(self.count, i + 1 + self.window):
-            self.futures[self.submitted] = self.executor.submit(self.decode, self.submitted)
+            yield from self._items_of(i)
+            return
+        while self.submitted < min(self.count, i + 1 + self.ahead):
+            self.channels[self.submitted] = _Channel(self.max_items)
+            self.executor.submit(self._produce, self.submitted, self.channels[self.submitted])
             self.submitted += 1
-        return self.futures.pop(i).result()
+        yield from self.channels.pop(i)
+
+    def get(self, i: int) -> Any:
+        """Item ``i`` (asked for in order); its decoding error is raised here."""
+        (item,) = self.stream(i)
+        return item
+
+    def __iter__(self) -> Iterator[Any]:
+        for i in range(self.count):
+            yield from self.stream(i)
 
     def batches(self, batch_size: int, on_error: str = "skip",
                 names: Callable[[int], str] | None = None) -> Iterable[DecodedBatch]:
@@ -492,6 +583,7 @@ class DecodeAhead:
             yield indices, (torch.cat(pixels) if pixels else None), failures
 
     def __exit__(self, *exc_info: Any) -> None:
+        self.stopped.set()
         if self.executor is not None:
             self.executor.shutdown(wait=True, cancel_futures=True)
         for started in self.started:
@@ -500,7 +592,7 @@ class DecodeAhead:
 
 __all__ = [
     "FAILURE_CODES", "ON_ERROR", "SUMMARY_FAILURES", "DecodeAhead", "DecodeEach", "DecodeVideos", "DecodedBatch",
-    "EncodingStats", "Failure",
-    "InMemorySink", "Sink", "check_on_error", "decode_or_failure", "encode_videos", "failure_code", "failure_reason",
-    "failure_summary", "is_media_error", "looks_like_video", "mp4_is_truncated",
+    "EncodingStats", "Failure", "InMemorySink", "NoReadableVideoError", "Sink", "check_on_error", "decode_or_failure",
+    "encode_videos", "failure_code", "failure_lines", "failure_reason", "failure_summary", "is_media_error",
+    "looks_like_video", "mp4_is_truncated",
 ]

@@ -36,7 +36,7 @@ from testa_search.settings import (
     recorded_store_settings,
     write_json_atomically,
 )
-from testa_search.encoding import SUMMARY_FAILURES, DecodedBatch, Failure, InMemorySink, Sink
+from testa_search.encoding import DecodedBatch, Failure, InMemorySink, NoReadableVideoError, Sink
 from testa_search.store.lock import LOCK_FILE, StoreLock
 from testa_search.index import ROW_FIELDS, VideoIndex, segments_tensor, video_name
 from testa_search.store.video_store import (
@@ -244,6 +244,7 @@ class InMemoryHome:
                  index: VideoIndex | None = None):
         self.store_tokens, self.token_dtype, self.index = store_tokens, token_dtype, index
         self.sink: InMemorySink | None = None
+        self.retried: set[str] = set()  # videos whose failed rows `plan` plans again
 
     def lock(self, command: str) -> NoLock:
         return NoLock()
@@ -261,9 +262,24 @@ class InMemoryHome:
         check_settings("The index", self.index.info, settings)
         return {**settings, **self.index.info}
 
+    def held_videos(self) -> set[str]:
+        """The videos of the index none of whose rows failed (a moment build does not plan them again)."""
+        if self.index is None:
+            return set()
+        return set(self.index.names) - {failure.video for failure in self.index.failures}
+
+    def retry_failures(self, entries: list[IndexEntry]) -> int:
+        """Lets `plan` plan again the failed rows of the given entries' videos (a failure is not a permanent
+        verdict); the index changes only at `finish`, where a row now encoded leaves its failures (`VideoIndex.add`).
+        Returns how many failed rows are retried."""
+        names = {entry.name(i) for i, entry in enumerate(entries)}
+        failed = [] if self.index is None else [f for f in self.index.failures if f.video in names]
+        self.retried = {failure.video for failure in failed}
+        return len(failed)
+
     def plan(self, entries: list[IndexEntry], shard_size: int | None = None, num_processes: int = 1) -> RowPlan:
-        known = set() if self.index is None else (
-            set(self.index.row_keys()) | {failure.key for failure in self.index.failures})
+        known = set() if self.index is None else (set(self.index.row_keys()) | {
+            failure.key for failure in self.index.failures if failure.video not in self.retried})
         added = new_rows(entries, known)
         rows = [entries[i] for i in added]
         return RowPlan(rows, [[0, len(rows)]] if rows else [], [0] if rows else [], added)
@@ -275,23 +291,24 @@ class InMemoryHome:
         self.sink = InMemorySink(self.store_tokens, self.token_dtype)
         return self.sink
 
-    def failures(self) -> list[Failure]:
-        """The failures of the build (`index` None: an in-memory index has no rows for them)."""
-        return [dataclasses.replace(f, index=None) for f in self.sink.failures] if self.sink is not None else []
+    def failures(self, plan: RowPlan) -> list[Failure]:
+        """The failures of the build, each with its row's moment (`index` None: an in-memory index has no rows for
+        them)."""
+        return [dataclasses.replace(f, index=None, start=plan.rows[f.index].start, end=plan.rows[f.index].end)
+                for f in self.sink.failures] if self.sink is not None else []
 
     def finish(self, plan: RowPlan, settings: dict[str, Any], stats: dict[str, Any] | None = None,
                **options: Any) -> VideoIndex:
-        """The new index of the encoded rows, or the grown `index`. Raises ValueError when a new index would hold no
-        encoded row; a grown index takes the failures."""
+        """The new index of the encoded rows, or the grown `index`. Raises `NoReadableVideoError` when a new index
+        would hold no encoded row; a grown index takes the failures."""
         stats = dict(stats or {})
         if not plan.rows:
             return self.index
-        failures = self.failures()
+        failures = self.failures(plan)
         sink = self.sink
         if not sink.indices:
             if self.index is None:
-                raise ValueError(f"None of the {len(plan.rows)} videos could be read:\n" + "\n".join(
-                    f"  {f.video}: {str(f)[:300]}" for f in failures[:SUMMARY_FAILURES]))
+                raise NoReadableVideoError(failures)
             self.index.add(failures_only(self.index, failures))
             self.index.stats = stats
             return self.index
@@ -432,11 +449,12 @@ class StoreHome:
 
     # -- removing rows -----------------------------------------------------------------------------------------------
 
-    def failed_videos(self) -> set[str]:
-        """The videos with a row that could not be read, in a finished store (empty otherwise)."""
-        if not is_video_store(self.directory):
-            return set()
-        return {str(failure["video"]) for failure in store_metadata(self.directory)["failures"]}
+    def held_videos(self) -> set[str]:
+        """The videos of the store's plan none of whose rows failed in its finished index (a moment build does not
+        plan them again; the failed ones it does, and the build retries their failed rows)."""
+        failed = {str(f["video"]) for f in store_metadata(self.directory)["failures"]} \
+            if is_video_store(self.directory) else set()
+        return set(self.stored_plan()["videos"]) - failed
 
     def retry_failures(self, entries: list[IndexEntry]) -> int:
         """Removes the failed rows of the given entries' videos from a finished store, so that `plan` plans them
@@ -516,8 +534,8 @@ class StoreHome:
     def finish(self, plan: RowPlan, settings: dict[str, Any], stats: dict[str, Any] | None = None,
                first_stage: bool = True, require_encoded: bool = True) -> VideoIndex:
         """Writes the store's index (`finalize_store`: every shard must be closed) and, with `first_stage`, its first
-        stage; returns the store-backed `VideoIndex`. With `require_encoded`, raises ValueError (naming the reasons,
-        and leaving no readable store) when no row could be encoded."""
+        stage; returns the store-backed `VideoIndex`. With `require_encoded`, raises `NoReadableVideoError` (naming
+        the reasons, and leaving no readable store) when no row could be encoded."""
         if self.finished(plan):  # nothing was written: the store as it is
             return VideoIndex.load(self.directory, first_stage=first_stage)
         info = {key: value for key, value in settings.items() if key != "segments"}
@@ -533,9 +551,7 @@ class StoreHome:
             (self.directory / STORE_INFO_FILE).unlink()
             if self.new:  # nothing indexed: nothing written (the folder held no store; only the lock stays, for now)
                 self.discard()
-            reasons = "\n".join(f"  {f.video}: {str(f)[:300]}" for f in failures[:SUMMARY_FAILURES])
-            more = f"\n  ... and {len(failures) - SUMMARY_FAILURES} more" if len(failures) > SUMMARY_FAILURES else ""
-            raise ValueError(f"None of the {len(failures)} videos could be read; nothing was written:\n{reasons}{more}")
+            raise NoReadableVideoError(failures, "; nothing was written")
         if first_stage:
             index.save_first_stage(self.directory)
             index.load_first_stage(self.directory)

@@ -25,17 +25,14 @@ from __future__ import annotations
 
 import math
 import os
-import queue
-import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from testa_search.encoding import DecodedBatch, Failure, check_on_error, is_media_error
+from testa_search.encoding import DecodeAhead, DecodedBatch, Failure, check_on_error, is_media_error
 from modeling_testa.video_decoding import (
     VideoDecodingError,
     VideoFrames,
@@ -556,84 +553,6 @@ def video_groups(rows: Iterable[int], names: list[str]) -> list[tuple[str, list[
     return groups
 
 
-class ThreadedStreams:
-    """Runs the generators ``make(i)`` for ``i in range(count)`` in ``num_workers`` threads and yields all items of
-    stream 0, then of stream 1, ...: while one stream is consumed, the next ones run ahead, each into a queue of at
-    most `max_items` items (so memory stays bounded: ``num_workers x max_items`` items and what each generator holds).
-    A context manager: leaving it stops the streams (their generators are closed) and what `thread_initializer`
-    started (``.stop()``). An exception in a stream is raised where its items are consumed."""
-
-    _ITEM, _END, _ERROR = range(3)
-
-    def __init__(self, make: Callable[[int], Iterator[Any]], count: int, num_workers: int, max_items: int,
-                 thread_initializer: Callable[[], Any] | None = None) -> None:
-        self.make, self.count, self.num_workers, self.max_items = make, count, num_workers, max(1, max_items)
-        self.thread_initializer = thread_initializer
-        self.stopped = threading.Event()
-        self.started: list[Any] = []
-        self.executor: ThreadPoolExecutor | None = None
-
-    def _initialize_thread(self) -> None:
-        if self.thread_initializer is not None:
-            started = self.thread_initializer()
-            if started is not None:
-                self.started.append(started)
-
-    def __enter__(self) -> ThreadedStreams:
-        self.executor = ThreadPoolExecutor(self.num_workers, thread_name_prefix="testa-windows",
-                                           initializer=self._initialize_thread)
-        return self
-
-    def _put(self, items: queue.Queue, entry: tuple[int, Any]) -> bool:
-        while not self.stopped.is_set():
-            try:
-                items.put(entry, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def _produce(self, i: int, items: queue.Queue) -> None:
-        stream = self.make(i)
-        try:
-            for item in stream:
-                if not self._put(items, (self._ITEM, item)):
-                    return
-            self._put(items, (self._END, None))
-        except BaseException as error:  # noqa: BLE001 - raised in the consumer
-            self._put(items, (self._ERROR, error))
-        finally:
-            stream.close()
-
-    def __iter__(self) -> Iterator[Any]:
-        queues: dict[int, queue.Queue] = {}
-
-        def start(i: int) -> None:
-            queues[i] = queue.Queue(self.max_items)
-            self.executor.submit(self._produce, i, queues[i])
-
-        for i in range(min(self.count, self.num_workers)):
-            start(i)
-        for i in range(self.count):
-            items = queues.pop(i)
-            while True:
-                kind, item = items.get()
-                if kind == self._ERROR:
-                    raise item
-                if kind == self._END:
-                    break
-                yield item
-            if i + self.num_workers < self.count:
-                start(i + self.num_workers)
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.stopped.set()
-        if self.executor is not None:
-            self.executor.shutdown(wait=True, cancel_futures=True)
-        for started in self.started:
-            started.stop()
-
-
 def batched_rows(rows: Iterable[tuple[int, torch.Tensor | None, Failure | None]], batch_size: int
                  ) -> Iterator[DecodedBatch]:
     """``(row, pixel_values or None, failure or None)`` items regrouped into `indexing.DecodedBatch` es of at most
@@ -680,7 +599,7 @@ class WindowRowDecoder:
     resized to the model's input size as it is decoded (`processor_frame_steps`), kept while an open window needs it,
     and every window handed to the encoder as soon as it is complete, `batch_size` windows at a time, so the index
     fills while the video is still decoding and memory does not grow with its length. With `num_workers`, that many
-    videos are decoded at once in threads (`ThreadedStreams`, each with a decoder process of its own), each at most
+    videos are decoded at once in threads (`encoding.DecodeAhead`, each with a decoder process of its own), each at most
     `batch_size` windows ahead of the encoder. A row that cannot be decoded (the file, or only its moment: past the
     end of a truncated file's data, after a decoder stopped) is a `Failure` with the row's start and end
     (``on_error="skip"``), or raises (``"raise"``).
@@ -749,13 +668,8 @@ class WindowRowDecoder:
 
     def __call__(self, entries: list[Any], positions: list[int]) -> Iterator[DecodedBatch]:
         groups = video_groups(positions, [entry.name(i) for i, entry in enumerate(entries)])
-        if self.num_workers == 0:
-            rows = (item for video, group in groups for item in self.video_rows(video, group, entries))
-            yield from batched_rows(rows, self.batch_size)
-            return
-        streams = ThreadedStreams(lambda g: self.video_rows(*groups[g], entries), len(groups), self.num_workers,
-                                  self.batch_size, own_decoder_process)
-        with streams:
+        with DecodeAhead(lambda g: self.video_rows(*groups[g], entries), len(groups), self.num_workers,
+                         thread_initializer=own_decoder_process, max_items=self.batch_size) as streams:
             yield from batched_rows(streams, self.batch_size)
 
 
@@ -781,7 +695,6 @@ __all__ = [
     "WindowClip",
     "WindowRowDecoder",
     "WindowStream",
-    "ThreadedStreams",
     "batched_rows",
     "best_moment_per_video",
     "check_num_frames",

@@ -90,14 +90,9 @@ def encode_videos(pipe: Any, videos: list[Any], batch_size: int = 8, store_token
     num_frames = int(video_kwargs.get("num_frames", pipe.video_processor.num_frames))
     settings = build_settings(pipe.model, num_frames, window=window, stride=stride,
                               token_dtype=token_dtype if directory is not None else None)
-    if directory is not None:
-        home = StoreHome(directory)
-        known = home.stored_plan()["videos"] if window is not None else ()
-    else:
-        home = InMemoryHome(store_tokens, token_dtype, index)
-        known = [*index.names, *(f.video for f in index.failures)] if window is not None and index else ()
+    home = StoreHome(directory) if directory is not None else InMemoryHome(store_tokens, token_dtype, index)
     if window is not None:  # the rows are the videos' windows, planned from their durations
-        entries = window_entries(entries, window, stride, skip=known)
+        entries = window_entries(entries, window, stride, skip=home.held_videos())
     moments = any(entry.start is not None for entry in entries)
     decode = FileDecoder(DecodeEach(lambda video, i: pipe.pixel_values(video, f"videos[{i}]", video_kwargs),
                                     on_error), pipe.video_processor, num_frames, batch_size, num_workers, on_error,

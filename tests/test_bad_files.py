@@ -6,6 +6,8 @@ References: real mp4s (tests/helpers/videos.py) and one broken file of each kind
 construction; an index built from the good videos only (search results and tensors compared exactly); the encoder's
 own call count."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from helpers.pipelines import build_retrieval, tiny_processor
@@ -14,7 +16,7 @@ from helpers.videos import write_bad_videos, write_noise_video, write_video
 import testa_search.encoding as indexing
 import modeling_testa.video_processing_testa as video_processing
 from modeling_testa import VideoTextRetrievalPipeline
-from testa_search import VideoIndex
+from testa_search import Failure, NoReadableVideoError, VideoIndex
 from testa_search.encoding import (
     FAILURE_CODES,
     DecodeAhead,
@@ -171,6 +173,36 @@ def test_decode_ahead_skips_in_order_with_and_without_threads(files, workers):
         list(ahead.batches(3, "raise"))
 
 
+@pytest.mark.parametrize("workers", [0, 1, 3])
+def test_decode_ahead_streams_in_order_raise_in_place_and_close_on_exit(workers):
+    """Streams (`max_items`: what `WindowRowDecoder` runs, one video's windows each): every item of stream 0, then
+    of stream 1, ...; a stream's error is raised after its items; leaving early closes the started generators."""
+    def stream(i):
+        yield from ((i, j) for j in range(5))
+        if i == 2:
+            raise ValueError("stream 2 broke")
+
+    got = []
+    with pytest.raises(ValueError, match="stream 2 broke"), DecodeAhead(stream, 4, workers, max_items=2) as ahead:
+        got.extend(ahead)
+    assert got == [(i, j) for i in range(3) for j in range(5)]
+    started, closed = [], []
+
+    def endless(i):
+        started.append(i)
+        try:
+            yield from range(10**6)
+        finally:
+            closed.append(i)
+
+    with DecodeAhead(endless, 5, workers, max_items=2) as ahead:
+        items = iter(ahead)
+        assert [next(items) for _ in range(3)] == [0, 1, 2]
+        items.close()
+    # stream 0 and those the threads had begun (at most one a thread): each closed, none left running
+    assert 0 in started and sorted(closed) == sorted(started) and len(started) <= max(workers, 1)
+
+
 # ------------------------------------------------------------------------------------------------ the pipeline
 
 
@@ -240,6 +272,42 @@ def test_no_readable_video_is_one_clear_error_and_writes_no_store(pipe, files, t
     assert not (tmp_path / "store").exists()  # no half-written store folder (issue 52)
 
 
+@pytest.mark.parametrize("stored", [False, True])
+def test_no_readable_video_error_carries_every_failure(pipe, files, tmp_path, stored):
+    """The error says why each video failed (`failures`, one `Failure` a video, its code told by the file), so a
+    caller (the app) need not decode them again to say it."""
+    _, bad, _ = files
+    with pytest.raises(NoReadableVideoError) as raised:
+        pipe.encode_videos(list(bad.values()), store_dir=tmp_path / "store" if stored else None)
+    assert isinstance(raised.value, ValueError)
+    assert all(isinstance(failure, Failure) for failure in raised.value.failures)
+    assert {failure.video: failure.code for failure in raised.value.failures} == \
+        {path: code for code, path in bad.items()}
+
+
+@pytest.mark.parametrize("home", ["memory", "store", "store, moments"])
+def test_a_video_that_failed_is_indexed_by_the_next_build_once_repaired(pipe, files, tmp_path, home):
+    """A failure is not a permanent verdict (issue 52): every build given a video that failed tries it again, the
+    pipeline's `encode_videos` (a store, or an index grown in memory) as `train.index` does."""
+    good, _, _ = files
+    video = tmp_path / "later.mp4"
+    video.write_bytes(b"half a copy")  # run 1: not a video yet
+    options = {"window": 10.0} if "moments" in home else {}
+    store = tmp_path / "store" if "store" in home else None
+    first = pipe.encode_videos([good[0], str(video)], store_dir=store, **options)
+    assert [(f.video, f.code) for f in first.failures] == [(str(video), "not_a_video")]
+    video.write_bytes(Path(good[1]).read_bytes())  # repaired: a copy of a good video
+    second = pipe.encode_videos([good[0], str(video)], **({"store_dir": store} if store else {"index": first}),
+                                **options)
+    assert second.failures == [] and second.stats["videos"] == 1  # the repaired video alone was encoded
+    rows = [i for i in range(len(second)) if second.entry(i)["video"] == str(video) and bool(second.valid[i])]
+    assert len(rows) == 1 and (second.entry(rows[0]).get("start") is not None) == ("moments" in home)
+    reference = pipe.encode_videos([good[1]], **options)  # the same file, encoded on its own
+    torch.testing.assert_close(second.embeddings[rows[0]].float(), reference.embeddings[0].float())
+    if store is not None:
+        assert [VideoIndex.load(store).entry(i)["video"] for i in range(len(second))].count(str(video)) == 1
+
+
 def test_an_index_grown_in_two_calls_equals_one_built_at_once(pipe, files, monkeypatch):
     good, bad, mixed = files
     at_once = pipe.encode_videos(mixed, batch_size=3)
@@ -251,7 +319,8 @@ def test_an_index_grown_in_two_calls_equals_one_built_at_once(pipe, files, monke
     calls = count_encoded(pipe.model, monkeypatch)
     grown = pipe.encode_videos(mixed, batch_size=3, index=first)
     assert grown is first
-    assert decoded == mixed[6:] and sum(calls) == len([v for v in mixed[6:] if v in good])  # only the new ones
+    # the new videos and the ones that failed, tried again (in the order given); only the readable ones encoded
+    assert decoded == [v for v in mixed if v not in good[:3]] and sum(calls) == len([v for v in mixed[6:] if v in good])
     assert grown.videos == at_once.videos == good
     assert grown.failures == at_once.failures
     for name in ("embeddings", "tokens", "token_sizes"):  # other batches: equal to float rounding
@@ -286,12 +355,17 @@ def test_the_pipeline_grows_a_store_backed_index_like_one_built_at_once(pipe, fi
     grown = pipe.encode_videos(mixed, index=stored)
     assert grown is stored and sum(calls) == len([v for v in mixed[6:] if v in good])  # only the new ones
     reopened = VideoIndex.load(tmp_path / "grown")  # the store on disk holds the grown index
+    position = {name: i for i, name in enumerate(at_once.names)}
     for index in (grown, reopened):
-        assert index.names == at_once.names and torch.equal(index.valid, at_once.valid)
-        assert [(f.video, f.code) for f in index.failures] == [(f.video, f.code) for f in at_once.failures]
-        rows = at_once.valid.nonzero().flatten()
-        torch.testing.assert_close(index.embeddings[rows], at_once.embeddings[rows], rtol=0, atol=1e-5)
-        torch.testing.assert_close(index.tokens[rows], at_once.tokens[rows], rtol=0, atol=1e-5)
+        # the failed rows were tried again: they left the store and were planned anew, after its encoded rows
+        assert sorted(index.names) == sorted(at_once.names)
+        assert {(f.video, f.code) for f in index.failures} == {(f.video, f.code) for f in at_once.failures}
+        rows = index.valid.nonzero().flatten().tolist()
+        same = [position[index.names[row]] for row in rows]
+        assert [at_once.names[i] for i in same] == [index.names[row] for row in rows] and all(at_once.valid[same])
+        assert len(rows) == int(at_once.valid.sum())
+        torch.testing.assert_close(index.embeddings[rows], at_once.embeddings[same], rtol=0, atol=1e-5)
+        torch.testing.assert_close(index.tokens[rows], at_once.tokens[same], rtol=0, atol=1e-5)
         same_results(pipe.search(QUERIES, index, top_k=None, use_faiss=False),
                      pipe.search(QUERIES, at_once, top_k=None, use_faiss=False))
     calls.clear()

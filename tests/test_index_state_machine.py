@@ -15,7 +15,9 @@ backslashes, ``/`` and non-ASCII letters.
 The reference: the model keeps the videos the index must return, the unreadable ones it must list, and what the
 home durably holds; the index must return exactly those rows, each with the embedding its model gives that video
 (a deterministic function of model and video), search must equal exact top-k in float64 over the model's rows, and
-no row a home already holds may be decoded again.
+no row a home already holds may be decoded again, except a row that failed: every build given its video tries it
+again (a failure is not a permanent verdict), once the home is finished (a killed build's journaled failures are
+resumed first).
 """
 
 import hashlib
@@ -92,7 +94,7 @@ class IndexMachine(RuleBasedStateMachine):
         self.failed: set[str] = set()  # the unreadable videos the index must list
         self.planned: set[str] = set()  # planned by a killed build, finished by the next one
         self.finished = False  # whether the home has a searchable index
-        self.held: set[str] = set()  # what the home durably holds: never decoded again
+        self.held: set[str] = set()  # what the home durably holds: never decoded again (failures: until finished)
         self.decoded: Counter = Counter()
 
     # -- what each home says -----------------------------------------------------------------------------------------
@@ -150,22 +152,32 @@ class IndexMachine(RuleBasedStateMachine):
                 self.build(model, videos)
             self.unreadable_first_build(model, broken)
             return
+        retried, before = self.retried(videos), Counter(self.decoded)
         result = self.build(model, videos)
+        assert all(self.decoded[v] > before[v] for v in retried), "a failed video given again was not retried"
         self.model = model
         self.rows |= good
         if self.failures_recorded:
             self.failed |= broken
-            self.held |= broken
         self.held |= good
-        self.planned = set()
-        self.finished = True
+        self.built()
         assert result.report.rows >= len(self.rows)
+
+    def retried(self, videos: list[str]) -> set[str]:
+        """The failed videos a build given `videos` tries again: all, once the home is finished (nothing resumed)."""
+        return {v for v in videos if v in self.failed} if self.finished and not self.planned else set()
+
+    def built(self) -> None:
+        """A build finished: nothing planned is left, and no failure is held (the next build tries it again)."""
+        self.planned, self.finished = set(), True
+        self.held = {v for v in self.held if "broken" not in v}
 
     @rule(videos=st.lists(st.sampled_from(CATALOG), min_size=BATCH + 1, max_size=7, unique=True))
     def build_killed_after_one_batch(self, videos):
         """A build killed after its first batch: what it wrote stays, what it planned is the next build's."""
         model = self.model or "A"
         new = [v for v in videos if v not in self.rows and v not in self.failed and v not in self.planned]
+        retried = self.retried(videos)
         written: list[str] = []
         try:
             self.build(model, videos, kill_after=1, written=written)
@@ -177,14 +189,15 @@ class IndexMachine(RuleBasedStateMachine):
             self.held |= {v for v in done if "broken" not in v}
             if self.failures_recorded:
                 self.failed |= {v for v in done if "broken" in v}
-                self.held |= {v for v in done if "broken" in v}
-            self.model, self.finished, self.planned = model, True, set()
+            self.model = model
+            self.built()
             return
         self.model = model
-        self.killed(new, written)
+        self.killed(new, written, retried)
 
-    def killed(self, new: list[str], written: list[str]) -> None:
-        """What a home keeps of a killed build (`new`: the videos it planned; `written`: its first batch)."""
+    def killed(self, new: list[str], written: list[str], retried: set[str]) -> None:
+        """What a home keeps of a killed build (`new`: the videos it planned; `written`: its first batch;
+        `retried`: the failed videos it planned again)."""
         raise NotImplementedError
 
     def unreadable_first_build(self, model: str, broken: set[str]) -> None:
@@ -253,7 +266,7 @@ class InMemoryMachine(IndexMachine):
     def opened(self):
         return self.index
 
-    def killed(self, new, written):  # nothing was written: the index is as it was, and the build's work is lost
+    def killed(self, new, written, retried):  # nothing was written: the index is as it was, its work is lost
         pass
 
     def unreadable_first_build(self, model, broken):  # no index: nothing is kept
@@ -275,8 +288,9 @@ class StoreMachine(IndexMachine):
             return None
         return VideoIndex.load(self.directory)
 
-    def killed(self, new, written):
-        self.planned |= set(new)
+    def killed(self, new, written, retried):
+        self.planned |= set(new) | retried  # a retried failure left the store's index, and is planned anew
+        self.failed -= retried
         self.held |= set(written)  # journaled: the resumed shard skips them
 
     def unreadable_first_build(self, model, broken):  # planned and journaled, listed once an index is published
@@ -313,7 +327,7 @@ class MilvusMachine(IndexMachine):
         home = MilvusHome(self.uri, self.collection)
         return home.open() if home.recorded_settings() is not None and self.finished else None
 
-    def killed(self, new, written):  # each batch is upserted as it comes: the first one is there
+    def killed(self, new, written, retried):  # each batch is upserted as it comes: the first one is there
         good = {v for v in written if "broken" not in v}
         self.rows |= good
         self.held |= good

@@ -262,14 +262,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         entries = as_entries(videos)
         if args.window is not None:  # every process reads its share of the new videos' durations
-            home = StoreHome(store)  # the videos with a failed row are planned again (their failures retried)
-            skip = set(home.stored_plan()["videos"]) - home.failed_videos()
-            entries = window_entries(entries, args.window, args.stride, skip=skip)
+            entries = window_entries(entries, args.window, args.stride, skip=StoreHome(store).held_videos())
         decode = FileDecoder(DecodeVideos(video_processor, num_frames), video_processor, num_frames, args.batch_size,
                              args.num_workers, worker_processes=True)
         build = IndexBuild(StoreHome(store), settings, command=writer_command(argv, accelerator.num_processes),
                            shard_size=args.shard_size, mirror=mirror, progress_bar=accelerator.is_main_process,
-                           num_workers=args.num_workers, description="Indexing", say=print, retry_failed=True)
+                           num_workers=args.num_workers, description="Indexing", say=print)
         result = build.run(model, entries, decode, extra_report={"skipped_files": skipped})
     except (StoreLockedError, PeerError, OSError, ValueError) as failure:  # refusals: one line, every process
         message = str(failure)
