@@ -11,10 +11,11 @@ the operator may let a page change it). Each visitor has a `Session` of their ow
 and results); the served collection is shared and read-only. The ``--videos`` folder is indexed in the background
 (`IndexingJob`): the page answers at once, its Index box shows the videos (and moments) done and the failures so far,
 and a search runs on what is indexed so far. With a window (``--window`` or the page's "Moments" field), every
-video is indexed as windows of that many seconds (half-overlapping) and a result is a moment: its start and end, a
-thumbnail from inside it, a strip of its frames, and the video playing from its start. Every step calls the library:
-the retrieval, zero-shot and QA pipelines (`modeling_testa.pipeline_testa`), `visualization.visualize_aggregation`,
-`grounding.ground_phrases` / `draw_grounding`, `flops.count_encoder_gmac`, and `set_aggregation`.
+video is indexed as windows of that many seconds (one after another) and a result is a moment: its start and end, a
+thumbnail from inside it, a strip of its frames, and the video playing from its start. Every step calls the library
+by its packages' public names (``from modeling_testa import ...``, ``from testa_search import ...``): the retrieval,
+zero-shot and QA pipelines, `visualize_aggregation`, `ground_phrases` / `draw_grounding`, `count_encoder_gmac`,
+`set_aggregation`, `moment_frames` and `open_index`.
 
 API names (stable, for `gradio_client`): ``/index``, ``/search``, ``/visualize``, ``/classify``, ``/answer``,
 ``/aggregation``, ``/moment``; see `app/README.md`. Analytics are off and the server binds 127.0.0.1 unless
@@ -41,11 +42,10 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 import gradio as gr  # noqa: E402
 
-from testa_search.encoding import EncodingStats, Failure, is_media_error  # noqa: E402
-from testa_search.build import window_entries  # noqa: E402
-from testa_search.homes import IndexEntry  # noqa: E402
-from testa_search.moments import format_time, moment_frames  # noqa: E402
-from modeling_testa.video_inputs import VIDEO_SUFFIXES, find_video_files, is_video_file_name  # noqa: E402
+from modeling_testa import VIDEO_SUFFIXES, find_video_files, format_time, is_video_file_name  # noqa: E402
+from testa_search import (  # noqa: E402
+    EncodingStats, Failure, IndexEntry, NoReadableVideoError, is_media_error, moment_frames, window_entries,
+)
 
 THEME = gr.themes.Default(font=[gr.themes.LocalFont("Source Sans Pro", weights=(400, 700)), "ui-sans-serif",
                                 "sans-serif"])  # gradio 6.31's bundled SemiBold file is a broken subset
@@ -89,6 +89,7 @@ class AppState:
     rerank: bool = True  # the page's default for re-ranking
     window: float = 0.0  # seconds per indexed window (moments); 0 indexes whole videos
     allow_settings: bool = False  # whether a visitor may change R_T/R_S (for everyone: there is one model)
+    allow_folders: bool = False  # whether a visitor may name any folder or video file of the server
     served: Session = field(default_factory=Session)  # the collection every visitor searches until they index
     thumbnails: dict[tuple, str] = field(default_factory=dict)  # (video, start, end) -> PNG of a frame of it
     lock: threading.Lock = field(default_factory=threading.Lock)  # one index change at a time
@@ -115,7 +116,7 @@ def load_state(model: str, videos_dir: str | None, qa_model: str | None, precisi
     process of its own, so that a crash of the engine cannot take the app down."""
     from transformers import pipeline
 
-    from testa_runtimes.runtimes import isolated_by_default
+    from testa_runtimes import isolated_by_default
 
     state = AppState(videos_dir=videos_dir)
     try:
@@ -141,10 +142,11 @@ def index_videos(state: AppState, folder: str, uploads: list[str] | None, progre
     """Indexes the folder's videos and the uploads, each video encoded once, and returns what it did; files that
     cannot be read are left out and listed with their reasons. Indexing the folder of the current index again adds
     only the videos it lacks (and the uploads); another folder, or uploads alone, start a new index. With a `window`
-    (seconds; default: the app's), every video becomes half-overlapping windows of that length: moments. Runs in the
-    calling thread (an `IndexingJob`), telling `progress` (a `gr.Progress`) the moments or videos done after each
-    step. The index is the visitor's `session`'s (grown from a copy of the collection they search); without a
-    session it is the served collection every visitor searches."""
+    (seconds; default: the app's), every video becomes windows of that length, one after another (the library's
+    default stride): moments. Runs in the calling thread (an `IndexingJob`), telling `progress` (a `gr.Progress`) the
+    moments or videos done after each step. The index is the visitor's `session`'s (grown from a copy of the
+    collection they search; its folder is checked by `check_folder`); without a session it is the served collection
+    every visitor searches."""
     return new_indexing_job(state, folder, uploads, window, session=session).run(progress)
 
 
@@ -158,6 +160,8 @@ def new_indexing_job(state: AppState, folder: str, uploads: list[str] | None, wi
     if window < 0:
         raise gr.Error(f"Moments: the window must be a positive number of seconds (0 for whole videos), got {window}.")
     folder = (folder or "").strip()
+    if session is not None:
+        check_folder(state, folder)
     paths, others = [], []
     if folder:
         try:
@@ -179,9 +183,59 @@ def new_indexing_job(state: AppState, folder: str, uploads: list[str] | None, wi
     return job
 
 
+FOLDERS_OFF = "The app's operator can allow any file or folder of the server with --allow-folders."
+
+
+def served_folder(state: AppState) -> Path | None:
+    """The ``--videos`` folder, resolved (None without one)."""
+    return Path(state.videos_dir).expanduser().resolve() if state.videos_dir else None
+
+
+def inside(path: str, folder: Path | None) -> bool:
+    """Whether `path` (resolved: ``..`` and links followed) is `folder` or lies under it."""
+    return folder is not None and Path(path).expanduser().resolve().is_relative_to(folder)
+
+
+def check_folder(state: AppState, folder: str) -> None:
+    """Refuses (a `gr.Error`) a visitor's folder other than the served collection's (or one inside it), unless the
+    app was started with ``--allow-folders``: without it a visitor would have the app read and index any folder of
+    the server. No folder (uploads alone) is always allowed."""
+    if state.allow_folders or not folder or inside(folder, served_folder(state)):
+        return
+    served = f" ({state.videos_dir}, or a folder inside it)" if state.videos_dir else ""
+    raise gr.Error(f"Folder {folder!r}: only the served collection's folder{served} may be indexed here; upload "
+                   f"videos to add others. {FOLDERS_OFF}")
+
+
+def check_video(state: AppState, video: str, session: Session | None) -> None:
+    """Refuses (a `gr.Error`) a video path a visitor typed that is not a video of the collection they search (the
+    served one, or their own: the served videos and their uploads), of their last search's results, or a file of
+    the served folder, unless the app was started with ``--allow-folders``: the Visualize, Classify and Ask boxes
+    would otherwise decode any file of the server. A script (`session` None) may name any file."""
+    if session is None or state.allow_folders:
+        return
+    known = {str(hit["video"]) for hit in session.hits}
+    for collection in (session, state.served):
+        known.update(collection.indexed)
+    if str(video) in known or inside(video, served_folder(state)):
+        return
+    raise gr.Error(f"{Path(video).name!r} is not a video of this collection: choose a search result, a video of the "
+                   f"served folder or one you uploaded and indexed. {FOLDERS_OFF}")
+
+
 CHUNK_VIDEOS = 16
 """Whole videos encoded per step of an indexing job (a video's moments are one step): the index is published after
 each step, so a search sees the videos indexed so far."""
+
+
+def encode_first_video(retrieval: Any, video: str, options: dict[str, Any]) -> tuple[Any, dict | None]:
+    """A new index of one video (`encode_videos` with `options`) and None, or, when the video cannot be read, None
+    and its `Failure` as a dict. An index cannot start with failures alone, so `encode_videos` refuses it with a
+    `NoReadableVideoError`, whose `failures` say why: the video is decoded once."""
+    try:
+        return retrieval.encode_videos([video], **options), None
+    except NoReadableVideoError as error:
+        return None, error.failures[0].as_dict()
 
 
 def snapshot(index: Any) -> Any:
@@ -253,7 +307,7 @@ class IndexingJob:
         self.state, self.folder, self.paths, self.others, self.background = state, folder, paths, others, background
         self.target = state.served if target is None else target
         self.folder_key = str(Path(folder).expanduser().resolve()) if folder else None
-        self.moments = {"window": window, "stride": window / 2} if window > 0 else {}
+        self.moments = {"window": window} if window > 0 else {}  # the stride: the library's default (the window)
         self.changed = threading.Condition()  # notified at every step
         self.current = IndexingProgress(videos_total=len(paths))  # the rows are known once planned (`plan`)
         self.rows_per_video: Counter = Counter(paths)  # planned by `plan`: a video's windows, or 1
@@ -377,7 +431,7 @@ class IndexingJob:
     def plan(self, todo: list[str]) -> None:
         """The rows each video to index will give (its windows, planned from its duration; nothing decoded)."""
         if self.moments:
-            rows = window_entries([IndexEntry(video) for video in todo], self.moments["window"], self.moments["stride"])
+            rows = window_entries([IndexEntry(video) for video in todo], self.moments["window"], None)  # as encoded
             self.rows_per_video = Counter(str(row.video) for row in rows)
         else:
             self.rows_per_video = Counter(todo)
@@ -387,21 +441,12 @@ class IndexingJob:
 
     def encode_step(self, building: Any, videos: list[str]) -> tuple[Any, dict | None]:
         """Encodes `videos` into `building` (grown in place; None: a new index) and returns it, or (before the first
-        video is indexed) None and the failure of the step's one video, as a dict."""
+        video is indexed) None and the failure of the step's one video, as a dict (`encode_first_video`)."""
         retrieval = self.state.require_model()
         options = {"batch_size": 8, "progress_bar": False, **self.moments}
         if building is not None:
             return retrieval.encode_videos(videos, index=building, **options), None
-        try:
-            return retrieval.encode_videos(videos, **options), None
-        except ValueError:  # none of the step's one video could be indexed: its decoder's error says why
-            pass
-        try:
-            return retrieval.encode_videos(videos, on_error="raise", **options), None
-        except Exception as error:
-            if not is_media_error(error):
-                raise
-            return None, Failure.from_error(error, videos[0]).as_dict()
+        return encode_first_video(retrieval, videos[0], options)
 
     def publish(self, building: Any) -> None:
         """Hands the index built so far to the target (a `snapshot`: the next step grows `building` only)."""
@@ -430,7 +475,7 @@ class IndexingJob:
         head = f"Indexed {len(index)} videos"
         if self.moments:
             head = (f"Indexed {len(set(index.names))} videos as {len(index)} moments (windows of "
-                    f"{self.moments['window']:g} s every {self.moments['stride']:g} s)")
+                    f"{index.info['window']:g} s every {index.info['stride']:g} s)")
         if before:
             head += f" ({len(index) - before} new, {before} already indexed)" if not self.moments else (
                 f" ({len(index) - before} new moments, {before} already indexed)")
@@ -517,7 +562,7 @@ def moment_thumbnail(state: AppState, hit: dict) -> str:
 
 def middle_frame(video: str) -> Any:
     """The frame at the middle of a whole video (an `(H, W, 3)` uint8 array), one frame decoded."""
-    from modeling_testa.video_decoding import decode_video, sample_frame_indices
+    from modeling_testa import decode_video, sample_frame_indices
 
     frames, _ = decode_video(video, lambda metadata: sample_frame_indices(metadata.total_num_frames, 1))
     return frames[0]
@@ -549,7 +594,7 @@ def show_moment(state: AppState, rank: float, session: Session | None = None
     video, start, end = hit["video"], hit.get("start"), hit.get("end")
     try:
         if start is None:  # a whole video: frames spread over all of it
-            from modeling_testa.video_decoding import decode_video, sample_frame_indices
+            from modeling_testa import decode_video, sample_frame_indices
 
             frames, metadata = decode_video(video, lambda m: sample_frame_indices(m.total_num_frames, MOMENT_FRAMES))
             start, end = 0.0, metadata.duration or 0.0
@@ -597,14 +642,16 @@ PLAY_FROM_START = """(start, file) => {
 }"""
 
 
-def visualize_result(state: AppState, video: str, query: str) -> tuple[str, str | None, str]:
-    """The merge picture of ``video`` and, with a query, the grounding of its words."""
-    from modeling_testa.grounding import draw_grounding, ground_phrases
-    from modeling_testa.visualization import visualize_aggregation
+def visualize_result(state: AppState, video: str, query: str, session: Session | None = None
+                     ) -> tuple[str, str | None, str]:
+    """The merge picture of ``video`` and, with a query, the grounding of its words. A visitor's `session` may name
+    only the collection's videos (`check_video`)."""
+    from modeling_testa import draw_grounding, ground_phrases, visualize_aggregation
 
     retrieval = state.require_model()
     if not video:
         raise gr.Error("Choose a result (search first).")
+    check_video(state, video, session)
     if not Path(video).is_file():
         raise gr.Error(f"{video!r} does not exist.")
     out = Path(state.output_dir)
@@ -627,12 +674,14 @@ def visualize_result(state: AppState, video: str, query: str) -> tuple[str, str 
     return str(merge_path), grounding_path, caption
 
 
-def classify_video(state: AppState, video: str, labels: str) -> dict[str, float]:
-    """Zero-shot labels -> scores for one video."""
+def classify_video(state: AppState, video: str, labels: str, session: Session | None = None) -> dict[str, float]:
+    """Zero-shot labels -> scores for one video (of the collection, for a visitor's `session`: `check_video`)."""
     state.require_model()
     names = [label.strip() for label in (labels or "").split(",") if label.strip()]
     if len(names) < 2:
         raise gr.Error("Give at least two labels, separated by commas.")
+    if video:
+        check_video(state, video, session)
     if not video or not Path(video).is_file():
         raise gr.Error(f"Choose or upload a video (got {video!r}).")
     try:
@@ -642,12 +691,14 @@ def classify_video(state: AppState, video: str, labels: str) -> dict[str, float]
     return {item["label"]: float(item["score"]) for item in result}
 
 
-def answer_question(state: AppState, video: str, question: str) -> str:
-    """The VideoQA model's answer."""
+def answer_question(state: AppState, video: str, question: str, session: Session | None = None) -> str:
+    """The VideoQA model's answer about ``video`` (of the collection, for a visitor's `session`: `check_video`)."""
     if state.qa is None:
         raise gr.Error(state.qa_error)
     if not question or not question.strip():
         raise gr.Error("Type a question.")
+    if video:
+        check_video(state, video, session)
     if not video or not Path(video).is_file():
         raise gr.Error(f"Choose or upload a video (got {video!r}).")
     try:
@@ -659,8 +710,7 @@ def answer_question(state: AppState, video: str, question: str) -> str:
 
 def model_panel(state: AppState) -> str:
     """Frames, R_T/R_S, tokens and GMAC against the same encoder without aggregation."""
-    from modeling_testa import TestaVisionConfig
-    from modeling_testa.flops import count_encoder_gmac
+    from modeling_testa import TestaVisionConfig, count_encoder_gmac
 
     if state.retrieval is None:
         return f"**No model loaded.** {state.model_error}"
@@ -749,7 +799,9 @@ def build_app(state: AppState) -> gr.Blocks:
             gr.Markdown(f"**Error:** {state.model_error}")
         with gr.Tab("Search"):
             with gr.Row():
-                folder = gr.Textbox(label="Folder", value=state.videos_dir or "", scale=3)
+                folder = gr.Textbox(label="Folder", value=state.videos_dir or "", scale=3, info=None if
+                                    state.allow_folders else "the served collection's folder, or one inside it "
+                                    "(the operator allows others with --allow-folders)")
                 uploads = gr.File(label="Or upload videos", file_count="multiple", type="filepath", scale=2)
                 window = gr.Number(value=state.window, minimum=0, label="Moments: seconds per window (0: whole videos)",
                                    scale=1)
@@ -826,12 +878,12 @@ def build_app(state: AppState) -> gr.Blocks:
         moment_button.click(lambda r, own: show_moment(state, r, own), [moment_rank, session], moment_outputs,
                             api_name="moment", **ONE_MODEL).then(None, [moment_start, moment_video], None,
                                                                  js=PLAY_FROM_START, api_name=False)
-        show_button.click(lambda v, q: visualize_result(state, v, q), [result, query], [merges, grounding, caption],
-                          api_name="visualize", **ONE_MODEL)
-        classify_button.click(lambda v, labs: classify_video(state, v, labs), [classify_video_input, labels],
-                              label_scores, api_name="classify", **ONE_MODEL)
-        answer_button.click(lambda v, q: answer_question(state, v, q), [qa_video, question], answer,
-                            api_name="answer", **ONE_MODEL)
+        show_button.click(lambda v, q, own: visualize_result(state, v, q, session=own), [result, query, session],
+                          [merges, grounding, caption], api_name="visualize", **ONE_MODEL)
+        classify_button.click(lambda v, labs, own: classify_video(state, v, labs, session=own),
+                              [classify_video_input, labels, session], label_scores, api_name="classify", **ONE_MODEL)
+        answer_button.click(lambda v, q, own: answer_question(state, v, q, session=own), [qa_video, question, session],
+                            answer, api_name="answer", **ONE_MODEL)
         apply_button.click(lambda t, sp, own: change_aggregation(state, t, sp, session=own),
                            [temporal, spatial, session], panel, api_name="aggregation", **ONE_MODEL)
         folder_filter.change(lambda f, own: setattr(own, "folder_filter", f or ""), [folder_filter, session], None,
@@ -918,13 +970,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="with --milvus: the credentials of a secured Milvus server (\"user:password\" or an API "
                              "key); default: env MILVUS_TOKEN, which keeps the secret off the command line")
     parser.add_argument("--window", type=float, default=float(os.environ.get("TESTA_WINDOW", 0)),
-                        help="index moments: windows of this many seconds, half-overlapping (0, the default: whole "
+                        help="index moments: windows of this many seconds, one after another (0, the default: whole "
                              "videos; env TESTA_WINDOW)")
     parser.add_argument("--no-rerank", action="store_true",
                         help="rank by cosine by default (e.g. a model whose matching head is barely trained)")
     parser.add_argument("--allow-settings", action="store_true",
                         help="let visitors change R_T/R_S on the Model tab: the one model's settings, so the change is "
                              "every visitor's (off by default: visitors are kept apart)")
+    parser.add_argument("--allow-folders", action="store_true",
+                        help="let visitors index any folder of the server (the Folder box) and name any of its video "
+                             "files (Visualize, Classify, Ask); off by default: only the served collection's folder, "
+                             "its videos and the visitor's uploads")
     parser.add_argument("--precision", default=os.environ.get("TESTA_PRECISION"),
                         choices=("fp32", "bf16", "int8", "auto"),
                         help="the video encoder's precision (env TESTA_PRECISION; default: the model as saved)")
@@ -944,10 +1000,8 @@ def milvus_token(args: argparse.Namespace) -> str | None:
 def open_search_index(store: str, milvus: str | None, collection: str, token: str | None = None) -> Any:
     """The index ``--index`` names: the store, or with `milvus` (a Milvus Lite file or a server's URI) its collection
     `collection` as a `MilvusIndex`, logged in with `token` (a secured server's credentials; settings from the store,
-    which the collection must share; tokens from the stores its rows name): `train.search.open_index`."""
-    from testa_search.cli.search import open_index
-
-    return open_index(store, milvus, collection, token)
+    which the collection must share; tokens from the stores its rows name): `testa_search.open_index`."""
+    return testa_search.open_index(store, milvus, collection, token)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -960,6 +1014,7 @@ def main(argv: list[str] | None = None) -> None:
     state.rerank = not args.no_rerank
     state.window = args.window
     state.allow_settings = args.allow_settings
+    state.allow_folders = args.allow_folders
     if args.index:
         state.served.index = open_search_index(args.index, args.milvus, args.collection, milvus_token(args))
         state.served.index_status = f"Searching {len(state.served.index)} rows of {args.milvus or args.index}."

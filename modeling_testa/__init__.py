@@ -49,7 +49,14 @@ from .pipeline_testa import (
     register_testa_pipelines,
 )
 from .processing_testa import TestaProcessor, build_testa_tokenizer, pre_caption
-from .video_decoding import VideoDecodingError, VideoDecodingTimeoutError, decode_video, sample_frame_indices
+from .video_decoding import (
+    VideoDecodingError,
+    VideoDecodingTimeoutError,
+    decode_video,
+    format_time,
+    sample_frame_indices,
+)
+from .video_inputs import VIDEO_SUFFIXES, find_video_files, is_video_file_name
 from .video_processing_testa import TestaVideoProcessor
 from .visualization import AggregationGroups, aggregation_groups, draw_aggregation, visualize_aggregation
 
@@ -81,6 +88,7 @@ register_testa_pipelines()
 __all__ = [
     "MODEL_CARD_MARKER",
     "PIPELINE_TASKS",
+    "VIDEO_SUFFIXES",
     "AggregationGroups",
     "Grounding",
     "Matching",
@@ -113,9 +121,12 @@ __all__ = [
     "draw_aggregation",
     "draw_grounding",
     "estimate_encoder_gmac",
+    "find_video_files",
+    "format_time",
     "geometry_matching",
     "ground_phrases",
     "importance_matching",
+    "is_video_file_name",
     "merge_tokens",
     "model_card",
     "pre_caption",

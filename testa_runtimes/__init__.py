@@ -5,6 +5,7 @@ engine worker; `engines.py` the exported graphs; `linear_layers.py` the int8 and
 
 from .linear_layers import Bf16Linear, Int8DynamicLinear
 from .optimize import BACKENDS, PRECISIONS, optimize_for_inference
+from .runtimes import isolated_by_default
 
 
-__all__ = ["BACKENDS", "PRECISIONS", "Bf16Linear", "Int8DynamicLinear", "optimize_for_inference"]
+__all__ = ["BACKENDS", "PRECISIONS", "Bf16Linear", "Int8DynamicLinear", "isolated_by_default", "optimize_for_inference"]

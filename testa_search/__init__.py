@@ -9,14 +9,33 @@ ships `modeling_testa` only).
   `VideoTextRetrievalPipeline.encode_videos` and `python -m train.index`), its encode loop and failure records
   (`encoding.py`) and moments of long videos (`moments.py`).
 - The pipeline's `encode_videos` and `search` (`pipeline_methods.py`) and the command lines (`cli/`).
+
+What an application needs (the app in `app/` uses these names only) is exported here: `open_index` (a store, or
+its Milvus collection), the rows (`IndexEntry`, `window_entries`), the failure records and encoding stats, and
+`moment_frames`.
 """
 
-from .encoding import Failure, NoReadableVideoError
-from .homes import SearchableIndex
+from .build import window_entries
+from .encoding import EncodingStats, Failure, NoReadableVideoError, is_media_error
+from .homes import IndexEntry, SearchableIndex, open_index
 from .index import VideoIndex
+from .moments import moment_frames
 from .store.lock import StoreLock, StoreLockedError
 from .store.video_store import DamagedStoreError
 
 
-__all__ = ["DamagedStoreError", "Failure", "NoReadableVideoError", "SearchableIndex", "StoreLock", "StoreLockedError",
-           "VideoIndex"]
+__all__ = [
+    "DamagedStoreError",
+    "EncodingStats",
+    "Failure",
+    "IndexEntry",
+    "NoReadableVideoError",
+    "SearchableIndex",
+    "StoreLock",
+    "StoreLockedError",
+    "VideoIndex",
+    "is_media_error",
+    "moment_frames",
+    "open_index",
+    "window_entries",
+]

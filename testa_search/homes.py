@@ -559,6 +559,21 @@ class StoreHome:
         return index
 
 
+def open_index(store: str | os.PathLike, milvus: str | None = None, collection: str = "videos",
+               token: str | None = None) -> Any:
+    """The searchable index of a store written by `train.index`: its `VideoIndex`, or with `milvus` (a Milvus Lite
+    file or a server's URI) the `MilvusIndex` of its collection `collection`, logged in with `token` (a secured
+    server's credentials). The collection takes its settings from the store, which it must share, and its re-ranking
+    tokens from the stores its rows name. The one opener behind ``python -m train.search`` and the app's ``--index``."""
+    index = VideoIndex.load(store, first_stage=milvus is None)
+    if milvus is None:
+        return index
+    from testa_search.milvus import MilvusHome  # milvus.py builds on this module: imported when asked for
+
+    return MilvusHome(milvus, collection, dim=index.dim, token=token).open(index.info,
+                                                                           tokens_from_stores=index.has_tokens)
+
+
 __all__ = ["PLAN_FILE", "TOKEN_DTYPES", "Decoder", "IndexEntry", "IndexHome", "InMemoryHome", "NoLock",
            "RowPlan", "SearchableIndex", "StoreHome", "as_entries", "default_shard_size", "new_rows", "row_fields_of",
-           "segments_of", "shard_ranges"]
+           "segments_of", "shard_ranges", "open_index"]

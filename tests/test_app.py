@@ -49,7 +49,8 @@ STALL = 120  # seconds: a bound on a stalled step (waits are on conditions), nev
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """The app as `app.py --videos VIDEOS --qa-model QA --allow-settings` starts it, its start-up index finished.
+    """The app as `app.py --videos VIDEOS --qa-model QA --allow-settings --allow-folders` starts it, its start-up
+    index finished.
     The fixture's client is one visitor (one session) for the whole module."""
     os.environ.setdefault("GRADIO_TEMP_DIR", str(tmp_path_factory.mktemp("gradio")))
     root = tmp_path_factory.mktemp("app")
@@ -60,7 +61,7 @@ def served(tmp_path_factory):
     module = load_app_module()
     state = module.load_state(str(model), str(root / "videos"), str(qa))
     assert state.model_error is None and state.qa_error is None
-    state.allow_settings = True
+    state.allow_settings = state.allow_folders = True
     job = module.startup_index(state, str(root / "videos"))
     assert job.wait(STALL), job.describe()
     demo = module.build_app(state)
@@ -97,8 +98,7 @@ def test_every_api_name_answers(served):
     assert best == expected[0]["video"]
 
     merges, grounding, caption = client.predict(best, QUERY, api_name="/visualize")
-    reference = module.visualize_aggregation if hasattr(module, "visualize_aggregation") else None
-    from modeling_testa.visualization import visualize_aggregation
+    from modeling_testa import visualize_aggregation
 
     reference = visualize_aggregation(state.retrieval.model, state.retrieval.processor, best)
     assert png_size(merges) == reference.size
@@ -167,6 +167,70 @@ def test_bad_inputs_get_a_message_and_the_app_keeps_serving(served, tmp_path):
             other.predict(str(root / "videos" / "clip0.mp4"), "why?", api_name="/answer")
     finally:
         demo.close()
+
+
+def test_without_allow_folders_a_visitor_names_only_the_served_collection_and_uploads(served, tmp_path):
+    """A visitor of an app started without --allow-folders cannot have it index or decode a file of the server
+    outside the served collection (the Folder box, and the Visualize, Classify and Ask boxes): the served folder (as
+    any path to it), its videos and the visitor's uploads are what they may name; anything else is refused with the
+    reason, naming the flag."""
+    module, state, _, root, _ = served
+    AppError = gradio_client.exceptions.AppError
+    assert not module.parse_args([]).allow_folders and module.parse_args(["--allow-folders"]).allow_folders
+    closed = module.load_state(str(root / "model"), str(root / "videos"), str(root / "qa"))  # no --allow-folders
+    closed.served = state.served  # the same served collection, already indexed
+    outside = write_noise_video(tmp_path / "elsewhere" / "private.mp4", seed=91)
+    demo = module.build_app(closed)
+    _, url, _ = demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True, show_error=True)
+    try:
+        client = gradio_client.Client(url, verbose=False)
+        for folder in (tmp_path / "elsewhere", root / "videos" / ".." / "qa"):  # another folder; `..` out of it
+            with pytest.raises(AppError, match="only the served collection's folder .* --allow-folders"):
+                client.predict(str(folder), None, api_name="/index")
+        status = client.predict(str(root / "videos" / ".." / "videos"), None, api_name="/index")
+        assert status == "Indexed 6 videos (0 new, 6 already indexed): nothing new to encode."
+        served_video = str(root / "videos" / "clip0.mp4")
+        for api, arguments in (("/visualize", ("a square",)), ("/classify", ("red screen, green screen",)),
+                               ("/answer", ("what color is the screen?",))):
+            with pytest.raises(AppError, match="'private.mp4' is not a video of this collection.*--allow-folders"):
+                client.predict(str(outside), *arguments, api_name=api)
+            assert client.predict(served_video, *arguments, api_name=api)  # a video of the served folder
+        # an upload is the visitor's: indexed (a new index of the uploads alone), then theirs to inspect
+        status = client.predict("", [gradio_client.handle_file(str(outside))], api_name="/index")
+        assert status.startswith("Indexed 1 videos: ")
+        _, table, best = client.predict(QUERY, 1, False, api_name="/search")
+        assert [row[1] for row in table["data"]] == ["private.mp4"] and best != str(outside)  # gradio's copy
+        scores = client.predict(best, "red screen, green screen", api_name="/classify")
+        expected = closed.classifier(best, candidate_labels=["red screen", "green screen"])
+        assert {c["label"]: c["confidence"] for c in scores["confidences"]} == pytest.approx(
+            {item["label"]: item["score"] for item in expected}, abs=1e-6)
+        with pytest.raises(AppError, match="'private.mp4' is not a video of this collection"):
+            client.predict(str(outside), "red screen, green screen", api_name="/classify")  # the server's own file
+    finally:
+        demo.close()
+
+
+def test_a_video_that_cannot_be_read_first_gets_its_failure_record(served, tmp_path):
+    """`encode_first_video`: the first video of a new index, when it cannot be read, gives no index and the failure
+    the library records for it (as when it is added to an index: the reference); a readable one gives its index."""
+    module, state, _, root, _ = served
+    bad = write_bad_files(tmp_path / "bad", str(root / "videos" / "clip0.mp4"))
+    calls = []
+    encode = state.retrieval.encode_videos
+
+    def counted(videos, *args, **kwargs):
+        calls.append(list(videos))
+        return encode(videos, *args, **kwargs)
+
+    options = {"batch_size": 8, "progress_bar": False}
+    retrieval = type("Counted", (), {"encode_videos": staticmethod(counted)})()
+    index, failure = module.encode_first_video(retrieval, bad["truncated"], options)
+    reference = encode([bad["truncated"]], index=module.snapshot(state.served.index), **options).failures[-1]
+    assert index is None and (failure["video"], failure["code"]) == (reference.video, reference.code), failure
+    # TODO(lead): once testa_search exports NoReadableVideoError, only `calls == [[bad["truncated"]]]` (one decode)
+    assert len(calls) == (1 if module.NoReadableVideoError is not None else 2), calls
+    index, failure = module.encode_first_video(state.retrieval, str(root / "videos" / "clip0.mp4"), options)
+    assert failure is None and index.names == [str(root / "videos" / "clip0.mp4")]
 
 
 def test_index_encodes_each_video_once_lists_the_bad_files_and_grows(served, tmp_path, monkeypatch):
@@ -435,7 +499,7 @@ def test_a_milvus_token_from_the_environment_or_the_option_reaches_the_milvus_cl
     assert (module.milvus_token(from_env), module.milvus_token(given)) == ("reader:from-env", "reader:given")
     index = module.open_search_index(str(store), milvus, "videos", module.milvus_token(from_env))
     assert tokens == ["reader:from-env"]
-    from testa_search.index import VideoIndex
+    from testa_search import VideoIndex
 
     got = state.retrieval.search(QUERY, index, top_k=3)
     want = state.retrieval.search(QUERY, VideoIndex.load(store), top_k=3)
@@ -451,8 +515,10 @@ def test_a_milvus_token_from_the_environment_or_the_option_reaches_the_milvus_cl
 
 
 FPS = {"long0.mp4": 4, "long1.mp4": 4, "ten_minutes.mp4": 1}
-# windows of 20 s every 10 s: 60 s -> 5, 45 s -> 4 ((25, 45) last), 600 s -> 59; bad.mp4 is planned as one row
-WINDOWS = {"long0.mp4": 5, "long1.mp4": 4, "ten_minutes.mp4": 59}
+# windows of 20 s every 20 s (the library's default stride: the window): 60 s -> 3, 45 s -> 3 ((25, 45) last, moved
+# back to end at the video's end), 600 s -> 30; bad.mp4 is planned as one row: 37 planned, 36 moments
+WINDOWS = {"long0.mp4": 3, "long1.mp4": 3, "ten_minutes.mp4": 30}
+MOMENTS = sum(WINDOWS.values())
 
 
 @pytest.fixture(scope="module")
@@ -531,7 +597,8 @@ def test_start_up_indexing_runs_in_the_background_and_searches_what_is_there(ind
     assert (progress.videos_total, progress.rows_done, progress.rows_total) == (4, done, done + WINDOWS["long1.mp4"])
     assert [(Path(failure.video).name, failure.code) for failure in progress.failures] == [("bad.mp4", "not_a_video")]
     assert module.index_box(state).startswith(
-        f"Indexing {videos}: 3 of 4 videos ({done} of {done + 4} moments) done, 1 failed so far (last: bad.mp4: "
+        f"Indexing {videos}: 3 of 4 videos ({done} of {done + WINDOWS['long1.mp4']} moments) done, 1 failed so far "
+        "(last: bad.mp4: "
         "not_a_video: ")
     partial = state.served.index
     assert sorted({Path(name).name for name in partial.names}) == ["long0.mp4", "ten_minutes.mp4"]
@@ -551,13 +618,14 @@ def test_start_up_indexing_runs_in_the_background_and_searches_what_is_there(ind
     # what a search got stays as it was (the job grew its own copy), and the whole index is one built in one call
     assert len(partial) == done - 1 and state.retrieval.search(QUERY, partial, top_k=20) == expected
     lines = state.served.index_status.splitlines()
-    assert module.index_box(state) == state.served.index_status and job.progress().rows_done == done + 4
-    assert lines[0].startswith("Indexed 3 videos as 68 moments (windows of 20 s every 10 s): ")
+    assert module.index_box(state) == state.served.index_status
+    assert job.progress().rows_done == done + WINDOWS["long1.mp4"]
+    assert lines[0].startswith(f"Indexed 3 videos as {MOMENTS} moments (windows of 20 s every 20 s): ")
     assert "moments/s" in lines[0]
     assert len(lines) == 2 and lines[1].startswith("Could not be decoded, skipped: bad.mp4: not_a_video: ")
     paths = sorted(str(path) for path in videos.rglob("*.mp4"))
-    reference = state.retrieval.encode_videos(paths, window=20, stride=10, progress_bar=False)
-    assert state.served.index.row_keys() == reference.row_keys() and len(state.served.index) == 68
+    reference = state.retrieval.encode_videos(paths, window=20, progress_bar=False)  # the default stride
+    assert state.served.index.row_keys() == reference.row_keys() and len(state.served.index) == MOMENTS
     assert torch.allclose(state.served.index.embeddings, reference.embeddings, atol=1e-5)
     assert [(f.video, f.code) for f in state.served.index.failures] == [(f.video, f.code) for f in reference.failures]
 
@@ -567,10 +635,12 @@ def test_a_search_before_the_first_video_is_indexed_is_refused_with_the_progress
     hold = threading.Event()
     state, job, demo, url = start_moments_app(module, model, videos, hold, held_video="bad.mp4")  # the first one
     try:
-        assert job.wait_for(lambda progress: progress.rows_total == 69, timeout=STALL), job.describe()  # planned
+        planned = MOMENTS + 1  # bad.mp4: one row
+        assert job.wait_for(lambda progress: progress.rows_total == planned, timeout=STALL), job.describe()
         client = gradio_client.Client(url, verbose=False)
         with pytest.raises(gradio_client.exceptions.AppError,
-                           match=r"Indexing .*: 0 of 4 videos \(0 of 69 moments\) done.* Nothing is indexed yet"):
+                           match=rf"Indexing .*: 0 of 4 videos \(0 of {MOMENTS + 1} moments\) done.* Nothing is "
+                           "indexed yet"):
             client.predict(QUERY, 5, True, api_name="/search")
         assert state.served.index is None and job.running
     finally:
@@ -578,7 +648,7 @@ def test_a_search_before_the_first_video_is_indexed_is_refused_with_the_progress
         assert job.wait(STALL), job.describe()
         demo.close()
         gr.set_static_paths([])
-    assert state.served.index_status.startswith("Indexed 3 videos as 68 moments")
+    assert state.served.index_status.startswith(f"Indexed 3 videos as {MOMENTS} moments")
 
 
 def test_a_browser_sees_the_indexing_progress_searches_meanwhile_and_then_the_whole_index(indexing_held):
@@ -593,7 +663,7 @@ def test_a_browser_sees_the_indexing_progress_searches_meanwhile_and_then_the_wh
             page.goto(url)  # the page answers while the indexing is held
             box = page.get_by_label("Index", exact=True)
             sync_api.expect(box).to_have_value(
-                re.compile(r"^Indexing .*: 3 of 4 videos \(65 of 69 moments\) done, 1 failed so far \(last: bad\.mp4"),
+                re.compile(r"^Indexing .*: 3 of 4 videos \(34 of 37 moments\) done, 1 failed so far \(last: bad\.mp4"),
                 timeout=30_000)
             page.get_by_label("Paragraph").fill(QUERY)
             page.get_by_role("button", name="Search", exact=True).click()
@@ -601,7 +671,7 @@ def test_a_browser_sees_the_indexing_progress_searches_meanwhile_and_then_the_wh
             sync_api.expect(rows).to_have_count(5, timeout=60_000)
             names = {next(w for w in rows.nth(i).inner_text().split() if w.endswith(".mp4")) for i in range(5)}
             assert names <= {"long0.mp4", "ten_minutes.mp4"}
-            warning = page.get_by_text("Indexing is still running: searched the 64 rows indexed so far")
+            warning = page.get_by_text("Indexing is still running: searched the 33 rows indexed so far")
             sync_api.expect(warning.first).to_be_visible(timeout=30_000)
             hold.set()
             assert job.wait(STALL), job.describe()
@@ -613,7 +683,7 @@ def test_a_browser_sees_the_indexing_progress_searches_meanwhile_and_then_the_wh
 
 def test_moments_through_the_api(served_moments):
     module, state, client, _, _ = served_moments
-    assert state.served.index_status.startswith("Indexed 3 videos as 68 moments (windows of 20 s every 10 s)")
+    assert state.served.index_status.startswith(f"Indexed 3 videos as {MOMENTS} moments (windows of 20 s every 20 s)")
     _, table, _ = client.predict(QUERY, 4, True, api_name="/search")
     expected = state.retrieval.search(QUERY, state.served.index, top_k=4)
     assert table["headers"] == ["rank", "video", "score", "re-ranked", "start", "end"]
@@ -684,7 +754,7 @@ def test_a_browser_sees_moments_their_thumbnails_and_plays_them_from_their_start
     _, state, _, videos, url = served_moments
     executable = chromium()
     sync_api = require("playwright.sync_api")
-    from testa_search.moments import format_time
+    from modeling_testa import format_time
 
     expected = state.retrieval.search(QUERY, state.served.index, top_k=5)
     with sync_api.sync_playwright() as playwright:
@@ -724,7 +794,7 @@ def test_a_browser_sees_moments_their_thumbnails_and_plays_them_from_their_start
             assert {Path(hit["video"]).name for hit in hits} == {"ten_minutes.mp4"}
             rank = max(range(1, 21), key=lambda r: hits[r - 1]["start"])
             late = hits[rank - 1]
-            assert late["start"] >= 300, late  # 20 of 59 windows: one starts in the second half
+            assert late["start"] >= 300, late  # 20 of 30 windows: 15 start before 300 s, so one starts after
             tile = page.get_by_test_id(f"thumbnail {rank}")  # the tile's picture (the gallery is in preview mode)
             tile.scroll_into_view_if_needed()
             page.wait_for_function("i => i.complete && i.naturalWidth > 0", arg=tile.element_handle())

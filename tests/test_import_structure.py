@@ -7,6 +7,7 @@
   pipelines reach them by name at call time, `pipeline_testa.library`), and the runtimes know nothing of search.
 - No private name (`_x`) crosses a module boundary anywhere in the repository: neither imported from another module
   nor called on another module's objects (what another module needs is public).
+- The app imports the library packages' exported names only (their `__all__`), never one of their modules.
 - No file edits `sys.path`: `modeling_testa`, `processing` and `train` are installed packages, and the benchmarks run as
   modules from the repository root (`python -m benchmarks.<name>`).
 """
@@ -230,6 +231,77 @@ def test_no_private_name_crosses_a_module_boundary():
     private = _private_definitions()
     crossings = [item for path in _python_files() for item in _private_crossings(path, private)]
     assert crossings == [], "\n".join(crossings)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The app uses the library's public API
+# ----------------------------------------------------------------------------------------------------------------------
+
+LIBRARY_PACKAGES = ("modeling_testa", "testa_search", "testa_runtimes")
+
+
+def _exported(package: str) -> set[str]:
+    """The names `package/__init__.py` lists in `__all__` (read from the source)."""
+    for node in ast.walk(_tree(REPO / package / "__init__.py")):
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            return {element.value for element in node.value.elts}
+    raise AssertionError(f"{package}/__init__.py has no __all__")
+
+
+def _non_public_uses(path: Path, exported: dict[str, set[str]], root: Path = REPO) -> list[str]:
+    """Where `path` reaches a library package other than by a name its `__all__` exports: a submodule imported
+    (``from testa_search.encoding import x``, ``import modeling_testa.flops``), a name not exported, or an attribute of
+    the imported package that it does not export (``testa_search.x``)."""
+    found, bound = [], {}
+    tree = _tree(path)
+    for node in ast.walk(tree):
+        where = f"{path.relative_to(root)}:{getattr(node, 'lineno', 0)}"
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            package = node.module.split(".")[0]
+            if package not in exported:
+                continue
+            if node.module != package:
+                found.append(f"{where} imports the module {node.module}")
+                continue
+            found += [f"{where} imports {alias.name}, which {package} does not export" for alias in node.names
+                      if alias.name not in exported[package]]
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] in exported:
+                    if "." in alias.name:
+                        found.append(f"{where} imports the module {alias.name}")
+                    else:
+                        bound[alias.asname or alias.name] = alias.name
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound:
+            if node.attr not in exported[bound[node.value.id]]:
+                found.append(f"{path.relative_to(root)}:{node.lineno} uses {node.value.id}.{node.attr}, which "
+                             "is not exported")
+    return sorted(found, key=lambda item: int(item.split(":")[1].split()[0]))
+
+
+def test_checker_finds_non_public_uses(tmp_path):
+    """The checker itself, on a hand-written file."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("import os\nimport pkg\nimport pkg.inner\nfrom pkg.inner import x\nfrom pkg import a, b\n"
+                   "from other.inner import y\nz = pkg.a + pkg.c + os.sep\n")
+    assert _non_public_uses(bad, {"pkg": {"a"}}, root=tmp_path) == [
+        "bad.py:3 imports the module pkg.inner", "bad.py:4 imports the module pkg.inner",
+        "bad.py:5 imports b, which pkg does not export", "bad.py:7 uses pkg.c, which is not exported"]
+
+
+def test_the_app_uses_only_the_names_the_library_packages_export():
+    """`app/` is the library's first user: it imports `from modeling_testa import ...`, `from testa_search import
+    ...`, `from testa_runtimes import ...` and nothing from their modules (nor from a command line's), so that what
+    an application needs is public and the packages' insides can move."""
+    exported = {package: _exported(package) for package in LIBRARY_PACKAGES}
+    files = sorted((REPO / "app").rglob("*.py"))
+    assert files, "no app/*.py"
+    found = [item for path in files for item in _non_public_uses(path, exported)]
+    assert found == [], "\n".join(found)
+    for package, names in exported.items():  # every exported name is there
+        module = __import__(package)
+        assert not [name for name in names if not hasattr(module, name)], package
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -396,7 +396,7 @@ def test_milvus_takes_stores_of_either_token_dtype_and_searches_collections_of_e
     collection written before collections recorded their settings is searched (with a warning) but takes no rows."""
     pymilvus, _ = milvus_modules
     from testa_search.milvus import MilvusHome, MilvusHomeError
-    from testa_search.cli.search import open_index
+    from testa_search import open_index
 
     folder = tmp_path / "videos"
     for i in range(3):

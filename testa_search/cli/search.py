@@ -27,7 +27,7 @@ from modeling_testa import TestaProcessor, VideoTextRetrievalPipeline
 from testa_search.moments import format_time
 from testa_search.filters import FILTER_KEYS
 from testa_search.settings import SETTINGS_FILE, recorded_store_settings
-from testa_search.index import VideoIndex
+from testa_search.homes import open_index
 
 from testa_search.cli.index import add_milvus_arguments, load_retrieval_model
 
@@ -71,18 +71,6 @@ def parse_filters(items: list[str]) -> dict[str, list[str]]:
             raise ValueError(f"--filter {item!r}: use KEY=VALUE with KEY one of {', '.join(FILTER_KEYS)}")
         filters.setdefault(key, []).append(value)
     return filters
-
-
-def open_index(store: str, milvus: str | None = None, collection: str = "videos", token: str | None = None) -> Any:
-    """The store's `VideoIndex`, or with `milvus` the `MilvusIndex` of that collection (settings from the store,
-    which the collection must share; tokens from the stores its rows name)."""
-    index = VideoIndex.load(store, first_stage=milvus is None)
-    if milvus is None:
-        return index
-    from testa_search.milvus import MilvusHome
-
-    return MilvusHome(milvus, collection, dim=index.dim, token=token).open(index.info,
-                                                                           tokens_from_stores=index.has_tokens)
 
 
 def search(store: str, queries: list[str], model: str | None = None, top_k: int = 10, rerank_k: int | None = None,
