@@ -567,7 +567,7 @@ def apply_testa(
     Returns:
         ``model`` itself, patched.
     """
-    video_llms = _video_llms(model)
+    video_llms = _video_llms(model, required=True)
     if video_llms is not None:
         return video_llms.apply_testa_to_video_llm(
             model, processor, temporal_reduction=temporal_reduction, spatial_reduction=spatial_reduction,
@@ -608,12 +608,29 @@ def apply_testa(
     return model
 
 
-def _video_llms(model: nn.Module):
+VIDEO_LLM_CLASSES = (
+    "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLModel", "Qwen3VLForConditionalGeneration", "Qwen3VLModel",
+    "LlavaOnevisionForConditionalGeneration", "LlavaOnevisionModel",
+)
+"""The transformers classes (and their subclasses) that the repository's ``video_llms`` adapters take, by name: how
+`apply_testa` recognises a video-LLM when that package is not installed (a test keeps this list equal to the
+adapters' own)."""
+
+
+def _video_llms(model: nn.Module, required: bool = False):
     """The repository's ``video_llms`` package when ``model`` is a video-LLM it supports, else None. Imported here,
-    not at the top: it is not part of a saved Hub folder, where this module must load without it."""
+    not at the top: it is not part of a saved Hub folder, where this module must load without it. Without the
+    package, a model whose class is one of `VIDEO_LLM_CLASSES` raises (when `required`) an `ImportError` saying in
+    one line what to install, instead of being refused as an unsupported model."""
     try:
         import video_llms
-    except ImportError:
+    except ImportError as error:
+        names = [cls.__name__ for cls in type(model).__mro__ if cls.__name__ in VIDEO_LLM_CLASSES]
+        if required and names:
+            from .pipeline_testa import LIBRARY  # the same wording as the pipelines' `library` helper
+
+            raise ImportError(f"apply_testa on a {type(model).__name__} (a video-LLM: {names[0]}) needs {LIBRARY}, "
+                              f"whose video_llms package adapts it; it is not in a Hub folder: {error}") from error
         return None
     return video_llms if video_llms.is_video_llm(model) else None
 

@@ -436,6 +436,51 @@ def test_unsupported_model_names_the_class_and_the_supported_ones():
     assert "forward" not in model.__dict__
 
 
+def _without_video_llms(monkeypatch) -> None:
+    """Makes ``import video_llms`` fail, as where only the Hub code (or another install) is there."""
+    import sys
+
+    for name in [n for n in sys.modules if n == "video_llms" or n.startswith("video_llms.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "video_llms", None)  # None in sys.modules: ImportError on import
+
+
+def test_a_video_llm_without_the_video_llms_package_says_what_to_install(monkeypatch):
+    """A Qwen2.5-VL given to apply_testa without the repository's `video_llms` package: one line naming the model and
+    the install command (the pipelines' wording), not "does not support"; the model is left as it was."""
+    from helpers import video_llms as tiny
+
+    model, processor = tiny.qwen2_5_vl()
+    _without_video_llms(monkeypatch)
+    with pytest.raises(ImportError) as raised:
+        apply_testa(model, temporal_reduction=1, processor=processor)
+    message = str(raised.value)
+    assert "\n" not in message
+    assert message.startswith("apply_testa on a Qwen2_5_VLForConditionalGeneration (a video-LLM: "
+                              "Qwen2_5_VLForConditionalGeneration) needs the TESTA library (`pip install testa-hf`)")
+    assert "does not support" not in message
+    assert not any("forward" in module.__dict__ for module in model.modules())
+    assert remove_testa(model) is model  # nothing to undo: no error
+
+
+def test_without_the_video_llms_package_other_models_are_still_unsupported(monkeypatch):
+    """Only video-LLM classes get the install line: another model keeps the "does not support" TypeError."""
+    from transformers import ViTConfig, ViTModel
+
+    _without_video_llms(monkeypatch)
+    with pytest.raises(TypeError, match="apply_testa does not support ViTModel"):
+        apply_testa(ViTModel(ViTConfig(**TINY, image_size=SIZE, patch_size=PATCH)), spatial_reduction=2)
+
+
+def test_the_video_llm_class_names_are_the_adapters_own():
+    """`patching.VIDEO_LLM_CLASSES` (how a video-LLM is recognised without `video_llms`) lists the classes the
+    adapters support, no more, no less."""
+    import video_llms
+    from modeling_testa.patching import VIDEO_LLM_CLASSES
+
+    assert sorted(VIDEO_LLM_CLASSES) == sorted(name for adapter in video_llms.ADAPTERS for name in adapter.classes)
+
+
 @pytest.mark.parametrize(
     "name, settings, message",
     [

@@ -55,6 +55,11 @@ from modeling_testa.flops import count_encoder_gmac
 RECIPE = REPO / "configuration" / "short_events.yaml"
 QA_RECIPE = REPO / "configuration" / "short_events_qa.yaml"
 GMAC_TOLERANCE = 0.10  # (b) must cost within 10% of (a)
+# The training runs start as modules (`accelerate launch -m train.X`, working directory: this repository), so that
+# they run this checkout's code: a script started by path puts train/ first on sys.path and then imports `train.*`
+# and `modeling_testa` from wherever the installed distribution points (another checkout, with an editable install).
+RETRIEVAL_MODULE = "train.finetune_retrieval"
+QA_MODULE = "train.finetune_qa"
 
 
 @dataclass(frozen=True)
@@ -166,7 +171,7 @@ def _train_group(group, launch, env, data_dir, runs_dir, seed, max_steps, recipe
     try:
         for key in group:
             out = runs_dir / key
-            command = launch + [str(REPO / "train" / "finetune_retrieval.py"), "--config", str(recipe_path),
+            command = launch + ["-m", RETRIEVAL_MODULE, "--config", str(recipe_path),
                                 "--dataset", str(data_dir), "--output-dir", str(out), "--overwrite", "--no-eval",
                                 "--set", f"train.seed={seed}", *VARIANTS[key].overrides(), *overrides]
             if max_steps:
@@ -207,14 +212,14 @@ def train_qa(data_dir: Path, out: Path, retrieval_folder: Path, max_steps: int |
     counts = write_qa_splits(str(data_dir))
     print(f"qa: {counts['train']} training and {counts['test']} test questions in {data_dir}", flush=True)
     command = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1", "--mixed_precision", "no",
-               "--dynamo_backend", "no", "--num_processes", "1", str(REPO / "train" / "finetune_qa.py"),
+               "--dynamo_backend", "no", "--num_processes", "1", "-m", QA_MODULE,
                "--config", str(QA_RECIPE), "--dataset", str(data_dir), "--output-dir", str(out), "--overwrite",
                "--set", f"model.init_from={retrieval_folder}"]
     if max_steps:
         command += ["--max-steps", str(max_steps)]
     started = time.perf_counter()
     with open(out.parent / "qa.log", "w") as log:
-        script = command.index(str(REPO / "train" / "finetune_qa.py"))
+        script = command.index("-m", command.index("--num_processes"))
         print("+ " + " ".join(command[script:]) + f"  > {out.parent / 'qa.log'}", flush=True)
         done = subprocess.run(command, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS=str(os.cpu_count() or 1)),
                               stdout=log, stderr=subprocess.STDOUT)
@@ -309,9 +314,16 @@ def plot_r1_vs_gmac(points: dict[str, tuple[float, float, float]], path: Path, t
 
 
 def qa_exact_match_percent(metrics: dict) -> float:
-    """The overall exact-match accuracy (%) in a QA run's metrics."""
-    value = next(v for k, v in metrics.items() if "accuracy" in k and isinstance(v, (int, float)))
-    return 100 * value if value <= 1 else value
+    """The overall exact-match accuracy (%) in a QA run's metrics (``metrics.json`` of `train.finetune_qa`): the key
+    `train.evaluation.evaluate_qa` writes (`QA_ACCURACY_KEY`, already a percentage). Raises `KeyError` naming the
+    key and the keys there when it is missing."""
+    from train.evaluation import QA_ACCURACY_KEY
+
+    value = metrics.get(QA_ACCURACY_KEY)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise KeyError(f"The QA metrics have no {QA_ACCURACY_KEY!r} (the overall exact match in percent that "
+                       f"train.evaluation.evaluate_qa writes); keys: {sorted(metrics)}.")
+    return float(value)
 
 
 def main() -> None:

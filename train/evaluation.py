@@ -49,6 +49,13 @@ METRICS_DIR = Path(__file__).resolve().parent / "metrics"
 RETRIEVAL_KS = (1, 5, 10)
 
 
+QA_ACCURACY_KEY = "accuracy"
+"""The key of the overall exact-match accuracy, in percent, that `evaluate_qa` returns (and a QA run writes to
+``metrics.json``): the one the ``video_qa_accuracy`` metric module computes. That module stays standalone (it can be
+pushed to the Hub as a metric), so it writes the literal; `evaluate_qa` checks that it did, and readers
+(`train.demo`) read this constant."""
+
+
 def load_metric(name: str, config_name: str | None = None):
     """``evaluate.load`` of one of the repository's metric modules (a local folder: works offline)."""
     import evaluate  # imported here: it takes seconds and only evaluation needs it
@@ -287,4 +294,6 @@ def evaluate_qa(model, processor, recipe: "Recipe | dict", accelerator: Accelera
         predictions=[answer for _, answer in predicted], references=[row["answer"] for row in rows],
         question_types=types if typed else None,
     )
+    if not isinstance(result.get(QA_ACCURACY_KEY), (int, float)):  # the metric module and its readers disagree
+        raise RuntimeError(f"The video_qa_accuracy metric returned no {QA_ACCURACY_KEY!r} (got {sorted(result)}).")
     return {**result, "num_candidate_answers": len(answer_list)}
