@@ -172,14 +172,33 @@ def slice_order(groups: TokenGroups) -> torch.Tensor:
     return (slice_rank.view(-1, 1) * units + within[slice_rank]).flatten()
 
 
+def _store(videos: list[TokenGroups], sequence_now: torch.Tensor) -> None:
+    """Every video's ``tokens`` as views of the sequence."""
+    for groups, tokens in zip(videos, split_sequence(sequence_now, videos)):
+        groups.tokens = tokens
+
+
+def _release(videos: list[TokenGroups]) -> None:
+    """Drops the videos' own references to their tokens once the sequence holds them (a shape-only stand-in on the
+    meta device keeps ``grid``): otherwise the previous block's hidden states would stay alive beside the new ones
+    until the next write-back (`_store`)."""
+    for groups in videos:
+        groups.tokens = torch.empty(groups.tokens.shape, dtype=groups.tokens.dtype, device="meta")
+
+
 def advance(visual, videos: list[TokenGroups], settings, family, first: int = 0, *, resume: bool = False,
             stop_at_temporal: bool = False, window: int | None = None, full_attention_blocks=(), deepstack_blocks=(),
             deepstack_mergers=None) -> tuple[int | None, list[torch.Tensor] | None]:
     """Runs the tower's blocks from ``first`` on ``videos``: their ``tokens`` updated in place, a merged video's
     groups replaced in the list.
 
+    Memory: one sequence of hidden states is alive between blocks (the videos' ``tokens`` are written back only
+    where a merge or the caller reads them), and a block's attention keys are dropped (or reduced to one key per
+    unit for its merges) before its MLP, so a block holds what the stock block holds.
+
     Args:
-        resume: start with block ``first``'s MLP (its attention and merges already done: after `sync_temporal`).
+        resume: start with block ``first``'s MLP (its attention and merges already done: after the caller's
+            temporal merge, `run_tower_chunked`).
         stop_at_temporal: stop in the first block (after ``first``'s attention when not resuming) whose R_T is not 0,
             after its attention and residual and before its merges, so that the caller can match slices across
             videos' parts (`run_tower_chunked`).
@@ -190,6 +209,7 @@ def advance(visual, videos: list[TokenGroups], settings, family, first: int = 0,
     """
     hidden_size = videos[0].tokens.shape[-1] // UNIT
     sequence_now = sequence(videos, hidden_size)
+    _release(videos)
     rotary = seqlens = windows = None
     for index in range(first, len(visual.blocks)):
         block = visual.blocks[index]
@@ -201,20 +221,25 @@ def advance(visual, videos: list[TokenGroups], settings, family, first: int = 0,
             cu_seqlens = seqlens if window is None or index in full_attention_blocks else windows
             output, keys = attention(block.attn, block.norm1(sequence_now), cu_seqlens, rotary, family)
             sequence_now = sequence_now + output
+            del output
             r_t, r_s = settings.reductions(index)
-            if r_t or r_s:
-                key_parts = keys.split([g.grid[0] * g.grid[1] * UNIT for g in videos])
-                for groups, tokens in zip(videos, split_sequence(sequence_now, videos)):
-                    groups.tokens = tokens
+            if not (r_t or r_s):
+                del keys  # (a view of the block's qkv: three times the hidden states, not needed in the MLP)
+            else:
+                key_parts = [unit_keys(key, g.grid) for key, g in
+                             zip(keys.split([g.grid[0] * g.grid[1] * UNIT for g in videos]), videos)]
+                del keys
+                _store(videos, sequence_now)
+                del sequence_now
                 if r_t and stop_at_temporal:
-                    return index, [unit_keys(key, g.grid) for key, g in zip(key_parts, videos)]
+                    return index, key_parts
                 for i, (groups, key) in enumerate(zip(videos, key_parts)):
-                    videos[i] = aggregate(groups, unit_keys(key, groups.grid), settings, index)
+                    videos[i] = aggregate(groups, key, settings, index)
+                del groups, key_parts
                 sequence_now = sequence(videos, hidden_size)
+                _release(videos)
                 rotary = None
         sequence_now = sequence_now + block.mlp(block.norm2(sequence_now))
-        for groups, tokens in zip(videos, split_sequence(sequence_now, videos)):
-            groups.tokens = tokens
         if index in deepstack_blocks:
             tapped = deepstack_mergers[list(deepstack_blocks).index(index)](sequence_now)
             start = 0
@@ -222,6 +247,7 @@ def advance(visual, videos: list[TokenGroups], settings, family, first: int = 0,
                 count = groups.grid[0] * groups.grid[1]
                 groups.carried.append(tapped[start:start + count].view(*groups.grid, -1))
                 start += count
+    _store(videos, sequence_now)
     return None, None
 
 
@@ -266,11 +292,13 @@ def run_tower(visual, pixel_values: torch.Tensor, grid_thw: torch.Tensor, settin
         return run_tower_chunked(visual, pixel_values, grid_thw, settings, family, chunk_slices,
                                  position_embedding=position_embedding, by_slice=by_slice, **options)
     hidden = embed(visual, pixel_values, grid_thw, position_embedding)
+    hidden_size = hidden.shape[-1]
     grids = [tuple(int(v) for v in row) for row in grid_thw.tolist()]
-    parts = hidden.split([t * h * w for t, h, w in grids])
-    videos = [initial_groups(part, grid, window) for part, grid in zip(parts, grids)]
+    videos = [initial_groups(part, grid, window) for part, grid in
+              zip(hidden.split([t * h * w for t, h, w in grids]), grids)]
+    del hidden  # (the groups hold it, until the first block's residual replaces it)
     advance(visual, videos, settings, family, **options)
-    merged = visual.merger(sequence(videos, hidden.shape[-1]))
+    merged = visual.merger(sequence(videos, hidden_size))
     results, start = [], 0
     for groups in videos:
         count = groups.grid[0] * groups.grid[1]
@@ -317,6 +345,12 @@ def copy_groups(groups: TokenGroups) -> TokenGroups:
                        None if groups.labels is None else groups.labels.clone(), [t.clone() for t in groups.carried])
 
 
+def taken(items: list):
+    """Yields the items of ``items``, removing each from the list first (the list no longer holds it)."""
+    while items:
+        yield items.pop(0)
+
+
 def run_tower_chunked(visual, pixel_values: torch.Tensor, grid_thw: torch.Tensor, settings, family,
                       chunk_slices: int, *, position_embedding=None, by_slice: bool = False, window=None,
                       full_attention_blocks=(), deepstack_blocks=(), deepstack_mergers=None) -> list[VideoFeatures]:
@@ -341,42 +375,53 @@ def run_tower_chunked(visual, pixel_values: torch.Tensor, grid_thw: torch.Tensor
     results = []
     for pixels, (t, h, w) in zip(pixel_parts, grids):
         per_slice = h * w
-        chunks = []
-        for start in range(0, t, chunk_slices):
-            count = min(chunk_slices, t - start)
+
+        def embedded(start: int, count: int) -> TokenGroups:
+            """Slices ``start .. start + count`` from the patch embedding on (learned positions, windows): made when
+            the chunk starts, so that only one chunk's embedding exists at a time."""
             grid = torch.tensor([[count, h, w]], device=grid_thw.device, dtype=grid_thw.dtype)
             hidden = embed(visual, pixels[start * per_slice:(start + count) * per_slice], grid, position_embedding)
             groups = initial_groups(hidden, (count, h, w), window)
             groups.positions[..., 0] += start
-            chunks.append(groups)
+            return groups
+
+        # The first pass: every chunk embedded when it starts (a generator), then run up to the first temporal merge
+        # (or through the merger). After a temporal merge: the merged video's parts, taken off the list one by one,
+        # so that nothing but `advance` holds a part that has run on.
+        chunks = (embedded(start, min(chunk_slices, t - start)) for start in range(0, t, chunk_slices))
         block, resume, finished = 0, False, []
-        while chunks:
+        while chunks is not None:
             stopped, keys = [], []
             for chunk in chunks:
                 state = [chunk]  # advance replaces the groups it merges
+                del chunk
                 index, chunk_keys = advance(visual, state, settings, family, block, resume=resume,
                                             stop_at_temporal=True, **options)
-                groups = state[0]
+                groups = state.pop()
                 if index is None:  # through the last block: keep what the merger gives, drop the hidden states
                     hidden_size = groups.tokens.shape[-1] // UNIT
                     merged = visual.merger(groups.tokens.reshape(-1, hidden_size))
                     finished.append(TokenGroups(merged.view(*groups.grid, -1), groups.sizes, groups.positions,
                                                 None, groups.carried))
+                    del merged
                 else:
                     stopped.append(groups)
                     keys.append(chunk_keys[0])
                     stop = index  # the same for every chunk: the next block whose R_T is not 0
-            chunks = []
+                del groups, chunk_keys  # no chunk's hidden states outlive its turn, beside what `stopped` keeps
+            chunks = None
             if stopped:  # the temporal merge over the whole video
                 whole, keys = concat_groups(stopped), torch.cat(keys)
                 stopped.clear()  # (each copy of the whole video's hidden states freed as soon as it can be)
                 whole = aggregate(whole, keys, settings, stop)
                 # copies, not views: a chunk's hidden states are freed once it has run on, not when the last one has
-                chunks = [copy_groups(part) for part in split_groups(whole, chunk_slices)]
+                chunks = taken([copy_groups(part) for part in split_groups(whole, chunk_slices)])
                 del whole, keys
                 block, resume = stop, True
         video = concat_groups(finished)
+        finished.clear()  # the parts' outputs, now in `video`
         results.append(video_features(video, video.tokens.reshape(video.grid[0] * video.grid[1], -1), by_slice))
+        del video
     return results
 
 
