@@ -4,6 +4,7 @@ transformers against TESTA inside the tower, post-encoder pruning beside it, and
     python -m benchmarks.video_llm_towers                      # both towers, bf16 on the CPU (minutes)
     python -m benchmarks.video_llm_towers --json docs/video_llm_towers.json
     python -m benchmarks.video_llm_towers --quick              # tiny towers, seconds (what the test runs)
+    python -m benchmarks.video_llm_towers --memory-only        # the chunked-memory rows only
 
 The towers are built from the vision-config dimensions below (facts copied from the models' config.json files;
 nothing is downloaded), with random weights, in bfloat16 where the CPU has native bf16 arithmetic
@@ -274,14 +275,17 @@ def plan(args) -> list[dict]:
     common = {"quick": args.quick, "height": args.height, "width": args.width, "chunk_frames": args.chunk_frames,
               "dtype": args.dtype}
     for family in args.families:
-        for frames in args.frames:
+        for frames in [] if args.memory_only else args.frames:
             for mode in args.modes:
                 specs.append({**common, "family": family, "mode": mode, "frames": frames})
         if args.skip_long:
             continue
         small, large = args.chunk_frames, args.long_frames
-        for frames, mode in ((small, "stock"), (small, "testa25"), (large, "stock"), (large, "idle-chunk"),
-                             (large, "testa25-chunk")):
+        long_rows = ((small, "stock"), (small, "testa25"), (large, "stock"), (large, "idle-chunk"),
+                     (large, "testa25-chunk"))
+        if args.memory_only:  # the chunked targets' rows: the references at one chunk, the chunked long video
+            long_rows = tuple(row for row in long_rows if row != (large, "stock"))
+        for frames, mode in long_rows:
             spec = {**common, "family": family, "mode": mode, "frames": frames}
             if spec not in specs:
                 specs.append(spec)
@@ -361,6 +365,9 @@ def parse(argv=None):
     parser.add_argument("--modes", nargs="+", default=["stock", "testa50", "testa25"],
                         choices=["stock", "testa50", "testa25"], help="what to time at --frames")
     parser.add_argument("--skip-long", action="store_true", help="no runs at --long-frames (memory)")
+    parser.add_argument("--memory-only", action="store_true",
+                        help="only the chunked-memory rows: stock and testa25 at --chunk-frames, idle-chunk and "
+                             "testa25-chunk at --long-frames (no --frames rows, no stock run at --long-frames)")
     parser.add_argument("--merge", nargs="+", metavar="JSON",
                         help="no run: the rows of these earlier --json files (or their .partial rows) together, with "
                              "their ratios (e.g. the two towers measured by two runs at the same time)")

@@ -122,3 +122,33 @@ def test_bad_chunk_frames_are_refused_by_name():
     with pytest.raises(ValueError, match="chunk_frames=3 must be a multiple"):
         apply_testa_to_video_llm(model, processor, chunk_frames=3)
     assert "testa_video_llm" not in model.__dict__ and "get_video_features" not in model.model.__dict__
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("schedule", ["idle", "spatial only", "temporal+spatial"])
+def test_patch_embedding_runs_per_chunk(family, schedule):
+    """The patch embedding (and Qwen3-VL's learned positions with it) runs once per chunk, on that chunk's patches
+    only, when the chunk starts: without temporal merges each chunk reaches the patch merger before the next one is
+    embedded, so no more than one chunk's embedding ever exists. Counted with hooks (rows per call, in call order),
+    not timed or measured."""
+    model, processor = _model(family)
+    apply_testa_to_video_llm(model, processor, **SCHEDULES[schedule])
+    inputs = _inputs(family, processor)
+    visual = model.model.visual
+    events = []
+    hooks = [visual.patch_embed.register_forward_hook(lambda m, args, out: events.append(("embed", args[0].shape[0]))),
+             visual.merger.register_forward_hook(lambda m, args, out: events.append(("merger", args[0].shape[0])))]
+    try:
+        _encode(model, inputs, 2)  # one tubelet (2 frames) per chunk
+    finally:
+        for hook in hooks:
+            hook.remove()
+    patches = [int(h * w) for _, h, w in inputs["video_grid_thw"].tolist()]
+    tubelets = [int(t) for t in inputs["video_grid_thw"][:, 0].tolist()]
+    embeds = [rows for name, rows in events if name == "embed"]
+    assert embeds == [p for p, t in zip(patches, tubelets) for _ in range(t)]  # one call per tubelet, its patches
+    if "temporal" not in schedule:  # depth first: embed, merger, embed, merger, ...
+        assert [name for name, _ in events] == ["embed", "merger"] * sum(tubelets)
+    else:  # the first temporal merge (block 0) needs every chunk's block-0 attention: then all embeddings come first
+        first_merger = [name for name, _ in events].index("merger")
+        assert first_merger == tubelets[0]

@@ -33,7 +33,10 @@ import torch.nn.functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils.generic import is_flash_attention_requested
 
-from .common import TokenGroups, aggregate, chronological_order
+from modeling_testa.aggregation import capped_reduction
+from modeling_testa.aggregation_block import match_frames
+
+from .common import TokenGroups, aggregate, chronological_order, merge_units
 
 UNIT = 4
 """Tokens per unit: the 2x2 group that Qwen's patch merger concatenates (``spatial_merge_size = 2``)."""
@@ -172,14 +175,33 @@ def slice_order(groups: TokenGroups) -> torch.Tensor:
     return (slice_rank.view(-1, 1) * units + within[slice_rank]).flatten()
 
 
+def _store(videos: list[TokenGroups], sequence_now: torch.Tensor) -> None:
+    """Every video's ``tokens`` as views of the sequence."""
+    for groups, tokens in zip(videos, split_sequence(sequence_now, videos)):
+        groups.tokens = tokens
+
+
+def _release(videos: list[TokenGroups]) -> None:
+    """Drops the videos' own references to their tokens once the sequence holds them (a shape-only stand-in on the
+    meta device keeps ``grid``): otherwise the previous block's hidden states would stay alive beside the new ones
+    until the next write-back (`_store`)."""
+    for groups in videos:
+        groups.tokens = torch.empty(groups.tokens.shape, dtype=groups.tokens.dtype, device="meta")
+
+
 def advance(visual, videos: list[TokenGroups], settings, family, first: int = 0, *, resume: bool = False,
             stop_at_temporal: bool = False, window: int | None = None, full_attention_blocks=(), deepstack_blocks=(),
             deepstack_mergers=None) -> tuple[int | None, list[torch.Tensor] | None]:
     """Runs the tower's blocks from ``first`` on ``videos``: their ``tokens`` updated in place, a merged video's
     groups replaced in the list.
 
+    Memory: one sequence of hidden states is alive between blocks (the videos' ``tokens`` are written back only
+    where a merge or the caller reads them), and a block's attention keys are dropped (or reduced to one key per
+    unit for its merges) before its MLP, so a block holds what the stock block holds.
+
     Args:
-        resume: start with block ``first``'s MLP (its attention and merges already done: after `sync_temporal`).
+        resume: start with block ``first``'s MLP (its attention and merges already done: after the caller's
+            temporal merge, `run_tower_chunked`).
         stop_at_temporal: stop in the first block (after ``first``'s attention when not resuming) whose R_T is not 0,
             after its attention and residual and before its merges, so that the caller can match slices across
             videos' parts (`run_tower_chunked`).
@@ -190,6 +212,7 @@ def advance(visual, videos: list[TokenGroups], settings, family, first: int = 0,
     """
     hidden_size = videos[0].tokens.shape[-1] // UNIT
     sequence_now = sequence(videos, hidden_size)
+    _release(videos)
     rotary = seqlens = windows = None
     for index in range(first, len(visual.blocks)):
         block = visual.blocks[index]
@@ -201,20 +224,25 @@ def advance(visual, videos: list[TokenGroups], settings, family, first: int = 0,
             cu_seqlens = seqlens if window is None or index in full_attention_blocks else windows
             output, keys = attention(block.attn, block.norm1(sequence_now), cu_seqlens, rotary, family)
             sequence_now = sequence_now + output
+            del output
             r_t, r_s = settings.reductions(index)
-            if r_t or r_s:
-                key_parts = keys.split([g.grid[0] * g.grid[1] * UNIT for g in videos])
-                for groups, tokens in zip(videos, split_sequence(sequence_now, videos)):
-                    groups.tokens = tokens
+            if not (r_t or r_s):
+                del keys  # (a view of the block's qkv: three times the hidden states, not needed in the MLP)
+            else:
+                key_parts = [unit_keys(key, g.grid) for key, g in
+                             zip(keys.split([g.grid[0] * g.grid[1] * UNIT for g in videos]), videos)]
+                del keys
+                _store(videos, sequence_now)
+                del sequence_now
                 if r_t and stop_at_temporal:
-                    return index, [unit_keys(key, g.grid) for key, g in zip(key_parts, videos)]
+                    return index, key_parts
                 for i, (groups, key) in enumerate(zip(videos, key_parts)):
-                    videos[i] = aggregate(groups, unit_keys(key, groups.grid), settings, index)
+                    videos[i] = aggregate(groups, key, settings, index)
+                del groups, key_parts
                 sequence_now = sequence(videos, hidden_size)
+                _release(videos)
                 rotary = None
         sequence_now = sequence_now + block.mlp(block.norm2(sequence_now))
-        for groups, tokens in zip(videos, split_sequence(sequence_now, videos)):
-            groups.tokens = tokens
         if index in deepstack_blocks:
             tapped = deepstack_mergers[list(deepstack_blocks).index(index)](sequence_now)
             start = 0
@@ -222,6 +250,7 @@ def advance(visual, videos: list[TokenGroups], settings, family, first: int = 0,
                 count = groups.grid[0] * groups.grid[1]
                 groups.carried.append(tapped[start:start + count].view(*groups.grid, -1))
                 start += count
+    _store(videos, sequence_now)
     return None, None
 
 
@@ -266,11 +295,13 @@ def run_tower(visual, pixel_values: torch.Tensor, grid_thw: torch.Tensor, settin
         return run_tower_chunked(visual, pixel_values, grid_thw, settings, family, chunk_slices,
                                  position_embedding=position_embedding, by_slice=by_slice, **options)
     hidden = embed(visual, pixel_values, grid_thw, position_embedding)
+    hidden_size = hidden.shape[-1]
     grids = [tuple(int(v) for v in row) for row in grid_thw.tolist()]
-    parts = hidden.split([t * h * w for t, h, w in grids])
-    videos = [initial_groups(part, grid, window) for part, grid in zip(parts, grids)]
+    videos = [initial_groups(part, grid, window) for part, grid in
+              zip(hidden.split([t * h * w for t, h, w in grids]), grids)]
+    del hidden  # (the groups hold it, until the first block's residual replaces it)
     advance(visual, videos, settings, family, **options)
-    merged = visual.merger(sequence(videos, hidden.shape[-1]))
+    merged = visual.merger(sequence(videos, hidden_size))
     results, start = [], 0
     for groups in videos:
         count = groups.grid[0] * groups.grid[1]
@@ -303,18 +334,91 @@ def concat_groups(parts: list[TokenGroups]) -> TokenGroups:
                        [torch.cat(tensors) for tensors in zip(*(p.carried for p in parts))])
 
 
-def split_groups(groups: TokenGroups, chunk_slices: int) -> list[TokenGroups]:
-    """``groups`` as parts of ``chunk_slices`` slices (the last one shorter), views of its tensors."""
-    def part(start: int) -> TokenGroups:
-        cut = slice(start, start + chunk_slices)
-        return TokenGroups(groups.tokens[cut], groups.sizes[cut], groups.positions[cut],
-                           None if groups.labels is None else groups.labels[cut], [t[cut] for t in groups.carried])
-    return [part(start) for start in range(0, groups.grid[0], chunk_slices)]
+@dataclass
+class SliceRecord:
+    """One slice of a video held apart from the others (its own tensors, so that it is freed on its own):
+    ``tokens (units, D)``, ``sizes (units,)``, ``positions (units, 3)``, ``labels (units,)`` or None, ``carried``
+    ``(units, E)`` each, ``keys (units, C)`` (one key per unit at the block where the video stopped)."""
+
+    tokens: torch.Tensor
+    sizes: torch.Tensor
+    positions: torch.Tensor
+    labels: torch.Tensor | None
+    carried: list
+    keys: torch.Tensor
 
 
-def copy_groups(groups: TokenGroups) -> TokenGroups:
-    return TokenGroups(groups.tokens.clone(), groups.sizes.clone(), groups.positions.clone(),
-                       None if groups.labels is None else groups.labels.clone(), [t.clone() for t in groups.carried])
+def slice_records(groups: TokenGroups, keys: torch.Tensor) -> list[SliceRecord]:
+    """A part of a video as one `SliceRecord` per slice (copies: the part's own tensors can be freed)."""
+    return [SliceRecord(groups.tokens[i].clone(), groups.sizes[i].clone(), groups.positions[i].clone(),
+                        None if groups.labels is None else groups.labels[i].clone(),
+                        [t[i].clone() for t in groups.carried], keys[i].clone())
+            for i in range(groups.grid[0])]
+
+
+def stack_records(records: list[SliceRecord]) -> tuple[TokenGroups, torch.Tensor]:
+    """Slices as one `TokenGroups` (in order) and their keys."""
+    labels = None if records[0].labels is None else torch.stack([r.labels for r in records])
+    groups = TokenGroups(torch.stack([r.tokens for r in records]), torch.stack([r.sizes for r in records]),
+                         torch.stack([r.positions for r in records]), labels,
+                         [torch.stack(tensors) for tensors in zip(*(r.carried for r in records))])
+    return groups, torch.stack([r.keys for r in records])
+
+
+def merge_slice_records(records: list, settings, block: int, chunk_slices: int) -> list[TokenGroups]:
+    """Block ``block``'s aggregation (`common.aggregate`) of a whole video held as one `SliceRecord` per slice,
+    returned as parts of ``chunk_slices`` slices. The slices are matched on all their keys (`common.merge_slices`'
+    matching: the one-pass merge, chunk edges included); every output slice is then made from its kept slice and the
+    slices merged into it as `aggregation.merge_tokens` makes it (``x_t + sum_j (x_j - x_t) s_j / S_t``, per unit,
+    with its own size weight; the kept slice's window labels), and the records it used are dropped (``records``
+    entries become None). So the video's hidden states exist about once while they merge, not twice (a
+    concatenation, the merged copy, the parts). The unit merges of the block run on every part (they stay within a
+    slice)."""
+    r_t, r_s = settings.reductions(block)
+    count = len(records)
+    r = capped_reduction(r_t, count, protected=1)
+    if r:
+        matching = match_frames(settings, torch.stack([rec.keys for rec in records], dim=1).unsqueeze(0), None, r)
+        kept, sources, targets = (m[0].tolist() for m in (matching.kept, matching.sources, matching.targets))
+    else:
+        kept, sources, targets = list(range(count)), [], []
+    into = [[] for _ in kept]
+    for source, target in zip(sources, targets):
+        into[target].append(source)
+    parts, pending = [], []
+    for slot, index in enumerate(kept):
+        target, merged_in = records[index], [records[i] for i in into[slot]]
+        records[index] = None
+        for i in into[slot]:
+            records[i] = None
+        if merged_in:
+            sizes = target.sizes + sum(rec.sizes for rec in merged_in)
+
+            def mean(x_t: torch.Tensor, xs: list[torch.Tensor]) -> torch.Tensor:
+                out = x_t.clone()
+                for x, rec in zip(xs, merged_in):
+                    out += (x - x_t) * (rec.sizes / sizes).to(x.dtype).unsqueeze(-1)
+                return out
+
+            target = SliceRecord(
+                mean(target.tokens, [rec.tokens for rec in merged_in]), sizes,
+                mean(target.positions, [rec.positions for rec in merged_in]), target.labels,
+                [mean(t, [rec.carried[i] for rec in merged_in]) for i, t in enumerate(target.carried)],
+                mean(target.keys, [rec.keys for rec in merged_in]))
+        del merged_in
+        pending.append(target)
+        if len(pending) == chunk_slices or slot == len(kept) - 1:
+            groups, keys = stack_records(pending)
+            pending.clear()
+            groups, _ = merge_units(groups, keys, r_s, settings)
+            parts.append(groups)
+    return parts
+
+
+def taken(items: list):
+    """Yields the items of ``items``, removing each from the list first (the list no longer holds it)."""
+    while items:
+        yield items.pop(0)
 
 
 def run_tower_chunked(visual, pixel_values: torch.Tensor, grid_thw: torch.Tensor, settings, family,
@@ -327,10 +431,12 @@ def run_tower_chunked(visual, pixel_values: torch.Tensor, grid_thw: torch.Tensor
     from the patch embedding to the merger; only what it leaves (one feature per unit) is kept. A temporal merge
     compares slices across the whole video, chunk edges included: at a block with R_T > 0 every chunk stops after
     the block's attention (`advance` with ``stop_at_temporal``), the video's slices are matched and merged as in one
-    pass (`common.aggregate` on all of them), and the merged video goes on in chunks again. So the outputs are the
-    one-pass outputs (up to rounding of the matrix products), and the memory is one chunk's activations, plus, in the
-    blocks from the first temporal merge up to the last one, the hidden states of the whole video at that block
-    (its remaining tokens x hidden size).
+    pass (`merge_slice_records` on all of them), and the merged video goes on in chunks again. So the outputs are the
+    one-pass outputs (up to rounding of the matrix products).
+
+    Memory: one chunk's activations; each chunk is embedded when it starts (nothing but the outputs grows with the
+    video while no temporal merge runs); at a block with R_T > 0, also the hidden states of the whole video at that
+    block (its remaining tokens x hidden size, held once: one record per slice, each freed as it is merged).
     """
     if chunk_slices < 1:
         raise ValueError(f"chunk_slices must be a positive int; got {chunk_slices!r}.")
@@ -341,42 +447,48 @@ def run_tower_chunked(visual, pixel_values: torch.Tensor, grid_thw: torch.Tensor
     results = []
     for pixels, (t, h, w) in zip(pixel_parts, grids):
         per_slice = h * w
-        chunks = []
-        for start in range(0, t, chunk_slices):
-            count = min(chunk_slices, t - start)
+
+        def embedded(start: int, count: int) -> TokenGroups:
+            """Slices ``start .. start + count`` from the patch embedding on (learned positions, windows): made when
+            the chunk starts, so that only one chunk's embedding exists at a time."""
             grid = torch.tensor([[count, h, w]], device=grid_thw.device, dtype=grid_thw.dtype)
             hidden = embed(visual, pixels[start * per_slice:(start + count) * per_slice], grid, position_embedding)
             groups = initial_groups(hidden, (count, h, w), window)
             groups.positions[..., 0] += start
-            chunks.append(groups)
+            return groups
+
+        # The first pass: every chunk embedded when it starts (a generator), then run up to the first temporal merge
+        # (or through the merger). After a temporal merge: the merged video's parts, taken off the list one by one,
+        # so that nothing but `advance` holds a part that has run on.
+        chunks = (embedded(start, min(chunk_slices, t - start)) for start in range(0, t, chunk_slices))
         block, resume, finished = 0, False, []
-        while chunks:
-            stopped, keys = [], []
+        while chunks is not None:
+            stopped = []
             for chunk in chunks:
                 state = [chunk]  # advance replaces the groups it merges
+                del chunk
                 index, chunk_keys = advance(visual, state, settings, family, block, resume=resume,
                                             stop_at_temporal=True, **options)
-                groups = state[0]
+                groups = state.pop()
                 if index is None:  # through the last block: keep what the merger gives, drop the hidden states
                     hidden_size = groups.tokens.shape[-1] // UNIT
                     merged = visual.merger(groups.tokens.reshape(-1, hidden_size))
                     finished.append(TokenGroups(merged.view(*groups.grid, -1), groups.sizes, groups.positions,
                                                 None, groups.carried))
-                else:
-                    stopped.append(groups)
-                    keys.append(chunk_keys[0])
+                    del merged
+                else:  # the video's slices, each on its own, for the merge over the whole video
+                    stopped.extend(slice_records(groups, chunk_keys[0]))
                     stop = index  # the same for every chunk: the next block whose R_T is not 0
-            chunks = []
-            if stopped:  # the temporal merge over the whole video
-                whole, keys = concat_groups(stopped), torch.cat(keys)
-                stopped.clear()  # (each copy of the whole video's hidden states freed as soon as it can be)
-                whole = aggregate(whole, keys, settings, stop)
-                # copies, not views: a chunk's hidden states are freed once it has run on, not when the last one has
-                chunks = [copy_groups(part) for part in split_groups(whole, chunk_slices)]
-                del whole, keys
+                del groups, chunk_keys  # no chunk's hidden states outlive its turn, beside what `stopped` keeps
+            chunks = None
+            if stopped:  # the temporal merge over the whole video, then on in chunks from the block's MLP
+                chunks = taken(merge_slice_records(stopped, settings, stop, chunk_slices))
+                del stopped
                 block, resume = stop, True
         video = concat_groups(finished)
+        finished.clear()  # the parts' outputs, now in `video`
         results.append(video_features(video, video.tokens.reshape(video.grid[0] * video.grid[1], -1), by_slice))
+        del video
     return results
 
 
