@@ -44,7 +44,7 @@ import gradio as gr  # noqa: E402
 
 from modeling_testa import VIDEO_SUFFIXES, find_video_files, format_time, is_video_file_name  # noqa: E402
 from testa_search import (  # noqa: E402
-    EncodingStats, Failure, IndexEntry, NoReadableVideoError, is_media_error, moment_frames, window_entries,
+    EncodingStats, Failure, IndexEntry, NoReadableVideoError, moment_frames, open_index, window_entries,
 )
 
 THEME = gr.themes.Default(font=[gr.themes.LocalFont("Source Sans Pro", weights=(400, 700)), "ui-sans-serif",
@@ -1001,7 +1001,7 @@ def open_search_index(store: str, milvus: str | None, collection: str, token: st
     """The index ``--index`` names: the store, or with `milvus` (a Milvus Lite file or a server's URI) its collection
     `collection` as a `MilvusIndex`, logged in with `token` (a secured server's credentials; settings from the store,
     which the collection must share; tokens from the stores its rows name): `testa_search.open_index`."""
-    return testa_search.open_index(store, milvus, collection, token)
+    return open_index(store, milvus, collection, token)
 
 
 def main(argv: list[str] | None = None) -> None:
