@@ -28,7 +28,7 @@ import time
 import numpy as np
 import torch
 
-from modeling_testa.video_decoding import decord_available
+from modeling_testa.video_decoding import decoder_available
 from modeling_testa.video_processing_testa import TestaVideoProcessor
 
 
@@ -79,7 +79,7 @@ def main() -> None:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else "?"
 
     configurations = []
-    if decord_available():
+    if decoder_available("decord"):
         configurations.append(("decord (helper process, default)", {"video_backend": "decord"}))
         configurations.append(("decord (in process)", {"video_backend": "decord", "isolate_decoder": False}))
     configurations.append(("PyAV (helper process, default)", {"video_backend": "pyav"}))

@@ -25,7 +25,7 @@ import time
 
 from benchmarks.decode_speed import make_video
 from testa_search.moments import decode_windows, plan_windows, window_frame_indices
-from modeling_testa.video_decoding import decode_video, decord_available, sample_frame_indices
+from modeling_testa.video_decoding import decode_video, decoder_available, sample_frame_indices
 
 
 def timed(fn, runs: int) -> float:
@@ -54,7 +54,7 @@ def main() -> None:
     seconds = int(args.minutes * 60)
     windows = plan_windows(seconds, args.window, args.stride)
     options = dict(num_threads=1, decode_timeout=None)
-    backends = (["decord"] if decord_available() else []) + ["pyav"]
+    backends = (["decord"] if decoder_available("decord") else []) + ["pyav"]
     with tempfile.TemporaryDirectory() as tmp:
         long_path, clip_path = os.path.join(tmp, "long.mp4"), os.path.join(tmp, "clip.mp4")
         begin = time.perf_counter()

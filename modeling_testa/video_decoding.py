@@ -42,7 +42,7 @@ import torch
 from transformers.video_utils import VideoMetadata
 
 # `from .module import ...` (not `from . import module`): transformers exports the files named this way with the code
-from .video_decoding_worker import DecodeFailure, TruncatedVideo, import_av, import_decord, open_reader
+from .video_decoding_worker import DECODERS, DecodeFailure, TruncatedVideo, open_reader
 from .worker_process import START_TIMEOUT, WorkerGone, WorkerProcess, signal_name
 
 
@@ -57,8 +57,10 @@ logger = logging.getLogger(__name__)
 FRAME_SAMPLING_STRATEGIES = ("uniform", "random", "headtail")
 """The frame-sampling strategies of `sample_frame_indices`."""
 
-VIDEO_BACKENDS = ("auto", "decord", "pyav")
-"""The values of `decode_video(backend=...)`."""
+VIDEO_BACKENDS = ("auto", *DECODERS)
+"""The values of `decode_video(backend=...)`: ``"auto"`` and the decoders (`video_decoding_worker.DECODERS`)."""
+STREAM_ORDER = tuple(sorted(DECODERS, key=lambda name: not DECODERS[name].streams))
+"""The ``"auto"`` order of a long stream (`testa_search.moments`): streaming decoders (`Decoder.streams`) first."""
 
 _URL_SCHEMES = ("http://", "https://", "rtsp://", "rtmp://", "ftp://")
 
@@ -230,20 +232,11 @@ def check_source(source: str | os.PathLike) -> str:
     return source
 
 
-def decord_available() -> bool:
-    """Whether decord can be imported."""
+def decoder_available(name: str) -> bool:
+    """Whether the decoder `name` (a key of `DECODERS`) can be imported."""
     try:
-        import_decord()
+        DECODERS[name].load()
     except Exception:  # ImportError, or a broken shared library
-        return False
-    return True
-
-
-def pyav_available() -> bool:
-    """Whether PyAV (`av`) can be imported."""
-    try:
-        import_av()
-    except Exception:
         return False
     return True
 
@@ -314,7 +307,7 @@ def _sample_and_read(
     source, backend, metadata = video.source, video.backend, video.metadata
     total, fps = metadata.total_num_frames, metadata.fps
     if total <= 0:
-        what = "no decodable frames" if backend == "decord" else "no frames"
+        what = "no decodable frames" if DECODERS[backend].counts_decodable_frames else "no frames"
         raise VideoDecodingError(source, f"the video stream contains {what}", backend, code="no_frames")
     indices = check_frame_indices(sample_indices_fn(metadata), total, source)
     unique, inverse = np.unique(indices, return_inverse=True)
@@ -740,27 +733,25 @@ def decode_video(
     raise combined_error(source, failures)
 
 
-def backends_to_try(backend: str, order: tuple[str, ...] = ("decord", "pyav")) -> list[str]:
-    """The decoders `backend` stands for, in the order to try them: ``"auto"`` is those of `order` that are installed
-    (`ImportError` when none is), any other value itself (`ValueError` naming the allowed values for an unknown
-    one)."""
+def backends_to_try(backend: str, order: tuple[str, ...] = tuple(DECODERS)) -> list[str]:
+    """The decoders `backend` stands for, in the order to try them: ``"auto"`` is those of `order` (of `DECODERS`)
+    that are installed (`ImportError` when none is), any other value itself (`ValueError` naming the allowed values for
+    an unknown one)."""
     if backend not in VIDEO_BACKENDS:
         raise ValueError(f"Unknown video_backend={backend!r}; use one of {VIDEO_BACKENDS}.")
     if backend != "auto":
         return [backend]
-    installed = {"decord": decord_available, "pyav": pyav_available}
-    backends = [name for name in order if installed[name]()]
+    backends = [name for name in order if decoder_available(name)]
     if not backends:
-        raise ImportError("Decoding video files needs decord or PyAV: `pip install decord av`.")
+        raise ImportError("Decoding video files needs " + " or ".join(d.label for d in DECODERS.values())
+                          + f": `pip install {' '.join(d.package for d in DECODERS.values())}`.")
     return backends
 
 
 def check_backend_installed(name: str) -> None:
     """Raises `ImportError` with the install command when the decoder `name` cannot be imported."""
-    if name == "decord" and not decord_available():
-        raise ImportError("video_backend='decord' needs decord: `pip install decord`.")
-    if name == "pyav" and not pyav_available():
-        raise ImportError("video_backend='pyav' needs PyAV: `pip install av`.")
+    if not decoder_available(name):
+        raise ImportError(f"{DECODERS[name].install_hint()}.")
 
 
 def combined_error(source: str, failures: list[tuple[str, VideoDecodingError]]) -> VideoDecodingError:
@@ -793,7 +784,9 @@ def combined_code(codes: list[str]) -> str:
 
 
 __all__ = [
+    "DECODERS",
     "FRAME_SAMPLING_STRATEGIES",
+    "STREAM_ORDER",
     "VIDEO_BACKENDS",
     "DecoderProcess",
     "VideoFrames",
@@ -806,11 +799,10 @@ __all__ = [
     "VideoDecodingTimeoutError",
     "check_frame_indices",
     "decode_video",
-    "decord_available",
+    "decoder_available",
     "frames_for_fps",
     "isolation_supported",
     "own_decoder_process",
-    "pyav_available",
     "sample_frame_indices",
     "shutdown_decoder_process",
 ]

@@ -34,9 +34,7 @@ no package imports at all (it is loaded by path in the helper), and decord and P
 
 import bisect
 import time
-
-
-BACKENDS = ("decord", "pyav")
+from dataclasses import dataclass
 
 PROGRESS_EVERY = 0.5
 """Seconds between the helper's progress messages while it decodes (what the caller's stall limit watches)."""
@@ -60,24 +58,6 @@ class TruncatedVideo(Exception):
         self.error = error
 
 
-def import_decord():
-    """Imports decord (optional; inside `try`, so that loading the remote code does not require it)."""
-    try:
-        import decord
-    except ImportError as exc:
-        raise ImportError(f"video_backend='decord' needs decord: `pip install decord` ({exc})") from exc
-    return decord
-
-
-def import_av():
-    """Imports PyAV (optional; inside `try`, so that loading the remote code does not require it)."""
-    try:
-        import av
-    except ImportError as exc:
-        raise ImportError(f"video_backend='pyav' needs PyAV: `pip install av` ({exc})") from exc
-    return av
-
-
 def no_progress(frames_reached: int, seconds_reached: float | None) -> None:
     """The progress callback of a caller that does not watch progress."""
 
@@ -94,7 +74,7 @@ class DecordReader:
     backend = "decord"
 
     def __init__(self, source: str, num_threads: int | None, progress=no_progress) -> None:
-        decord = import_decord()
+        decord = DECODERS["decord"].load()
         self.reader = decord.VideoReader(source, ctx=decord.cpu(0), num_threads=int(num_threads or 0))
         total = len(self.reader)
         fps = float(self.reader.get_avg_fps() or 0.0)
@@ -131,7 +111,7 @@ class DecordReader:
 
 def pyav_open(source: str, num_threads: int | None):
     """Opens `source` with PyAV; returns `(container, first video stream)` or raises `DecodeFailure`."""
-    av = import_av()
+    av = DECODERS["pyav"].load()
     # With FFmpeg logging off (PyAV's default), errors only say e.g. "Invalid data found"; capture FFmpeg's own
     # error lines (e.g. "moov atom not found") during the open, without printing them.
     previous_level = av.logging.get_level()
@@ -169,7 +149,7 @@ def pyav_probe(source: str, progress=no_progress) -> dict:
     packet's position in decode order by its timestamp, `keyframes` the ``(pts, decode position)`` of every keyframe
     packet in decode order (all three None when a packet has no timestamp or two share one: frames are then counted,
     not told apart by timestamp). A file whose data ends early gives the packets that are there."""
-    av = import_av()
+    av = DECODERS["pyav"].load()
     container, stream = pyav_open(source, 1)
     with container:
         rate = stream.average_rate or stream.guessed_rate
@@ -259,7 +239,7 @@ class PyAVReader:
         to)."""
         wanted = [int(i) for i in wanted]
         self.reached, self.error = 0, None
-        av = import_av()
+        av = DECODERS["pyav"].load()
         container, stream = pyav_open(self.source, self.num_threads)
         with container:
             try:
@@ -272,7 +252,7 @@ class PyAVReader:
 
     def _frames_in_order(self, container, stream, wanted, progress):
         wanted_set, last = set(wanted), max(wanted, default=-1)
-        to_rgb = RGBConverter(import_av())
+        to_rgb = RGBConverter(DECODERS["pyav"].load())
         for frame in container.decode(stream):
             index = self.reached
             self.reached += 1
@@ -309,7 +289,7 @@ class PyAVReader:
         pending = [i for i in wanted if i < len(self.sorted_pts)]  # past the packets there are: not decodable
         pending_pts = {self.sorted_pts[i] for i in pending}
         times = self.metadata["frame_times"]
-        to_rgb = RGBConverter(import_av())
+        to_rgb = RGBConverter(DECODERS["pyav"].load())
         context = stream.codec_context
         packets, position, k = None, -1, 0
         while k < len(pending):
@@ -349,13 +329,45 @@ def _chain(first, rest):
     yield from rest
 
 
+@dataclass(frozen=True)
+class Decoder:
+    """A decoder ``video_backend=`` names. `DECODERS` is the one place decoder names are written (here, not in
+    `video_decoding.py`: the helper loads this file alone). `counts_decodable_frames`: its frame count is of the
+    frames it indexed as decodable (decord), not the container's; `streams`: it holds one frame at a time whatever
+    the consumer's pace (PyAV), where decord decodes ahead into its own buffers (docs/moments.md)."""
+
+    name: str  # the value of video_backend= and of the helper's "open" request
+    label: str  # the library as messages name it
+    module: str  # what it imports
+    package: str  # what `pip install` installs
+    reader: type  # reader(source, num_threads, progress)
+    counts_decodable_frames: bool
+    streams: bool
+
+    def install_hint(self) -> str:
+        return f"video_backend={self.name!r} needs {self.label}: `pip install {self.package}`"
+
+    def load(self):
+        """Imports the library (optional: imported when used, so that loading the remote code does not need it)."""
+        try:
+            return __import__(self.module)
+        except ImportError as exc:
+            raise ImportError(f"{self.install_hint()} ({exc})") from exc
+
+
+DECODERS = {decoder.name: decoder for decoder in (  # in this order for ``video_backend="auto"``
+    Decoder("decord", "decord", "decord", "decord", DecordReader, counts_decodable_frames=True, streams=False),
+    Decoder("pyav", "PyAV", "av", "av", PyAVReader, counts_decodable_frames=False, streams=True),
+)}
+BACKENDS = tuple(DECODERS)
+
+
 def open_reader(backend: str, source: str, num_threads: int | None, progress=no_progress):
-    """A `DecordReader` or `PyAVReader` for `source`."""
-    if backend == "decord":
-        return DecordReader(source, num_threads, progress)
-    if backend == "pyav":
-        return PyAVReader(source, num_threads, progress)
-    raise ValueError(f"Unknown video backend {backend!r}; use one of {BACKENDS}.")
+    """The reader of decoder `backend` (`DECODERS`) for `source`."""
+    decoder = DECODERS.get(backend)
+    if decoder is None:
+        raise ValueError(f"Unknown video backend {backend!r}; use one of {BACKENDS}.")
+    return decoder.reader(source, num_threads, progress)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -382,9 +394,9 @@ class DecoderHandler:
 
     def __init__(self) -> None:
         self.reader = None
-        for load in (import_decord, import_av):  # paid at start-up, not inside a request's stall limit
+        for decoder in DECODERS.values():  # paid at start-up, not inside a request's stall limit
             try:
-                load()
+                decoder.load()
             except ImportError:
                 pass  # said when a request asks for it
 

@@ -320,6 +320,26 @@ class MilvusHome:
         if rows:
             self.call("refused the rows", "upsert", self.collection, rows)
 
+    def check_mirror_of(self, settings: dict[str, Any]) -> None:
+        """Refuses (`MilvusHomeError`, one line) a mirror that does not exist or holds rows of other settings than a
+        store's (`settings`, the store's recorded ones); then its rows may be rewritten from that store."""
+        if self.recorded_settings() is None:
+            raise MilvusHomeError(self.location, f"{self.location} does not exist: nothing to remove from it.")
+        self.check_settings(settings, create=False)
+
+    def remove_store_rows(self, directory: str | os.PathLike, keys: list[str], plan: RowPlan,
+                          chunk: int = 512) -> int:
+        """Mirrors a removal from a store (`StoreHome.remove_videos`), after `check_mirror_of`: deletes the rows of
+        `keys` (`row_key` of each removed row), then upserts the store's remaining rows (`plan`, the store as it is
+        now) again, since the removal renumbered the store rows their tokens are read from. Returns how many of
+        `keys` the collection held."""
+        held = self.existing_keys(keys)
+        for begin in range(0, len(keys), chunk):
+            self.call("refused the removal", "delete", self.collection, ids=keys[begin : begin + chunk])
+        for shard, (start, stop) in enumerate(plan.shards):
+            self.upsert_store_shard(directory, start, stop, shard, plan.rows)
+        return len(held)
+
     def existing_keys(self, keys: list[str], chunk: int = 512) -> set[str]:
         """The given keys that the collection holds."""
         found: set[str] = set()

@@ -49,11 +49,10 @@ from modeling_testa.video_decoding import (
 # Times closer than this (seconds) are the same time: keeps 0.1 + 0.2 from planning an extra window.
 TIME_TOLERANCE = 1e-6
 
-STREAM_BACKENDS = ("pyav", "decord")
-"""The decoders ``backend="auto"`` tries when streaming a video's windows, in this order. PyAV first: it holds one
-frame at a time whatever the consumer's pace, and seeks over what no window needs; decord decodes ahead of a slow
-consumer into its own buffers (its helper process grew to 740 MB on an hour of 640x360 while an index was encoded,
-PyAV's stayed at 65 MB; see docs/moments.md)."""
+from modeling_testa.video_decoding import STREAM_ORDER as STREAM_BACKENDS  # noqa: E402
+# The decoders ``backend="auto"`` tries when streaming a video's windows, in this order (the decoder table,
+# `video_decoding.DECODERS`): PyAV first, since it holds one frame at a time whatever the consumer's pace and seeks over
+# what no window needs, where decord decodes ahead of a slow consumer into its own buffers (`Decoder.streams`).
 
 
 def check_window_options(window: float | None, stride: float | None) -> tuple[float | None, float | None]:

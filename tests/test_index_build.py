@@ -529,3 +529,51 @@ def test_an_optimized_model_is_named_by_the_weights_it_was_given(model_folder):
     with torch.no_grad():  # weights changed after the conversion are other weights: hashed again, and refused
         next(p for p in converted.parameters() if p.is_floating_point()).add_(1.0)
     assert build_settings(converted, 4)["model_weights_sha256"] != digest.hexdigest()
+
+
+def test_remove_also_removes_the_rows_from_the_milvus_mirror(milvus_modules, model_folder, tmp_path, capsys):
+    """`train.index --remove PATH --milvus DB`: the removed video leaves the Milvus mirror as it leaves the store; the
+    others remain, and their rows name the store positions of their tokens after the renumbering (a Milvus search
+    re-ranked from the store equals the store's own search)."""
+    from testa_search.cli.index import main as index_main
+    from testa_search.cli.search import search
+    from testa_search.milvus import MilvusHome
+
+    folder = tmp_path / "videos"
+    for i in range(5):
+        write_noise_video(folder / f"clip{i}.mp4", seed=40 + i)
+    db, store = str(tmp_path / "videos.db"), tmp_path / "store"
+    train_index(model_folder, folder, store, "--milvus", db)
+    videos = sorted(str(path) for path in folder.glob("*.mp4"))
+    assert sorted(row["video"] for row in MilvusHome(db).open().all_rows()) == videos
+    report = index_main(["--store", str(store), "--remove", videos[1], "--milvus", db])
+    assert report["removed"] == [videos[1]] and report["milvus_rows_removed"] == 1
+    assert "Removed 1 rows from Milvus" in capsys.readouterr().out
+    rows = MilvusHome(db).open().all_rows()
+    assert sorted(row["video"] for row in rows) == videos[:1] + videos[2:]
+    queries = ["a red square", "green blocks", "gray"]
+    from_store = search(str(store), queries, top_k=4)
+    from_milvus = search(str(store), queries, top_k=4, milvus=db)
+    assert all(videos[1] not in [r["video"] for r in ranked] for ranked in from_milvus)
+    assert [[r["video"] for r in ranked] for ranked in from_milvus] == [[r["video"] for r in ranked]
+                                                                        for ranked in from_store]
+    # the store's rows after the removed one point at their new positions
+    home = MilvusHome(db)
+    stored = {row["video"]: row["row"] for row in home.client.query(home.collection, filter="", limit=100,
+                                                                     output_fields=["video", "row"])}
+    assert [stored[video] for video in videos[:1] + videos[2:]] == [0, 1, 2, 3]
+
+
+def test_remove_with_a_missing_milvus_collection_leaves_the_store_untouched(milvus_modules, model_folder, tmp_path):
+    from testa_search.cli.index import main as index_main
+
+    folder = tmp_path / "videos"
+    for i in range(3):
+        write_noise_video(folder / f"clip{i}.mp4", seed=60 + i)
+    store = tmp_path / "store"
+    train_index(model_folder, folder, store)
+    before = {path.name: path.read_bytes() for path in store.iterdir() if path.is_file()}
+    with pytest.raises(SystemExit, match=r"^error: Milvus .*nowhere\.db \(collection 'videos'\) does not exist"):
+        index_main(["--store", str(store), "--remove", str(folder / "clip0.mp4"), "--milvus",
+                    str(tmp_path / "nowhere.db")])
+    assert {path.name: path.read_bytes() for path in store.iterdir() if path.is_file()} == before

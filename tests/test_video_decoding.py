@@ -319,7 +319,7 @@ def _without_decord(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(fake), os.environ.get("PYTHONPATH")])))
     monkeypatch.setitem(sys.modules, "decord", None)
     decoding.shutdown_decoder_process()
-    assert not decoding.decord_available() and decoding.pyav_available()
+    assert not decoding.decoder_available("decord") and decoding.decoder_available("pyav")
 
 
 def _helper_pid() -> int | None:
@@ -560,3 +560,78 @@ def test_corrupt_real_files_raise_an_error_naming_the_file(corrupt_videos, backe
     assert error.source == str(path) and error.backend == backend
     assert str(error).startswith(f"Could not decode video {str(path)!r} with {backend}: ")
     assert "crashed" not in error.reason and "exited" not in error.reason and len(error.reason) > 10
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# relative paths and the shared helper; the decoder table
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["decord", "pyav"])
+def test_a_relative_path_is_read_from_the_callers_directory_not_the_helpers(tmp_path, monkeypatch,
+                                                                           fresh_decoder_process, backend):
+    """The shared helper keeps the working directory it started in; after the caller moves, ``clip.mp4`` is the
+    caller's file (12 frames), not the one beside the helper (5 frames)."""
+    from helpers.videos import write_video
+
+    started_in, moved_to = tmp_path / "started_in", tmp_path / "moved_to"
+    started_in.mkdir(), moved_to.mkdir()
+    write_video(started_in / "clip.mp4", 5)
+    write_video(moved_to / "clip.mp4", 12)
+    monkeypatch.chdir(started_in)
+    assert decode_video("clip.mp4", backend=backend)[1].total_num_frames == 5  # starts the shared helper here
+    helper = decoding.decoder_process()
+    pid = helper.process.pid
+    monkeypatch.chdir(moved_to)
+    frames, metadata = decode_video("clip.mp4", backend=backend)
+    assert decoding.decoder_process().process.pid == pid  # the same helper, still in started_in
+    assert metadata.total_num_frames == 12
+    assert [read_index(frame) for frame in frames] == list(range(12))
+
+
+def test_decoder_names_and_capabilities_come_from_one_table():
+    """`video_decoding_worker.DECODERS` drives the allowed values, the "auto" orders, the install messages and the
+    reader dispatch; the messages still name the allowed values."""
+    from testa_search.moments import STREAM_BACKENDS
+
+    names = tuple(worker.DECODERS)
+    assert decoding.VIDEO_BACKENDS == ("auto", *names) and set(names) == {"decord", "pyav"}
+    assert STREAM_BACKENDS == decoding.STREAM_ORDER == ("pyav", "decord")  # the decoder that streams first
+    assert [worker.DECODERS[name].streams for name in STREAM_BACKENDS] == [True, False]
+    with pytest.raises(ValueError, match=r"Unknown video_backend='ffmpeg'; use one of \('auto', 'decord', 'pyav'\)"):
+        decoding.backends_to_try("ffmpeg")
+    with pytest.raises(ValueError, match=r"Unknown video backend 'ffmpeg'; use one of \('decord', 'pyav'\)"):
+        worker.open_reader("ffmpeg", "clip.mp4", None)
+    for name, decoder in worker.DECODERS.items():
+        assert decoder.reader.backend == name
+
+
+def test_the_decoder_table_dispatches_readers(videos):
+    """`open_reader` opens each decoder's own reader class, which reads the same frames."""
+    for name, decoder in worker.DECODERS.items():
+        reader = worker.open_reader(name, str(videos["short"]), None)
+        assert type(reader) is decoder.reader
+        assert [read_index(frame) for _, frame in reader.frames([0, 4])] == [0, 4]
+
+
+def test_no_decoder_names_are_compared_as_strings_outside_the_table():
+    """Decoder names are not compared or listed as literals in the code that decodes (the four places that did:
+    `backends_to_try`, `open_reader`, `moments.STREAM_BACKENDS`, the "no frames" message)."""
+    import re
+
+    repo = Path(__file__).resolve().parents[1]
+    files = [*(repo / "modeling_testa").glob("video_decoding*.py"), repo / "testa_search" / "moments.py"]
+    literal = r"""["'](?:decord|pyav)["']"""
+    pattern = re.compile(rf"(?:==|!=|\bin)\s*{literal}|{literal}\s*(?:==|!=)|[(\[,]\s*{literal}\s*,\s*{literal}")
+    found = [f"{path.name}:{number}: {line.strip()}" for path in files
+             for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+             if pattern.search(line) and not line.lstrip().startswith("Decoder(")]
+    assert not found, found
+
+
+def test_a_missing_decoder_is_named_with_its_install_command(tmp_path, monkeypatch, fresh_decoder_process):
+    _without_decord(tmp_path, monkeypatch)
+    with pytest.raises(ImportError, match=r"^video_backend='decord' needs decord: `pip install decord`\.$"):
+        decoding.check_backend_installed("decord")
+    assert decoding.backends_to_try("auto") == ["pyav"]
+    assert decoding.backends_to_try("auto", decoding.STREAM_ORDER) == ["pyav"]

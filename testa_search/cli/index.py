@@ -1,6 +1,6 @@
 """Index a video collection into an on-disk video store, on 1 to N processes, resumably; grow it later.
 
-    python -m train.index --store OUT --remove PATH [PATH ...]     # rows out of a store
+    python -m train.index --store OUT --remove PATH [PATH ...] [--milvus URI]    # rows out of a store (and Milvus)
     accelerate launch -m train.index --model FOLDER_OR_HUB_ID --videos DIR_OR_LIST_OR_DATASET --store OUT \
         [--precision fp32|bf16|int8|auto] [--backend torch|openvino|onnxruntime|...] [--num-frames N] [--shard-size 256] [--batch-size 8] [--num-workers 2]
         [--window SECONDS [--stride SECONDS]]
@@ -33,8 +33,9 @@ naming the running one, and a lock left by a killed run is taken over (then the 
 
 **Removing rows.** ``--store OUT --remove PATH ...`` removes every row of those videos (each moment, encoded or
 failed), under the store's lock, through the store's own `StoreHome.remove_videos`; the shards that held them are
-rewritten and the store's index written anew. A Milvus collection filled from the store (``--milvus``) is not
-changed by it: index the store into a new collection. A removal killed halfway leaves a store that is refused as
+rewritten and the store's index written anew. With ``--milvus URI`` (and ``--collection``), the Milvus collection
+filled from the store loses the same rows, and the store's other rows in it are rewritten with their new positions
+(the collection is checked before the store changes). A removal killed halfway leaves a store that is refused as
 unfinished: index its videos again into a new folder.
 
 **Moments.** With ``--window`` (and ``--stride``, default: the window) every video is cut into windows
@@ -215,7 +216,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.remove is not None:
         if args.model or args.videos or args.videos_from:
-            parser.error("--remove takes only --store and the paths to remove")
+            parser.error("--remove takes only --store, the paths to remove and the Milvus mirror's options")
         return args
     if not args.model or not (args.videos or args.videos_from):
         parser.error("--model and --videos (or --videos-from) are required")
@@ -238,7 +239,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if store.exists() and not store.is_dir():
         raise SystemExit(f"error: --store {str(store)!r} is a file; give a folder.")
     if args.remove is not None:
-        return remove_videos(store, args.remove, writer_command(argv, 1))
+        mirror = (args.milvus, args.collection, args.milvus_token) if args.milvus else None
+        return remove_videos(store, args.remove, writer_command(argv, 1), mirror)
     try:  # the same on every process (no collective yet), so every process stops alike
         videos, skipped = collect_videos(args.videos_from or args.videos, args.split, as_list=bool(args.videos_from))
         model, video_processor = load_retrieval_model(args.model)
@@ -283,22 +285,38 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return result.report.as_dict()
 
 
-def remove_videos(store: Path, paths: list[str], command: str) -> dict[str, Any]:
-    """``--remove``: every row of these videos leaves the store (`StoreHome.remove_videos`, under the store's lock).
-    Paths are matched as the store names its videos: absolute, or relative to the current directory."""
-    from testa_search.store.video_store import is_video_store
+def remove_videos(store: Path, paths: list[str], command: str,
+                  mirror: tuple[str, str, str | None] | None = None) -> dict[str, Any]:
+    """``--remove``: every row of these videos leaves the store (`StoreHome.remove_videos`, under the store's lock)
+    and, with ``mirror`` (``--milvus URI``, ``--collection``, ``--milvus-token``), the Milvus collection filled from it
+    (`MilvusHome.remove_store_rows`; the mirror is checked before the store changes). Paths are matched as the store
+    names its videos: absolute, or relative to the current directory."""
+    from testa_search.store.video_store import is_video_store, store_metadata
 
     if not is_video_store(store):
         raise SystemExit(f"error: --store {str(store)!r} holds no finished video store.")
     wanted = {os.path.abspath(path) for path in paths} | set(paths)
+    home, milvus = StoreHome(store), None
     try:
-        removed = StoreHome(store).remove_videos(wanted, command)
-    except (StoreLockedError, OSError, ValueError) as failure:
+        if mirror is not None:
+            from testa_search.milvus import MilvusHome, row_key
+
+            milvus = MilvusHome(*mirror[:2], token=mirror[2])
+            milvus.check_mirror_of(dict(store_metadata(store).get("info") or {}))
+            rows = home.row_plan(home.stored_plan()).rows
+            keys = [row_key(e.name(i), e.start, e.end) for i, e in enumerate(rows) if e.name(i) in wanted]
+        removed = home.remove_videos(wanted, command)
+        if milvus is not None:
+            deleted = milvus.remove_store_rows(store, keys, home.row_plan(home.stored_plan()))
+    except (StoreLockedError, OSError, ValueError) as failure:  # MilvusHomeError is a ValueError
         raise SystemExit(f"error: {failure}") from None
     missing = [path for path in paths if path not in removed and os.path.abspath(path) not in removed]
     print(f"Removed {len(removed)} videos from {store}" + (f"; not in the store: {', '.join(missing)}" if missing
                                                           else "") + ".")
-    return {"store": str(store), "removed": removed, "not_in_store": missing}
+    if milvus is not None:
+        print(f"Removed {deleted} rows from {milvus.location}.")
+    return {"store": str(store), "removed": removed, "not_in_store": missing,
+            **({"milvus_rows_removed": deleted} if milvus is not None else {})}
 
 
 def writer_command(argv: list[str] | None, num_processes: int) -> str:
