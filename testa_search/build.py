@@ -2,23 +2,23 @@
 
 `IndexBuild` is the only code that builds or grows an index. The retrieval pipeline's `encode_videos`, `python -m
 train.index`, the training evaluation and the app (through the pipeline) run it; `VideoIndex.save` writes a store
-through the same home steps (`index_homes.StoreHome`). A build runs these steps, each once, on 1 to N processes
+through the same home steps (`homes.StoreHome`). A build runs these steps, each once, on 1 to N processes
 (`torch.distributed`'s default group, as `accelerate launch` makes it; one process without it):
 
-1. **Lock.** The main process takes the home's writer lock (a store: ``writer.lock``, `store_lock.StoreLock`: a
+1. **Lock.** The main process takes the home's writer lock (a store: ``writer.lock``, `lock.StoreLock`: a
    second writer is refused, naming the first; a lock left by a killed run is taken over); the other processes
    check that they see the lock it took.
 2. **Settings.** The home compares the build's settings (`build_settings`: the model, its weights, frames, R_T/R_S,
-   precision, window and stride, ...) with the ones it holds (`index_settings.IndexInfo`), and refuses, naming every
+   precision, window and stride, ...) with the ones it holds (`settings.IndexInfo`), and refuses, naming every
    difference, before anything is encoded; nothing in it changes then. A new home records them. A mirror (a Milvus
-   collection, `milvus_home.MilvusHome`) is checked the same way.
+   collection, `milvus.MilvusHome`) is checked the same way.
 3. **Plan.** The rows the home lacks are planned after its own (`RowPlan`): running a build again with the same
    videos, a subset or a superset encodes only what is new, and a killed build's open shards are resumed. The rows
    of the given videos that failed before are planned again (`retry_failures`): a failure is never a permanent
    verdict.
 4. **Encode.** Each process encodes its open shards (shard ``s`` on process ``s % N``) with the one encode loop
-   (`indexing.encode_videos`), decoding with `FileDecoder` (the decoder choice), resuming after what a killed run
-   journaled. Unreadable videos become failures (`indexing.Failure`), never errors.
+   (`encoding.encode_videos`), decoding with `FileDecoder` (the decoder choice), resuming after what a killed run
+   journaled. Unreadable videos become failures (`encoding.Failure`), never errors.
 5. **Mirror.** The closed shards are upserted into the mirror, when there is one.
 6. **Finish.** The main process checks that the lock is still its own and finishes the home into a searchable index
    (a store: its index and first stage).
@@ -43,7 +43,7 @@ from modeling_testa.distributed import barrier, broadcast_object, gather_objects
 from testa_search.homes import Decoder, IndexEntry, IndexHome, RowPlan, StoreHome, as_entries
 from testa_search.settings import IndexInfo, IndexSettingsError, write_json_atomically
 from testa_search.encoding import DecodeAhead, DecodedBatch, EncodingStats, Failure, encode_videos
-from testa_search.moments import WindowRowDecoder, check_window_options, plan_windows, probe_duration, rebatch
+from testa_search.moments import WindowRowDecoder, probe_duration, rebatch, window_spans
 from modeling_testa.saving import INFERENCE_ATTRIBUTE
 from testa_search.store.lock import StoreLockedError, check_lock_token
 from testa_search.store.video_store import journaled_count, journaled_failures
@@ -96,15 +96,15 @@ def window_entries(entries: list[IndexEntry], window: float, stride: float, skip
     its video's `dataset`, for the videos not in `skip`. The durations are read from the files' containers (nothing
     decoded), each process its share, so that planning a large folder on N processes takes 1/N of the time and no
     process waits alone at a collective. A video whose duration cannot be read is one whole-video row, whose decoding
-    then fails and says why. The one planner of moment rows (the pipeline, `train.index`, the app)."""
-    window, stride = check_window_options(window, stride)
+    then fails and says why. The one planner of moment rows (the pipeline, `train.index`, the app), given `window`
+    and `stride` as `moments.check_window_options` returns them (its callers' entry points check them)."""
     skip = set(skip)
     videos = list(dict.fromkeys(os.fspath(entry.video) for entry in entries if os.fspath(entry.video) not in skip))
     share = videos[len(videos) * rank() // world_size(): len(videos) * (rank() + 1) // world_size()]
     mine: dict[str, Any] = {}
     for video in share:
         try:
-            mine[video] = plan_windows(duration(video), window, stride)
+            mine[video] = window_spans(duration(video), window, stride)
         except (ValueError, OSError) as error:
             mine[video] = str(error)
     planned = {video: value for part in gather_objects(mine) for video, value in part.items()}
@@ -123,9 +123,9 @@ def window_entries(entries: list[IndexEntry], window: float, stride: float, skip
 
 
 class FileDecoder:
-    """The build's decoder (`index_homes.Decoder`): decodes the rows asked for, `batch_size` at a time, in order.
+    """The build's decoder (`homes.Decoder`): decodes the rows asked for, `batch_size` at a time, in order.
 
-    Whole-video rows are decoded by ``collate([(position, video), ...])`` (e.g. `indexing.DecodeVideos`, or the
+    Whole-video rows are decoded by ``collate([(position, video), ...])`` (e.g. `encoding.DecodeVideos`, or the
     pipeline's own, which takes in-memory videos too); with ``num_workers``, decoding runs ahead of the encoder: in
     DataLoader worker processes (``worker_processes=True``: `train.index`, the evaluation) or in threads, each with a
     decoder process of its own from ``thread_initializer`` (the pipeline). Rows that are moments go to
@@ -311,7 +311,7 @@ class BuildReport:
                 f"R_S {s.get('spatial_reduction')}, {s.get('precision')}, tokens {s.get('token_dtype')}.")
 
     def stats(self) -> dict[str, Any]:
-        """The index's `stats` (`indexing.EncodingStats.as_dict` of this run)."""
+        """The index's `stats` (`encoding.EncodingStats.as_dict` of this run)."""
         return EncodingStats(self.handled, self.seconds, self.decode_wait_seconds, self.encode_seconds,
                              self.num_workers, self.failed_now).as_dict()
 
@@ -342,9 +342,9 @@ class IndexBuild:
         command: how the lock names this build to a writer it refuses.
         shard_size: rows per shard of a store (default: one shard per process).
         replace: the home holds exactly the given rows afterwards (the evaluation's scratch store).
-        mirror: a second home that takes every closed shard of a store (a `milvus_home.MilvusHome`), checked at
+        mirror: a second home that takes every closed shard of a store (a `milvus.MilvusHome`), checked at
             step 2 like the home.
-        progress_bar, num_workers, description: the encode loop's (`indexing.encode_videos`).
+        progress_bar, num_workers, description: the encode loop's (`encoding.encode_videos`).
         finish_options: passed to the home's `finish` (a store: ``first_stage``, ``require_encoded``).
         say: where the build's messages go (default: this module's logger at INFO; `train.index` prints them): the
             plan, a lock taken over, each process' shards.
@@ -468,8 +468,8 @@ class IndexBuild:
         lock.verify()  # still this build's home (its lock was not taken over meanwhile)
         report = self.report(plan, len(entries), every, [], extra_report)
         index = self.home.finish(plan, self.settings, report.stats(), **self.finish_options)
-        report.failures = list(getattr(index, "failures", []) or [])
-        report.rows = len(index) if index is not None else len(plan.rows)
+        if index is not None:  # an in-memory home given nothing new has no index to return
+            report.failures, report.rows = list(index.failures), len(index)
         if isinstance(self.home, StoreHome):  # the last build's report, a build that found nothing to do included
             write_json_atomically(self.home.directory / REPORT_FILE, report.as_dict())
         return BuildResult(index, report)

@@ -8,8 +8,8 @@ once per batch, and hands the tokens, token sizes and embeddings to a sink: an `
 videos and how long the encoder took, so a user knows which of the two to scale.
 
 **Bad files are data.** A video that cannot be read (`is_media_error`: a missing file, or the decoder's
-`VideoDecodingError`) is a failure, not an exception: both decoders here (`DecodeAhead.batches`, `DecodeVideos`) turn
-it into a `Failure` record and go on, the sink records it, the progress bar counts it, and a warning at the end lists
+`VideoDecodingError`) is a failure, not an exception: the decoders here (`DecodeEach`, `DecodeVideos`) turn it into a
+`Failure` record and go on, the sink records it, the progress bar counts it, and a warning at the end lists
 the first `SUMMARY_FAILURES`. ``on_error="raise"`` (`ON_ERROR`) raises the decoder's own error instead. A failure's
 `code` (`FAILURE_CODES`) is set where the error was raised (`VideoDecodingError.code`) or told by the file's first
 bytes (`failure_code`); it is never read from a message.
@@ -480,7 +480,7 @@ class DecodeAhead:
     (`build.FileDecoder`) and `moments.WindowRowDecoder` (each thread streaming one video's windows).
 
     Runs ``decode(i)`` for ``i in range(count)`` in ``num_workers`` threads and hands the results out in order
-    (`get`, iteration, `batches`). An item: at most ``window`` items are decoded ahead of the one asked for. A stream
+    (`get`, iteration). An item: at most ``window`` items are decoded ahead of the one asked for. A stream
     (``max_items`` set: ``decode(i)`` returns an iterable, e.g. the windows of one video): every item of stream 0,
     then of stream 1, ...; while one is consumed the next ``num_workers - 1`` run ahead, one a thread, each at most
     ``max_items`` items ahead (memory stays bounded: ``num_workers x max_items`` items and what each stream holds).
@@ -563,24 +563,6 @@ class DecodeAhead:
     def __iter__(self) -> Iterator[Any]:
         for i in range(self.count):
             yield from self.stream(i)
-
-    def batches(self, batch_size: int, on_error: str = "skip",
-                names: Callable[[int], str] | None = None) -> Iterable[DecodedBatch]:
-        """The items in batches of ``batch_size``, as `encode_videos` takes them. With ``on_error="skip"`` an item
-        whose decoding raises a media error (`is_media_error`) becomes a failure named ``names(i)`` (default:
-        ``str(i)``); with ``"raise"`` the error propagates. Any other error raises."""
-        check_on_error(on_error)
-        for start in range(0, self.count, batch_size):
-            indices, pixels, failures = [], [], []
-            for i in range(start, min(start + batch_size, self.count)):
-                name = names(i) if names is not None else str(i)
-                decoded, failure = decode_or_failure(lambda: self.get(i), i, name, on_error)  # noqa: B023
-                if failure is not None:
-                    failures.append(failure)
-                else:
-                    indices.append(i)
-                    pixels.append(decoded)
-            yield indices, (torch.cat(pixels) if pixels else None), failures
 
     def __exit__(self, *exc_info: Any) -> None:
         self.stopped.set()

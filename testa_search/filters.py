@@ -8,8 +8,6 @@ of its values (any of them):
 - ``folder``: the videos under that folder, subfolders included (``"clips"`` and ``"clips/"`` mean the same; the
   folder's name is taken literally: ``a_1`` never matches ``aX1``, whatever characters it holds);
 - ``dataset``: the row's dataset name, exactly.
-
-This file is Hub remote code: flat relative imports only, absolute imports of installed packages only.
 """
 
 import json

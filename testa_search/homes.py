@@ -2,20 +2,18 @@
 
 Two interfaces, declared as `typing.Protocol`s as HF datasets' `BaseIndex` declares its indexes:
 
-- `IndexHome`: where a build writes rows. `index_build.IndexBuild`, the one code that runs a build, calls its
+- `IndexHome`: where a build writes rows. `build.IndexBuild`, the one code that runs a build, calls its
   methods in this order: `lock`, `check_settings`, `plan` (or `read_plan` on the other processes), `writer` per shard,
   `finish`. Homes: `InMemoryHome` (tensors in this process), `StoreHome` (the on-disk video store of
-  `video_store.py`, written by 1 to N processes, resumably) and `milvus_home.MilvusHome` (a Milvus collection).
+  `video_store.py`, written by 1 to N processes, resumably) and `milvus.MilvusHome` (a Milvus collection).
 - `SearchableIndex`: what search reads (`VideoTextRetrievalPipeline.search`): `nearest`, `entry`, `videos`,
-  `embeddings`, `tokens`. `video_index.VideoIndex` (in memory or store-backed) and `milvus_home.MilvusIndex` are
+  `embeddings`, `tokens`. `index.VideoIndex` (in memory or store-backed) and `milvus.MilvusIndex` are
   searchable indexes.
 
 Every row of an index is an `IndexEntry`: a video and, for a moment of it, `start`/`end` in seconds (None: the whole
 video), optionally the name of the `dataset` it belongs to. ``(video, start, end)`` is a row's key: the windows of
 one video are distinct rows, and a home never plans a row it already holds (except a store built with ``replace``,
 which holds exactly the rows it is given, in order: the training evaluation's).
-
-This file is Hub remote code: flat relative imports only, absolute imports of installed packages only.
 """
 
 import dataclasses
@@ -90,7 +88,7 @@ def row_fields_of(entries: list[IndexEntry]) -> dict[str, list[Any]]:
 
 def segments_of(entries: list[IndexEntry]) -> list[list[float] | None] | None:
     """The entries' ``[start, end]`` (None for a whole video), as a store keeps them (its info's and its plan's
-    ``"segments"``, read back by `video_index.segments_tensor`); None when every entry is a whole video."""
+    ``"segments"``, read back by `index.segments_tensor`); None when every entry is a whole video."""
     if all(entry.start is None for entry in entries):
         return None
     return [None if entry.start is None else [float(entry.start), float(entry.end)] for entry in entries]
@@ -147,7 +145,7 @@ class RowPlan:
 
 @runtime_checkable
 class IndexHome(Protocol):
-    """Where a build writes its rows. `index_build.IndexBuild` calls, in this order:
+    """Where a build writes its rows. `build.IndexBuild` calls, in this order:
 
     1. `lock(command)`: the home's writer lock (a no-op where the home has no other writer); the main process holds
        it for the whole build.
@@ -180,13 +178,13 @@ class IndexHome(Protocol):
 
 @runtime_checkable
 class SearchableIndex(Protocol):
-    """What search reads (`VideoTextRetrievalPipeline.search`): a `video_index.VideoIndex` or a
-    `milvus_home.MilvusIndex`.
+    """What search reads (`VideoTextRetrievalPipeline.search`): an `index.VideoIndex` or a
+    `milvus.MilvusIndex`.
 
     `nearest(queries, k, filters=...)` returns ``(scores, rows)`` by decreasing cosine (rows ``-1`` past the last
     match); `entry(row)` what a result says of a row (``video``, and ``start``/``end``/``dataset`` where set);
     `embeddings[rows]` and, when `has_tokens`, `tokens[rows]` / `token_sizes[rows]` what re-ranking reads; `info`
-    the settings it was built with (`index_settings.IndexInfo`), `failures` the rows that could not be encoded."""
+    the settings it was built with (`settings.IndexInfo`), `failures` the rows that could not be encoded."""
 
     info: dict[str, Any]
     failures: list[Failure]
@@ -338,7 +336,7 @@ def failures_only(index: VideoIndex, failures: list[Failure]) -> VideoIndex:
 class StoreHome:
     """An on-disk video store (`video_store.py`) in `directory`: shard `s` holds the rows ``plan["shards"][s]``.
 
-    Its settings are checked (or recorded) by `index_settings.check_store_folder`; `plan` appends the rows it lacks
+    Its settings are checked (or recorded) by `settings.check_store_folder`; `plan` appends the rows it lacks
     as new shards after its own (``index_plan.json``), so a store grows from the pipeline and from `train.index`
     alike, and a killed build's open shards are resumed (a writer continues after the last journaled batch). Until
     the grown store is finished, its previous index stays readable.

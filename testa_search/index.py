@@ -4,11 +4,10 @@
 An index holds the L2-normalised contrastive embedding of every video (the first stage) and, optionally, the
 aggregated tokens the matching head cross-attends to (the second stage). It lives in memory, or is backed by an
 on-disk video store (`video_store.py`), which `VideoTextRetrievalPipeline.encode_videos(..., store_dir=...)` and the
-training evaluation write (both through `indexing.encode_videos`). Two-stage search is
+training evaluation write (both through `encoding.encode_videos`). Two-stage search is
 `VideoTextRetrievalPipeline.search`.
 
-This file is Hub remote code: flat relative imports only, absolute imports of installed packages only (FAISS is
-optional and imported inside `try`).
+FAISS is optional: imported where a first stage needs it (`faiss_module`).
 """
 
 import dataclasses
@@ -26,7 +25,6 @@ from safetensors.torch import save_file
 
 from testa_search.filters import matches
 from testa_search.settings import (
-    IndexInfo,
     IndexSettingsError,
     check_settings,
     check_store_folder,
@@ -512,11 +510,6 @@ class VideoIndex:
         return (video_name(self.videos[row], row), *self.moment(row))
 
     @property
-    def index_info(self) -> IndexInfo:
-        """The settings recorded in `info`."""
-        return IndexInfo.from_dict(self.info)
-
-    @property
     def dim(self) -> int:
         """The embedding size (the model's `projection_dim`)."""
         return int(self.embeddings.shape[1])
@@ -627,7 +620,7 @@ class VideoIndex:
 
         Raises:
             ValueError: when the two indexes disagree on the embedding size, on having tokens or token sizes, on
-                the token shape or dtypes, or on a setting of `info` (`IndexInfo`); the message names the field and
+                the token shape or dtypes, or on a setting of `info` (`settings.IndexInfo`); the message names the field and
                 both values. Also for a store-backed index, which grows on disk:
                 ``pipe.encode_videos(more, index=index)`` or ``python -m train.index --store DIR --videos MORE``.
         """
@@ -722,7 +715,7 @@ class VideoIndex:
                 store-backed index written so keeps its encoded videos only). `load` reads both.
 
         Raises:
-            `index_settings.IndexSettingsError`: `directory` holds a video store (other than this index's own), or
+            `settings.IndexSettingsError`: `directory` holds a video store (other than this index's own), or
                 (`as_store`) files that are not one: nothing there is written over.
         """
         directory = Path(directory)
@@ -783,7 +776,7 @@ class VideoIndex:
         if any(start is not None for _, start, _ in keys):  # rows' (start, end), None for whole videos
             segments = [None if start is None else [start, end] for _, start, end in keys]
         # the rows' plan first, as every store build writes it: a save killed halfway is resumed by the next build
-        # (`index_homes.StoreHome`) with these rows, in this order, never with others under these row numbers
+        # (`homes.StoreHome`) with these rows, in this order, never with others under these row numbers
         write_json_atomically(directory / PLAN_FILE, {"videos": [key[0] for key in keys], "shards": [[0, len(keys)]],
                                                       "row_fields": row_fields, "segments": segments})
         writer = VideoStoreWriter(directory, 0, 0, len(keys), token_dtype=dtype)

@@ -13,7 +13,7 @@
 * Windows the video's data does not reach (a truncated file, a decoder that stopped) come out as failures naming the
   time where decoding ended, never as copies of the last frame. A decoder that crashes or stalls mid-video fails the
   windows it did not reach (``"auto"`` first continues with the next decoder from where the first stopped).
-* `WindowRowDecoder` is the index builder's decoder (`index_homes.Decoder`) for rows that are moments: each video
+* `WindowRowDecoder` is the index builder's decoder (`homes.Decoder`) for rows that are moments: each video
   streamed once for its rows, windows encoded in batches as they complete (in `num_workers` threads, one video each,
   each with a decoder process of its own).
 * `decode_windows` / `window_pixel_values` collect every window of one video (raw frames / model input), `moment_frames`
@@ -55,14 +55,20 @@ from modeling_testa.video_decoding import STREAM_ORDER as STREAM_BACKENDS  # noq
 # what no window needs, where decord decodes ahead of a slow consumer into its own buffers (`Decoder.streams`).
 
 
-def check_window_options(window: float | None, stride: float | None) -> tuple[float | None, float | None]:
-    """`(window, stride)` as floats after checking them; `stride` defaults to `window` (windows that touch).
+def check_window_options(window: float | None, stride: float | None, required: bool = False
+                         ) -> tuple[float | None, float | None]:
+    """`(window, stride)` as floats after checking them; `stride` defaults to `window` (windows that touch). The one
+    check of these options, made once by every entry point that takes them (the pipeline's `encode_videos`,
+    `train.index`, `plan_windows`, `decode_windows`, `window_pixel_values`); what they call trusts them.
 
-    Raises a `ValueError` naming the option for a non-positive or non-finite value, a stride without a window, or a
-    stride longer than the window (the seconds between two windows would be in none: gaps no search could find)."""
+    Raises a `ValueError` naming the option for a non-positive or non-finite value, a stride without a window, a
+    stride longer than the window (the seconds between two windows would be in none: gaps no search could find), or
+    no window where one is `required`."""
     if window is None:
         if stride is not None:
             raise ValueError(f"`stride={stride!r}` needs `window` (seconds per window) as well.")
+        if required:
+            raise ValueError("`window` (seconds per window) is required.")
         return None, None
     for name, value in (("window", window), ("stride", stride)):
         if value is None:
@@ -94,7 +100,12 @@ def plan_windows(duration: float, window: float, stride: float) -> list[tuple[fl
     >>> plan_windows(25, 40, 30)
     [(0.0, 25.0)]
     """
-    window, stride = check_window_options(window, stride)
+    return window_spans(duration, *check_window_options(window, stride, required=True))
+
+
+def window_spans(duration: float, window: float, stride: float) -> list[tuple[float, float]]:
+    """`plan_windows` for options already checked (`check_window_options`): what the entry points plan each video
+    with."""
     duration = float(duration)
     if not math.isfinite(duration) or duration <= 0:
         raise ValueError(f"Cannot plan windows over a video of {duration!r} seconds.")
@@ -406,18 +417,16 @@ def decode_windows(
         source: a video file (or URL).
         window, stride: seconds (see `plan_windows`), planned over the video's decodable duration.
         num_frames: frames per window.
-        windows: `(start, end)` seconds planned beforehand (e.g. by `index_build.window_entries`), cut instead.
+        windows: `(start, end)` seconds planned beforehand (e.g. by `build.window_entries`), cut instead.
         decode_options: ``backend``, ``isolate_decoder``, ``decode_timeout``, ``num_threads`` (`WindowStream`).
 
     Raises:
         `ValueError` for bad options or a video without a known frame rate (naming the file); the decoder's
         `VideoDecodingError` for files it cannot read.
     """
-    window, stride = check_window_options(window, stride)
-    if window is None:
-        raise ValueError("`window` (seconds per window) is required.")
-    plan = windows if windows is not None else (lambda duration: plan_windows(duration, window, stride))
-    return collect_windows(WindowStream(source, plan, check_num_frames(num_frames), **decode_options))
+    window, stride = check_window_options(window, stride, required=True)
+    plan = windows if windows is not None else (lambda duration: window_spans(duration, window, stride))
+    return collect_windows(WindowStream(source, plan, num_frames, **decode_options))
 
 
 def processor_stream_options(video_processor: Any) -> dict[str, Any]:
@@ -449,12 +458,10 @@ def window_pixel_values(video_processor: Any, source: str | os.PathLike, window:
     `(len(windows), num_frames, 3, H, W)` (also `windows.frames`), decoded once with the processor's decoder settings,
     each frame resized to the model's input size as it is decoded, and transformed as the processor transforms a
     whole clip (resize, crop, normalise)."""
-    window, stride = check_window_options(window, stride)
-    if window is None:
-        raise ValueError("`window` (seconds per window) is required.")
-    plan = windows if windows is not None else (lambda duration: plan_windows(duration, window, stride))
+    window, stride = check_window_options(window, stride, required=True)
+    plan = windows if windows is not None else (lambda duration: window_spans(duration, window, stride))
     prepare, finish = processor_frame_steps(video_processor)
-    stream = WindowStream(source, plan, check_num_frames(int(num_frames or video_processor.num_frames)), prepare,
+    stream = WindowStream(source, plan, int(num_frames or video_processor.num_frames), prepare,
                           finish, **processor_stream_options(video_processor))
     cut = collect_windows(stream, torch.stack)
     return cut, cut.frames
@@ -552,28 +559,8 @@ def video_groups(rows: Iterable[int], names: list[str]) -> list[tuple[str, list[
     return groups
 
 
-def batched_rows(rows: Iterable[tuple[int, torch.Tensor | None, Failure | None]], batch_size: int
-                 ) -> Iterator[DecodedBatch]:
-    """``(row, pixel_values or None, failure or None)`` items regrouped into `indexing.DecodedBatch` es of at most
-    `batch_size` decoded rows; failures go out with the next batch."""
-    indices: list[int] = []
-    pixels: list[torch.Tensor] = []
-    failures: list[Failure] = []
-    for row, pixel_values, failure in rows:
-        if failure is not None:
-            failures.append(failure)
-            continue
-        indices.append(row)
-        pixels.append(pixel_values)
-        if len(indices) == batch_size:
-            yield indices, torch.stack(pixels), failures
-            indices, pixels, failures = [], [], []
-    if indices or failures:
-        yield indices, (torch.stack(pixels) if pixels else None), failures
-
-
 def rebatch(batches: Iterable[Any], batch_size: int) -> Iterator[Any]:
-    """`indexing.DecodedBatch` es regrouped into batches of at most `batch_size` rows (short videos joined, a long
+    """`encoding.DecodedBatch` es regrouped into batches of at most `batch_size` rows (short videos joined, a long
     one split over several encoder forwards); failures pass with the next batch."""
     indices: list[int] = []
     pixels: list[torch.Tensor] = []
@@ -591,7 +578,7 @@ def rebatch(batches: Iterable[Any], batch_size: int) -> Iterator[Any]:
 
 
 class WindowRowDecoder:
-    """The index builder's decoder (`index_homes.Decoder`: ``decode(entries, positions)`` -> `indexing.DecodedBatch`
+    """The index builder's decoder (`homes.Decoder`: ``decode(entries, positions)`` -> `encoding.DecodedBatch`
     es) for rows that are moments of video files (``entry.start``/``entry.end`` seconds; None: the whole video).
 
     The rows of one video (consecutive positions, `video_groups`) are decoded in one `WindowStream`: each frame
@@ -669,7 +656,9 @@ class WindowRowDecoder:
         groups = video_groups(positions, [entry.name(i) for i, entry in enumerate(entries)])
         with DecodeAhead(lambda g: self.video_rows(*groups[g], entries), len(groups), self.num_workers,
                          thread_initializer=own_decoder_process, max_items=self.batch_size) as streams:
-            yield from batched_rows(streams, self.batch_size)
+            rows = (([], None, [failure]) if failure is not None else ([row], pixel_values[None], [])
+                    for row, pixel_values, failure in streams)
+            yield from rebatch(rows, self.batch_size)
 
 
 def best_moment_per_video(results: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -694,7 +683,6 @@ __all__ = [
     "WindowClip",
     "WindowRowDecoder",
     "WindowStream",
-    "batched_rows",
     "best_moment_per_video",
     "check_num_frames",
     "check_window_options",
@@ -713,5 +701,6 @@ __all__ = [
     "refine_moment",
     "video_groups",
     "window_frame_indices",
+    "window_spans",
     "window_pixel_values",
 ]

@@ -48,7 +48,7 @@ def check_encode_arguments(entries: list[IndexEntry], batch_size: Any, num_worke
     check_on_error(on_error)
     arrays = [i for i, entry in enumerate(entries) if not isinstance(entry.video, (str, os.PathLike))]
     if index is not None:
-        if not all(hasattr(index, name) for name in ("names", "embeddings", "add", "info")):
+        if not isinstance(index, VideoIndex):  # a Milvus index is grown by train.index --milvus, not here
             raise TypeError(f"`index` must be a VideoIndex to grow, got {type(index)}.")
         if store_dir is not None:
             raise ValueError("`index=` grows that index where it lives (in memory, or its own store); do not "
@@ -134,11 +134,11 @@ def candidate_results(index: SearchableIndex, candidates: torch.Tensor, cosines:
     return results if top_k is None else results[:top_k]
 
 
-def check_index_settings(index: Any, config: Any) -> None:
+def check_index_settings(index: SearchableIndex, config: Any) -> None:
     """Refuses to search an index encoded by a model of another projection size or aggregation settings (the
     `IndexInfo` settings read from a model's config; an index that does not record a setting is not checked for it),
     naming the setting and both values."""
-    differing = IndexInfo.from_dict(getattr(index, "info", None) or {}).model_differences(config)
+    differing = IndexInfo.from_dict(index.info or {}).model_differences(config)
     for key, (recorded, mine) in differing.items():
         raise ValueError(f"The index was encoded with {key} = {recorded!r}, but this model has {key} = "
                          f"{mine!r}: search it with the model that encoded it, or encode the videos again.")
@@ -177,23 +177,23 @@ def search(pipe: Any, text: str | list[str], index: SearchableIndex, top_k: int 
     attention_mask = encoded["attention_mask"].to(pipe.device)
     text_features = pipe.model.get_text_features(input_ids, attention_mask).pooler_output.float().cpu()
     num_videos = len(index)
-    window = pipe.rerank_depth(num_videos, top_k, rerank_k) if rerank else 0
-    depth = num_videos if top_k is None else max(window, min(top_k, num_videos))
+    rerank_depth = pipe.rerank_depth(num_videos, top_k, rerank_k) if rerank else 0  # candidates re-ranked
+    fetched = num_videos if top_k is None else max(rerank_depth, min(top_k, num_videos))  # first-stage results
     max_results = getattr(index, "max_results", None)  # a Milvus collection's bound; none for other homes
-    if max_results is not None and depth > max_results:
+    if max_results is not None and fetched > max_results:
         logger.warning_once(f"This index returns at most {max_results} results per search: top_k and the "
-                            "re-ranking window are cut to that.")
-        depth = max_results
+                            "re-ranking depth are cut to that.")
+        fetched = max_results
     if filters:
-        cosines, candidates = index.nearest(text_features, depth, use_faiss=use_faiss, filters=filters)
+        cosines, candidates = index.nearest(text_features, fetched, use_faiss=use_faiss, filters=filters)
     else:
-        cosines, candidates = index.nearest(text_features, depth, use_faiss=use_faiss)
+        cosines, candidates = index.nearest(text_features, fetched, use_faiss=use_faiss)
     results = []
     for q in range(len(texts)):
         # only the candidates are scored: the work per query does not grow with the collection
         found = candidates[q] >= 0  # a filtered search may find fewer rows than asked
         rows, row_cosines = candidates[q][found], cosines[q][found].float()
-        head = rows[:window]
+        head = rows[:rerank_depth]
         head_scores = None
         if head.numel():
             head_scores = two_stage_scores(

@@ -20,6 +20,7 @@ from testa_search import Failure, NoReadableVideoError, VideoIndex
 from testa_search.encoding import (
     FAILURE_CODES,
     DecodeAhead,
+    DecodeEach,
     DecodeVideos,
     check_on_error,
     failure_code,
@@ -28,7 +29,8 @@ from testa_search.encoding import (
     looks_like_video,
 )
 from modeling_testa.video_decoding import VideoDecodingError, VideoDecodingTimeoutError
-from testa_search.build import IndexBuild
+from testa_search.build import FileDecoder, IndexBuild
+from testa_search.homes import IndexEntry
 
 QUERIES = ["a red square on a blue screen", "green and yellow blocks", "first dark then bright"]
 
@@ -161,16 +163,22 @@ def test_decode_videos_skips_each_bad_file_alone(files):
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_decode_ahead_skips_in_order_with_and_without_threads(files, workers):
+    """The pipeline's decoder (`FileDecoder`: `DecodeEach` run ahead in `DecodeAhead` threads): the readable videos
+    in order, each unreadable one a failure named by its path; with ``on_error="raise"`` the decoder's error."""
     good, bad, mixed = files
     processor = tiny_processor().video_processor
-    decode = lambda i: processor(videos=[mixed[i]])["pixel_values"]  # noqa: E731
-    with DecodeAhead(decode, len(mixed), workers, window=4) as ahead:
-        batches = list(ahead.batches(3, "skip", mixed.__getitem__))
+    entries = [IndexEntry(path) for path in mixed]
+
+    def decoder(on_error):
+        decode = DecodeEach(lambda video, i: processor(videos=[video])["pixel_values"], on_error)
+        return FileDecoder(decode, processor, 4, batch_size=3, num_workers=workers)
+
+    batches = list(decoder("skip")(entries, list(range(len(mixed)))))
     assert [i for b in batches for i in b[0]] == [i for i, p in enumerate(mixed) if p in good]
     assert [f.video for b in batches for f in b[2]] == [p for p in mixed if p not in good]
-    assert all(b[1] is None or b[1].shape[0] == len(b[0]) for b in batches)
-    with DecodeAhead(decode, len(mixed), workers, window=4) as ahead, pytest.raises(ValueError, match="notes.mp4"):
-        list(ahead.batches(3, "raise"))
+    assert all(len(b[0]) <= 3 and (b[1] is None or b[1].shape[0] == len(b[0])) for b in batches)
+    with pytest.raises(ValueError, match="notes.mp4"):
+        list(decoder("raise")(entries, list(range(len(mixed)))))
 
 
 @pytest.mark.parametrize("workers", [0, 1, 3])

@@ -3,7 +3,7 @@ against a simple model of what the index must hold (hypothesis' rule-based state
 
 Homes: in memory (`InMemoryHome`, one `VideoIndex` grown in place), a video store (`StoreHome`, reopened from disk
 with `VideoIndex.load` after every step, as another process would), and a Milvus collection on a real
-`milvus-lite server` (`MilvusHome`). Every operation goes through `index_build.IndexBuild`, the one build that the
+`milvus-lite server` (`MilvusHome`). Every operation goes through `build.IndexBuild`, the one build that the
 pipeline, `train.index` and the evaluation run.
 
 Operations: build with some videos of a catalog (new ones, the same, a subset, a superset, repeats, unreadable

@@ -339,7 +339,7 @@ def test_a_killed_store_of_moments_resumes_and_decodes_only_what_it_lacks(pipe, 
 
 
 def test_each_process_of_an_index_launch_probes_only_its_share_of_the_durations(videos, tmp_path, monkeypatch):
-    """`index_build.window_entries` (`train.index --window`, the pipeline's `window=`) on the second of two
+    """`build.window_entries` (`train.index --window`, the pipeline's `window=`) on the second of two
     processes: it probes the second half of the videos (those the store lacks), the first half's windows come from
     the other process (through the gather), and the rows are every video's windows in order, an unreadable file one
     whole-video row (its decoding then says why)."""

@@ -6,8 +6,6 @@ per-token scale: the tokens' norms differ a lot between tokens, so one scale per
 small ones). On disk (a video store with ``token_dtype="int8"``) each token is its codes followed by the 4 bytes of
 its float32 scale: ``hidden_size + 4`` bytes. Reading dequantizes to float32. The re-ranking agreement with fp16 is
 measured by `benchmarks/int8_tokens.py` (docs/inference.md).
-
-This file is Hub remote code: absolute imports of installed packages only.
 """
 
 import torch

@@ -18,8 +18,6 @@ judged dead, so two processes racing to take over one stale lock never both win.
 **The processes of one launch** (``accelerate launch``) share one lock: the main process takes it before anyone
 writes, and the others check that ``writer.lock`` names the token it sends them (`check_lock_token`), which also
 proves that they see the same folder.
-
-This file is Hub remote code: flat relative imports only, absolute imports of installed packages only.
 """
 
 import datetime

@@ -18,7 +18,7 @@ Layout of a store directory::
                                    each video in the token file, -1 for a video that could not be encoded
     tokens-00000.bin               (rows, num_tokens, hidden_size) in the store's token dtype, C order, no header
     token_sizes-00000.bin          (rows, num_tokens) fp32 (when the encoder reports token sizes)
-    writer.lock                    while a writer runs: who it is (`store_lock.StoreLock`; one writer per store)
+    writer.lock                    while a writer runs: who it is (`lock.StoreLock`; one writer per store)
 
 The ``.bin`` files are raw arrays: ``np.memmap(path, dtype, mode="r", shape=(rows, num_tokens, hidden_size))`` opens
 them (bfloat16 tokens are stored as their 16-bit patterns). The token count is fixed per store: aggregation settings
@@ -31,8 +31,6 @@ at the row the row map gives it, and the row-order copy of the embeddings (``emb
 embeddings kept per video (``shard-NNNNN.safetensors``). Two writers appending to one shard at once break these
 (rows written twice, or rows of one writer under the other's row map). Any failure, here or when tokens are read
 later, raises `DamagedStoreError` naming the file and what is wrong with it.
-
-This file is Hub remote code: flat relative imports only, absolute imports of installed packages only.
 """
 
 import json
@@ -51,7 +49,7 @@ from testa_search.store.int8_tokens import SCALE_BYTES, pack, unpack
 
 STORE_INFO_FILE = "video_store.json"
 PLAN_FILE = "index_plan.json"
-"""A store's rows in order and its shards' ranges while it is written and grown (`index_homes.StoreHome`); a store
+"""A store's rows in order and its shards' ranges while it is written and grown (`homes.StoreHome`); a store
 written whole (`VideoIndex.save`) removes a stale one."""
 JOINED_EMBEDDINGS_FILE = "embeddings.f32"
 """Every shard's embeddings in row order, ``(num_videos, dim)`` raw float32, written by `finalize_store`: a store of
@@ -110,8 +108,16 @@ def shard_range(num_items: int, rank: int, world_size: int) -> tuple[int, int]:
     return num_items * rank // world_size, num_items * (rank + 1) // world_size
 
 
-def _shard_name(kind: str, shard: int, extension: str) -> str:
-    return f"{kind}-{shard:05d}.{extension}"
+SHARD_FILES = {"marker": "shard-{}.json", "tensors": "shard-{}.safetensors", "journal": "journal-{}.jsonl",
+               "tokens": "tokens-{}.bin", "token_sizes": "token_sizes-{}.bin", "embeddings": "embeddings-{}.bin"}
+"""The files of one shard (see the module docstring), by kind: the closed marker, the embeddings and row map, the
+journal and the three data files."""
+
+
+def shard_file(kind: str, shard: int | str) -> str:
+    """The name of shard `shard`'s file of `kind` (`SHARD_FILES`), e.g. ``shard-00003.json``; ``shard="*"``: the
+    glob pattern of every shard's."""
+    return SHARD_FILES[kind].format(shard if shard == "*" else f"{shard:05d}")
 
 
 class VideoStoreWriter:
@@ -149,11 +155,11 @@ class VideoStoreWriter:
         self.num_tokens = self.hidden_size = None
         self.has_token_sizes: bool | None = None
         self._written = 0
-        (self.directory / _shard_name("shard", self.shard, "json")).unlink(missing_ok=True)
+        (self.directory / shard_file("marker", self.shard)).unlink(missing_ok=True)
         if self.shard == 0:
             (self.directory / STORE_INFO_FILE).unlink(missing_ok=True)
-        paths = {kind: self.directory / _shard_name(kind, shard, "bin") for kind in ("tokens", "token_sizes", "embeddings")}
-        journal = self.directory / _shard_name("journal", shard, "jsonl")
+        paths = {kind: self.directory / shard_file(kind, shard) for kind in ("tokens", "token_sizes", "embeddings")}
+        journal = self.directory / shard_file("journal", shard)
         header = {"shard": self.shard, "start": self.start, "stop": self.stop,
                   "token_dtype": _dtype_name(self.token_dtype)}
         if resume and journal.is_file():
@@ -276,7 +282,7 @@ class VideoStoreWriter:
 
     def add_failure(self, index: int, video: str, reason: str, journal: bool = True, code: str | None = None) -> None:
         """Marks a video that could not be encoded; it is never a candidate, and a query about it is a miss.
-        `code` (`indexing.FAILURE_CODES`) is recorded beside the reason when given."""
+        `code` (`encoding.FAILURE_CODES`) is recorded beside the reason when given."""
         self.rows[self._local(int(index))] = -1
         coded = {"code": str(code)} if code is not None else {}
         self.failures.append({"index": int(index), "video": str(video), **coded, "reason": str(reason)})
@@ -312,37 +318,37 @@ class VideoStoreWriter:
             raise ValueError(f"Videos {(missing + self.start).tolist()[:10]} of shard {self.shard} were never added.")
         embeddings = self.embeddings if self.embeddings is not None else torch.zeros(self.stop - self.start, 0)
         save_file({"embeddings": embeddings.contiguous(), "rows": self.rows.contiguous()},
-                  str(self.directory / _shard_name("shard", self.shard, "safetensors")))
+                  str(self.directory / shard_file("tensors", self.shard)))
         meta = {
             "shard": self.shard, "start": self.start, "stop": self.stop, "num_rows": self._written,
             "num_tokens": self.num_tokens, "hidden_size": self.hidden_size, "has_token_sizes": self.has_token_sizes,
             "token_dtype": _dtype_name(self.token_dtype), "failures": self.failures,
         }
-        (self.directory / _shard_name("shard", self.shard, "json")).write_text(json.dumps(meta), encoding="utf-8")
+        (self.directory / shard_file("marker", self.shard)).write_text(json.dumps(meta), encoding="utf-8")
 
 
 def forget_rows(directory: str | os.PathLike) -> None:
-    """Makes a folder's store forget its rows before it is written anew (`index_settings.check_store_folder` with
+    """Makes a folder's store forget its rows before it is written anew (`settings.check_store_folder` with
     ``replace``): its plan, its index and every shard's closed marker, so that no shard of the old rows counts as
     written (each shard's writer removes the rest of its files when it starts)."""
     directory = Path(directory)
-    for path in (directory / PLAN_FILE, directory / STORE_INFO_FILE, *directory.glob("shard-*.json")):
+    for path in (directory / PLAN_FILE, directory / STORE_INFO_FILE, *directory.glob(shard_file("marker", "*"))):
         path.unlink(missing_ok=True)
 
 
 def rewrite_shard(directory: str | os.PathLike, shard: int, keep: list[int], start: int) -> dict[str, Any]:
     """Rewrites the closed shard `shard` of a store so that it holds only the rows `keep` (positions in the shard,
-    ascending) and begins at row `start` of the store: the rows a store removes (`index_homes.StoreHome.remove_rows`).
+    ascending) and begins at row `start` of the store: the rows a store removes (`homes.StoreHome.remove_rows`).
     Kept rows keep their bytes; the data files are rewritten only when an encoded row goes, the journal, the row map
     and the closed marker always (they name rows by their position in the store). Each file is written beside and
     renamed into place. Returns the new closed marker."""
     directory = Path(directory)
-    marker_path = directory / _shard_name("shard", shard, "json")
+    marker_path = directory / shard_file("marker", shard)
     marker = read_json_file(marker_path)
     old_start, old_stop = int(marker["start"]), int(marker["stop"])
     if any(not 0 <= k < old_stop - old_start for k in keep) or list(keep) != sorted(set(keep)):
         raise ValueError(f"Shard {shard} holds rows 0..{old_stop - old_start - 1}; cannot keep {list(keep)[:10]}.")
-    tensors = load_safetensors(directory / _shard_name("shard", shard, "safetensors"))
+    tensors = load_safetensors(directory / shard_file("tensors", shard))
     rows, embeddings = tensors["rows"], tensors["embeddings"]
     failures = {int(f["index"]) - old_start: f for f in marker["failures"]}
     kept_rows = sorted(int(rows[k]) for k in keep if int(rows[k]) >= 0)  # the encoded rows kept, in file order
@@ -353,14 +359,14 @@ def rewrite_shard(directory: str | os.PathLike, shard: int, keep: list[int], sta
         row_bytes = {"tokens": shape[0] * shape[1] * stored.itemsize, "embeddings": int(embeddings.shape[1]) * 4,
                      "token_sizes": num_tokens * 4 if marker.get("has_token_sizes") else 0}
         for kind, size in row_bytes.items():
-            path = directory / _shard_name(kind, shard, "bin")
+            path = directory / shard_file(kind, shard)
             data = path.read_bytes() if path.exists() else b""
             partial = path.with_name(path.name + ".partial")
             partial.write_bytes(b"".join(data[row * size : (row + 1) * size] for row in kept_rows))
             os.replace(partial, path)
     new_rows = torch.tensor([new_row.get(int(rows[k]), -1) for k in keep], dtype=torch.long)
     kept_embeddings = embeddings[list(keep)] if len(keep) else embeddings[:0]
-    safetensors_path = directory / _shard_name("shard", shard, "safetensors")
+    safetensors_path = directory / shard_file("tensors", shard)
     partial = safetensors_path.with_name(safetensors_path.name + ".partial")
     save_file({"embeddings": kept_embeddings.contiguous(), "rows": new_rows.contiguous()}, str(partial))
     os.replace(partial, safetensors_path)
@@ -373,7 +379,7 @@ def rewrite_shard(directory: str | os.PathLike, shard: int, keep: list[int], sta
                         "hidden_size": marker["hidden_size"], "has_token_sizes": marker["has_token_sizes"],
                         "embedding_dim": int(embeddings.shape[1])})
     journal += [{"failed": f["index"], **{k: v for k, v in f.items() if k != "index"}} for f in kept_failures]
-    journal_path = directory / _shard_name("journal", shard, "jsonl")
+    journal_path = directory / shard_file("journal", shard)
     partial = journal_path.with_name(journal_path.name + ".partial")
     partial.write_text("".join(json.dumps(entry) + "\n" for entry in journal), encoding="utf-8")
     os.replace(partial, journal_path)
@@ -386,7 +392,7 @@ def rewrite_shard(directory: str | os.PathLike, shard: int, keep: list[int], sta
 
 def missing_shards(directory: str | os.PathLike, num_shards: int) -> list[int]:
     """The shards among ``0..num_shards-1`` whose writer has not closed them in ``directory``."""
-    return [s for s in range(num_shards) if not (Path(directory) / _shard_name("shard", s, "json")).is_file()]
+    return [s for s in range(num_shards) if not (Path(directory) / shard_file("marker", s)).is_file()]
 
 
 def finalize_store(directory: str | os.PathLike, videos: list[str], num_shards: int,
@@ -401,7 +407,7 @@ def finalize_store(directory: str | os.PathLike, videos: list[str], num_shards: 
             f"The video store {str(directory)!r} lacks shards {missing} of {num_shards}: every process must write to "
             "the same directory (on several machines, a shared filesystem)."
         )
-    shards = [read_json_file(directory / _shard_name("shard", s, "json")) for s in range(num_shards)]
+    shards = [read_json_file(directory / shard_file("marker", s)) for s in range(num_shards)]
     ranges = sorted((m["start"], m["stop"]) for m in shards)
     position = 0
     for start, stop in ranges:
@@ -454,7 +460,7 @@ def write_joined_embeddings(directory: Path, meta: dict[str, Any]) -> None:
         (directory / JOINED_EMBEDDINGS_FILE).unlink(missing_ok=True)
         return
     shards = sorted(meta["shards"], key=lambda shard: shard["start"])
-    paths = [directory / _shard_name("shard", shard["shard"], "safetensors") for shard in shards]
+    paths = [directory / shard_file("tensors", shard["shard"]) for shard in shards]
     dims = {open_safetensors(path)["embeddings"].shape[1] for path in paths} - {0}
     if len(dims) != 1:
         return
@@ -625,7 +631,7 @@ def store_metadata(directory: str | os.PathLike) -> dict[str, Any]:
 
 def _journal_entries(directory: Path) -> Iterable[dict[str, Any]]:
     """The entries (after the header) of every shard journal in ``directory``; a torn last line is left out."""
-    for journal in sorted(directory.glob("journal-*.jsonl")):
+    for journal in sorted(directory.glob(shard_file("journal", "*"))):
         for line in journal.read_text(encoding="utf-8").splitlines()[1:]:
             try:
                 yield json.loads(line)
@@ -654,7 +660,7 @@ def open_shard(directory: Path, shard: dict[str, Any], meta: dict[str, Any]) -> 
     `DamagedStoreError` naming the file and what is wrong."""
     number, start, stop, num_rows = (int(shard[key]) for key in SHARD_FIELDS)
     count = stop - start
-    path = directory / _shard_name("shard", number, "safetensors")
+    path = directory / shard_file("tensors", number)
     tensors = open_safetensors(path)
     rows, embeddings = tensors.get("rows"), tensors.get("embeddings")
     if rows is None or embeddings is None or rows.shape != (count,) or embeddings.ndim != 2 or \
@@ -670,12 +676,12 @@ def open_shard(directory: Path, shard: dict[str, Any], meta: dict[str, Any]) -> 
     row_bytes = {"tokens": token_bytes, "embeddings": dim * 4,
                  "token_sizes": (meta.get("num_tokens") or 0) * 4 if meta.get("has_token_sizes") else 0}
     for kind, size in row_bytes.items():
-        check_data_file(directory / _shard_name(kind, number, "bin"), num_rows, size)
-    journal = directory / _shard_name("journal", number, "jsonl")
+        check_data_file(directory / shard_file(kind, number), num_rows, size)
+    journal = directory / shard_file("journal", number)
     if journal.is_file():  # a store copied without its journals is read without this check
         check_journal(journal, rows, number, start, stop)
     if num_rows and dim:
-        check_row_embeddings(directory / _shard_name("embeddings", number, "bin"), path, rows, embeddings, start)
+        check_row_embeddings(directory / shard_file("embeddings", number), path, rows, embeddings, start)
     return tensors
 
 
@@ -857,7 +863,7 @@ class VideoTokenStore:
     def _fd(self, kind: str, shard: int) -> int:
         key = (kind, shard)
         if key not in self._files:
-            path = self.directory / _shard_name(kind, shard, "bin")
+            path = self.directory / shard_file(kind, shard)
             try:
                 self._files[key] = os.open(path, os.O_RDONLY)
             except FileNotFoundError:
@@ -879,7 +885,7 @@ class VideoTokenStore:
             while done < row_bytes:
                 got = os.preadv(fd, [memoryview(flat[j])[done:]], offset + done)
                 if got <= 0:
-                    raise DamagedStoreError(self.directory / _shard_name(kind, shard, "bin"),
+                    raise DamagedStoreError(self.directory / shard_file(kind, shard),
                                             f"it is truncated: row {row} (video {video}) ends at byte "
                                             f"{offset + row_bytes}, after the end of the file")
                 done += got
