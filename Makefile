@@ -28,10 +28,12 @@ test: install
 
 # The Gradio app on the demo's model (b) over the demo's test videos, at http://127.0.0.1:7860 (ranking by cosine, as
 # the demo evaluates: its short training leaves the matching head too weak to re-rank; the page can switch it on),
-# asking the demo's QA head; on your own machine, so the Model tab may change R_T/R_S (--allow-settings)
+# asking the demo's QA head; on your own machine, so the Model tab may change R_T/R_S (--allow-settings) and the page
+# may index any folder and inspect any video file (--allow-folders)
 app: install
 	@test -f outputs/demo/runs/b/final/model.safetensors || { echo "No demo model: run \`make demo\` first, or: python app/app.py --model FOLDER_OR_HUB_ID --videos DIR"; exit 1; }
 	$(PY) app/app.py --model outputs/demo/runs/b/final --videos outputs/demo/data/videos --no-rerank --allow-settings \
+	  --allow-folders \
 	  $$(test -f outputs/demo/qa/final/model.safetensors && echo --qa-model outputs/demo/qa/final)  # the demo ranks by cosine (see configuration/short_events.yaml)
 
 test-slow: install

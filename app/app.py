@@ -214,10 +214,9 @@ def check_video(state: AppState, video: str, session: Session | None) -> None:
     would otherwise decode any file of the server. A script (`session` None) may name any file."""
     if session is None or state.allow_folders:
         return
-    known = {str(hit["video"]) for hit in session.hits}
-    for collection in (session, state.served):
-        known.update(collection.indexed)
-    if str(video) in known or inside(video, served_folder(state)):
+    video = str(video)
+    if (any(str(hit["video"]) == video for hit in session.hits) or video in session.indexed
+            or video in state.served.indexed or inside(video, served_folder(state))):
         return
     raise gr.Error(f"{Path(video).name!r} is not a video of this collection: choose a search result, a video of the "
                    f"served folder or one you uploaded and indexed. {FOLDERS_OFF}")
