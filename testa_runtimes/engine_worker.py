@@ -9,9 +9,10 @@ worker only: the caller gets an `EngineProcessError` naming the signal and the w
 a new worker. The app and `train.index` run exported engines this way by default.
 
 The worker imports `modeling_testa` and `testa_runtimes` as the installed packages (or from ``PYTHONPATH``), with
-the caller's interpreter and environment.
+the caller's interpreter and environment; a worker that found another copy of `testa_runtimes` than the caller's is
+refused (its graphs could differ).
 
-Requests and replies: ``("init", settings)`` -> ``("ready",)``; ``("encode", pixel_values, trace_source,
+Requests and replies: ``("init", settings)`` -> ``("ready", the worker's testa_runtimes file)``; ``("encode", pixel_values, trace_source,
 aggregation settings)`` -> ``("ok", (last_hidden_state, token_sizes, source_map))``; an error -> ``("error", type
 name, message, code)``.
 """
@@ -78,6 +79,11 @@ class EngineProcess(WorkerProcess):
         reply = self.request(("init", self.init_message()), "starting")
         if reply[0] != "ready":
             raise EngineProcessError(f"the {self.runtime.name} worker did not start: {reply}")
+        if reply[1] != sys.modules[__package__].__file__:
+            self.stop()
+            raise EngineProcessError(f"the {self.runtime.name} worker imported testa_runtimes from {reply[1]}, this "
+                                     f"process from {sys.modules[__package__].__file__}: install this checkout "
+                                     "(pip install -e .) or put it on PYTHONPATH.")
 
     def log_tail(self) -> str:
         return self.log_since(max_chars=self.LOG_TAIL).strip()
@@ -146,7 +152,7 @@ class EngineRequests:
     def __call__(self, message: tuple, replies: Any) -> None:
         if message[0] == "init":
             self.runtime = _worker_runtime(message[1])
-            replies.send(("ready",))
+            replies.send(("ready", sys.modules["testa_runtimes"].__file__))
             return
         _, pixel_values, trace, settings = message
         vision = self.runtime.vision_model

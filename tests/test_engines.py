@@ -649,6 +649,24 @@ def test_an_isolated_engine_equals_in_process_and_outlives_its_worker(cache_dir,
     worker.stop()
 
 
+@needs["openvino"]
+def test_a_worker_that_imported_another_copy_of_the_package_is_refused(cache_dir, monkeypatch):
+    """The worker imports the installed packages (no `sys.path` edit): one that found another `testa_runtimes` than
+    this process' (another checkout installed) is stopped with an error naming both, rather than run other code."""
+    import re
+
+    import testa_runtimes
+    from testa_runtimes.engine_worker import EngineProcessError
+
+    model = optimize_for_inference(_vision_model(), "fp32", backend="openvino", cache_dir=cache_dir, isolate=True)
+    worker_copy = testa_runtimes.__file__
+    monkeypatch.setattr(testa_runtimes, "__file__", "/elsewhere/testa_runtimes/__init__.py")
+    message = f"imported testa_runtimes from {worker_copy}, this process from /elsewhere/testa_runtimes/__init__.py"
+    with pytest.raises(EngineProcessError, match=re.escape(message)):
+        model(_video())
+    assert not model.runtime.process.running()
+
+
 @pytest.mark.slow
 @needs["openvino"]
 def test_a_worker_killed_between_calls_is_replaced_and_said(cache_dir, caplog):
