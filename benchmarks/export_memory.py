@@ -92,14 +92,14 @@ def child(args) -> None:
     """One export in this (fresh) process; prints a json line."""
     from modeling_testa import TestaVisionConfig, TestaVisionModel
     from testa_runtimes import optimize_for_inference
-    from testa_runtimes.engines import ENGINES
+    from testa_runtimes.registry import RUNTIMES
 
     peaks = StepPeaks()
     torch.manual_seed(0)
     config = TestaVisionConfig(**encoder_settings(args), temporal_reduction=args.temporal_reduction,
                                spatial_reduction=args.spatial_reduction)
     model = TestaVisionModel(config).eval()
-    record_steps(ENGINES[args.child], peaks)
+    record_steps(RUNTIMES[args.child], peaks)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="testa-export-memory-") as cache_dir:
         optimize_for_inference(model, "int8", backend=args.child, cache_dir=cache_dir)  # empty cache: exports

@@ -15,7 +15,7 @@ compared with the merged fp32 one: the cosine of the CLS token and of the mean o
 retrieval head pools by default), per video.
 
 **Exported encoders** (``--backends openvino onnxruntime``, those installed): the TESTA encoder exported with its
-merging (`testa_runtimes/engines.py`) in every precision the backend offers on this CPU; their first forward exports
+merging (`testa_runtimes/exported.py`) in every precision the backend offers on this CPU; their first forward exports
 (or loads ``--cache-dir``). Next to TimesformerModel as transformers runs it (eager attention) stands the same model
 with its attention computed by `F.scaled_dot_product_attention`, so the share of any ratio that SDPA alone gives shows.
 The merged variants trace their merge decisions (``trace_source``) and the table gives the share of videos whose
@@ -131,8 +131,8 @@ def sdpa_attention(module, hidden_states, output_attentions: bool = False):
 
 def available_engines() -> list[str]:
     """The exported variants this machine can run: the backends installed, bf16 only where the CPU has it."""
-    from testa_runtimes.engines import cpu_has_bf16
-    from testa_runtimes.runtimes import RUNTIMES
+    from testa_runtimes.exported import cpu_has_bf16
+    from testa_runtimes.registry import RUNTIMES
 
     found = []
     for variant in ENGINE_VARIANTS:
@@ -307,7 +307,7 @@ def perturb_pixels(factor: float):
 def calibration_videos(args, processor) -> torch.Tensor | None:
     """The first ``--calibration-videos`` videos of the dataset's train split, decoded as the model sees them: the
     engines' int8 is calibrated on them (never on the test videos it is evaluated on). 0: None, the library's default
-    (`engines.default_calibration_videos`, what a caller gets without ``calibration=``)."""
+    (`exported.default_calibration_videos`, what a caller gets without ``calibration=``)."""
     from processing.data import load_split
 
     if args.calibration_videos == 0:

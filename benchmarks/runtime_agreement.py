@@ -21,7 +21,7 @@ once, 16 uniformly sampled frames as the evaluation samples them):
 
 Runtimes: ``openvino-fp32``, ``onnxruntime-fp32`` and ``openvino-int8`` / ``onnxruntime-int8`` (the exported encoder,
 `optimize_for_inference(..., backend=...)`; int8 calibrated on ``--calibration-videos`` videos of the train split),
-``openvino-bf16`` (OpenVINO bf16: the linear layers in bf16, the rest in fp32, `engines.linear_layers_in_bf16`; needs
+``openvino-bf16`` (OpenVINO bf16: the linear layers in bf16, the rest in fp32, `linear_layers_in_bf16`; needs
 AVX-512 BF16 or AMX), ``torch-bf16`` (bf16 linears in PyTorch), ``compile-fp32`` / ``compile-bf16``
 (`optimize_for_inference(..., compile=True)`: every encoder block compiled by TorchInductor). Each grid exports into
 its own cache folder under ``--cache-dir`` (the export cache's key includes the grid too; separate folders keep

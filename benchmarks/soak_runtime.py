@@ -94,9 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     TestaProcessor.from_pretrained(args.model).save_pretrained(model_folder)
     app = load_app()
     if args.in_process:  # what the app passes, with isolation off
-        import testa_runtimes.runtimes as runtimes
+        import testa_runtimes
 
-        runtimes.isolated_by_default = lambda backend, device="cpu": False
+        testa_runtimes.isolated_by_default = lambda backend, device="cpu": False  # the name the app reads
     state = app.load_state(str(model_folder), None, None, args.precision, args.backend)
     if state.retrieval is None:
         print(f"error: {state.model_error}", file=sys.stderr)

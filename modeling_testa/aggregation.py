@@ -142,7 +142,7 @@ def _scaled_products(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Te
     if exporting():
         # The same values (the scaling is exact), without baddbmm's ignored first argument: an exporter writes it as
         # ``0 * input + scale * product``, an edge from the keys into the scores, through which the engines'
-        # selection of the matching's products (`engines.matching_matmuls`, walking up from the sorts) reached the
+        # selection of the matching's products (`graph_surgery.matching_matmuls`, walking up from the sorts) reached the
         # key projections and kept 24 linear layers of ViT-B out of int8 (docs/inference.md).
         return (a @ b.transpose(-1, -2)) * scale
     a3, b3 = a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:])

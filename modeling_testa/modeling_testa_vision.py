@@ -363,7 +363,7 @@ class TestaVisionModel(TestaPreTrainedModel):
     config: TestaVisionConfig
     input_modalities = ("video",)
     runtime = None
-    """What runs `forward` (`runtimes.EncoderRuntime`), set by `optimize_for_inference`; `None`: `eager_forward`."""
+    """What runs `forward` (a `testa_runtimes` runtime), set by `optimize_for_inference`; `None`: `eager_forward`."""
 
     def __init__(self, config: TestaVisionConfig):
         super().__init__(config)

@@ -189,7 +189,7 @@ class _TestaPipeline(Pipeline):
             compile, include_text (`bool`, defaults to `False`): passed to `optimize_for_inference` with `precision`.
             backend (`str`, defaults to `"torch"`): passed to `optimize_for_inference` with `precision`: the runtime
                 of the video encoder by name (`testa_runtimes`): `"torch"` (eager; CUDA graphs on a GPU), `"openvino"`
-                or `"onnxruntime"` (an exported graph, see `testa_runtimes.engines`), `"torch-eager"`, `"cuda-graphs"`.
+                or `"onnxruntime"` (an exported graph, see `testa_runtimes.exported`), `"torch-eager"`, `"cuda-graphs"`.
             isolate (`bool`, defaults to `False`): passed to `optimize_for_inference`: an exported engine runs in a
                 worker process of its own (for long-lived processes).
             **kwargs: `device`, `batch_size`, and call arguments that become defaults (e.g. `top_k`).

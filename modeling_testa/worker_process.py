@@ -1,4 +1,5 @@
-"""One small kit for helper processes: the decoder's (`video_decoding`) and an exported engine's (`runtimes`).
+"""One small kit for helper processes: the decoder's (`video_decoding`) and an exported engine's
+(`testa_runtimes.engine_worker`).
 
 A helper runs native code that may crash or hang (FFmpeg decoders, inference engines); in its own process a segfault
 kills only the helper, and the caller raises an error naming what died and the helper's last log lines. Both sides
@@ -19,8 +20,9 @@ bulk data (decoded frames) follows its message as raw bytes.
 
 Run by path, ``python worker_process.py HANDLER_FILE``, it is a helper whose requests are handled by the module in
 ``HANDLER_FILE``, loaded by path (its ``handler()`` returns the ``handle`` function): the decoder helper runs this way
-with `video_decoding_worker.py`, importing nothing but the standard library, numpy and the decoders. This file is Hub
-remote code, exported with the modules that import it; it imports only the standard library.
+with `video_decoding_worker.py` (importing nothing but the standard library, numpy and the decoders), and the engine
+worker with `testa_runtimes/engine_worker.py`. This file is Hub remote code, exported with the modules that
+import it; it imports only the standard library.
 """
 
 import os

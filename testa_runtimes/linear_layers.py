@@ -1,9 +1,7 @@
 """The linear layers `optimize_for_inference` converts the encoder to, and the conversion: `Bf16Linear` (bf16 weights,
 bf16 compute, fp32 in and out), `Int8DynamicLinear` (int8 weights per channel, activations quantized per call and per
 video, PyTorch's legacy quantized CPU kernels), `convert_linears` and `compile_blocks`. The PyTorch runtimes
-(`runtimes.TorchEagerRuntime`, `runtimes.CudaGraphRuntime`) prepare models with them.
-
-This file is Hub remote code: flat relative imports only.
+(`torch_eager.TorchEagerRuntime`, `cuda_graphs.CudaGraphRuntime`) prepare models with them.
 """
 
 import os

@@ -19,7 +19,7 @@ One call prepares a `TestaVisionModel` or any TESTA head for inference (in place
   only. In the video encoder activations are quantized per video, so a video's embedding does not depend on the
   other videos of its batch. Matching and merging run in fp32 on the (int8-computed) keys.
 
-``backend="openvino"`` / ``"onnxruntime"`` (`engines.py`) instead export the whole video encoder, its merging
+``backend="openvino"`` / ``"onnxruntime"`` (`exported.py`) instead export the whole video encoder, its merging
 included, as one graph run by that engine (fp32; bf16 on OpenVINO where the CPU has bf16 instructions; int8 by the
 engine's own post-training quantization, the matching's matrix multiplies kept fp32), cached on disk. The legacy
 ``precision="int8"`` of ``backend="torch"`` (`Int8DynamicLinear`) warns that PyTorch deprecated its kernels
@@ -38,8 +38,6 @@ An optimized model is for inference only: its `save_pretrained` (and `push_to_hu
 model = optimize_for_inference(TestaForVideoTextRetrieval.from_pretrained(folder), precision="int8")
 pipe = pipeline("video-text-retrieval", model=folder, precision="int8")  # the same, inside the pipeline
 ```
-
-This file is Hub remote code (the pipelines import it): flat relative imports only.
 """
 
 import inspect
@@ -48,10 +46,12 @@ from typing import Any
 
 from torch import nn
 
+from modeling_testa.saving import INFERENCE_ATTRIBUTE
+from testa_runtimes.encoder_runtime import OPTION_DEFAULTS, RuntimeOptions
 from testa_runtimes.fingerprints import name_converted_weights, weights_fingerprint
 from testa_runtimes.linear_layers import Bf16Linear, Int8DynamicLinear
-from testa_runtimes.runtimes import BACKENDS, INT8_DEPRECATION, OPTION_DEFAULTS, RUNTIMES, RuntimeOptions, choose
-from modeling_testa.saving import INFERENCE_ATTRIBUTE
+from testa_runtimes.registry import BACKENDS, RUNTIMES, choose
+from testa_runtimes.torch_eager import INT8_DEPRECATION
 
 
 logger = logging.getLogger(__name__)
@@ -76,8 +76,8 @@ def optimize_for_inference(model: nn.Module, precision: str = "fp32", *, backend
                            **options: Any) -> nn.Module:
     r"""Prepares a TESTA model for fast inference, in place, and returns it (the same object, in `eval()` mode).
 
-    The video encoder is then run by a runtime (`runtimes.py`), picked by ``backend`` and held by the vision model's
-    ``runtime`` attribute; `TestaVisionModel.forward` hands every call to it.
+    The video encoder is then run by a runtime (`encoder_runtime.EncoderRuntime`), picked by ``backend`` and held by
+    the vision model's ``runtime`` attribute; `TestaVisionModel.forward` hands every call to it.
 
     Args:
         model: a `TestaVisionModel` or a TESTA head (`TestaForVideoTextRetrieval`, `TestaForVideoQA`,
@@ -91,16 +91,16 @@ def optimize_for_inference(model: nn.Module, precision: str = "fp32", *, backend
               included) in fp32. Fast only with bf16 hardware (AVX-512 BF16 / AMX CPUs, GPUs);
             - `"int8"`: on the CPU; with `backend="torch"` the encoder blocks' linear layers as `Int8DynamicLinear`
               (deprecated PyTorch kernels), with the engines their own post-training quantization.
-        backend (`str`, defaults to `"torch"`): one of `BACKENDS`, the name of a runtime (`runtimes.RUNTIMES`):
+        backend (`str`, defaults to `"torch"`): one of `BACKENDS`, the name of a runtime (`registry.RUNTIMES`):
 
             - `"torch"`: PyTorch; on a CUDA model the encoder is captured as a CUDA graph per input shape
               (`"cuda-graphs"`, falling back to eager where a graph cannot serve, logged), elsewhere (or with
               `compile=True`) eager (`"torch-eager"`);
             - `"openvino"` / `"onnxruntime"`: the video encoder, merging included, as one exported graph
-              (`engines.ExportedEncoder`; CPU; fp32, bf16 (OpenVINO, CPUs with bf16 instructions) or int8); the text
+              (`exported.ExportedRuntime`; CPU; fp32, bf16 (OpenVINO, CPUs with bf16 instructions) or int8); the text
               modules stay PyTorch fp32. Needs the `openvino` / `onnxruntime` extra. The graph of each input shape is
               exported on first use (minutes for ViT-B) and cached in `cache_dir`.
-        **options: the runtime's options, declared once in `runtimes.RuntimeOptions` (names, defaults, meaning):
+        **options: the runtime's options, declared once in `encoder_runtime.RuntimeOptions` (names, defaults, meaning):
             `compile`, `include_text` (PyTorch eager), `cache_dir`, `calibration`, `isolate` (the exported
             runtimes), `fused_kernels` (the PyTorch runtimes: `"auto"`, `"off"`, `"interpret"`). An option the
             runtime does not take is refused unless it is left at its default.

@@ -62,11 +62,11 @@ PRECISION_OF_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float
 
 def encoder_precision(model: Any) -> str:
     """How the model computes its embeddings, as an index records it: the precision `optimize_for_inference` set,
-    with the engine when an exported graph runs the encoder (``"int8 (openvino)"``, `runtimes.embeddings_label`);
+    with the engine when an exported graph runs the encoder (``"int8 (openvino)"``, `registry.embeddings_label`);
     otherwise the weights' dtype (``"fp32"``)."""
     settings = getattr(model, INFERENCE_ATTRIBUTE, None)
     if settings:
-        from testa_runtimes.runtimes import embeddings_label  # the runtimes import the engines: only an optimized model needs them
+        from testa_runtimes.registry import embeddings_label  # imports every runtime: only an optimized model needs them
 
         return embeddings_label(settings["runtime"], settings["precision"], next(model.parameters()).device.type)
     dtype = next(model.parameters()).dtype

@@ -1,5 +1,5 @@
-"""The exported TESTA encoder (`testa_runtimes/engines.py`): OpenVINO and ONNX Runtime graphs with the merging inside
-equal PyTorch fp32 (same merge decisions: the source map and the token sizes are identical; outputs to float
+"""The exported TESTA encoder (`testa_runtimes/exported.py`, `openvino_runtime.py`, `onnxruntime_runtime.py`):
+OpenVINO and ONNX Runtime graphs with the merging inside equal PyTorch fp32 (same merge decisions: the source map and the token sizes are identical; outputs to float
 rounding), int8 stays within the quality contract with the matching's matrix multiplies left in fp32, the cache is
 keyed by every setting, and bad inputs get messages naming what to do. Tiny random models; every export is cached in
 one folder per test module, so a graph is exported once."""
@@ -15,11 +15,16 @@ import torch.nn.functional as F
 from helpers.models import random_vision_model, videos
 from helpers.requirements import skip_or_fail, under_ci
 
-import testa_runtimes.engines as engines
+import testa_runtimes.exported as exported_runtimes
+import testa_runtimes.graph_surgery as surgery
 from modeling_testa import TestaVisionModel
 from testa_runtimes import optimize_for_inference
-from testa_runtimes.engines import ExportedEncoder, cache_key, matching_matmuls
-from testa_runtimes.runtimes import OnnxRuntimeRuntime, OpenVINORuntime, auto_precision
+from testa_runtimes.encoder_runtime import EncoderGraph
+from testa_runtimes.exported import cache_key, default_calibration_videos, graph_code_fingerprint, library_versions
+from testa_runtimes.graph_surgery import matching_matmuls
+from testa_runtimes.onnxruntime_runtime import OnnxRuntimeRuntime, onnx_calibration_ranges
+from testa_runtimes.openvino_runtime import OpenVINORuntime, openvino_core
+from testa_runtimes.registry import RUNTIMES, auto_precision
 
 
 def _installed(backend: str) -> bool:
@@ -48,7 +53,7 @@ def cache_dir(tmp_path_factory):
 
 
 def _compare(model: TestaVisionModel, backend: str, precision: str, cache_dir, calibration=None):
-    """(PyTorch fp32 output, exported output, the exported encoder), both with the source map."""
+    """(PyTorch fp32 output, exported output, the exported runtime), both with the source map."""
     video = _video()
     with torch.no_grad():
         reference = model(video, trace_source=True)
@@ -56,7 +61,7 @@ def _compare(model: TestaVisionModel, backend: str, precision: str, cache_dir, c
                                       calibration=calibration)
     with torch.no_grad():
         out = exported(video, trace_source=True)
-    return reference, out, exported.runtime.encoder
+    return reference, out, exported.runtime
 
 
 def _assert_equal_to_fp32(reference, out) -> None:
@@ -91,13 +96,13 @@ def test_bad_backend_and_precision_are_refused_naming_the_allowed_values():
 
 
 def test_bf16_on_a_cpu_without_bf16_is_refused_with_the_reason(monkeypatch):
-    monkeypatch.setattr(engines, "cpu_flags", lambda: {"avx2", "avx512f"})
+    monkeypatch.setattr(exported_runtimes, "cpu_flags", lambda: {"avx2", "avx512f"})
     with pytest.raises(ValueError, match="avx512_bf16 or amx_bf16.*slower than fp32"):
         OpenVINORuntime.check_model(_vision_model(), "bf16", {})
-    monkeypatch.setattr(engines, "cpu_flags", lambda: {"avx512_bf16"})
+    monkeypatch.setattr(exported_runtimes, "cpu_flags", lambda: {"avx512_bf16"})
     OpenVINORuntime.check_model(_vision_model(), "bf16", {})  # accepted where the CPU has it
     if _installed("openvino"):
-        monkeypatch.setattr(engines, "cpu_flags", lambda: {"avx2"})
+        monkeypatch.setattr(exported_runtimes, "cpu_flags", lambda: {"avx2"})
         model = _vision_model()
         with pytest.raises(ValueError, match="bf16 instructions"):
             optimize_for_inference(model, "bf16", backend="openvino")
@@ -155,13 +160,13 @@ def test_attention_output_matmuls_follow_an_attention_down_to_its_residual_add()
         "e_res": ("Add", ["x", "e_proj"]), "reshaped": ("Reshape", ["x", "t_shape"]),
         "late": ("MatMul", ["reshaped", "w"]),  # reached only through a shape read: not an attention output
     }
-    assert engines.attention_output_matmuls(nodes) == ["e_proj", "s_proj", "t_fc", "t_proj"]
-    assert engines.attention_output_matmuls(nodes, min_chain=2) == ["t_fc", "t_proj"]
+    assert surgery.attention_output_matmuls(nodes) == ["e_proj", "s_proj", "t_fc", "t_proj"]
+    assert surgery.attention_output_matmuls(nodes, min_chain=2) == ["t_fc", "t_proj"]
     # ONNX: no fused attention, and bias initializers are not nodes (one computed input: not a residual)
     onnx_like = {"x": ("Input", []), "p": ("Softmax", ["x"]), "a": ("MatMul", ["p", "x"]), "proj": ("Gemm", ["a"]),
                  "fc": ("MatMul", ["proj"]), "bias": ("Add", ["fc"]), "res": ("Add", ["x", "bias"]),
                  "mlp": ("MatMul", ["res"])}
-    assert engines.attention_output_matmuls(onnx_like, matmul_types=("MatMul", "Gemm"), attention_types=(),
+    assert surgery.attention_output_matmuls(onnx_like, matmul_types=("MatMul", "Gemm"), attention_types=(),
                                             min_chain=2) == ["fc", "proj"]
 
 
@@ -178,10 +183,10 @@ def test_attention_product_matmuls_are_the_two_products_around_each_softmax():
         "weighted2": ("MatMul", ["res", "probs2"]), "mlp": ("MatMul", ["weighted2"]),
         "similarity": ("MatMul", ["k", "kt"]), "sort": ("TopK", ["similarity"]),
     }
-    assert engines.attention_product_matmuls(nodes, matmul_types=("MatMul", "Gemm")) == [
+    assert surgery.attention_product_matmuls(nodes, matmul_types=("MatMul", "Gemm")) == [
         "scores", "scores2", "weighted", "weighted2"]
     # a fused attention (OpenVINO's ScaledDotProductAttention) has no such products: nothing to select
-    assert engines.attention_product_matmuls({"x": ("Parameter", []), "a": ("ScaledDotProductAttention", ["x"]),
+    assert surgery.attention_product_matmuls({"x": ("Parameter", []), "a": ("ScaledDotProductAttention", ["x"]),
                                               "proj": ("MatMul", ["a"])}) == []
 
 
@@ -196,7 +201,7 @@ def test_the_temporal_branch_is_found_by_what_it_computes(exported_program):
                 and list(node.meta["nn_module_stack"].values())[-1][0].endswith(("temporal_attention.projection",
                                                                                   "temporal_fc"))}
     assert len(expected) == 2 * model.config.num_hidden_layers
-    found = engines.attention_output_matmuls(engines.openvino_nodes(converted), min_chain=2)
+    found = surgery.attention_output_matmuls(surgery.openvino_nodes(converted), min_chain=2)
     assert {name.split("/")[0] for name in found} == expected
 
 
@@ -207,7 +212,7 @@ def exported_program():
     the tests that read graphs (they take copies of the OpenVINO model)."""
     import openvino as ov
 
-    program = engines.export_program(engines.EncoderGraph(_vision_model(), True).eval(), torch.zeros(2, 8, 3, 32, 32))
+    program = exported_runtimes.export_program(EncoderGraph(_vision_model(), True).eval(), torch.zeros(2, 8, 3, 32, 32))
     return program, ov.convert_model(program)
 
 
@@ -222,12 +227,12 @@ def test_the_matching_products_of_an_export_are_similarities_only_not_linear_lay
     writes as ``0 * input``, so the walk up from the sorts reached the key projections and int8 kept all 24 qkv layers
     of ViT-B in fp32 (int8 twice as slow). The matching's products are one similarity per matching, and no layer."""
     model = _vision_model()
-    nodes = engines.openvino_nodes(exported_program[1].clone())
+    nodes = surgery.openvino_nodes(exported_program[1].clone())
     deciding = matching_matmuls(nodes)
     assert len(deciding) == 2 * model.config.num_hidden_layers  # a frame and a patch matching per block
     assert not set(deciding) & _linear_layers(nodes)
     # the keys' projections are one step further up: the attentions' qkv layers, two per block
-    keys = engines.key_projection_matmuls(nodes)
+    keys = surgery.key_projection_matmuls(nodes)
     assert len(keys) == 2 * model.config.num_hidden_layers and set(keys) <= _linear_layers(nodes)
 
 
@@ -238,15 +243,15 @@ def test_folding_the_temporal_branch_keeps_the_outputs_and_halves_its_layers(exp
     model = _vision_model()
     assert all(layer.temporal_attention.projection.bias.abs().sum() > 0 for layer in model.layers)
     plain, folded = exported_program[1].clone(), exported_program[1].clone()
-    branch = engines.attention_output_matmuls(engines.openvino_nodes(folded), min_chain=2)
-    remaining = engines.fold_linear_pairs(folded, branch)
+    branch = surgery.attention_output_matmuls(surgery.openvino_nodes(folded), min_chain=2)
+    remaining = surgery.fold_linear_pairs(folded, branch)
     assert len(branch) == 2 * len(remaining) == 2 * model.config.num_hidden_layers
-    assert all(name.endswith(engines.FOLDED_SUFFIX) for name in remaining)
-    nodes = engines.openvino_nodes(folded)
+    assert all(name.endswith(surgery.FOLDED_SUFFIX) for name in remaining)
+    nodes = surgery.openvino_nodes(folded)
     assert set(remaining) <= _linear_layers(nodes)
-    assert len(_linear_layers(nodes)) == len(_linear_layers(engines.openvino_nodes(plain))) - len(remaining)
+    assert len(_linear_layers(nodes)) == len(_linear_layers(surgery.openvino_nodes(plain))) - len(remaining)
     video = _video().numpy()
-    core = engines.openvino_core()
+    core = openvino_core()
     (plain_out, _, plain_map), (out, _, source_map) = (
         core.compile_model(graph, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})(video).to_tuple()
         for graph in (plain, folded))
@@ -273,10 +278,10 @@ def test_an_export_of_other_merge_code_or_another_score_grid_is_not_reused(tmp_p
     """The cache key covers the graph's code and the model's score grid (a setting of its config, read at each
     lookup), so a graph exported for other merge decisions (for example raw scores) is exported again rather than
     silently reused."""
-    code = engines.graph_code_fingerprint()
-    assert code == engines.graph_code_fingerprint() and engines.OpenVINOEngine.versions()["graph_code"] == code
+    code = graph_code_fingerprint()
+    assert code == graph_code_fingerprint() and library_versions(OpenVINORuntime.packages)["graph_code"] == code
     model = _vision_model()
-    encoder = ExportedEncoder(model, engines.OpenVINOEngine, "fp32", cache_dir=tmp_path)
+    encoder = OpenVINORuntime(model, "fp32", cache_dir=tmp_path)
     shape = (8, 3, 32, 32)
     folder = encoder.folder_for(shape, False)[0]
     assert encoder.folder_for(shape, False)[0] == folder
@@ -288,9 +293,9 @@ def test_an_export_of_other_merge_code_or_another_score_grid_is_not_reused(tmp_p
 
 
 def test_default_calibration_videos_are_deterministic_and_normalised_scale():
-    a = engines.default_calibration_videos(8, 32, 32)
+    a = default_calibration_videos(8, 32, 32)
     assert a.shape == (4, 8, 3, 32, 32)
-    assert torch.equal(a, engines.default_calibration_videos(8, 32, 32))
+    assert torch.equal(a, default_calibration_videos(8, 32, 32))
     assert 0.3 < float(a.std()) < 3.0
 
 
@@ -321,14 +326,13 @@ def test_openvino_fp32_equals_pytorch_and_the_cache_follows_the_settings(cache_d
     assert changed.last_hidden_state.shape != out.last_hidden_state.shape
 
     # another encoder on the same weights and settings loads both graphs from the cache: no export
-    again = ExportedEncoder(copy.deepcopy(model), engines.OpenVINOEngine, "fp32", cache_dir=cache_dir)
+    again = OpenVINORuntime(copy.deepcopy(model), "fp32", cache_dir=cache_dir)
     with torch.no_grad():
         loaded = again(_video(), trace_source=True)
     assert again.exports == 0
     assert torch.equal(loaded.last_hidden_state, changed.last_hidden_state)
     # other weights are another model: exported again
-    other = ExportedEncoder(_vision_model(seed=5, spatial_reduction=2), engines.OpenVINOEngine, "fp32",
-                            cache_dir=cache_dir)
+    other = OpenVINORuntime(_vision_model(seed=5, spatial_reduction=2), "fp32", cache_dir=cache_dir)
     assert other.folder_for((8, 3, 32, 32), True)[0] != again.folder_for((8, 3, 32, 32), True)[0]
 
 
@@ -359,20 +363,20 @@ def test_int8_stays_within_the_contract_with_matching_in_fp32(backend, cache_dir
     assert float(cosine.min()) >= 0.98  # the int8 quality contract (benchmarks/fast_inference.py)
     # the graph is quantized, but no quantization step feeds the matrix multiplies that decide the matching, nor the
     # temporal attention's output branch
-    engine = engines.ENGINES[backend]
+    engine = RUNTIMES[backend]
     nodes, exported = (engine.graph_nodes(encoder.folder_for((8, 3, 32, 32), True, precision)[0]
                                           / engine.file_name(precision)) for precision in ("int8", "fp32"))
     quantizer, matmuls, attentions = engine.quantizer_type, engine.matmul_types, engine.attention_types
     deciding = matching_matmuls(nodes, matmul_types=matmuls)
     # found on the fp32 graph, as the quantizer does (in the int8 graph, quantize steps sit between the nodes)
-    temporal_branch = engines.attention_output_matmuls(exported, matmul_types=matmuls, attention_types=attentions,
+    temporal_branch = surgery.attention_output_matmuls(exported, matmul_types=matmuls, attention_types=attentions,
                                                        min_chain=2)
     assert len(temporal_branch) == 2 * 2  # projection, temporal_fc; 2 blocks
-    keys = engines.key_projection_matmuls(exported, matmul_types=matmuls)  # the qkv layers, 2 per block
+    keys = surgery.key_projection_matmuls(exported, matmul_types=matmuls)  # the qkv layers, 2 per block
     assert len(keys) == 2 * 2 and set(keys) <= set(nodes)
     # ONNX: the attention's own products (queries x keys, probabilities x values) of both branches of both blocks;
     # OpenVINO fuses the attention, and NNCF leaves it in fp32
-    products = engines.attention_product_matmuls(exported, matmul_types=matmuls)
+    products = surgery.attention_product_matmuls(exported, matmul_types=matmuls)
     assert len(products) == (0 if backend == "openvino" else 2 * 2 * 2) and set(products) <= set(nodes)
     assert deciding and sum(kind == quantizer for kind, _ in nodes.values()) > 0
 
@@ -380,9 +384,9 @@ def test_int8_stays_within_the_contract_with_matching_in_fp32(backend, cache_dir
         return any(nodes[i][0] == quantizer for i in nodes[name][1])
 
     if backend == "openvino":  # the branch is one folded layer per block, and the key projections are int8
-        temporal_branch = [name for name in nodes if name.endswith(engines.FOLDED_SUFFIX)]
+        temporal_branch = [name for name in nodes if name.endswith(surgery.FOLDED_SUFFIX)]
         assert len(temporal_branch) == 2 and all(map(quantized, keys))
-    else:  # ONNX Runtime keeps the key projections in fp32 (`engines.key_projection_matmuls`)
+    else:  # ONNX Runtime keeps the key projections in fp32 (`surgery.key_projection_matmuls`)
         assert set(temporal_branch) <= set(nodes)
         products += keys
     for name in deciding + temporal_branch + products:
@@ -439,7 +443,7 @@ def _most_calibrated_tensors_alive(graph, executed: list[str]) -> int:
 def test_onnx_int8_calibration_reduces_each_tensor_as_soon_as_it_is_computed(tmp_path, monkeypatch):
     """Issue 49: ONNX Runtime's static calibration kept every tensor it calibrates (the inputs and outputs of the
     quantized matrix multiplies) until the end of each calibration video, 12.6 GiB for the 32-frame ViT-B/16: the
-    reductions its calibrator adds ran after the rest of the graph. `OnnxRuntimeEngine.quantize`'s calibration run is
+    reductions its calibrator adds ran after the rest of the graph. `OnnxRuntimeRuntime.quantize`'s calibration run is
     profiled here (which node ran when), and the tensors waiting for their reduction are counted step by step: a
     few at a time, however deep the graph, not all of them."""
     import json
@@ -462,8 +466,8 @@ def test_onnx_int8_calibration_reduces_each_tensor_as_soon_as_it_is_computed(tmp
         return real_session(path, sess_options, *args, **kwargs)
 
     monkeypatch.setattr(ort, "InferenceSession", profiled_session)
-    engines.OnnxRuntimeEngine.quantize(_matmul_chain(tmp_path / "chain.onnx"), _chain_videos(), tmp_path)
-    int8 = engines.OnnxRuntimeEngine.graph_nodes(tmp_path / engines.OnnxRuntimeEngine.file_name("int8"))
+    OnnxRuntimeRuntime.quantize(_matmul_chain(tmp_path / "chain.onnx"), _chain_videos(), tmp_path)
+    int8 = OnnxRuntimeRuntime.graph_nodes(tmp_path / OnnxRuntimeRuntime.file_name("int8"))
     assert sum(kind == "DequantizeLinear" for kind, _ in int8.values()) >= 12  # quantized, with those ranges
     assert len(sessions) == 1
     graph, session = sessions[0]
@@ -478,7 +482,7 @@ def test_onnx_int8_calibration_reduces_each_tensor_as_soon_as_it_is_computed(tmp
 
 def _quantize_statics_ranges(model: Path, calibration: torch.Tensor, folder: Path):
     """The activation ranges ONNX Runtime's own `quantize_static` calibration computes (saved by its
-    ``calibration_cache_path``), with the settings `OnnxRuntimeEngine.quantize` uses."""
+    ``calibration_cache_path``), with the settings `OnnxRuntimeRuntime.quantize` uses."""
     from onnxruntime.quantization import (CalibrationDataReader, QuantFormat, QuantType, load_tensors_data,
                                           quantize_static)
 
@@ -491,7 +495,7 @@ def _quantize_statics_ranges(model: Path, calibration: torch.Tensor, folder: Pat
 
     ranges = folder / "quantize_static.json"
     quantize_static(str(model), str(folder / "int8.onnx"), Reader(), quant_format=QuantFormat.QDQ,
-                    op_types_to_quantize=list(engines.OnnxRuntimeEngine.matmul_types), per_channel=True,
+                    op_types_to_quantize=list(OnnxRuntimeRuntime.matmul_types), per_channel=True,
                     weight_type=QuantType.QInt8, activation_type=QuantType.QUInt8,
                     extra_options={"MatMulConstBOnly": True}, calibration_cache_path=ranges)
     return load_tensors_data(ranges)
@@ -503,8 +507,8 @@ def _assert_bounded_calibration_equals_quantize_statics(model: Path, calibration
 
     expected = _quantize_statics_ranges(model, calibration, folder)
     samples = ({"pixel_values": video[None].numpy()} for video in calibration)
-    got = load_tensors_data(engines.onnx_calibration_ranges(model, samples,
-                                                            list(engines.OnnxRuntimeEngine.matmul_types), folder))
+    got = load_tensors_data(onnx_calibration_ranges(model, samples,
+                                                            list(OnnxRuntimeRuntime.matmul_types), folder))
     assert len(expected.data) == tensors and set(got.data) == set(expected.data)
     for name, reference in expected.data.items():
         assert [v.tolist() for v in got.data[name].range_value] == [v.tolist() for v in reference.range_value], name
@@ -512,21 +516,21 @@ def _assert_bounded_calibration_equals_quantize_statics(model: Path, calibration
 
 @needs["onnxruntime"]
 def test_onnx_calibration_ranges_equal_quantize_statics_own(tmp_path):
-    """The bounded calibration (`engines.onnx_calibration_ranges`) computes the ranges `quantize_static`'s own
+    """The bounded calibration (`onnx_calibration_ranges`) computes the ranges `quantize_static`'s own
     calibration computes, value for value (the execution order changes no value): the int8 graph, and so the quality
-    contract, are those measured before it: the int8 graph `OnnxRuntimeEngine.quantize` writes is, byte for byte,
+    contract, are those measured before it: the int8 graph `OnnxRuntimeRuntime.quantize` writes is, byte for byte,
     the one `quantize_static` writes when it calibrates itself."""
     model = _matmul_chain(tmp_path / "chain.onnx")
     _assert_bounded_calibration_equals_quantize_statics(model, _chain_videos(), tmp_path, tensors=24)
     folder = tmp_path / "engine"
     folder.mkdir()
-    written = engines.OnnxRuntimeEngine.quantize(model, _chain_videos(), folder)  # nothing to exclude in a chain
+    written = OnnxRuntimeRuntime.quantize(model, _chain_videos(), folder)  # nothing to exclude in a chain
     assert written.read_bytes() == (tmp_path / "int8.onnx").read_bytes()
 
 
 @needs["onnxruntime"]
 def test_onnx_runtimes_own_bound_on_kept_outputs_loses_the_ranges(tmp_path):
-    """Why `engines.onnx_calibration_ranges` does not use ONNX Runtime's option for bounded calibration,
+    """Why `onnx_calibration_ranges` does not use ONNX Runtime's option for bounded calibration,
     ``CalibMaxIntermediateOutputs``: in the onnxruntime the project installs, the calibrator drops the outputs it keeps
     when it reaches the bound without merging them into its ranges (microsoft/onnxruntime#20226 was closed
     unmerged), so a calibration of more videos than the bound ends with none. (It keeps only each tensor's minimum
@@ -551,8 +555,8 @@ def test_onnx_runtimes_own_bound_on_kept_outputs_loses_the_ranges(tmp_path):
 def test_onnx_calibration_ranges_equal_quantize_statics_own_on_an_exported_encoder(tmp_path):
     """The same on a TESTA encoder exported to ONNX (its matching's `TopK`, its merge scatters, both branches of
     both blocks)."""
-    graph = engines.EncoderGraph(_vision_model(), False).eval()
-    model = engines.OnnxRuntimeEngine.export(graph, torch.zeros(2, 8, 3, 32, 32), tmp_path)
+    graph = EncoderGraph(_vision_model(), False).eval()
+    model = OnnxRuntimeRuntime.export(graph, torch.zeros(2, 8, 3, 32, 32), tmp_path)
     _assert_bounded_calibration_equals_quantize_statics(model, _video(3, seed=7), tmp_path, tensors=64)
 
 
@@ -607,8 +611,8 @@ def test_an_isolated_engine_equals_in_process_and_outlives_its_worker(cache_dir,
     import os
     import signal
 
-    import testa_runtimes.runtimes as runtimes
-    from testa_runtimes.runtimes import EngineProcessError
+    import testa_runtimes.engine_worker as engine_worker
+    from testa_runtimes.engine_worker import EngineProcessError
 
     model = _vision_model()
     in_process = optimize_for_inference(copy.deepcopy(model), "fp32", backend="openvino", cache_dir=cache_dir)
@@ -626,7 +630,7 @@ def test_an_isolated_engine_equals_in_process_and_outlives_its_worker(cache_dir,
         isolated(torch.zeros(8, 3, 32, 32))
 
     # the worker dies during a call (as a segfaulting engine would): this process gets an error naming the signal
-    write = runtimes.write_message
+    write = engine_worker.write_message
 
     def crash_then_write(fd, message):
         if message[0] == "encode":
@@ -634,15 +638,33 @@ def test_an_isolated_engine_equals_in_process_and_outlives_its_worker(cache_dir,
             worker.process.wait()
         write(fd, message)
 
-    monkeypatch.setattr(runtimes, "write_message", crash_then_write)
+    monkeypatch.setattr(engine_worker, "write_message", crash_then_write)
     with pytest.raises(EngineProcessError, match=r"died while encoding a batch of shape \(3, 8, 3, 32, 32\) "
                                                  r"\(killed by SIGSEGV\); this process is unharmed"):
         isolated(video, trace_source=True)
-    monkeypatch.setattr(runtimes, "write_message", write)
+    monkeypatch.setattr(engine_worker, "write_message", write)
     with torch.no_grad():  # the next call starts a new worker
         assert torch.equal(isolated(video, trace_source=True).last_hidden_state, expected.last_hidden_state)
     assert worker.starts == 2
     worker.stop()
+
+
+@needs["openvino"]
+def test_a_worker_that_imported_another_copy_of_the_package_is_refused(cache_dir, monkeypatch):
+    """The worker imports the installed packages (no `sys.path` edit): one that found another `testa_runtimes` than
+    this process' (another checkout installed) is stopped with an error naming both, rather than run other code."""
+    import re
+
+    import testa_runtimes
+    from testa_runtimes.engine_worker import EngineProcessError
+
+    model = optimize_for_inference(_vision_model(), "fp32", backend="openvino", cache_dir=cache_dir, isolate=True)
+    worker_copy = testa_runtimes.__file__
+    monkeypatch.setattr(testa_runtimes, "__file__", "/elsewhere/testa_runtimes/__init__.py")
+    message = f"imported testa_runtimes from {worker_copy}, this process from /elsewhere/testa_runtimes/__init__.py"
+    with pytest.raises(EngineProcessError, match=re.escape(message)):
+        model(_video())
+    assert not model.runtime.process.running()
 
 
 @pytest.mark.slow
@@ -657,7 +679,7 @@ def test_a_worker_killed_between_calls_is_replaced_and_said(cache_dir, caplog):
         worker = model.runtime.process
         worker.process.kill()
         worker.process.wait()
-        caplog.set_level(logging.WARNING, logger="testa_runtimes.runtimes")
+        caplog.set_level(logging.WARNING, logger="testa_runtimes.engine_worker")
         assert torch.equal(model(video, trace_source=True).last_hidden_state, expected.last_hidden_state)
     assert worker.starts == 2 and "died while idle (killed by SIGKILL)" in caplog.text
     worker.stop()
@@ -670,13 +692,13 @@ import gc, os, signal, sys
 import numpy as np
 import openvino as ov
 import openvino.opset13 as ops
-from testa_runtimes.engines import OpenVINOEngine
+from testa_runtimes.openvino_runtime import OpenVINORuntime
 
 parameter = ops.parameter([2, 4], np.float32)
 ov.save_model(ov.Model([ops.relu(parameter)], [parameter]), sys.argv[1])
 graphs = []
 for _ in range(2):  # as two encoders (or two input shapes) load their graphs, each run once
-    graphs.append(OpenVINOEngine(sys.argv[1], "fp32"))
+    graphs.append(OpenVINORuntime.load_graph(sys.argv[1], "fp32"))
     graphs[-1](np.ones((2, 4), np.float32))
 for index in (0, 1):  # freed first in, first out (garbage collection may free them in any order)
     graphs[index] = None
@@ -690,7 +712,7 @@ print("alive", flush=True)
 @needs["openvino"]
 def test_openvino_graphs_freed_in_any_order_leave_signals_deliverable(tmp_path):
     # With one openvino.Core per graph, the CPU plugin left the thread's alternate signal stack pointing at freed
-    # memory, and the next signal handled by Python killed the process with SIGSEGV (engines.openvino_core).
+    # memory, and the next signal handled by Python killed the process with SIGSEGV (openvino_runtime.openvino_core).
     import os
     import subprocess
     from pathlib import Path

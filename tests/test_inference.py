@@ -96,7 +96,8 @@ def test_compiled_bf16_takes_eagers_merges_and_outputs(monkeypatch):
     merge now writes through a view of the output's B part, and the compiled encoder equals eager. ``auto`` with
     ``compile=True`` picks bf16 on a GPU again."""
     from modeling_testa import TestaVisionConfig, TestaVisionModel
-    from testa_runtimes.runtimes import TorchEagerRuntime, choose
+    from testa_runtimes.registry import choose
+    from testa_runtimes.torch_eager import TorchEagerRuntime
 
     torch.manual_seed(0)
     config = TestaVisionConfig(num_frames=4, image_size=32, patch_size=16, hidden_size=64, num_hidden_layers=2,
@@ -114,9 +115,9 @@ def test_compiled_bf16_takes_eagers_merges_and_outputs(monkeypatch):
     cosine = F.cosine_similarity(got.last_hidden_state.flatten(1), expected.last_hidden_state.flatten(1))
     assert cosine.min() > 0.9999, cosine
     torch.testing.assert_close(got.last_hidden_state, expected.last_hidden_state, atol=2e-2, rtol=2e-2)
-    import testa_runtimes.runtimes as runtimes
+    import testa_runtimes.registry as registry
 
-    monkeypatch.setattr(runtimes, "device_type", lambda module: "cuda")  # what `choose` reads of the model
+    monkeypatch.setattr(registry, "device_type", lambda module: "cuda")  # what `choose` reads of the model
     assert choose("torch", "auto", reference, compile=True) == (TorchEagerRuntime, "bf16")
 
 
@@ -362,13 +363,13 @@ def test_compiling_the_importance_strategy_is_refused_before_and_after_set_aggre
     """TorchInductor compiles the importance strategy's merges wrongly (see the slow test below): refused when asked,
     and a compiled model switched to it by `set_aggregation` refuses to run rather than answer (the compiler is
     stubbed here: what is tested is the runtime's check, not TorchInductor)."""
-    import testa_runtimes.runtimes as runtimes
+    import testa_runtimes.torch_eager as torch_eager
 
     model = _importance_model()
     with pytest.raises(ValueError, match="aggregation_strategy='importance'"):
         optimize_for_inference(model, "fp32", compile=True)
     assert getattr(model, "inference_settings", None) is None
-    monkeypatch.setattr(runtimes, "compile_blocks", lambda vision: True)
+    monkeypatch.setattr(torch_eager, "compile_blocks", lambda vision: True)
     pruning = _importance_model()
     pruning.set_aggregation(reduction_mode="prune")  # compiles right: allowed
     assert optimize_for_inference(pruning, "fp32", compile=True).inference_settings["compile"] is True

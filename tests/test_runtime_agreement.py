@@ -226,10 +226,10 @@ def _agreement(reference, out) -> tuple[int, float]:
 
 def test_openvino_bf16_agrees_with_fp32_as_pytorch_bf16_does(tmp_path):
     """OpenVINO bf16 runs the linear layers in bf16 and the rest, the matching included, in fp32
-    (`engines.linear_layers_in_bf16`). The plugin's own bf16 hint, used before, rounded the key similarities to bf16
-    too: on these clips it kept fp32's decisions on 2 of 18 and moved an embedding to cosine 0.87."""
+    (`graph_surgery.linear_layers_in_bf16`). The plugin's own bf16 hint, used before, rounded the key similarities to
+    bf16 too: on these clips it kept fp32's decisions on 2 of 18 and moved an embedding to cosine 0.87."""
     _needs("openvino")
-    from testa_runtimes.engines import cpu_has_bf16
+    from testa_runtimes.exported import cpu_has_bf16
 
     if not cpu_has_bf16():
         pytest.skip("OpenVINO bf16 needs a CPU with AVX-512 BF16 or AMX (refused elsewhere)")
@@ -256,7 +256,7 @@ def test_openvino_int8_and_bf16_meet_the_targets_on_every_video_of_the_demo_mode
     from benchmarks.runtime_agreement import main
 
     _needs("openvino")
-    from testa_runtimes.engines import cpu_has_bf16
+    from testa_runtimes.exported import cpu_has_bf16
 
     demo = Path(os.environ.get("TESTA_DEMO", "outputs/demo"))
     if not (demo / "runs" / "b" / "final").is_dir():
@@ -271,8 +271,9 @@ def test_openvino_int8_and_bf16_meet_the_targets_on_every_video_of_the_demo_mode
 
 @pytest.mark.slow
 def test_onnxruntime_int8_meets_the_targets_on_every_video_of_the_demo_model(tmp_path):
-    """The same targets for ONNX Runtime int8 (`engines.quantize_onnx`). Before the attention's own products
-    (`engines.attention_product_matmuls`) were kept out of its static QDQ quantization: one video at cosine 0.983."""
+    """The same targets for ONNX Runtime int8 (`OnnxRuntimeRuntime.quantize`). Before the attention's own products
+    (`graph_surgery.attention_product_matmuls`) were kept out of its static QDQ quantization: one video at cosine
+    0.983."""
     import os
     from pathlib import Path
 

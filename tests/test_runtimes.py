@@ -1,5 +1,5 @@
-"""The runtimes of the video encoder (`testa_runtimes/runtimes.py`): the registry and the choice by name and device,
-one refusal per thing a runtime cannot do (naming the runtime, the option and the allowed values), the model's
+"""The runtimes of the video encoder (`testa_runtimes`, one class each): the registry and the choice by name and
+device, one refusal per thing a runtime cannot do (naming the runtime, the option and the allowed values), the model's
 forward handing calls to its ``runtime`` attribute, and the CUDA-graph runtime's logic (capture per shape, static
 buffers, fallback to eager with the reason logged) run on the CPU.
 
@@ -14,20 +14,17 @@ import pytest
 import torch
 from helpers.models import random_vision_model, videos
 
-import testa_runtimes.runtimes as runtimes
+import testa_runtimes.encoder_runtime as encoder_runtime
+import testa_runtimes.registry as registry
 from modeling_testa import TestaVisionModel
 from testa_runtimes import Bf16Linear, optimize_for_inference
-from testa_runtimes.runtimes import (
-    BACKENDS,
-    RUNTIMES,
-    CudaGraphRuntime,
-    OnnxRuntimeRuntime,
-    OpenVINORuntime,
-    TorchEagerRuntime,
-    embeddings_label,
-    isolated_by_default,
-    resolve,
-)
+from testa_runtimes.cuda_graphs import CudaGraphRuntime
+from testa_runtimes.encoder_runtime import OPTION_DEFAULTS
+from testa_runtimes.exported import ExportedRuntime
+from testa_runtimes.onnxruntime_runtime import OnnxRuntimeRuntime
+from testa_runtimes.openvino_runtime import OpenVINORuntime
+from testa_runtimes.registry import BACKENDS, RUNTIMES, embeddings_label, isolated_by_default, resolve
+from testa_runtimes.torch_eager import TorchEagerRuntime
 
 
 def _vision_model(seed: int = 0, **overrides) -> TestaVisionModel:
@@ -91,26 +88,24 @@ def test_every_runtime_is_registered_by_its_name_and_declares_what_it_can_do():
     for name, runtime in RUNTIMES.items():
         assert runtime.name == name
         assert runtime.precisions and set(runtime.precisions) <= {"fp32", "bf16", "int8"}
-        assert set(runtime.options) <= set(runtimes.OPTION_DEFAULTS)
+        assert set(runtime.options) <= set(OPTION_DEFAULTS)
     assert CudaGraphRuntime.devices == ("cuda",) and "int8" not in CudaGraphRuntime.precisions
     assert OpenVINORuntime.devices == OnnxRuntimeRuntime.devices == ("cpu",)
     assert OnnxRuntimeRuntime.precisions == ("fp32", "int8")
 
 
 
-def test_one_class_per_engine_declares_what_its_runtime_offers():
-    """Issue 45: each engine (`engines.ENGINES`) owns its name, precisions, extra, packages and file names, and its
-    runtime takes them from it: nothing about an engine is declared twice."""
-    from testa_runtimes import engines
-
+def test_one_class_per_engine_declares_what_it_offers():
+    """Issues 45 and 50: each engine is one runtime class (an `ExportedRuntime`) that owns its name, precisions,
+    extra, packages, file names and what it does with them (export, int8, loading): nothing about an engine is
+    declared twice, nor in a second class."""
     exported = {name: runtime for name, runtime in RUNTIMES.items() if runtime.exported}
-    assert set(exported) == set(engines.ENGINES)
-    for name, runtime in exported.items():
-        engine = engines.ENGINES[name]
-        assert runtime.engine is engine
-        assert (runtime.name, runtime.precisions, runtime.extra, runtime.packages) == (
-            engine.name, engine.precisions, engine.extra, engine.packages)
-        assert engine.file_name("int8") != engine.file_name("fp32") == engine.file_name("bf16") == engine.graph_file
+    assert set(exported) == {"openvino", "onnxruntime"}
+    for runtime in exported.values():
+        assert issubclass(runtime, ExportedRuntime) and runtime.extra and runtime.packages
+        for method in ("export", "quantize", "graph_nodes", "load_graph"):
+            assert method in vars(runtime), (runtime.name, method)
+        assert runtime.file_name("int8") != runtime.file_name("fp32") == runtime.file_name("bf16") == runtime.graph_file
 
 
 def test_no_engine_is_told_apart_by_its_name_outside_the_registry():
@@ -119,10 +114,8 @@ def test_no_engine_is_told_apart_by_its_name_outside_the_registry():
     import re
     from pathlib import Path
 
-    from testa_runtimes import engines
-
-    package = Path(runtimes.__file__).parent
-    names = "|".join(engines.ENGINES)
+    package = Path(registry.__file__).parent
+    names = "|".join(name for name, runtime in RUNTIMES.items() if runtime.exported)
     comparison = re.compile(rf"""(==|!=|\bin)\s*\(?\s*["']({names})["']|["']({names})["']\s*(==|!=)""")
     found = [f"{path.name}:{number}" for path in sorted(package.glob("*.py"))
              for number, line in enumerate(path.read_text().splitlines(), 1) if comparison.search(line)]
@@ -135,8 +128,8 @@ def test_the_options_are_declared_once():
     import inspect
 
     signature = inspect.signature(optimize_for_inference).parameters
-    assert {name: signature[name].default for name in runtimes.OPTION_DEFAULTS} == runtimes.OPTION_DEFAULTS
-    assert set(signature) == {"model", "precision", "backend", *runtimes.OPTION_DEFAULTS}
+    assert {name: signature[name].default for name in OPTION_DEFAULTS} == OPTION_DEFAULTS
+    assert set(signature) == {"model", "precision", "backend", *OPTION_DEFAULTS}
     with pytest.raises(ValueError, match=r"`cache_directory`: not an option of optimize_for_inference; its options "
                                          r"are `compile`, `include_text`, `cache_dir`"):
         optimize_for_inference(_vision_model(), "fp32", cache_directory="x")
@@ -152,15 +145,16 @@ def test_torch_is_cuda_graphs_on_a_gpu_and_eager_elsewhere():
 
 
 def test_auto_precision_is_int8_on_the_cpu_and_bf16_on_a_gpu():
-    assert runtimes.auto_precision("torch", "cpu") == "int8"
-    assert runtimes.auto_precision("openvino", "cpu") == "int8"
-    assert runtimes.auto_precision("torch", "cuda") == "bf16"
-    assert runtimes.auto_precision("torch-eager", "cuda") == "bf16"
+    assert registry.auto_precision("torch", "cpu") == "int8"
+    assert registry.auto_precision("openvino", "cpu") == "int8"
+    assert registry.auto_precision("torch", "cuda") == "bf16"
+    assert registry.auto_precision("torch-eager", "cuda") == "bf16"
 
 
 def test_auto_on_a_gpu_model_picks_cuda_graphs_in_bf16(monkeypatch):
     # the model's device as optimize_for_inference sees it; no CUDA call happens before the first capture
-    monkeypatch.setattr(runtimes, "device_type", lambda vision_model: "cuda")
+    for module in (registry, encoder_runtime):  # the choice and the check
+        monkeypatch.setattr(module, "device_type", lambda vision_model: "cuda")
     reference = _vision_model()
     model = optimize_for_inference(_vision_model(), "auto")
     settings = model.inference_settings
@@ -246,7 +240,7 @@ def test_a_shape_is_captured_the_second_time_and_replays_equal_eager(graphs, cap
     model = optimize_for_inference(_vision_model(), "fp32", backend=graphs)
     runtime = model.runtime
     videos = [_video(seed=s) for s in (1, 2, 3)]
-    caplog.set_level(logging.INFO, logger="testa_runtimes.runtimes")
+    caplog.set_level(logging.INFO, logger="testa_runtimes.cuda_graphs")
     with torch.no_grad():
         outputs = [model(v, trace_source=True) for v in videos]
         expected = [reference(v, trace_source=True) for v in videos]
@@ -268,7 +262,7 @@ def test_what_a_graph_cannot_serve_runs_eager_with_the_reason_logged_once(graphs
     runtime = model.runtime
     runtime.max_graphs = 1
     video, other = _video(), _video(batch=1)
-    caplog.set_level(logging.INFO, logger="testa_runtimes.runtimes")
+    caplog.set_level(logging.INFO, logger="testa_runtimes.cuda_graphs")
     with torch.no_grad():
         model(video), model(video)  # captured
         for _ in range(2):

@@ -68,7 +68,7 @@ from testa_search.homes import StoreHome, as_entries
 from testa_search.encoding import DecodeVideos
 from testa_runtimes.optimize import BACKENDS, PRECISIONS, optimize_for_inference
 from testa_search.moments import check_window_options
-from testa_runtimes.runtimes import auto_precision, isolated_by_default
+from testa_runtimes.registry import auto_precision, isolated_by_default
 from testa_search.store.lock import StoreLockedError
 from modeling_testa.video_inputs import VIDEO_SUFFIXES, find_video_files
 from testa_search.store.video_store import TOKEN_DTYPES
