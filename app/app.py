@@ -222,6 +222,14 @@ def check_video(state: AppState, video: str, session: Session | None) -> None:
                    f"served folder or one you uploaded and indexed. {FOLDERS_OFF}")
 
 
+def check_chosen_video(state: AppState, video: str, session: Session | None) -> None:
+    """Refuses (a `gr.Error`) an empty choice or a missing file in the Classify and Ask boxes, after `check_video`."""
+    if video:
+        check_video(state, video, session)
+    if not video or not Path(video).is_file():
+        raise gr.Error(f"Choose or upload a video (got {video!r}).")
+
+
 CHUNK_VIDEOS = 16
 """Whole videos encoded per step of an indexing job (a video's moments are one step): the index is published after
 each step, so a search sees the videos indexed so far."""
@@ -430,7 +438,8 @@ class IndexingJob:
     def plan(self, todo: list[str]) -> None:
         """The rows each video to index will give (its windows, planned from its duration; nothing decoded)."""
         if self.moments:
-            rows = window_entries([IndexEntry(video) for video in todo], self.moments["window"], None)  # as encoded
+            rows = window_entries([IndexEntry(video) for video in todo], self.moments["window"],
+                                  self.moments["window"])  # as encoded: stride = window, the library's default
             self.rows_per_video = Counter(str(row.video) for row in rows)
         else:
             self.rows_per_video = Counter(todo)
@@ -679,10 +688,7 @@ def classify_video(state: AppState, video: str, labels: str, session: Session | 
     names = [label.strip() for label in (labels or "").split(",") if label.strip()]
     if len(names) < 2:
         raise gr.Error("Give at least two labels, separated by commas.")
-    if video:
-        check_video(state, video, session)
-    if not video or not Path(video).is_file():
-        raise gr.Error(f"Choose or upload a video (got {video!r}).")
+    check_chosen_video(state, video, session)
     try:
         result = state.classifier(video, candidate_labels=names)
     except (ValueError, OSError) as error:
@@ -696,10 +702,7 @@ def answer_question(state: AppState, video: str, question: str, session: Session
         raise gr.Error(state.qa_error)
     if not question or not question.strip():
         raise gr.Error("Type a question.")
-    if video:
-        check_video(state, video, session)
-    if not video or not Path(video).is_file():
-        raise gr.Error(f"Choose or upload a video (got {video!r}).")
+    check_chosen_video(state, video, session)
     try:
         result = state.qa(video=video, question=question.strip())
     except (ValueError, OSError) as error:

@@ -26,14 +26,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from testa_search.settings import (
-    SCRATCH_KEY,
-    IndexSettingsError,
-    check_settings,
-    check_store_folder,
-    recorded_store_settings,
-    write_json_atomically,
-)
+from testa_search.settings import (SCRATCH_KEY, IndexSettingsError, check_settings, check_store_folder,
+                                   recorded_store_settings, write_json_atomically)
 from testa_search.encoding import DecodedBatch, Failure, InMemorySink, NoReadableVideoError, Sink
 from testa_search.store.lock import LOCK_FILE, StoreLock
 from testa_search.index import ROW_FIELDS, VideoIndex, segments_tensor, video_name
