@@ -135,3 +135,24 @@ def test_frames_budget_plan_runs_within_the_budget():
         assert int((batch["input_ids"] == model.config.video_token_id).sum()) == slices * units < 8 * 4
     finally:
         remove_testa(model)
+
+
+def test_docs_frames_budget_arithmetic():
+    """The numbers of docs/video_llms.md's frames budget: Qwen2.5-VL-7B's tower (dimensions of its config.json, as
+    the tower benchmark writes them), 64 frames at 448 x 448 px in the tower compute of 32."""
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+
+    from benchmarks.video_llm_towers import QWEN2_5_VL_7B_VISION
+
+    config = Qwen2_5_VLVisionConfig(**QWEN2_5_VL_7B_VISION)
+    budget = tower_macs(config, (16, 32, 32))
+    assert round(budget / 1e12, 2) == 10.78  # TMAC of 32 frames, stock: 4096 video tokens
+    plan = plan_for_tower_budget(config, 64, 32, height=448, width=448)
+    assert token_grid(video_settings(32, **plan), 32, 256) == (23, 176)  # 4048 tokens
+    assert sum(1 for r in plan["spatial_reduction"] if r) == 1 and plan["temporal_reduction"][0] == 9
+    assert plan["spatial_reduction"][0] == 80
+    assert round(tower_macs(config, (32, 32, 32), plan) / budget, 3) == 0.996
+    gentle = plan_for_tower_budget(config, 64, 32, height=448, width=448, merge_blocks=32)
+    assert token_grid(video_settings(32, **gentle), 32, 256) == (17, 144)  # 2448 tokens
+    assert round(tower_macs(config, (32, 32, 32), gentle) / budget, 3) == 0.999
+    assert round(tower_macs(config, (32, 32, 32)) / budget, 2) == 2.0 and round(tower_macs(config, (32, 32, 32)) / 1e12, 2) == 21.55
