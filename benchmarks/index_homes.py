@@ -1,5 +1,5 @@
 """The same embeddings in two homes: the in-process first stage (a video store opened by `VideoIndex.load`, FAISS) and
-Milvus (`milvus_home.MilvusHome` on a `milvus-lite server` bound to 127.0.0.1, over gRPC).
+Milvus (`milvus.MilvusHome` on a `milvus-lite server` bound to 127.0.0.1, over gRPC).
 
     python -m benchmarks.index_homes                       # 100k 256-d vectors, 200 queries in process, 100 in Milvus
     python -m benchmarks.index_homes --sizes 100000 1000000

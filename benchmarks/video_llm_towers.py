@@ -167,13 +167,16 @@ def evs_prune(features: torch.Tensor, slices: int, keep: int) -> torch.Tensor:
     return features[kept]
 
 
-def plan_for(depth: int, slices: int, units: int, keep: float) -> dict[str, list[int]]:
+def plan_for(depth: int, slices: int, units: int, keep: float, merge_blocks: int | None = None
+             ) -> dict[str, list[int]]:
     """`plan_kept_fraction` with the split between time and space (``temporal_share`` 0.5, else 1 or 0) that keeps
-    the count closest to ``keep`` (with few units per tubelet the even split can fall well short of it)."""
+    the count closest to ``keep`` (with few units per tubelet the even split can fall well short of it), its merges
+    spread over the first ``merge_blocks`` blocks (None: all of them)."""
     plans = []
     for share in (0.5, 1.0, 0.0):
         try:
-            plans.append(plan_kept_fraction(depth, slices, units, keep, temporal_share=share))
+            plans.append(plan_kept_fraction(depth, slices, units, keep, temporal_share=share,
+                                            merge_blocks=merge_blocks))
         except ValueError:  # this split cannot reach the budget within TESTA's caps
             pass
 
@@ -218,7 +221,7 @@ def measure(spec: dict) -> dict:
     kind = mode.removesuffix("-chunk")
     chunk = spec["chunk_frames"] if mode.endswith("-chunk") else None
     keep = KEEP.get(kind)
-    schedule = plan_for(depth, slices, units, keep) if keep else {}
+    schedule = plan_for(depth, slices, units, keep, spec.get("merge_blocks")) if keep else {}
     settings = video_settings(depth, schedule.get("temporal_reduction", 0), schedule.get("spatial_reduction", 0))
     kept_slices, kept_units = token_grid(settings, slices, units)
 
@@ -242,7 +245,8 @@ def measure(spec: dict) -> dict:
     prune_s = pruned_tokens = None
     llm_tokens = outputs[0].shape[0]
     if kind == "stock":  # post-encoder pruning to TESTA's 25% count, after the same stock tower
-        prune_grid = token_grid(video_settings(depth, **plan_for(depth, slices, units, 0.25)), slices, units)
+        prune_grid = token_grid(video_settings(depth, **plan_for(depth, slices, units, 0.25, spec.get("merge_blocks"))),
+                                slices, units)
         start = time.perf_counter()
         pruned = evs_prune(outputs[0], slices, prune_grid[0] * prune_grid[1])
         prune_s = time.perf_counter() - start
@@ -273,7 +277,7 @@ def plan(args) -> list[dict]:
     """The configurations to measure, in order."""
     specs = []
     common = {"quick": args.quick, "height": args.height, "width": args.width, "chunk_frames": args.chunk_frames,
-              "dtype": args.dtype}
+              "dtype": args.dtype, "merge_blocks": args.merge_blocks}
     for family in args.families:
         for frames in [] if args.memory_only else args.frames:
             for mode in args.modes:
@@ -364,6 +368,9 @@ def parse(argv=None):
     parser.add_argument("--json", help="write rows, ratios and the run's facts here")
     parser.add_argument("--modes", nargs="+", default=["stock", "testa50", "testa25"],
                         choices=["stock", "testa50", "testa25"], help="what to time at --frames")
+    parser.add_argument("--merge-blocks", type=int, default=None,
+                        help="TESTA's merges in the first N blocks only (default: spread over every block); earlier "
+                             "merges leave fewer tokens to the later blocks, so less tower time for the same count")
     parser.add_argument("--skip-long", action="store_true", help="no runs at --long-frames (memory)")
     parser.add_argument("--memory-only", action="store_true",
                         help="only the chunked-memory rows: stock and testa25 at --chunk-frames, idle-chunk and "

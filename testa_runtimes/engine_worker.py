@@ -32,8 +32,10 @@ from modeling_testa.worker_process import WorkerProcess, read_message, signal_na
 
 logger = logging.getLogger(__name__)
 
-KIT_SCRIPT = os.path.abspath(sys.modules[WorkerProcess.__module__].__file__)
-"""The helper's main script (`worker_process.py`), run by path with this file's path."""
+KIT_MODULE = WorkerProcess.__module__
+"""The helper kit's main (`modeling_testa.worker_process`), run as a module (``python -m``) with this file's path.
+Not by path, as the decoder helper of a Hub folder is: a script's folder comes first on the import path, where
+``modeling_testa/modeling_testa.py`` would shadow the package on Python 3.10 (no PYTHONSAFEPATH there)."""
 
 WORKER_SCRIPT = os.path.abspath(__file__)
 """This file: the handler the kit's script loads by path."""
@@ -59,7 +61,7 @@ class EngineProcess(WorkerProcess):
     LOG_TAIL = 2000
 
     def __init__(self, runtime: Any) -> None:
-        super().__init__([sys.executable, KIT_SCRIPT, WORKER_SCRIPT], grace=10.0)
+        super().__init__([sys.executable, "-m", KIT_MODULE, WORKER_SCRIPT], grace=10.0)
         self.runtime = runtime  # an `exported.ExportedRuntime`
         self.lock = threading.Lock()
 
@@ -170,4 +172,4 @@ def handler() -> EngineRequests:
     return EngineRequests()
 
 
-__all__ = ["ERRORS", "KIT_SCRIPT", "WORKER_SCRIPT", "EngineProcess", "EngineProcessError", "EngineRequests", "handler"]
+__all__ = ["ERRORS", "KIT_MODULE", "WORKER_SCRIPT", "EngineProcess", "EngineProcessError", "EngineRequests", "handler"]

@@ -43,7 +43,7 @@ from modeling_testa.distributed import barrier, broadcast_object, gather_objects
 from testa_search.homes import Decoder, IndexEntry, IndexHome, RowPlan, StoreHome, as_entries
 from testa_search.settings import IndexInfo, IndexSettingsError, write_json_atomically
 from testa_search.encoding import DecodeAhead, DecodedBatch, EncodingStats, Failure, encode_videos
-from testa_search.moments import WindowRowDecoder, probe_duration, rebatch, window_spans
+from testa_search.moments import WindowRowDecoder, check_window_options, probe_duration, rebatch, window_spans
 from modeling_testa.saving import INFERENCE_ATTRIBUTE
 from testa_search.store.lock import StoreLockedError, check_lock_token
 from testa_search.store.video_store import journaled_count, journaled_failures
@@ -90,14 +90,15 @@ def build_settings(model: Any, num_frames: int, with_weights: bool = True, windo
 # ---------------------------------------------------------------------------------------------------- rows
 
 
-def window_entries(entries: list[IndexEntry], window: float, stride: float, skip: Iterable[str] = (),
+def window_entries(entries: list[IndexEntry], window: float, stride: float | None, skip: Iterable[str] = (),
                    duration: Callable[[str], float] = probe_duration) -> list[IndexEntry]:
     """Collective. The rows of an index of moments: every video file's windows (`moments.plan_windows`), each with
     its video's `dataset`, for the videos not in `skip`. The durations are read from the files' containers (nothing
     decoded), each process its share, so that planning a large folder on N processes takes 1/N of the time and no
     process waits alone at a collective. A video whose duration cannot be read is one whole-video row, whose decoding
     then fails and says why. The one planner of moment rows (the pipeline, `train.index`, the app), given `window`
-    and `stride` as `moments.check_window_options` returns them (its callers' entry points check them)."""
+    and `stride` in seconds (checked again here, cheaply: it is public, and a stride left None would fail late)."""
+    window, stride = check_window_options(window, stride, required=True)
     skip = set(skip)
     videos = list(dict.fromkeys(os.fspath(entry.video) for entry in entries if os.fspath(entry.video) not in skip))
     share = videos[len(videos) * rank() // world_size(): len(videos) * (rank() + 1) // world_size()]

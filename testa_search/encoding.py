@@ -194,9 +194,12 @@ class NoReadableVideoError(ValueError):
     `SUMMARY_FAILURES` of them."""
 
     def __init__(self, failures: Iterable[Failure], note: str = ""):
-        self.failures = list(failures)
+        self.failures, self.note = list(failures), note
         super().__init__(f"None of the {len(self.failures)} videos could be read{note}:\n"
                          + failure_lines(self.failures))
+
+    def __reduce__(self):  # pickled with its failures (e.g. across processes), not with its message
+        return type(self), (self.failures, self.note)
 
 
 def failure_reason(error: BaseException, source: str | os.PathLike | None = None) -> str:

@@ -834,7 +834,7 @@ class VideoIndex:
     # -- search ------------------------------------------------------------------------------------------------------
 
     def filtered_rows(self, filters: dict[str, Any]) -> torch.Tensor:
-        """The encoded rows whose payload passes `filters` (`index_filters`: ``video``, ``folder``, ``dataset``)."""
+        """The encoded rows whose payload passes `filters` (`filters`: ``video``, ``folder``, ``dataset``)."""
         valid = self.valid
         keep = [i for i in range(len(self)) if bool(valid[i]) and matches({**self.entry(i), "video": self.names[i]},
                                                                             filters)]

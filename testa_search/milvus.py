@@ -3,7 +3,7 @@
 
 Milvus holds each row's pooled embedding (L2-normalised: inner product = cosine) and a payload: the ``video``, the
 moment's ``start``/``end`` (-1: the whole video), the ``dataset`` name and ``folder`` (the video's parent folder, to
-filter by; `index_filters` gives filters the same exact meaning as for a `VideoIndex`). The primary key is the
+filter by; `filters` gives filters the same exact meaning as for a `VideoIndex`). The primary key is the
 row's key ``(video, start, end)``, so every write is an upsert: a resumed or repeated run never duplicates a row, and
 the windows of one video are distinct rows. The collection records the settings its rows were built with, and refuses
 rows or searches of other settings. Re-ranking tokens are not kept in Milvus: rows mirrored from a store name the
@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 NO_TIME = -1.0
 """`start`/`end` of a whole video in Milvus (which has no null scalars in every deployment)."""
 SETTINGS_PROPERTY = "testa.index_settings"
-"""The collection property that records the settings its rows were built with (`index_settings.IndexInfo`)."""
+"""The collection property that records the settings its rows were built with (`settings.IndexInfo`)."""
 FIELDS = ("key", "embedding", "video", "folder", "dataset", "start", "end", "store", "row")
 """The fields of a collection this module makes (another program's collection is refused)."""
 
@@ -112,7 +112,7 @@ class MilvusWriter:
 
 class MilvusHome:
     r"""
-    A video index in a Milvus collection (see the module docstring): an `index_homes.IndexHome`, and the mirror of a
+    A video index in a Milvus collection (see the module docstring): an `homes.IndexHome`, and the mirror of a
     store (`train.index --milvus`).
 
     The collection records the settings its rows were built with (collection property ``testa.index_settings``):
@@ -264,7 +264,7 @@ class MilvusHome:
                   index_params=index_params,
                   properties={SETTINGS_PROPERTY: json.dumps({**recorded, "projection_dim": int(dim)})})
 
-    # -- writing (an `index_homes.IndexHome`) ------------------------------------------------------------------------
+    # -- writing (an `homes.IndexHome`) ------------------------------------------------------------------------
 
     def lock(self, command: str) -> NoLock:
         return NoLock()  # every write is an upsert keyed by the row: writers cannot duplicate or lose a row
@@ -297,12 +297,12 @@ class MilvusHome:
         """Upserts the encoded rows ``[start, stop)`` of a closed store shard (its embeddings, and the store and row
         where their tokens are), each with its `IndexEntry` of `entries` (the store's rows), after `check_settings`;
         returns how many. Idempotent: a repeated or resumed run rewrites the same rows."""
-        from testa_search.store.video_store import open_safetensors
+        from testa_search.store.video_store import open_safetensors, shard_file
 
         if self.settings is None:
             raise RuntimeError(f"{self.location}: check_settings must pass before rows are written.")
         directory = os.path.abspath(os.fspath(directory))
-        tensors = open_safetensors(os.path.join(directory, f"shard-{int(shard):05d}.safetensors"))
+        tensors = open_safetensors(os.path.join(directory, shard_file("tensors", int(shard))))
         embeddings, rows = tensors["embeddings"], tensors["rows"]
         payloads = []
         for local in range(stop - start):
@@ -497,7 +497,7 @@ class MilvusIndex:
         width = max((len(hits) for hits in results), default=0)
         scores = torch.full((len(results), width), float("-inf"))
         rows = torch.full((len(results), width), -1, dtype=torch.long)
-        for q, hits in enumerate(results):  # the filter is exact (`index_filters.milvus_filter`): every hit passes
+        for q, hits in enumerate(results):  # the filter is exact (`filters.milvus_filter`): every hit passes
             for j, hit in enumerate(hits):
                 entity = hit["entity"]
                 rows[q, j] = len(self.hits)

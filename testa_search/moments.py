@@ -59,7 +59,8 @@ def check_window_options(window: float | None, stride: float | None, required: b
                          ) -> tuple[float | None, float | None]:
     """`(window, stride)` as floats after checking them; `stride` defaults to `window` (windows that touch). The one
     check of these options, made once by every entry point that takes them (the pipeline's `encode_videos`,
-    `train.index`, `plan_windows`, `decode_windows`, `window_pixel_values`); what they call trusts them.
+    `train.index`, `plan_windows`, `decode_windows`, `window_pixel_values`, `build.window_entries`); what they call
+    trusts them.
 
     Raises a `ValueError` naming the option for a non-positive or non-finite value, a stride without a window, a
     stride longer than the window (the seconds between two windows would be in none: gaps no search could find), or

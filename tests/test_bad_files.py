@@ -6,6 +6,7 @@ References: real mp4s (tests/helpers/videos.py) and one broken file of each kind
 construction; an index built from the good videos only (search results and tensors compared exactly); the encoder's
 own call count."""
 
+import pickle
 from pathlib import Path
 
 import pytest
@@ -291,6 +292,9 @@ def test_no_readable_video_error_carries_every_failure(pipe, files, tmp_path, st
     assert all(isinstance(failure, Failure) for failure in raised.value.failures)
     assert {failure.video: failure.code for failure in raised.value.failures} == \
         {path: code for code, path in bad.items()}
+    copied = pickle.loads(pickle.dumps(raised.value))  # e.g. raised in a worker process: the same error arrives
+    assert type(copied) is NoReadableVideoError and str(copied) == str(raised.value)
+    assert [f.as_dict() for f in copied.failures] == [f.as_dict() for f in raised.value.failures]
 
 
 @pytest.mark.parametrize("home", ["memory", "store", "store, moments"])

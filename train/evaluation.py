@@ -85,7 +85,7 @@ def per_process_batch_size(global_batch_size: int, num_processes: int) -> int:
 def encode_to_store(model, items: list, collate: Callable, accelerator: Accelerator, directory: str | os.PathLike,
                     batch_size: int, num_workers: int = 0, token_dtype: torch.dtype = torch.float16,
                     names: list[str] | None = None, info: dict | None = None) -> tuple[VideoTokenStore, float]:
-    """Encodes every item once into a scratch token store in ``directory`` (`index_build.IndexBuild` with
+    """Encodes every item once into a scratch token store in ``directory`` (`build.IndexBuild` with
     ``replace``: the store holds exactly these items, in order, whatever the folder held before): process ``r``
     encodes its contiguous share and writes shard ``r``. ``collate([(index, item), ...])`` returns ``(indices,
     pixel_values or None, failures)`` (see `testa_search.encoding.DecodeVideos`); ``batch_size`` is global.

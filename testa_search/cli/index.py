@@ -308,8 +308,8 @@ def remove_videos(store: Path, paths: list[str], command: str,
         removed = home.remove_videos(wanted, command)
         if milvus is not None:
             deleted = milvus.remove_store_rows(store, keys, home.row_plan(home.stored_plan()))
-    except (StoreLockedError, OSError, ValueError) as failure:  # MilvusHomeError is a ValueError
-        raise SystemExit(f"error: {failure}") from None
+    except (StoreLockedError, OSError, ValueError, ImportError) as failure:  # MilvusHomeError is a ValueError;
+        raise SystemExit(f"error: {failure}") from None  # ImportError: --milvus without pymilvus
     missing = [path for path in paths if path not in removed and os.path.abspath(path) not in removed]
     print(f"Removed {len(removed)} videos from {store}" + (f"; not in the store: {', '.join(missing)}" if missing
                                                           else "") + ".")
