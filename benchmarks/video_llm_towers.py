@@ -320,7 +320,8 @@ def summary(rows: list[dict], args) -> dict:
                                                                     / stock["llm_video_tokens"])
             ratios[f"prune25_time_over_stock@{frames}"] = (stock["tower_s"] + stock["prune_s"]) / stock["tower_s"]
         stock_small, stock_large = row("stock", small), row("stock", large)
-        if stock_small and stock_large and stock_small["activation_peak_mib"] is not None:
+        # (in process, a tiny tower's peak can read 0: its memory was already the process's; no ratio then)
+        if stock_small and stock_large and stock_small["activation_peak_mib"]:
             ratios[f"stock_peak_growth_{small}_to_{large}"] = (stock_large["activation_peak_mib"]
                                                               / stock_small["activation_peak_mib"])
         for chunked, reference in (("idle-chunk", "stock"), ("testa25-chunk", "testa25"), ("testa25-chunk", "stock")):
