@@ -26,6 +26,8 @@ Configurations, each measured in a fresh child process (its own peak; the childr
   splits between time and space, `plan_for`, the one that keeps the most within the budget);
 * ``*-chunk``: the same through ``chunk_frames`` (the tower over ``--chunk-frames`` frames at a time,
   `video_llms.qwen_tower.run_tower_chunked`); ``idle-chunk`` is TESTA with R = 0 in chunks (the stock outputs).
+  With ``--chunk-offload cpu|disk`` the chunked runs hold the whole video at a temporal merge there (the adapter
+  option ``chunk_offload``: a temporary file per waiting tubelet with ``disk``).
 
 Every child builds the tower, runs it once on a 2-frame video (warm-up: kernels chosen, pools made), reads its
 resident set (VmRSS: the weights, the inputs, the runtime), resets its peak (``/proc/self/clear_refs``), runs the
@@ -230,7 +232,8 @@ def measure(spec: dict) -> dict:
             output = tower(pixel_values, grid_thw=grid_thw)
             features = [output.pooler_output] + list(getattr(output, "deepstack_features", None) or [])
             return features
-        video = adapter.encode(base, pixel_values, grid_thw, settings, chunk)[0]
+        video = adapter.encode(base, pixel_values, grid_thw, settings, chunk,
+                               spec.get("chunk_offload") if chunk else None)[0]
         return [video.features] + list(video.deepstack)
 
     warm_pixels, warm_grid = video_inputs(tower, 2, spec["height"], spec["width"], dtype, seed=1)
@@ -277,7 +280,7 @@ def plan(args) -> list[dict]:
     """The configurations to measure, in order."""
     specs = []
     common = {"quick": args.quick, "height": args.height, "width": args.width, "chunk_frames": args.chunk_frames,
-              "dtype": args.dtype, "merge_blocks": args.merge_blocks}
+              "dtype": args.dtype, "merge_blocks": args.merge_blocks, "chunk_offload": args.chunk_offload}
     for family in args.families:
         for frames in [] if args.memory_only else args.frames:
             for mode in args.modes:
@@ -348,7 +351,9 @@ def table(rows: list[dict]) -> str:
         peak = "n/a" if r["activation_peak_mib"] is None else f"{r['activation_peak_mib']:.1f}"
         prune = f"{r['prune_s']:.4f}" if r["mode"].startswith("stock +") else ""
         cpu = f"{r['tower_cpu_s']:.2f}" if "tower_cpu_s" in r else "n/a"
-        lines.append(f"| {name} | {r['frames']} | {r['mode']} | {r['tower_tokens_in']} | {r['llm_video_tokens']} "
+        offload = r.get("chunk_offload") if r["mode"].endswith("-chunk") else None
+        config = r["mode"] + (f" ({offload} offload)" if offload else "")
+        lines.append(f"| {name} | {r['frames']} | {config} | {r['tower_tokens_in']} | {r['llm_video_tokens']} "
                      f"| {r['tower_s']:.2f} | {cpu} | {prune} | {peak} | {r['outputs_mib']:.1f} |")
     return "\n".join(lines)
 
@@ -372,6 +377,9 @@ def parse(argv=None):
     parser.add_argument("--merge-blocks", type=int, default=None,
                         help="TESTA's merges in the first N blocks only (default: spread over every block); earlier "
                              "merges leave fewer tokens to the later blocks, so less tower time for the same count")
+    parser.add_argument("--chunk-offload", choices=["cpu", "disk"], default=None,
+                        help="the chunked runs hold the whole video at a temporal merge in host memory or on disk "
+                             "(the adapter option chunk_offload; default: where the tower runs)")
     parser.add_argument("--skip-long", action="store_true", help="no runs at --long-frames (memory)")
     parser.add_argument("--memory-only", action="store_true",
                         help="only the chunked-memory rows: stock and testa25 at --chunk-frames, idle-chunk and "

@@ -152,3 +152,82 @@ def test_patch_embedding_runs_per_chunk(family, schedule):
     else:  # the first temporal merge (block 0) needs every chunk's block-0 attention: then all embeddings come first
         first_merger = [name for name, _ in events].index("merger")
         assert first_merger == tubelets[0]
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("offload", ["cpu", "disk"])
+def test_offloaded_video_gives_the_same_outputs(family, offload, tmp_path, monkeypatch):
+    """``chunk_offload``: the slices that wait at a temporal merge leave the tower (host memory, or files) and come
+    back as they were: the outputs equal the chunked tower's without offload exactly, through `generate` too; on
+    disk the slices are written while the tower runs (each file read back and deleted at its merge), and the
+    temporary directory is gone afterwards."""
+    import video_llms.qwen_tower as qwen_tower
+
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    model, processor = _model(family)
+    schedule = SCHEDULES["temporal+spatial"]
+    apply_testa_to_video_llm(model, processor, chunk_frames=2, **schedule)
+    inputs = _inputs(family, processor)  # the patched processor: the reduced placeholder count
+    held = _encode(model, inputs, 2)
+    with torch.no_grad():
+        held_tokens = model.generate(**inputs, max_new_tokens=3, do_sample=False)
+    written = []
+    put = qwen_tower.SliceShelf.put
+
+    def recording_put(shelf, record):
+        record = put(shelf, record)
+        if offload == "disk":
+            assert isinstance(record.tokens, str) and record.carried is None
+            written.append(record.tokens)
+        else:
+            assert record.tokens.device.type == "cpu"
+        return record
+
+    monkeypatch.setattr(qwen_tower.SliceShelf, "put", recording_put)
+    apply_testa_to_video_llm(model, processor, chunk_frames=2, chunk_offload=offload, **schedule)
+    patch = model.testa_video_llm
+    with torch.no_grad():
+        offloaded = patch.adapter.encode(model.model, inputs["pixel_values_videos"], inputs["video_grid_thw"],
+                                         patch.settings, 2, offload)
+        assert torch.equal(model.generate(**inputs, max_new_tokens=3, do_sample=False), held_tokens)
+    for a, b in zip(offloaded, held):
+        assert torch.equal(a.features, b.features) and torch.equal(a.positions, b.positions)
+        assert torch.equal(a.sizes, b.sizes) and all(map(torch.equal, a.deepstack, b.deepstack))
+    if offload == "disk":
+        assert written and all(path.startswith(str(tmp_path)) for path in written)
+        assert not any(tmp_path.iterdir())  # every file read back and deleted, the directory removed
+
+
+def test_offloaded_directory_is_removed_when_the_tower_fails(tmp_path, monkeypatch):
+    """A tower that raises halfway (here: at the first merge of the whole video) leaves no temporary files."""
+    import video_llms.qwen_tower as qwen_tower
+
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    model, processor = _model("qwen2_5_vl")
+    apply_testa_to_video_llm(model, processor, chunk_frames=2, chunk_offload="disk",
+                             **SCHEDULES["temporal+spatial"])
+
+    def failing_merge(*args, **kwargs):
+        assert any(tmp_path.iterdir())  # the slices are on disk when the merge starts
+        raise RuntimeError("merge failed")
+        yield
+
+    monkeypatch.setattr(qwen_tower, "merge_slice_records", failing_merge)
+    with pytest.raises(RuntimeError, match="merge failed"):
+        model.model.get_video_features(**{k: _inputs("qwen2_5_vl", processor)[k]
+                                          for k in ("pixel_values_videos", "video_grid_thw")})
+    assert not any(tmp_path.iterdir())
+
+
+def test_bad_chunk_offload_is_refused_by_name():
+    import video_llms.qwen_tower as qwen_tower
+
+    model, processor = _model("qwen3_vl")
+    for bad in ("gpu", "Disk", 1, True):
+        with pytest.raises(ValueError, match=r"chunk_offload must be None, 'cpu' or 'disk'; got"):
+            apply_testa_to_video_llm(model, processor, chunk_frames=2, chunk_offload=bad)
+    with pytest.raises(ValueError, match="chunk_offload='disk' says where a tower run in chunks.*pass chunk_frames"):
+        apply_testa_to_video_llm(model, processor, chunk_offload="disk")  # without chunks it would do nothing
+    with pytest.raises(ValueError, match="chunk_offload must be None"):
+        qwen_tower.SliceShelf("gpu")
+    assert "testa_video_llm" not in model.__dict__

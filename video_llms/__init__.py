@@ -49,7 +49,8 @@ def apply_testa_to_video_llm(model, processor=None, *, temporal_reduction=0, spa
         temporal_reduction: R_T per block: tubelets / frames merged into their most similar ones.
         spatial_reduction: R_S per block: merge units (Qwen: 2x2 token groups) merged within every tubelet / frame.
         options: `apply_testa`'s other settings (``score_grid``, ``frame_matching``, ``aggregation_dims``, ...; None:
-            the adapter's default) and the adapter's own options (``chunk_frames``); what the adapter's tower cannot
+            the adapter's default) and the adapter's own options (``chunk_frames``; the Qwen towers also
+            ``chunk_offload``, with ``chunk_frames``); what the adapter's tower cannot
             do raises ``ValueError`` naming the option and its allowed values (`common.adapter_settings`).
 
     Returns:

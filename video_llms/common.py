@@ -58,7 +58,21 @@ def check_chunk_frames(chunk_frames: int | None) -> int | None:
     return chunk_frames
 
 
-ADAPTER_OPTIONS = {"chunk_frames": check_chunk_frames}
+CHUNK_OFFLOADS = ("cpu", "disk")
+"""Where a chunked Qwen tower may hold the whole video's hidden states at a temporal merge (`check_chunk_offload`)."""
+
+
+def check_chunk_offload(chunk_offload: str | None) -> str | None:
+    """``chunk_offload``: None (the whole video's hidden states at a block with R_T > 0 stay where the tower runs),
+    ``"cpu"`` (in host memory: a GPU then holds one chunk) or ``"disk"`` (in a temporary directory, `tempfile`'s,
+    removed after the call: host memory then holds one chunk too); else a ValueError naming the allowed values."""
+    if chunk_offload is not None and chunk_offload not in CHUNK_OFFLOADS:
+        raise ValueError(f"chunk_offload must be None, {' or '.join(map(repr, CHUNK_OFFLOADS))}; got "
+                         f"{chunk_offload!r}.")
+    return chunk_offload
+
+
+ADAPTER_OPTIONS = {"chunk_frames": check_chunk_frames, "chunk_offload": check_chunk_offload}
 """The options an adapter may take beside the aggregation settings (it names those it takes in ``options``), each
 with its check; the validated value is kept on the :class:`InstancePatch` under the same name."""
 
@@ -99,6 +113,9 @@ def adapter_settings(adapter, num_blocks: int, temporal_reduction, spatial_reduc
             f"{', '.join(adapter.options) or 'none'}."
         )
     own = {name: ADAPTER_OPTIONS[name](value) for name, value in own.items()}
+    if own.get("chunk_offload") is not None and own.get("chunk_frames") is None:
+        raise ValueError(f"chunk_offload={own['chunk_offload']!r} says where a tower run in chunks of frames holds "
+                         "the whole video at a temporal merge: pass chunk_frames too.")
     settings = video_settings(num_blocks, temporal_reduction, spatial_reduction, allowed=adapter.allowed_settings,
                               defaults=adapter.settings_defaults, **options)
     return settings, own
@@ -128,6 +145,7 @@ class InstancePatch:
         replaced: ``(object, attribute, what the object's __dict__ held or _MISSING)`` in patching order.
         cache: scratch space of the adapter (e.g. the features of the last encoded videos).
         chunk_frames: frames the tower takes at a time (None: the whole video at once).
+        chunk_offload: where a chunked tower holds the whole video at a temporal merge (`check_chunk_offload`).
     """
 
     settings: AggregationSettings
@@ -136,6 +154,7 @@ class InstancePatch:
     replaced: list = field(default_factory=list)
     cache: dict = field(default_factory=dict)
     chunk_frames: int | None = None
+    chunk_offload: str | None = None
 
     def replace_attribute(self, obj: Any, name: str, value: Any) -> None:
         """Sets ``obj.name = value`` on the instance, remembering what its ``__dict__`` held."""
@@ -272,7 +291,9 @@ __all__ = [
     "TokenGroups",
     "adapter_settings",
     "aggregate",
+    "CHUNK_OFFLOADS",
     "check_chunk_frames",
+    "check_chunk_offload",
     "chronological_order",
     "merge_slices",
     "merge_units",

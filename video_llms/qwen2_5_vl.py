@@ -48,7 +48,7 @@ class QwenVideoAdapter:
     base_class = ""
     allowed_settings = GEOMETRY_MERGE_ONLY
     settings_defaults: dict = {}
-    options: tuple[str, ...] = ("chunk_frames",)
+    options: tuple[str, ...] = ("chunk_frames", "chunk_offload")
 
     def supports(self, model) -> bool:
         return bool(_class_names(model) & set(self.classes))
@@ -70,7 +70,8 @@ class QwenVideoAdapter:
 
     # -- the tower ----------------------------------------------------------------------------------------------------
 
-    def encode(self, base, pixel_values, grid_thw, settings, chunk_frames: int | None = None):
+    def encode(self, base, pixel_values, grid_thw, settings, chunk_frames: int | None = None,
+               chunk_offload: str | None = None):
         raise NotImplementedError
 
     @staticmethod
@@ -92,7 +93,7 @@ class QwenVideoAdapter:
         if pending is not None and self._same_pixels(pending, pixel_values, grid_thw):
             videos = pending["videos"]
         else:
-            videos = self.encode(base, pixel_values, grid_thw, patch.settings, patch.chunk_frames)
+            videos = self.encode(base, pixel_values, grid_thw, patch.settings, patch.chunk_frames, patch.chunk_offload)
         self._record(patch, pixel_values, grid_thw, videos)
         return videos
 
@@ -109,7 +110,7 @@ class QwenVideoAdapter:
                 "The M-RoPE positions of TESTA-reduced video tokens depend on what the tower merged: call the model "
                 "(or generate) with pixel_values_videos, or get_video_features first, before get_rope_index."
             )
-        videos = self.encode(base, pixel_values, grid_thw, patch.settings, patch.chunk_frames)
+        videos = self.encode(base, pixel_values, grid_thw, patch.settings, patch.chunk_frames, patch.chunk_offload)
         self._record(patch, pixel_values, grid_thw, videos)
         patch.cache["pending"] = {**patch.cache["positions"], "videos": videos}
         return patch.cache["positions"]["positions"]
@@ -174,14 +175,15 @@ class Qwen2_5_VLAdapter(QwenVideoAdapter):
     classes = ("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLModel")
     base_class = "Qwen2_5_VLModel"
 
-    def encode(self, base, pixel_values, grid_thw, settings, chunk_frames: int | None = None):
+    def encode(self, base, pixel_values, grid_thw, settings, chunk_frames: int | None = None,
+               chunk_offload: str | None = None):
         from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as family
 
         visual = base.visual
         window = visual.window_size // visual.spatial_merge_size // visual.patch_size
         return run_tower(visual, pixel_values, grid_thw, settings, family, window=window,
                          full_attention_blocks=tuple(visual.fullatt_block_indexes),
-                         chunk_slices=self.chunk_slices(visual, chunk_frames))
+                         chunk_slices=self.chunk_slices(visual, chunk_frames), chunk_offload=chunk_offload)
 
     def video_output(self, videos: list):
         return BaseModelOutputWithPooling(pooler_output=tuple(v.features for v in videos))

@@ -38,7 +38,8 @@ class Qwen3VLAdapter(QwenVideoAdapter):
     classes = ("Qwen3VLForConditionalGeneration", "Qwen3VLModel")
     base_class = "Qwen3VLModel"
 
-    def encode(self, base, pixel_values, grid_thw, settings, chunk_frames: int | None = None):
+    def encode(self, base, pixel_values, grid_thw, settings, chunk_frames: int | None = None,
+               chunk_offload: str | None = None):
         from transformers.models.qwen3_vl import modeling_qwen3_vl as family
         from transformers.vision_utils import get_vision_interpolation_indices_and_weights
 
@@ -54,7 +55,8 @@ class Qwen3VLAdapter(QwenVideoAdapter):
         return run_tower(visual, pixel_values, grid_thw, settings, family,
                          deepstack_blocks=tuple(visual.deepstack_visual_indexes),
                          deepstack_mergers=visual.deepstack_merger_list, position_embedding=position_embedding,
-                         by_slice=True, chunk_slices=self.chunk_slices(visual, chunk_frames))
+                         by_slice=True, chunk_slices=self.chunk_slices(visual, chunk_frames),
+                         chunk_offload=chunk_offload)
 
     def video_output(self, videos: list):
         from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures

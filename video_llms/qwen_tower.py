@@ -26,7 +26,10 @@ layout that can shrink:
 At R = 0 every block computes what the stock tower computes (the tests check 1e-5 in fp32 and equal greedy tokens).
 """
 
-from dataclasses import dataclass, field
+import os
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +39,7 @@ from transformers.utils.generic import is_flash_attention_requested
 from modeling_testa.aggregation import capped_reduction
 from modeling_testa.aggregation_block import match_frames
 
-from .common import TokenGroups, aggregate, chronological_order, merge_units
+from .common import TokenGroups, aggregate, check_chunk_offload, chronological_order, merge_units
 
 UNIT = 4
 """Tokens per unit: the 2x2 group that Qwen's patch merger concatenates (``spatial_merge_size = 2``)."""
@@ -254,12 +257,21 @@ def advance(visual, videos: list[TokenGroups], settings, family, first: int = 0,
     return None, None
 
 
+def output_order(groups: TokenGroups, by_slice: bool) -> torch.Tensor:
+    """The layout row of a video's every output token, in output order: slice by slice (`slice_order`, Qwen3-VL's
+    one prompt group per tubelet), else token by token by centroid (`common.chronological_order`). Reads only the
+    groups' positions, sizes and grid."""
+    if by_slice:
+        return slice_order(groups)
+    return chronological_order(groups.positions.reshape(groups.grid[0] * groups.grid[1], 3))
+
+
 def video_features(groups: TokenGroups, merged: torch.Tensor, by_slice: bool) -> VideoFeatures:
     """One video's `VideoFeatures` from its final groups and the merger's ``(slices * units, out)`` rows (layout
     order), put in output order."""
     count = groups.grid[0] * groups.grid[1]
     positions = groups.positions.reshape(count, 3)
-    order = slice_order(groups) if by_slice else chronological_order(positions)
+    order = output_order(groups, by_slice)
     return VideoFeatures(
         features=merged[order],
         positions=positions[order],
@@ -272,7 +284,7 @@ def video_features(groups: TokenGroups, merged: torch.Tensor, by_slice: bool) ->
 def run_tower(visual, pixel_values: torch.Tensor, grid_thw: torch.Tensor, settings, family,
               window: int | None = None, full_attention_blocks=(), deepstack_blocks=(), deepstack_mergers=None,
               position_embedding=None, by_slice: bool = False, chunk_slices: int | None = None,
-              ) -> list[VideoFeatures]:
+              chunk_offload: str | None = None) -> list[VideoFeatures]:
     """Runs a Qwen vision tower over ``pixel_values`` of the videos of ``grid_thw`` with TESTA's aggregation.
 
     Args:
@@ -288,12 +300,14 @@ def run_tower(visual, pixel_values: torch.Tensor, grid_thw: torch.Tensor, settin
             tubelet), else token by token (`common.chronological_order`).
         chunk_slices: run every video through the tower that many slices (tubelets) at a time
             (`run_tower_chunked`); None: all videos at once.
+        chunk_offload: with ``chunk_slices``, where the whole video waits at a temporal merge (`SliceShelf`).
     """
     options = dict(window=window, full_attention_blocks=full_attention_blocks, deepstack_blocks=deepstack_blocks,
                    deepstack_mergers=deepstack_mergers)
     if chunk_slices is not None:
         return run_tower_chunked(visual, pixel_values, grid_thw, settings, family, chunk_slices,
-                                 position_embedding=position_embedding, by_slice=by_slice, **options)
+                                 position_embedding=position_embedding, by_slice=by_slice, offload=chunk_offload,
+                                 **options)
     hidden = embed(visual, pixel_values, grid_thw, position_embedding)
     hidden_size = hidden.shape[-1]
     grids = [tuple(int(v) for v in row) for row in grid_thw.tolist()]
@@ -323,15 +337,34 @@ def embed(visual, pixel_values: torch.Tensor, grid_thw: torch.Tensor, position_e
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def concat_groups(parts: list[TokenGroups]) -> TokenGroups:
-    """Parts of one video (each some of its slices, all with the same units) as one `TokenGroups`, slices in
-    order."""
-    if len(parts) == 1:
-        return parts[0]
-    labels = None if parts[0].labels is None else torch.cat([p.labels for p in parts])
-    return TokenGroups(torch.cat([p.tokens for p in parts]), torch.cat([p.sizes for p in parts]),
-                       torch.cat([p.positions for p in parts]), labels,
-                       [torch.cat(tensors) for tensors in zip(*(p.carried for p in parts))])
+def chunked_video_features(parts: list[TokenGroups], by_slice: bool) -> VideoFeatures:
+    """`video_features` of one video whose finished parts (its slices in order, each holding the merger's outputs
+    as ``tokens (slices, units, out)``) are ``parts``, emptied as it goes: the output tensors are made once and
+    every part is copied to its rows and dropped, so the video's outputs exist once (a concatenation followed by
+    the reordering copy would hold them two or three times over: at 256 frames that is Qwen3-VL's largest
+    allocation, with its DeepStack features)."""
+    units = parts[0].grid[1]
+    slices = sum(part.grid[0] for part in parts)
+    count = slices * units
+    sizes, positions = torch.cat([p.sizes for p in parts]), torch.cat([p.positions for p in parts])
+    # the whole video's layout without its features (a shape-only stand-in): all `output_order` reads
+    order = output_order(TokenGroups(torch.empty((slices, units, 0), device="meta"), sizes, positions), by_slice)
+    row_of = torch.empty_like(order)
+    row_of[order] = torch.arange(count, device=order.device)  # layout row -> output row
+    first = parts[0]
+    features = first.tokens.new_empty((count, first.tokens.shape[-1]))
+    deepstack = [t.new_empty((count, t.shape[-1])) for t in first.carried]
+    start = 0
+    for part in taken(parts):
+        n = part.grid[0] * units
+        rows = row_of[start:start + n]
+        features[rows] = part.tokens.reshape(n, -1)
+        for out, tapped in zip(deepstack, part.carried):
+            out[rows] = tapped.reshape(n, -1)
+        start += n
+        del part
+    return VideoFeatures(features=features, positions=positions.reshape(count, 3)[order],
+                         sizes=sizes.reshape(count)[order], deepstack=deepstack, grid=(slices, units))
 
 
 @dataclass
@@ -356,6 +389,47 @@ def slice_records(groups: TokenGroups, keys: torch.Tensor) -> list[SliceRecord]:
             for i in range(groups.grid[0])]
 
 
+class SliceShelf:
+    """Where a video's slices wait, one `SliceRecord` each, while every chunk reaches a temporal merge: the only
+    place where a chunked tower holds the whole video. ``where``: None keeps them as they are (on the tower's
+    device); ``"cpu"`` moves their hidden states and carried features to host memory (a GPU then holds one chunk);
+    ``"disk"`` writes them to a temporary directory (`tempfile`'s; removed by `close`) and reads each back, and
+    deletes its file, when it merges (host memory then holds one chunk too). Sizes, positions, labels and keys (a
+    few numbers per unit, which the matching needs for all slices at once) stay. The tensors come back as they
+    were written, so the outputs are the same with every ``where``."""
+
+    def __init__(self, where: str | None):
+        self.where, self.count = check_chunk_offload(where), 0
+        # A failed clean-up (a file still open elsewhere) must not hide the error the tower may be raising.
+        self.directory = (tempfile.TemporaryDirectory(prefix="testa-tower-", ignore_cleanup_errors=True)
+                          if where == "disk" else None)
+
+    def put(self, record: SliceRecord) -> SliceRecord:
+        if self.where == "cpu":
+            return replace(record, tokens=record.tokens.cpu(), carried=[t.cpu() for t in record.carried])
+        if self.where == "disk":
+            path = os.path.join(self.directory.name, f"{self.count}.pt")
+            self.count += 1
+            torch.save({"tokens": record.tokens, "carried": record.carried}, path)
+            return replace(record, tokens=path, carried=None)
+        return record
+
+    def get(self, record: SliceRecord) -> SliceRecord:
+        """The record with its tensors back where its keys are (they never left the device its block ran on)."""
+        device = record.keys.device
+        if self.where == "cpu":
+            return replace(record, tokens=record.tokens.to(device), carried=[t.to(device) for t in record.carried])
+        if self.where == "disk":
+            saved = torch.load(record.tokens, map_location=device, weights_only=True)
+            os.remove(record.tokens)
+            return replace(record, tokens=saved["tokens"], carried=saved["carried"])
+        return record
+
+    def close(self) -> None:
+        if self.directory is not None:
+            self.directory.cleanup()
+
+
 def stack_records(records: list[SliceRecord]) -> tuple[TokenGroups, torch.Tensor]:
     """Slices as one `TokenGroups` (in order) and their keys."""
     labels = None if records[0].labels is None else torch.stack([r.labels for r in records])
@@ -365,15 +439,26 @@ def stack_records(records: list[SliceRecord]) -> tuple[TokenGroups, torch.Tensor
     return groups, torch.stack([r.keys for r in records])
 
 
-def merge_slice_records(records: list, settings, block: int, chunk_slices: int) -> list[TokenGroups]:
+def size_weighted_mean(x_t: torch.Tensor, xs: list[torch.Tensor], shares: list[torch.Tensor]) -> torch.Tensor:
+    """The size-weighted mean of a kept slice's ``x_t`` and the slices merged into it (``xs``, each with its
+    ``(units,)`` share of the merged size), as ``x_t + sum(share * (x - x_t))``."""
+    out = x_t.clone()
+    for x, share in zip(xs, shares):
+        out += (x - x_t) * share.to(x.dtype).unsqueeze(-1)
+    return out
+
+
+def merge_slice_records(records: list, settings, block: int, chunk_slices: int,
+                        shelf: SliceShelf | None = None) -> Iterator[TokenGroups]:
     """Block ``block``'s aggregation (`common.aggregate`) of a whole video held as one `SliceRecord` per slice,
-    returned as parts of ``chunk_slices`` slices. The slices are matched on all their keys (`common.merge_slices`'
+    yielded as parts of ``chunk_slices`` slices. The slices are matched on all their keys (`common.merge_slices`'
     matching: the one-pass merge, chunk edges included); every output slice is then made from its kept slice and the
     slices merged into it as `aggregation.merge_tokens` makes it (``x_t + sum_j (x_j - x_t) s_j / S_t``, per unit,
     with its own size weight; the kept slice's window labels), and the records it used are dropped (``records``
     entries become None). So the video's hidden states exist about once while they merge, not twice (a
     concatenation, the merged copy, the parts). The unit merges of the block run on every part (they stay within a
-    slice)."""
+    slice). The parts are made as they are asked for, each record taken off ``shelf`` (`SliceShelf.get`) when its
+    output slice is made: until then it waits where the shelf keeps it."""
     r_t, r_s = settings.reductions(block)
     count = len(records)
     r = capped_reduction(r_t, count, protected=1)
@@ -385,34 +470,31 @@ def merge_slice_records(records: list, settings, block: int, chunk_slices: int) 
     into = [[] for _ in kept]
     for source, target in zip(sources, targets):
         into[target].append(source)
-    parts, pending = [], []
+    shelf = shelf or SliceShelf(None)
+    pending = []
     for slot, index in enumerate(kept):
-        target, merged_in = records[index], [records[i] for i in into[slot]]
+        target, merged_in = shelf.get(records[index]), [shelf.get(records[i]) for i in into[slot]]
         records[index] = None
         for i in into[slot]:
             records[i] = None
         if merged_in:
             sizes = target.sizes + sum(rec.sizes for rec in merged_in)
-
-            def mean(x_t: torch.Tensor, xs: list[torch.Tensor]) -> torch.Tensor:
-                out = x_t.clone()
-                for x, rec in zip(xs, merged_in):
-                    out += (x - x_t) * (rec.sizes / sizes).to(x.dtype).unsqueeze(-1)
-                return out
-
+            shares = [rec.sizes / sizes for rec in merged_in]
             target = SliceRecord(
-                mean(target.tokens, [rec.tokens for rec in merged_in]), sizes,
-                mean(target.positions, [rec.positions for rec in merged_in]), target.labels,
-                [mean(t, [rec.carried[i] for rec in merged_in]) for i, t in enumerate(target.carried)],
-                mean(target.keys, [rec.keys for rec in merged_in]))
+                size_weighted_mean(target.tokens, [rec.tokens for rec in merged_in], shares), sizes,
+                size_weighted_mean(target.positions, [rec.positions for rec in merged_in], shares), target.labels,
+                [size_weighted_mean(t, [rec.carried[i] for rec in merged_in], shares)
+                 for i, t in enumerate(target.carried)],
+                size_weighted_mean(target.keys, [rec.keys for rec in merged_in], shares))
         del merged_in
         pending.append(target)
         if len(pending) == chunk_slices or slot == len(kept) - 1:
             groups, keys = stack_records(pending)
             pending.clear()
             groups, _ = merge_units(groups, keys, r_s, settings)
-            parts.append(groups)
-    return parts
+            del keys
+            yield groups
+            del groups
 
 
 def taken(items: list):
@@ -423,7 +505,8 @@ def taken(items: list):
 
 def run_tower_chunked(visual, pixel_values: torch.Tensor, grid_thw: torch.Tensor, settings, family,
                       chunk_slices: int, *, position_embedding=None, by_slice: bool = False, window=None,
-                      full_attention_blocks=(), deepstack_blocks=(), deepstack_mergers=None) -> list[VideoFeatures]:
+                      full_attention_blocks=(), deepstack_blocks=(), deepstack_mergers=None,
+                      offload: str | None = None) -> list[VideoFeatures]:
     """`run_tower`, video by video, ``chunk_slices`` slices (tubelets) at a time, with the same outputs.
 
     Every block attends within a slice (or a window of it), merges units within a slice, and applies its MLP, the
@@ -436,7 +519,8 @@ def run_tower_chunked(visual, pixel_values: torch.Tensor, grid_thw: torch.Tensor
 
     Memory: one chunk's activations; each chunk is embedded when it starts (nothing but the outputs grows with the
     video while no temporal merge runs); at a block with R_T > 0, also the hidden states of the whole video at that
-    block (its remaining tokens x hidden size, held once: one record per slice, each freed as it is merged).
+    block (its remaining tokens x hidden size, held once: one record per slice, each freed as it is merged), where
+    ``offload`` says (`SliceShelf`: None where the tower runs, ``"cpu"``, ``"disk"``).
     """
     if chunk_slices < 1:
         raise ValueError(f"chunk_slices must be a positive int; got {chunk_slices!r}.")
@@ -458,37 +542,38 @@ def run_tower_chunked(visual, pixel_values: torch.Tensor, grid_thw: torch.Tensor
             return groups
 
         # The first pass: every chunk embedded when it starts (a generator), then run up to the first temporal merge
-        # (or through the merger). After a temporal merge: the merged video's parts, taken off the list one by one,
-        # so that nothing but `advance` holds a part that has run on.
+        # (or through the merger). After a temporal merge: the merged video's parts, made one at a time as the loop
+        # asks for them (a generator), so that nothing but `advance` holds a part that has run on.
         chunks = (embedded(start, min(chunk_slices, t - start)) for start in range(0, t, chunk_slices))
         block, resume, finished = 0, False, []
-        while chunks is not None:
-            stopped = []
-            for chunk in chunks:
-                state = [chunk]  # advance replaces the groups it merges
-                del chunk
-                index, chunk_keys = advance(visual, state, settings, family, block, resume=resume,
-                                            stop_at_temporal=True, **options)
-                groups = state.pop()
-                if index is None:  # through the last block: keep what the merger gives, drop the hidden states
-                    hidden_size = groups.tokens.shape[-1] // UNIT
-                    merged = visual.merger(groups.tokens.reshape(-1, hidden_size))
-                    finished.append(TokenGroups(merged.view(*groups.grid, -1), groups.sizes, groups.positions,
-                                                None, groups.carried))
-                    del merged
-                else:  # the video's slices, each on its own, for the merge over the whole video
-                    stopped.extend(slice_records(groups, chunk_keys[0]))
-                    stop = index  # the same for every chunk: the next block whose R_T is not 0
-                del groups, chunk_keys  # no chunk's hidden states outlive its turn, beside what `stopped` keeps
-            chunks = None
-            if stopped:  # the temporal merge over the whole video, then on in chunks from the block's MLP
-                chunks = taken(merge_slice_records(stopped, settings, stop, chunk_slices))
-                del stopped
-                block, resume = stop, True
-        video = concat_groups(finished)
-        finished.clear()  # the parts' outputs, now in `video`
-        results.append(video_features(video, video.tokens.reshape(video.grid[0] * video.grid[1], -1), by_slice))
-        del video
+        shelf = SliceShelf(offload)
+        try:
+            while chunks is not None:
+                stopped = []
+                for chunk in chunks:
+                    state = [chunk]  # advance replaces the groups it merges
+                    del chunk
+                    index, chunk_keys = advance(visual, state, settings, family, block, resume=resume,
+                                                stop_at_temporal=True, **options)
+                    groups = state.pop()
+                    if index is None:  # through the last block: keep what the merger gives, drop the hidden states
+                        hidden_size = groups.tokens.shape[-1] // UNIT
+                        merged = visual.merger(groups.tokens.reshape(-1, hidden_size))
+                        finished.append(TokenGroups(merged.view(*groups.grid, -1), groups.sizes, groups.positions,
+                                                    None, groups.carried))
+                        del merged
+                    else:  # the video's slices, each on its own, for the merge over the whole video
+                        stopped.extend(shelf.put(r) for r in slice_records(groups, chunk_keys[0]))
+                        stop = index  # the same for every chunk: the next block whose R_T is not 0
+                    del groups, chunk_keys  # no chunk's hidden states outlive its turn, beside what `stopped` keeps
+                chunks = None
+                if stopped:  # the temporal merge over the whole video, then on in chunks from the block's MLP
+                    chunks = merge_slice_records(stopped, settings, stop, chunk_slices, shelf)
+                    del stopped
+                    block, resume = stop, True
+        finally:
+            shelf.close()
+        results.append(chunked_video_features(finished, by_slice))  # empties `finished`
     return results
 
 
