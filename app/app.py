@@ -15,7 +15,7 @@ video is indexed as windows of that many seconds (one after another) and a resul
 thumbnail from inside it, a strip of its frames, and the video playing from its start. Every step calls the library
 by its packages' public names (``from modeling_testa import ...``, ``from testa_search import ...``): the retrieval,
 zero-shot and QA pipelines, `visualize_aggregation`, `ground_phrases` / `draw_grounding`, `count_encoder_gmac`,
-`set_aggregation`, `moment_frames` and `open_index`.
+`set_aggregation`, `moment_frames`, `moment_label` and `open_index`.
 
 API names (stable, for `gradio_client`): ``/index``, ``/search``, ``/visualize``, ``/classify``, ``/answer``,
 ``/aggregation``, ``/moment``; see `app/README.md`. Analytics are off and the server binds 127.0.0.1 unless
@@ -44,7 +44,7 @@ import gradio as gr  # noqa: E402
 
 from modeling_testa import VIDEO_SUFFIXES, find_video_files, format_time, is_video_file_name  # noqa: E402
 from testa_search import (  # noqa: E402
-    EncodingStats, Failure, IndexEntry, NoReadableVideoError, moment_frames, open_index, window_entries,
+    EncodingStats, Failure, IndexEntry, NoReadableVideoError, moment_frames, moment_label, open_index, window_entries,
 )
 
 THEME = gr.themes.Default(font=[gr.themes.LocalFont("Source Sans Pro", weights=(400, 700)), "ui-sans-serif",
@@ -555,7 +555,7 @@ def moment_thumbnail(state: AppState, hit: dict) -> str:
     key = (str(video), None if start is None else float(start), None if end is None else float(end))
     if key not in state.thumbnails:
         try:
-            frame = middle_frame(video) if start is None else moment_frames(video, start, end, num_frames=1)[0]
+            frame = (spread_frames(video, 1)[0] if start is None else moment_frames(video, start, end, num_frames=1))[0]
         except (ValueError, OSError):
             return video
         picture = Image.fromarray(frame)
@@ -568,21 +568,16 @@ def moment_thumbnail(state: AppState, hit: dict) -> str:
     return state.thumbnails[key]
 
 
-def middle_frame(video: str) -> Any:
-    """The frame at the middle of a whole video (an `(H, W, 3)` uint8 array), one frame decoded."""
+def spread_frames(video: str, count: int) -> tuple[Any, Any]:
+    """`count` frames spread over a whole video (`(count, H, W, 3)` uint8; one frame: the middle one) and its
+    metadata, only those frames decoded."""
     from modeling_testa import decode_video, sample_frame_indices
 
-    frames, _ = decode_video(video, lambda metadata: sample_frame_indices(metadata.total_num_frames, 1))
-    return frames[0]
+    return decode_video(video, lambda metadata: sample_frame_indices(metadata.total_num_frames, count))
 
 
 HEADERS = ["rank", "video", "score", "re-ranked"]
 MOMENT_HEADERS = HEADERS + ["start", "end"]
-
-
-def moment_label(hit: dict) -> str:
-    """``"  0:01:30-0:02:00"`` for a moment, ``""`` for a whole video."""
-    return "" if hit.get("start") is None else f"  {format_time(hit['start'])}-{format_time(hit['end'])}"
 
 
 def show_moment(state: AppState, rank: float, session: Session | None = None
@@ -602,9 +597,7 @@ def show_moment(state: AppState, rank: float, session: Session | None = None
     video, start, end = hit["video"], hit.get("start"), hit.get("end")
     try:
         if start is None:  # a whole video: frames spread over all of it
-            from modeling_testa import decode_video, sample_frame_indices
-
-            frames, metadata = decode_video(video, lambda m: sample_frame_indices(m.total_num_frames, MOMENT_FRAMES))
+            frames, metadata = spread_frames(video, MOMENT_FRAMES)
             start, end = 0.0, metadata.duration or 0.0
         else:
             frames = moment_frames(video, start, end, num_frames=MOMENT_FRAMES)
@@ -621,11 +614,13 @@ def show_moment(state: AppState, rank: float, session: Session | None = None
     return str(path), video, float(start), caption
 
 
-def best_moment(state: AppState, session: Session | None = None) -> tuple[str | None, str | None, float, str]:
-    """After a search: the best result's moment when the index holds moments; an empty moment panel otherwise."""
+def best_moment(state: AppState, session: Session | None = None, rank: float = 1
+                ) -> tuple[str | None, str | None, float, str]:
+    """After a search (the best result) or a click on a tile (its `rank`): that result's moment when the results
+    are moments (`show_moment`); an empty moment panel for whole videos (the moment widgets are hidden then)."""
     hits = (state.served if session is None else session).hits
     if hits and hits[0].get("start") is not None:
-        return show_moment(state, 1, session)
+        return show_moment(state, rank, session)
     return None, None, 0.0, ""
 
 
@@ -896,21 +891,12 @@ def build_app(state: AppState) -> gr.Blocks:
 
         gallery.select(clicked_video, session, result, api_name=False)
         gallery.select(chosen_rank, None, moment_rank, api_name=False).then(
-            lambda r, own: best_or_chosen_moment(state, r, own), [moment_rank, session], moment_outputs,
+            lambda r, own: best_moment(state, own, r), [moment_rank, session], moment_outputs,
             api_name=False, **ONE_MODEL).then(None, [moment_start, moment_video], None, js=PLAY_FROM_START,
                                               api_name=False)
         result.change(lambda v: (v, v), result, [classify_video_input, qa_video], api_name=False)
     demo.queue(default_concurrency_limit=1)  # one model: requests wait their turn, none is dropped
     return demo
-
-
-def best_or_chosen_moment(state: AppState, rank: float, session: Session) -> tuple[str | None, str | None, float, str]:
-    """A clicked tile: its moment when the results are moments (`show_moment`); nothing for whole videos (the
-    moment widgets are hidden then)."""
-    hits = session.hits
-    if hits and hits[0].get("start") is not None:
-        return show_moment(state, rank, session)
-    return None, None, 0.0, ""
 
 
 def moment_visibility(state: AppState, session: Session) -> tuple:
@@ -999,13 +985,6 @@ def milvus_token(args: argparse.Namespace) -> str | None:
     return args.milvus_token or os.environ.get("MILVUS_TOKEN") or None
 
 
-def open_search_index(store: str, milvus: str | None, collection: str, token: str | None = None) -> Any:
-    """The index ``--index`` names: the store, or with `milvus` (a Milvus Lite file or a server's URI) its collection
-    `collection` as a `MilvusIndex`, logged in with `token` (a secured server's credentials; settings from the store,
-    which the collection must share; tokens from the stores its rows name): `testa_search.open_index`."""
-    return open_index(store, milvus, collection, token)
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.milvus and not args.index:
@@ -1017,8 +996,8 @@ def main(argv: list[str] | None = None) -> None:
     state.window = args.window
     state.allow_settings = args.allow_settings
     state.allow_folders = args.allow_folders
-    if args.index:
-        state.served.index = open_search_index(args.index, args.milvus, args.collection, milvus_token(args))
+    if args.index:  # the store, or with --milvus its collection (settings and re-ranking tokens from the store)
+        state.served.index = open_index(args.index, args.milvus, args.collection, milvus_token(args))
         state.served.index_status = f"Searching {len(state.served.index)} rows of {args.milvus or args.index}."
         print(state.served.index_status, flush=True)
     elif startup_index(state, args.videos) is not None:

@@ -63,26 +63,24 @@ from .visualization import AggregationGroups, aggregation_groups, draw_aggregati
 
 __version__ = "0.1.0"
 
-# In-process Auto* registration.
-AutoConfig.register(TestaConfig.model_type, TestaConfig, exist_ok=True)
-AutoConfig.register(TestaVisionConfig.model_type, TestaVisionConfig, exist_ok=True)
-AutoModel.register(TestaConfig, TestaForVideoTextRetrieval, exist_ok=True)
-AutoModel.register(TestaVisionConfig, TestaVisionModel, exist_ok=True)
-AutoModelForVisualQuestionAnswering.register(TestaConfig, TestaForVideoQA, exist_ok=True)
-AutoModelForPreTraining.register(TestaConfig, TestaForPreTraining, exist_ok=True)
+# In-process Auto* registration, and for Hub remote code: `save_pretrained` copies the code files and writes
+# `auto_map` (the processor classes register themselves for export in their modules).
+for config_class in (TestaConfig, TestaVisionConfig):
+    AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
+    config_class.register_for_auto_class("AutoConfig")
+for auto_class, config_class, model_class in (
+    (AutoModel, TestaConfig, TestaForVideoTextRetrieval),
+    (AutoModel, TestaVisionConfig, TestaVisionModel),
+    (AutoModelForVisualQuestionAnswering, TestaConfig, TestaForVideoQA),
+    (AutoModelForPreTraining, TestaConfig, TestaForPreTraining),
+):
+    auto_class.register(config_class, model_class, exist_ok=True)
+    model_class.register_for_auto_class(auto_class.__name__)
+del config_class, auto_class, model_class  # the loops' names are no attributes of the package
 # The video processor needs Pillow and torchvision; the models run without them (e.g. torch + transformers on a GPU).
 if is_vision_available() and is_torchvision_available():
     AutoVideoProcessor.register(TestaConfig, video_processor_class=TestaVideoProcessor, exist_ok=True)
 AutoProcessor.register(TestaConfig, TestaProcessor, exist_ok=True)
-
-# Hub remote code: `save_pretrained` copies the code files and writes `auto_map` (the processor classes register
-# themselves in their modules).
-TestaConfig.register_for_auto_class("AutoConfig")
-TestaVisionConfig.register_for_auto_class("AutoConfig")
-TestaVisionModel.register_for_auto_class("AutoModel")
-TestaForVideoTextRetrieval.register_for_auto_class("AutoModel")
-TestaForVideoQA.register_for_auto_class("AutoModelForVisualQuestionAnswering")
-TestaForPreTraining.register_for_auto_class("AutoModelForPreTraining")
 register_testa_pipelines()
 
 __all__ = [

@@ -202,6 +202,13 @@ def match_frames(
                         fused_kernels=fused_kernels)
 
 
+def _attend(step: AttentionStep, layer: nn.Module, tokens: torch.Tensor, bias: torch.Tensor | None, merges: bool,
+            settings: AggregationSettings, attentions: list | None) -> AttentionOutput:
+    """Runs a host's attention step, asking for Eq. 1 importance only when the block merges after it (``merges``)
+    by importance, and for the attention probabilities only when the caller collects them (``attentions``)."""
+    return step(layer, tokens, bias, merges and settings.uses_importance, attentions is not None)
+
+
 def _follow_frames(matching: Matching, frames_in: int, source_map, patches_per_frame: int):
     if source_map is None:
         return None
@@ -241,13 +248,7 @@ def divided_block(
         temporal_bias = size_bias(
             settings, sizes.transpose(1, 2).reshape(batch * patches_per_frame, frames), patches.dtype, merged
         )
-    temporal = host.temporal(
-        layer,
-        temporal_in,
-        temporal_bias,
-        frame_reduction > 0 and settings.uses_importance,
-        attentions is not None,
-    )
+    temporal = _attend(host.temporal, layer, temporal_in, temporal_bias, frame_reduction > 0, settings, attentions)
     patches = patches + temporal.output.view(batch, patches_per_frame, frames, hidden).transpose(1, 2)
 
     # 2. Frame aggregation: whole frames merge, every patch position with its own size weight.
@@ -269,13 +270,7 @@ def divided_block(
     if settings.proportional_attention and merged:  # the CLS counts 1
         spatial_sizes = F.pad(sizes, (1, 0), value=1.0).view(batch * frames, patches_per_frame + 1)
         spatial_bias = size_bias(settings, spatial_sizes, patches.dtype, merged)
-    spatial = host.spatial(
-        layer,
-        spatial_in,
-        spatial_bias,
-        patch_reduction > 0 and settings.uses_importance,
-        attentions is not None,
-    )
+    spatial = _attend(host.spatial, layer, spatial_in, spatial_bias, patch_reduction > 0, settings, attentions)
     if attentions is not None:
         attentions.append((temporal.weights, spatial.weights))
     residual = spatial.output.view(batch, frames, patches_per_frame + 1, hidden)
@@ -328,13 +323,8 @@ def joint_block(
         tokens = torch.cat([cls, tokens], dim=1)
         if needs_token_sizes:  # padded only for the bias or the joint merge
             token_sizes = F.pad(token_sizes, (1, 0), value=1.0)
-    attention = host.attention(
-        layer,
-        tokens,
-        size_bias(settings, token_sizes, tokens.dtype, merged),
-        (frame_reduction > 0 or patch_reduction > 0) and settings.uses_importance,
-        attentions is not None,
-    )
+    attention = _attend(host.attention, layer, tokens, size_bias(settings, token_sizes, tokens.dtype, merged),
+                        frame_reduction > 0 or patch_reduction > 0, settings, attentions)
     if attentions is not None:
         attentions.append((None, attention.weights))
     tokens = host.attention_residual(layer, tokens, attention.output)
@@ -393,6 +383,13 @@ def token_sizes_with_cls(state: TokenState) -> torch.Tensor:
     return sizes if state.cls is None else F.pad(sizes, (1, 0), value=1.0)
 
 
+def weighted_token_mean(tokens: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    """The ``(batch, hidden)`` mean of ``tokens`` ``(batch, tokens, hidden)`` weighted by how many input patches each
+    stands for (``sizes``, ``(batch, tokens)``): with nothing merged, the plain mean."""
+    weights = sizes.to(tokens.dtype).unsqueeze(-1)
+    return (tokens * weights).sum(dim=1) / weights.sum(dim=1)
+
+
 def sequence(state: TokenState) -> torch.Tensor:
     """The output sequence ``[CLS?, patches frame-major]``, ``(batch, tokens, hidden)``."""
     tokens = state.patches.flatten(1, 2)
@@ -422,5 +419,6 @@ __all__ = [
     "sequence",
     "size_bias",
     "token_sizes_with_cls",
+    "weighted_token_mean",
     "with_sequence",
 ]

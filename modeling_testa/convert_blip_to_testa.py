@@ -17,14 +17,13 @@
 import argparse
 import copy
 import logging
-import math
 
 import torch
-import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from .configuration_testa import TestaConfig, TestaVisionConfig
 from .modeling_testa import TestaForPreTraining, TestaForVideoQA, TestaForVideoTextRetrieval, TestaPreTrainedModel
+from .modeling_testa_vision import resize_position_embedding
 
 
 logger = logging.getLogger(__name__)
@@ -34,20 +33,6 @@ BLIP_TO_TESTA = {
     "BlipForQuestionAnswering": TestaForVideoQA,
     "BlipForConditionalGeneration": TestaForPreTraining,
 }
-
-
-def resize_position_embedding(position_embedding: torch.Tensor, grid_size: int) -> torch.Tensor:
-    """Bicubic resize of a ``(1, 1 + side**2, D)`` ViT position embedding to a ``grid_size**2`` patch grid (the CLS
-    entry is kept), with the same call as BLIP's ``interpolate_pos_encoding`` and TESTA's run-time interpolation."""
-    side = int(math.sqrt(position_embedding.shape[1] - 1))
-    if side * side != position_embedding.shape[1] - 1:
-        raise ValueError(f"Position embedding of shape {tuple(position_embedding.shape)} is not a square patch grid.")
-    if side == grid_size:
-        return position_embedding.clone()
-    grid = position_embedding[:, 1:].reshape(1, side, side, -1).permute(0, 3, 1, 2)
-    grid = F.interpolate(grid.float(), size=(grid_size, grid_size), mode="bicubic", align_corners=False)
-    grid = grid.to(position_embedding.dtype).permute(0, 2, 3, 1).flatten(1, 2)
-    return torch.cat([position_embedding[:, :1], grid], dim=1)
 
 
 def _load_blip(blip: str | PreTrainedModel) -> PreTrainedModel:
@@ -225,11 +210,7 @@ def save_processor(output_dir: str, model: TestaPreTrainedModel, blip_path: str 
         logger.warning("No processor saved (%s).", error)
         return False
     vision = model.config.vision_config
-    video_processor = TestaVideoProcessor(
-        num_frames=vision.num_frames,
-        size={"shortest_edge": vision.image_size},
-        crop_size={"height": vision.image_size, "width": vision.image_size},
-    )
+    video_processor = TestaVideoProcessor.for_model_input(vision.num_frames, vision.image_size)
     tokenizer = None
     if blip_path is not None:
         try:

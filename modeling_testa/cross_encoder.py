@@ -27,7 +27,7 @@ from sentence_transformers.base.modules import InputModule
 
 from .modeling_testa import TestaForVideoTextRetrieval
 from .processing_testa import TestaProcessor, load_testa_processor
-from .ranking import check_itm_score, pair_scores
+from .ranking import check_itm_score, encode_video_batch, pair_scores
 from .saving import SENTENCE_TRANSFORMERS_HEADS, write_sentence_transformers_files
 
 
@@ -101,13 +101,10 @@ class TestaVideoTextMatcher(InputModule):
         if key is not None and key in self.cache:
             self.cache.move_to_end(key)
             return self.cache[key]
-        device = self.model.device
         pixel_values = self.processor(videos=[video], return_tensors="pt")["pixel_values"]
-        out = self.model.get_video_tokens(pixel_values.to(device, self.model.dtype))
-        features = self.model.get_video_features(video_tokens=out.last_hidden_state,
-                                                 video_token_sizes=out.token_sizes).pooler_output
+        tokens, _, features = encode_video_batch(self.model, pixel_values.to(self.model.device, self.model.dtype))
         self.videos_encoded += 1
-        encoded = (out.last_hidden_state, features)
+        encoded = (tokens, features)
         if key is not None and self.cache_size > 0:
             self.cache[key] = encoded
             while len(self.cache) > self.cache_size:

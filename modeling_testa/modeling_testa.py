@@ -9,7 +9,6 @@ commit 41b9486, that a function follows."""
 
 import copy
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -236,6 +235,9 @@ class _TestaMultimodalPreTrainedModel(TestaPreTrainedModel):
             )
         return super().resize_token_embeddings(new_num_tokens, *args, **kwargs)
 
+    def _pad_token_id(self) -> int:
+        return self.config.text_config.pad_token_id or 0
+
     def _video_inputs(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """Accepts videos ``(B, T, C, H, W)``, or images ``(B, C, H, W)`` that become static videos of
         ``vision_config.num_frames`` repeated frames (how image-text pairs become videos for pre-training)."""
@@ -269,8 +271,8 @@ TEMPERATURE_RANGE = (0.001, 0.5)
 class _TestaContrastiveModel(_TestaMultimodalPreTrainedModel):
     """The inference API that retrieval and pre-training share: contrastive features, the matching (ITM) logits, the
     learned temperature (`logit_scale`) and two-stage ranking, plus the training entry points of their momentum
-    contrast. Each head builds its own modules (`vision_proj`, `text_proj`, `itm_head`, `temp` and `momentum`, a
-    `MomentumContrast`) in its `__init__` and computes its VTC and VTM losses with `contrastive.contrastive_losses`.
+    contrast. Each head builds its encoders in its `__init__`, then the contrastive modules with
+    `_add_contrastive_modules`, and computes its VTC and VTM losses with `contrastive.contrastive_losses`.
     """
 
     # Training state, never saved (`MomentumContrast` lists its keys as not to save; the released code drops the
@@ -284,6 +286,18 @@ class _TestaContrastiveModel(_TestaMultimodalPreTrainedModel):
         self.register_load_state_dict_pre_hook(
             lambda module, state_dict, prefix, *args: rename_legacy_keys(state_dict, prefix)
         )
+
+    def _add_contrastive_modules(self, config: TestaConfig) -> None:
+        """Builds the contrastive modules, after the head's encoders: `vision_proj`, `text_proj`, `itm_head`, `temp`
+        and `momentum`, the same names (the state-dict keys) in the same order (the initialisation order) in every
+        contrastive head."""
+        vision_width, text_width = config.vision_config.hidden_size, config.text_config.hidden_size
+        self.vision_proj = nn.Linear(vision_width, config.projection_dim)
+        self.text_proj = nn.Linear(text_width, config.projection_dim)
+        self.itm_head = nn.Linear(text_width, 2)
+        self.temp = nn.Parameter(torch.tensor(config.temperature))
+        # frozen EMA copies that produce the distillation targets and the queue features (training state)
+        self.momentum = MomentumContrast(config)
 
     # ------------------------------------------------------------------------------------------ training entry points
 
@@ -563,15 +577,9 @@ class TestaForVideoTextRetrieval(_TestaContrastiveModel):
 
     def __init__(self, config: TestaConfig):
         super().__init__(config)
-        vision_width, text_width = config.vision_config.hidden_size, config.text_config.hidden_size
         self.vision_model = TestaVisionModel(config.vision_config)
         self.text_encoder = BlipTextModel(config.text_config, add_pooling_layer=False)
-        self.vision_proj = nn.Linear(vision_width, config.projection_dim)
-        self.text_proj = nn.Linear(text_width, config.projection_dim)
-        self.itm_head = nn.Linear(text_width, 2)
-        self.temp = nn.Parameter(torch.tensor(config.temperature))
-        # frozen EMA copies that produce the distillation targets and the queue features (training state)
-        self.momentum = MomentumContrast(config)
+        self._add_contrastive_modules(config)
         self.post_init()
 
     @can_return_tuple
@@ -672,9 +680,6 @@ class TestaForVideoQA(_TestaMultimodalPreTrainedModel, GenerationMixin):
         self.text_encoder = BlipTextModel(config.text_config, add_pooling_layer=False)
         self.text_decoder = BlipTextLMHeadModel(config.text_config)
         self.post_init()
-
-    def _pad_token_id(self) -> int:
-        return self.config.text_config.pad_token_id or 0
 
     def encode_question(
         self, input_ids: torch.Tensor, pixel_values: torch.Tensor, attention_mask: torch.Tensor | None = None
@@ -952,19 +957,11 @@ class TestaForPreTraining(_TestaContrastiveModel, GenerationMixin):
 
     def __init__(self, config: TestaConfig):
         super().__init__(config)
-        vision_width, text_width = config.vision_config.hidden_size, config.text_config.hidden_size
         self.vision_model = TestaVisionModel(config.vision_config)
         self.text_encoder = BlipTextModel(config.text_config, add_pooling_layer=False)
         self.text_decoder = BlipTextLMHeadModel(config.text_config)
         self._share_encoder_decoder()
-        # Copied from TestaForVideoTextRetrieval.__init__: the contrastive modules, under the same names (the
-        # state-dict keys) and in the same order (the initialisation order)
-        self.vision_proj = nn.Linear(vision_width, config.projection_dim)
-        self.text_proj = nn.Linear(text_width, config.projection_dim)
-        self.itm_head = nn.Linear(text_width, 2)
-        self.temp = nn.Parameter(torch.tensor(config.temperature))
-        # frozen EMA copies that produce the distillation targets and the queue features (training state)
-        self.momentum = MomentumContrast(config)
+        self._add_contrastive_modules(config)
         self.post_init()
 
     def _share_encoder_decoder(self) -> None:
@@ -1023,7 +1020,7 @@ class TestaForPreTraining(_TestaContrastiveModel, GenerationMixin):
             loss_vtc, loss_vtm, itm_score, neg_videos, neg_texts = contrastive_losses(
                 self, input_ids, attention_mask, pixel_values, video_embeds, token_sizes, video_ids, alpha
             )
-            pad = self.config.text_config.pad_token_id or 0
+            pad = self._pad_token_id()
             nll = sequence_nll(caption_logits, input_ids, attention_mask, pad, self.config.label_smoothing)
             loss_cap = nll.sum() / attention_mask[:, 1:].sum().clamp(min=1)
             loss = loss_vtc + loss_vtm + loss_cap

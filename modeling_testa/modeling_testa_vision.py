@@ -28,6 +28,7 @@ from .aggregation_block import (
     joint_block,
     sequence,
     token_sizes_with_cls,
+    weighted_token_mean,
     with_sequence,
 )
 from .aggregation_settings import AGGREGATION_FIELDS
@@ -166,6 +167,24 @@ def drop_path(x: torch.Tensor, rate: float, training: bool) -> torch.Tensor:
     return x * keep / (1.0 - rate)
 
 
+def resize_position_embedding(
+    position_embedding: torch.Tensor, grid_height: int, grid_width: int | None = None
+) -> torch.Tensor:
+    """A ``(1, 1 + side**2, D)`` ViT position embedding for a ``grid_height x grid_width`` patch grid (``grid_width``
+    defaults to ``grid_height``): itself for its own grid, else resized bicubically (the CLS entry kept), with the
+    same call as BLIP's ``interpolate_pos_encoding`` (the run-time interpolation and the converters' resize)."""
+    side = int(math.sqrt(position_embedding.shape[1] - 1))
+    if side * side != position_embedding.shape[1] - 1:
+        raise ValueError(f"Position embedding of shape {tuple(position_embedding.shape)} is not a square patch grid.")
+    grid_width = grid_height if grid_width is None else grid_width
+    if (grid_height, grid_width) == (side, side):
+        return position_embedding
+    grid = position_embedding[:, 1:].reshape(1, side, side, -1).permute(0, 3, 1, 2)
+    grid = F.interpolate(grid.float(), size=(grid_height, grid_width), mode="bicubic", align_corners=False)
+    grid = grid.to(position_embedding.dtype).permute(0, 2, 3, 1).flatten(1, 2)
+    return torch.cat([position_embedding[:, :1], grid], dim=1)
+
+
 class TestaVisionEmbeddings(nn.Module):
     """Patch embedding, CLS, spatial position embedding and temporal embedding (zero-initialised, TimeSformer)."""
 
@@ -181,14 +200,7 @@ class TestaVisionEmbeddings(nn.Module):
 
     def spatial_position_embedding(self, grid_height: int, grid_width: int) -> torch.Tensor:
         """``(1, 1 + h * w, D)``; bicubic interpolation of the patch grid when the image size differs."""
-        position = self.position_embedding
-        side = int(math.sqrt(position.shape[1] - 1))
-        if (grid_height, grid_width) == (side, side):
-            return position
-        grid = position[:, 1:].reshape(1, side, side, -1).permute(0, 3, 1, 2)
-        grid = F.interpolate(grid.float(), size=(grid_height, grid_width), mode="bicubic", align_corners=False)
-        grid = grid.to(position.dtype).permute(0, 2, 3, 1).flatten(1, 2)
-        return torch.cat([position[:, :1], grid], dim=1)
+        return resize_position_embedding(self.position_embedding, grid_height, grid_width)
 
     def temporal_position_embedding(self, num_frames: int) -> torch.Tensor:
         """``(1, T, D)``; nearest interpolation (as TimeSformer does) when the frame count differs."""
@@ -352,8 +364,7 @@ def pool_video_tokens(video_embeds: torch.Tensor, token_sizes: torch.Tensor | No
     if pooling == "weighted_mean":
         if token_sizes is None:
             raise ValueError("`video_pooling='weighted_mean'` needs the token sizes (`video_token_sizes`).")
-        weights = token_sizes.to(video_embeds.dtype).unsqueeze(-1)
-        return (video_embeds * weights).sum(dim=1) / weights.sum(dim=1)
+        return weighted_token_mean(video_embeds, token_sizes)
     return video_embeds.mean(dim=1)
 
 
@@ -501,4 +512,5 @@ __all__ = [
     "drop_path",
     "eager_attention_forward",
     "pool_video_tokens",
+    "resize_position_embedding",
 ]

@@ -41,20 +41,10 @@ from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPooling, ImageClassifierOutput
 
 from .aggregation import attention_received
-from .aggregation_block import (
-    AggregationSettings,
-    AttentionOutput,
-    DividedHost,
-    JointHost,
-    TokenState,
-    divided_block,
-    initial_state,
-    joint_block,
-    sequence,
-    token_sizes_with_cls,
-)
+from .aggregation_block import (AggregationSettings, AttentionOutput, DividedHost, JointHost, TokenState, divided_block,
+                                initial_state, joint_block, sequence, token_sizes_with_cls, weighted_token_mean)
 from .aggregation_settings import DEFAULTS
-from .visualization import AggregationGroups, draw_aggregation
+from .visualization import AggregationGroups, displayable_frames, draw_aggregation, frame_groups_of
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -137,9 +127,7 @@ def _base_of(model: nn.Module, family: _Family) -> nn.Module:
 
 
 def _layers(base: nn.Module, family: str) -> nn.ModuleList:
-    if family == "timesformer":
-        return base.encoder.layer
-    if family == "videomae":
+    if family in ("timesformer", "videomae"):
         return base.encoder.layer
     if family == "vivit":
         return base.layers
@@ -194,9 +182,12 @@ def _sdpa(query, key, value, bias, scale, dropout, training, need_importance) ->
     return AttentionOutput(context, key.mean(dim=1), importance)
 
 
-def _heads(x: torch.Tensor, linear: nn.Module, head_dim: int) -> torch.Tensor:
+def _separate_qkv_sdpa(x, projections, head_dim, bias, scale, dropout, training, need_importance) -> AttentionOutput:
+    """`_sdpa` of a host with separate query, key and value linears (``projections``, in that order) over the
+    normalised tokens ``x`` ``(batch, tokens, hidden)``; the host applies its output projection."""
     batch, tokens = x.shape[:2]
-    return linear(x).view(batch, tokens, -1, head_dim).transpose(1, 2)
+    query, key, value = (linear(x).view(batch, tokens, -1, head_dim).transpose(1, 2) for linear in projections)
+    return _sdpa(query, key, value, bias, scale, dropout, training, need_importance)
 
 
 def _timesformer_attention(attention: nn.Module, x, bias, need_importance) -> AttentionOutput:
@@ -227,28 +218,23 @@ TIMESFORMER_HOST = DividedHost(
 
 def _videomae_attention(layer, x, bias, need_importance, need_weights=False) -> AttentionOutput:
     inner = layer.attention.attention
-    x = layer.layernorm_before(x)
-    d = inner.attention_head_size
-    q, k, v = _heads(x, inner.query, d), _heads(x, inner.key, d), _heads(x, inner.value, d)
-    result = _sdpa(q, k, v, bias, inner.scaling, inner.dropout_prob, inner.training, need_importance)
+    result = _separate_qkv_sdpa(layer.layernorm_before(x), (inner.query, inner.key, inner.value),
+                                inner.attention_head_size, bias, inner.scaling, inner.dropout_prob, inner.training,
+                                need_importance)
     return result._replace(output=layer.attention.output(result.output, None))
 
 
 def _vivit_attention(layer, x, bias, need_importance, need_weights=False) -> AttentionOutput:
     inner = layer.attention
-    x = layer.layernorm_before(x)
-    d = inner.head_dim
-    q, k, v = _heads(x, inner.q_proj, d), _heads(x, inner.k_proj, d), _heads(x, inner.v_proj, d)
-    result = _sdpa(q, k, v, bias, inner.scaling, inner.attention_dropout, inner.training, need_importance)
+    result = _separate_qkv_sdpa(layer.layernorm_before(x), (inner.q_proj, inner.k_proj, inner.v_proj), inner.head_dim,
+                                bias, inner.scaling, inner.attention_dropout, inner.training, need_importance)
     return result._replace(output=inner.o_proj(result.output))
 
 
 def _clip_attention(layer, x, bias, need_importance, need_weights=False) -> AttentionOutput:
     inner = layer.self_attn
-    x = layer.layer_norm1(x)
-    d = inner.head_dim
-    q, k, v = _heads(x, inner.q_proj, d), _heads(x, inner.k_proj, d), _heads(x, inner.v_proj, d)
-    result = _sdpa(q, k, v, bias, inner.scale, inner.dropout, inner.training, need_importance)
+    result = _separate_qkv_sdpa(layer.layer_norm1(x), (inner.q_proj, inner.k_proj, inner.v_proj), inner.head_dim,
+                                bias, inner.scale, inner.dropout, inner.training, need_importance)
     return result._replace(output=inner.out_proj(result.output))
 
 
@@ -286,23 +272,20 @@ def _run_block(block: Callable, host, layer: nn.Module, settings: AggregationSet
     return block(host, layer, settings, index, state)
 
 
+def _flag(config, kwargs: dict, name: str, default: bool) -> bool:
+    """The call's ``name`` flag (popped from ``kwargs``), else the config's, as transformers' forwards read them."""
+    value = kwargs.pop(name, None)
+    return bool(getattr(config, name, default) if value is None else value)
+
+
 def _check_flags(config, kwargs: dict) -> tuple[bool, bool]:
     """``(output_hidden_states, return_dict)``; attention weights cannot come out of SDPA."""
-    output_attentions = kwargs.pop("output_attentions", None)
-    if output_attentions is None:
-        output_attentions = getattr(config, "output_attentions", False)
-    if output_attentions:
+    if _flag(config, kwargs, "output_attentions", False):
         raise ValueError(
             "A model patched by apply_testa runs attention through scaled_dot_product_attention and cannot return "
             "attention weights; call remove_testa(model) to get them."
         )
-    output_hidden_states = kwargs.pop("output_hidden_states", None)
-    if output_hidden_states is None:
-        output_hidden_states = getattr(config, "output_hidden_states", False)
-    return_dict = kwargs.pop("return_dict", None)
-    if return_dict is None:
-        return_dict = getattr(config, "return_dict", True)
-    return bool(output_hidden_states), bool(return_dict)
+    return _flag(config, kwargs, "output_hidden_states", False), _flag(config, kwargs, "return_dict", True)
 
 
 def _finish(state: _PatchState, output: TestaPatchedModelOutput, return_dict: bool):
@@ -453,22 +436,15 @@ _BASE_FORWARDS = {
 }
 
 
-def _weighted_mean(tokens: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
-    """Mean over the tokens weighted by how many input tubelets each stands for (= the unpatched mean at R = 0)."""
-    weights = sizes.to(tokens.dtype).unsqueeze(-1)
-    return (tokens * weights).sum(dim=1) / weights.sum(dim=1)
-
-
 def _videomae_classifier_forward(state: _PatchState):
     """VideoMAEForVideoClassification with a size-weighted mean pool (its head averages all tokens)."""
 
     def forward(self, pixel_values: torch.Tensor | None = None, labels: torch.Tensor | None = None, **kwargs):
-        return_dict = kwargs.pop("return_dict", None)
-        return_dict = getattr(self.config, "return_dict", True) if return_dict is None else return_dict
+        return_dict = _flag(self.config, kwargs, "return_dict", True)
         outputs = self.videomae(pixel_values, return_dict=True, **kwargs)
         sequence = outputs.last_hidden_state
         if self.fc_norm is not None:
-            pooled = self.fc_norm(_weighted_mean(sequence, outputs.token_sizes))
+            pooled = self.fc_norm(weighted_token_mean(sequence, outputs.token_sizes))  # = the unpatched mean at R = 0
         else:  # the head reads the first token, as the unpatched model does
             pooled = sequence[:, 0]
         logits = self.classifier(pooled)
@@ -674,10 +650,6 @@ def patched_token_grid(model: nn.Module, frames: int, patches_per_frame: int) ->
     return state.settings.token_schedule(frames, patches_per_frame, has_cls=state.family != "videomae")
 
 
-def _patch_size(config, family: str) -> int:
-    return config.tubelet_size[1] if family == "vivit" else config.patch_size
-
-
 @torch.no_grad()
 def patched_aggregation_groups(
     model: nn.Module, pixel_values: torch.Tensor, image_mean: Any = None, image_std: Any = None
@@ -710,13 +682,12 @@ def patched_aggregation_groups(
         state.settings = settings
         base.train(was_training)
     source_map = output.source_map.cpu()
-    frames, channels, height, width = video.shape
-    patch = _patch_size(base.config, family)
+    frames, _, height, width = video.shape
+    patch = base.config.tubelet_size[1] if family == "vivit" else base.config.patch_size  # ViViT: (t, h, w) tubelets
     patch_grid = (height // patch, width // patch)
     slices = source_map.shape[0] if family == "clip" else source_map.shape[1]
     tubelet = frames // slices
     grid = patched_token_grid(model, 1 if family == "clip" else slices, patch_grid[0] * patch_grid[1])[-1]
-    joint = settings.aggregation_dims == "joint"
     if family == "clip":  # frame t's tokens follow each other: flat id t * L' + l
         offsets = torch.arange(frames).view(frames, 1) * grid[1]
         tokens = torch.where(source_map[:, 0] >= 0, source_map[:, 0] + offsets, -1)
@@ -726,26 +697,14 @@ def patched_aggregation_groups(
         tokens = torch.where(sm >= 0, (sm % grid[0]) * grid[1] + sm // grid[0], -1)
     else:
         tokens = source_map[0]
-    if joint:
-        frame_groups = torch.arange(slices)
-    else:
-        frame_groups = torch.where(tokens >= 0, tokens // grid[1], -1).max(dim=1).values
-    pixels = video[::tubelet].detach().float().cpu()
-    if image_mean is not None and image_std is not None:
-        mean = torch.as_tensor(image_mean, dtype=torch.float32).view(-1, 1, 1)
-        std = torch.as_tensor(image_std, dtype=torch.float32).view(-1, 1, 1)
-        pixels = pixels * std + mean
-    else:
-        pixels = (pixels - pixels.min()) / (pixels.max() - pixels.min()).clamp(min=1e-6)
-    pixels = pixels.expand(-1, 3, -1, -1) if channels == 1 else pixels[:, :3]
     return AggregationGroups(
-        pixels=pixels.clamp(0, 1),
+        pixels=displayable_frames(video[None, ::tubelet], image_mean=image_mean, image_std=image_std),
         source_map=tokens,
-        frame_groups=frame_groups,
+        frame_groups=frame_groups_of(tokens, grid[1], settings.aggregation_dims == "joint"),
         grid=tuple(grid),
         patch_grid=patch_grid,
         layer=len(_layers(base, family)) - 1,
-        aggregation_dims="joint" if joint else settings.aggregation_dims,
+        aggregation_dims=settings.aggregation_dims,
     )
 
 

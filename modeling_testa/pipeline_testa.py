@@ -77,6 +77,11 @@ def library(module: str, feature: str) -> Any:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+def _given(**values: Any) -> dict[str, Any]:
+    """The keyword arguments that were given (not None): the entries a pipeline call adds to its parameters."""
+    return {name: value for name, value in values.items() if value is not None}
+
+
 def _common_parameters(
     pipeline: Any, unused: dict, text_kwargs: dict | None, video_kwargs: dict | None, num_frames: int | None
 ) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -85,10 +90,7 @@ def _common_parameters(
     shortcut folded in."""
     if unused:
         raise TypeError(f"{type(pipeline).__name__} got unexpected arguments {sorted(unused)}.")
-    merged = dict(video_kwargs or {})
-    if num_frames is not None:
-        merged["num_frames"] = num_frames
-    return ({"text_kwargs": text_kwargs} if text_kwargs is not None else {}), merged
+    return _given(text_kwargs=text_kwargs), {**(video_kwargs or {}), **_given(num_frames=num_frames)}
 
 
 def check_top_k(top_k: Any) -> None:
@@ -353,10 +355,8 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
             forward["video_kwargs"] = video_kwargs
         if rerank_k is not None:
             check_rerank_k(rerank_k)
-        for name, value in (("rerank_k", rerank_k), ("itm_score", itm_score), ("add_cosine", add_cosine),
-                            ("progress_bar", progress_bar), ("video_batch_size", video_batch_size)):
-            if value is not None:
-                forward[name] = value
+        forward.update(_given(rerank_k=rerank_k, itm_score=itm_score, add_cosine=add_cosine,
+                              progress_bar=progress_bar, video_batch_size=video_batch_size))
         if top_k is not None:
             check_top_k(top_k)
             forward["top_k"] = top_k
@@ -370,9 +370,7 @@ class VideoTextRetrievalPipeline(_TestaPipeline):
             For one query, a list of `{"video": <the given item>, "score": float, "reranked": bool}` (see the class
             docstring for the order and what the scores mean); for a list of queries, one such list per query.
         """
-        batch_size = kwargs.pop("batch_size", None)
-        if batch_size is not None:
-            kwargs["video_batch_size"] = batch_size
+        kwargs.update(_given(video_batch_size=kwargs.pop("batch_size", None)))  # videos encoded at a time
         return super().__call__({"text": text, "videos": videos}, **kwargs)
 
     def preprocess(self, inputs: dict[str, Any], text_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -613,10 +611,7 @@ class ZeroShotVideoClassificationPipeline(_TestaPipeline):
     ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
         preprocess, video_kwargs = _common_parameters(self, unused, text_kwargs, video_kwargs, num_frames)
         postprocess = {}
-        if candidate_labels is not None:
-            preprocess["candidate_labels"] = candidate_labels
-        if hypothesis_template is not None:
-            preprocess["hypothesis_template"] = hypothesis_template
+        preprocess.update(_given(candidate_labels=candidate_labels, hypothesis_template=hypothesis_template))
         if video_kwargs:
             preprocess["video_kwargs"] = video_kwargs
         if top_k is not None:
@@ -664,9 +659,8 @@ class ZeroShotVideoClassificationPipeline(_TestaPipeline):
         if not isinstance(hypothesis_template, str) or "{}" not in hypothesis_template:
             raise ValueError(f"`hypothesis_template` must be a string containing '{{}}', got {hypothesis_template!r}.")
         prompts = [hypothesis_template.format(label) for label in labels]
-        labels_prefix = "video" if inputs["single"] else "videos"
         pixels = [
-            self.pixel_values(item, labels_prefix if inputs["single"] else f"videos[{inputs['offset'] + j}]", video_kwargs)
+            self.pixel_values(item, "video" if inputs["single"] else f"videos[{inputs['offset'] + j}]", video_kwargs)
             for j, item in enumerate(inputs["videos"])
         ]
         return {"pixel_values": torch.cat(pixels), **self.tokenize(prompts, text_kwargs), "candidate_labels": labels}
@@ -746,19 +740,15 @@ class VideoQuestionAnsweringPipeline(_TestaPipeline):
     ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
         preprocess, video_kwargs = _common_parameters(self, unused, text_kwargs, video_kwargs, num_frames)
         forward, postprocess = {}, {}
-        if candidate_answers is not None:
-            preprocess["candidate_answers"] = candidate_answers
+        preprocess.update(_given(candidate_answers=candidate_answers))
         if video_kwargs:
             preprocess["video_kwargs"] = video_kwargs
         if top_k is not None:
             check_top_k(top_k)
             forward["top_k"] = top_k
-        if label_smoothing is not None:
-            forward["label_smoothing"] = label_smoothing
-        generate_kwargs = dict(generate_kwargs or {})
-        for name, value in (("max_length", max_length), ("max_new_tokens", max_new_tokens), ("num_beams", num_beams)):
-            if value is not None:
-                generate_kwargs[name] = value
+        forward.update(_given(label_smoothing=label_smoothing))
+        generate_kwargs = {**(generate_kwargs or {}),
+                           **_given(max_length=max_length, max_new_tokens=max_new_tokens, num_beams=num_beams)}
         if generate_kwargs:
             forward["generate_kwargs"] = generate_kwargs
         return preprocess, forward, postprocess

@@ -33,6 +33,7 @@ no package imports at all (it is loaded by path in the helper), and decord and P
 """
 
 import bisect
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -279,7 +280,7 @@ class PyAVReader:
             packets = container.demux(stream)
             first = next(packets, None)
             if first is None or first.pts is None or self.positions.get(int(first.pts), -1) <= key[1]:
-                return packets if first is None else _chain(first, packets)
+                return packets if first is None else itertools.chain((first,), packets)
             self.seek = False
         container.seek(self.sorted_pts[0], stream=stream, backward=True)
         return container.demux(stream)
@@ -322,11 +323,6 @@ class PyAVReader:
                     break  # the target is out: look again whether to jump ahead
             else:
                 return  # the end of the data: what is still pending is not decodable
-
-
-def _chain(first, rest):
-    yield first
-    yield from rest
 
 
 @dataclass(frozen=True)

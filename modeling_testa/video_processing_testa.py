@@ -185,6 +185,13 @@ class TestaVideoProcessor(BaseVideoProcessor):
             fps=self.fps,
         )
 
+    @classmethod
+    def for_model_input(cls, num_frames: int, image_size: int, **kwargs: Any) -> "TestaVideoProcessor":
+        """A processor giving a model's input: ``num_frames`` frames resized to ``image_size`` (``size`` and
+        ``crop_size``), the other settings at their defaults or as in ``kwargs``."""
+        return cls(num_frames=num_frames, size={"shortest_edge": image_size},
+                   crop_size={"height": image_size, "width": image_size}, **kwargs)
+
     # -- options ------------------------------------------------------------------------------------------------------
 
     @staticmethod
@@ -197,12 +204,11 @@ class TestaVideoProcessor(BaseVideoProcessor):
         fps: float | None = None,
         **_: Any,
     ) -> None:
-        if frame_sampling is not None and frame_sampling not in FRAME_SAMPLING_STRATEGIES:
-            raise ValueError(f"Unknown frame_sampling={frame_sampling!r}; use one of {FRAME_SAMPLING_STRATEGIES}.")
-        if resize_mode is not None and resize_mode not in RESIZE_MODES:
-            raise ValueError(f"Unknown resize_mode={resize_mode!r}; use one of {RESIZE_MODES}.")
-        if video_backend is not None and video_backend not in VIDEO_BACKENDS:
-            raise ValueError(f"Unknown video_backend={video_backend!r}; use one of {VIDEO_BACKENDS}.")
+        for name, value, allowed in (("frame_sampling", frame_sampling, FRAME_SAMPLING_STRATEGIES),
+                                     ("resize_mode", resize_mode, RESIZE_MODES),
+                                     ("video_backend", video_backend, VIDEO_BACKENDS)):
+            if value is not None and value not in allowed:
+                raise ValueError(f"Unknown {name}={value!r}; use one of {allowed}.")
         if num_frames is not None and (isinstance(num_frames, bool) or int(num_frames) < 1):
             raise ValueError(f"`num_frames` must be a positive int, got {num_frames!r}.")
         if dtype is not None:
@@ -233,9 +239,7 @@ class TestaVideoProcessor(BaseVideoProcessor):
             source (`str`, defaults to `"the video"`): names the video in error messages.
         """
         self._check_options(num_frames=num_frames, fps=fps)
-        _check_one_frame_budget(num_frames, fps)
-        if num_frames is None and fps is None:
-            num_frames, fps = self.num_frames, self.fps
+        num_frames, fps = self._frame_budget(num_frames, fps)
         total = metadata.total_num_frames
         if fps is not None:
             num_frames = frames_for_fps(total, metadata.fps, fps, source)

@@ -211,6 +211,15 @@ def trace_sources(model: Any, pixel_values: torch.Tensor, layer: int = -1) -> tu
     return tokens.source_map.cpu(), (tokens.patches.shape[1], tokens.patches.shape[2])
 
 
+def frame_groups_of(source_map: torch.Tensor, tokens_per_frame: int, joint: bool) -> torch.Tensor:
+    """`AggregationGroups.frame_groups` of a ``(T0, h * w)`` source map into a grid of ``tokens_per_frame`` tokens per
+    frame: every valid patch of an input frame lies in the same output frame (frames merge as a whole), -1 when all
+    were pruned; in joint mode ``arange(T0)``."""
+    if joint:
+        return torch.arange(source_map.shape[0])
+    return torch.where(source_map >= 0, source_map // tokens_per_frame, -1).max(dim=1).values
+
+
 def aggregation_groups(
     model: Any,
     processor: Any,
@@ -226,20 +235,13 @@ def aggregation_groups(
     pixel_values = video_pixel_values(processor, video, processor_kwargs)
     source_map, grid = trace_sources(encoder, pixel_values, layer)
     source_map = source_map[0]
-    frames, _, height, width = pixel_values.shape[1:]
+    height, width = pixel_values.shape[-2:]
     patch = encoder.config.patch_size
     pixels = displayable_frames(pixel_values, processor, image_mean, image_std)
-    joint = encoder.config.aggregation_dims == "joint"
-    if joint:
-        frame_groups = torch.arange(frames)
-    else:
-        # every valid patch of an input frame lies in the same output frame (frames merge as a whole)
-        out_frame = torch.where(source_map >= 0, source_map // grid[1], -1)
-        frame_groups = out_frame.max(dim=1).values
     return AggregationGroups(
         pixels=pixels,
         source_map=source_map,
-        frame_groups=frame_groups,
+        frame_groups=frame_groups_of(source_map, grid[1], encoder.config.aggregation_dims == "joint"),
         grid=grid,
         patch_grid=(height // patch, width // patch),
         layer=_normalised_layer(layer, len(encoder.layers)),
@@ -434,6 +436,7 @@ __all__ = [
     "aggregation_groups",
     "displayable_frames",
     "draw_aggregation",
+    "frame_groups_of",
     "trace_sources",
     "video_pixel_values",
     "vision_encoder",

@@ -65,12 +65,7 @@ def load_processor(folder: str | Path, num_frames: int, image_size: int) -> tupl
             except (OSError, ValueError, KeyError, TypeError, ImportError) as error:
                 errors.append(f"{loader.__name__}: {error}")
         print(f"warning: the processor in {folder} could not be loaded ({'; '.join(errors)})", file=sys.stderr)
-    processor = TestaVideoProcessor(
-        num_frames=num_frames,
-        size={"shortest_edge": image_size},
-        crop_size={"height": image_size, "width": image_size},
-    )
-    return processor, f"TestaVideoProcessor at {image_size} px"
+    return TestaVideoProcessor.for_model_input(num_frames, image_size), f"TestaVideoProcessor at {image_size} px"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,25 +21,9 @@ from __future__ import annotations
 
 import os
 
-from .build_common import (
-    AnnotationError,
-    ReadOptions,
-    RowStream,
-    Sentence,
-    SplitSource,
-    clean_text,
-    describe,
-    find_annotation,
-    find_media,
-    is_reordered,
-    load_json_any,
-    paragraph_fields,
-    pre_question,
-    require_field,
-    require_seconds,
-    require_text,
-    text_list,
-)
+from .build_common import (AnnotationError, ReadOptions, RowStream, Sentence, SplitSource, clean_text, describe,
+                           find_annotation, find_media, is_reordered, load_json_any, paragraph_fields, pre_question,
+                           require_field, require_seconds, require_text, text_list)
 
 
 VIDEO_EXTENSIONS = (".mp4", ".mkv", ".webm")

@@ -19,18 +19,8 @@ import glob
 import os
 from collections.abc import Iterator
 
-from .build_common import (
-    AnnotationError,
-    Media,
-    MediaError,
-    OptionError,
-    ReadOptions,
-    RowStream,
-    SplitSource,
-    clean_text,
-    find_annotation,
-    find_media,
-)
+from .build_common import (AnnotationError, Media, MediaError, OptionError, ReadOptions, RowStream, SplitSource,
+                           clean_text, find_annotation, find_media)
 
 
 IMAGE_LAYOUTS = ("img2dataset", "flat")

@@ -134,11 +134,6 @@ def find_media(candidates: Sequence[str]) -> Media:
     return Media(unique, None)
 
 
-def with_extensions(base: str, extensions: Sequence[str]) -> list[str]:
-    """``base + ext`` for every extension (``""`` keeps `base` itself)."""
-    return [base + ext for ext in extensions]
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # annotation files
 

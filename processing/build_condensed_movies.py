@@ -21,17 +21,8 @@ import csv
 import os
 from collections import Counter
 
-from .build_common import (
-    AnnotationError,
-    AnnotationNotFound,
-    ReadOptions,
-    RowStream,
-    SplitSource,
-    clean_text,
-    find_annotation,
-    find_media,
-    find_optional,
-)
+from .build_common import (AnnotationError, AnnotationNotFound, ReadOptions, RowStream, SplitSource, clean_text,
+                           find_annotation, find_media, find_optional)
 
 
 SUBDIRS = ("", "metadata", os.path.join("data", "metadata"))

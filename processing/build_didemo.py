@@ -27,23 +27,9 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from .build_common import (
-    AnnotationError,
-    ReadOptions,
-    RowStream,
-    Sentence,
-    SplitSource,
-    clean_text,
-    describe,
-    find_annotation,
-    find_media,
-    is_reordered,
-    load_json_any,
-    paragraph_fields,
-    require_field,
-    require_text,
-    text_list,
-)
+from .build_common import (AnnotationError, ReadOptions, RowStream, Sentence, SplitSource, clean_text, describe,
+                           find_annotation, find_media, is_reordered, load_json_any, paragraph_fields, require_field,
+                           require_text, text_list)
 
 
 SEGMENT_SECONDS = 5

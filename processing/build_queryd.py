@@ -23,20 +23,8 @@ from __future__ import annotations
 import os
 import pickle
 
-from .build_common import (
-    AnnotationError,
-    ReadOptions,
-    RowStream,
-    Sentence,
-    SplitSource,
-    describe,
-    find_annotation,
-    find_media,
-    find_optional,
-    is_reordered,
-    paragraph_fields,
-    require_seconds,
-)
+from .build_common import (AnnotationError, ReadOptions, RowStream, Sentence, SplitSource, describe, find_annotation,
+                           find_media, find_optional, is_reordered, paragraph_fields, require_seconds)
 
 
 SUBDIRS = ("", "structured-symlinks", os.path.join("data", "QuerYD", "structured-symlinks"))

@@ -13,15 +13,8 @@ from __future__ import annotations
 import csv
 import os
 
-from .build_common import (
-    AnnotationError,
-    ReadOptions,
-    RowStream,
-    SplitSource,
-    clean_text,
-    find_annotation,
-    find_media,
-)
+from .build_common import (AnnotationError, ReadOptions, RowStream, SplitSource, clean_text, find_annotation,
+                           find_media)
 
 
 def read_webvid(annotations: str, videos: str, split: str, options: ReadOptions) -> SplitSource:

@@ -12,14 +12,14 @@ ships `modeling_testa` only).
 
 What an application needs (the app in `app/` uses these names only) is exported here: `open_index` (a store, or
 its Milvus collection), the rows (`IndexEntry`, `window_entries`), the failure records and encoding stats, and
-`moment_frames`.
+`moment_frames` / `moment_label`.
 """
 
 from .build import window_entries
 from .encoding import EncodingStats, Failure, NoReadableVideoError, is_media_error
 from .homes import IndexEntry, SearchableIndex, open_index
 from .index import VideoIndex
-from .moments import moment_frames
+from .moments import moment_frames, moment_label
 from .store.lock import StoreLock, StoreLockedError
 from .store.video_store import DamagedStoreError
 
@@ -36,6 +36,7 @@ __all__ = [
     "VideoIndex",
     "is_media_error",
     "moment_frames",
+    "moment_label",
     "open_index",
     "window_entries",
 ]

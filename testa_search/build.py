@@ -157,24 +157,23 @@ class FileDecoder:
             yield from WindowRowDecoder(self.video_processor, self.num_frames, self.batch_size, self.num_workers,
                                         self.on_error)(entries, positions)
             return
-        collate = self.collate
         items = [(p, entries[p].video) for p in positions]
-        for indices, pixel_values, failures in rebatch(self.decoded(collate, items), self.batch_size):
+        for indices, pixel_values, failures in rebatch(self.decoded(items), self.batch_size):
             yield indices, pixel_values, [dataclasses.replace(
                 f, video=entries[f.index].name(f.index), start=entries[f.index].start, end=entries[f.index].end)
                 for f in failures]
 
-    def decoded(self, collate: Callable[[list[Any]], DecodedBatch], items: list[Any]) -> Iterable[DecodedBatch]:
-        """The items decoded one by one (a batch each), in order, ahead of the caller with workers."""
+    def decoded(self, items: list[Any]) -> Iterable[DecodedBatch]:
+        """The items decoded one by one (a batch each, by `collate`), in order, ahead of the caller with workers."""
         if self.worker_processes:
             from torch.utils.data import DataLoader  # only the processes' variant needs it
 
             # one decoded item in flight per worker (the default is 2): decoded pixels are the largest host buffers
-            yield from DataLoader(items, batch_size=1, collate_fn=collate, num_workers=self.num_workers,
+            yield from DataLoader(items, batch_size=1, collate_fn=self.collate, num_workers=self.num_workers,
                                   prefetch_factor=1 if self.num_workers else None,
-                                  **dataloader_workers(self.num_workers, collate))
+                                  **dataloader_workers(self.num_workers, self.collate))
             return
-        with DecodeAhead(lambda j: collate([items[j]]), len(items), self.num_workers,
+        with DecodeAhead(lambda j: self.collate([items[j]]), len(items), self.num_workers,
                          max(2 * self.batch_size, self.num_workers), self.thread_initializer) as ahead:
             yield from ahead
 

@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -202,11 +202,6 @@ class NoReadableVideoError(ValueError):
         return type(self), (self.failures, self.note)
 
 
-def failure_reason(error: BaseException, source: str | os.PathLike | None = None) -> str:
-    """``"<code>: <ErrorType>: <message>"``: the `failure_code` and the error that says why ``source`` failed."""
-    return str(Failure.from_error(error, str(source), source=source))
-
-
 DecodedBatch = tuple[list[int], "torch.Tensor | None", list[Failure]]
 """``(indices, pixel_values (batch, frames, 3, H, W) or None, failures)``: the videos of a batch by their position in
 the collection, and the ones that could not be decoded (`Failure` records with their `index`)."""
@@ -257,27 +252,27 @@ class EncodingStats:
         return self.videos / self.seconds if self.seconds > 0 else float("inf")
 
     def merged(self, other: "EncodingStats") -> "EncodingStats":
-        """The stats of this run followed by `other` (times and counts add up)."""
-        return EncodingStats(
-            videos=self.videos + other.videos, seconds=self.seconds + other.seconds,
-            decode_wait_seconds=self.decode_wait_seconds + other.decode_wait_seconds,
-            encode_seconds=self.encode_seconds + other.encode_seconds,
-            num_workers=max(self.num_workers, other.num_workers), failed=self.failed + other.failed,
-        )
+        """The stats of this run followed by `other` (times and counts add up; the workers are the larger number)."""
+        added = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}
+        return EncodingStats(**{**added, "num_workers": max(self.num_workers, other.num_workers)})
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "videos": self.videos,
-            "seconds": self.seconds,
-            "videos_per_second": self.videos_per_second,
-            "decode_wait_seconds": self.decode_wait_seconds,
-            "encode_seconds": self.encode_seconds,
-            "num_workers": self.num_workers,
-            "failed": self.failed,
-        }
+        """Every field, and `videos_per_second` after `seconds`."""
+        return {"videos": self.videos, "seconds": self.seconds, "videos_per_second": self.videos_per_second,
+                **asdict(self)}
 
 
-class InMemorySink:
+class NothingToClose:
+    """The context manager of a sink that holds no file (`InMemorySink`, the Milvus writer): it closes nothing."""
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        pass
+
+
+class InMemorySink(NothingToClose):
     """Keeps encoded videos in memory, in collection order: embeddings (fp32, on the CPU) and, with
     ``store_tokens``, the tokens (in ``token_dtype``, default: the model's) and token sizes (fp32). Videos that
     failed are left out: `indices` lists the encoded ones, `failures` maps a failed video to its reason."""
@@ -310,12 +305,6 @@ class InMemorySink:
         self.failures.append(Failure(str(video), code or "unknown", str(reason), int(index)))
 
     done: set[int] = frozenset()  # a sink in memory is never resumed
-
-    def __enter__(self) -> "InMemorySink":
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        pass
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """``(embeddings, tokens or None, token_sizes or None)`` of every video encoded (`indices`), at least one."""
@@ -395,18 +384,6 @@ def failure_summary(failures: list[Failure], total: int, limit: int = SUMMARY_FA
     return f"{len(failures)} of {total} videos could not be read and were skipped:\n" + failure_lines(failures, limit)
 
 
-def decode_or_failure(decode: Callable[[], torch.Tensor], index: int, video: str, on_error: str
-                      ) -> tuple[torch.Tensor | None, Failure | None]:
-    """``(decode(), None)``, or ``(None, Failure)`` when it raises a media error (`is_media_error`) and ``on_error``
-    is ``"skip"``; other errors, and every error with ``"raise"``, propagate unchanged."""
-    try:
-        return decode(), None
-    except Exception as error:
-        if on_error == "raise" or not is_media_error(error):
-            raise
-        return None, Failure.from_error(error, str(video), index)
-
-
 class DecodeEach:
     """Collation for indexing a collection: decodes each video on its own with ``decode(video, position)``, so that a
     file that cannot be read fails alone. Takes ``[(position, video), ...]`` and returns a `DecodedBatch`: ``(indices,
@@ -420,13 +397,14 @@ class DecodeEach:
     def __call__(self, batch: list[tuple[int, Any]]) -> DecodedBatch:
         indices, pixels, failures = [], [], []
         for index, video in batch:
-            decoded, failure = decode_or_failure(lambda: self.decode_one(video, index), index,  # noqa: B023
-                                                 str(video), self.on_error)
-            if failure is not None:
-                failures.append(failure)
+            try:
+                pixels.append(self.decode_one(video, index))
+            except Exception as error:  # a media error (`is_media_error`) is the video's failure with "skip"
+                if self.on_error == "raise" or not is_media_error(error):
+                    raise
+                failures.append(Failure.from_error(error, str(video), index))
                 continue
             indices.append(index)
-            pixels.append(decoded)
         return indices, (torch.cat(pixels) if pixels else None), failures
 
 
@@ -577,7 +555,7 @@ class DecodeAhead:
 
 __all__ = [
     "FAILURE_CODES", "ON_ERROR", "SUMMARY_FAILURES", "DecodeAhead", "DecodeEach", "DecodeVideos", "DecodedBatch",
-    "EncodingStats", "Failure", "InMemorySink", "NoReadableVideoError", "Sink", "check_on_error", "decode_or_failure",
-    "encode_videos", "failure_code", "failure_lines", "failure_reason", "failure_summary", "is_media_error",
-    "looks_like_video", "mp4_is_truncated",
+    "EncodingStats", "Failure", "InMemorySink", "NoReadableVideoError", "NothingToClose", "Sink", "check_on_error",
+    "encode_videos", "failure_code", "failure_lines", "failure_summary", "is_media_error", "looks_like_video",
+    "mp4_is_truncated",
 ]

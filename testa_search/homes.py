@@ -298,17 +298,16 @@ class InMemoryHome:
             return self.index
         failures = self.failures(plan)
         sink = self.sink
-        if not sink.indices:
-            if self.index is None:
-                raise NoReadableVideoError(failures)
-            self.index.add(failures_only(self.index, failures))
-            self.index.stats = stats
-            return self.index
-        embeddings, tokens, sizes = sink.result()
-        kept = [plan.rows[i] for i in sink.indices]
-        built = VideoIndex(videos=[entry.video for entry in kept], embeddings=embeddings, tokens=tokens,
-                           token_sizes=sizes, info=settings, stats=stats, failures=failures,
-                           row_fields=row_fields_of(kept), segments=segments_tensor(segments_of(kept)))
+        if not sink.indices and self.index is None:
+            raise NoReadableVideoError(failures)
+        if sink.indices:
+            embeddings, tokens, sizes = sink.result()
+            kept = [plan.rows[i] for i in sink.indices]
+            built = VideoIndex(videos=[entry.video for entry in kept], embeddings=embeddings, tokens=tokens,
+                               token_sizes=sizes, info=settings, stats=stats, failures=failures,
+                               row_fields=row_fields_of(kept), segments=segments_tensor(segments_of(kept)))
+        else:  # nothing could be read: the grown index takes the failures
+            built = failures_only(self.index, failures)
         if self.index is None:
             return built
         self.index.add(built)

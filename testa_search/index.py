@@ -43,6 +43,7 @@ from testa_search.store.video_store import (
     is_video_store,
     load_safetensors,
     read_json_file,
+    replace_file,
 )
 
 
@@ -273,8 +274,7 @@ class FirstStage:
         array = as_float32_array(queries)
         if self.kind == "flat":
             scores, ids = self.index.search(array, k)
-            scores, rows = torch.from_numpy(scores), self.to_rows(torch.from_numpy(ids).long())
-            return scores, rows
+            return torch.from_numpy(scores), self.to_rows(torch.from_numpy(ids).long())
         fetch = candidate_count(k, self.count)
         if self.kind == "hnsw":
             params = faiss.SearchParametersHNSW(efSearch=max(int(self.parameters["ef_search"]), fetch))
@@ -311,9 +311,7 @@ class FirstStage:
         os.replace(partial, directory / FIRST_STAGE_FILE)
         meta = {"kind": self.kind, "count": self.count, "dim": self.dim, "num_videos": self.num_videos,
                 "parameters": self.parameters, "fingerprint": self.fingerprint}
-        partial = directory / f".{FIRST_STAGE_INFO_FILE}.partial"
-        partial.write_text(json.dumps(meta, indent=1), encoding="utf-8")
-        os.replace(partial, directory / FIRST_STAGE_INFO_FILE)
+        replace_file(directory / FIRST_STAGE_INFO_FILE, json.dumps(meta, indent=1))
 
     @classmethod
     def load(cls, faiss: Any, directory: str | os.PathLike, embeddings: torch.Tensor,
@@ -327,11 +325,10 @@ class FirstStage:
             return None
         try:  # unreadable (damaged): rebuilt, as a stale or unreadable FAISS file is (the first stage is derived)
             meta = read_json_file(meta_path)
+            if not isinstance(meta, dict):
+                raise DamagedStoreError(meta_path, "not a JSON object")
         except DamagedStoreError as error:
             logger.warning("Ignoring the unreadable first stage %s (%s); it will be rebuilt.", meta_path, error.reason)
-            return None
-        if not isinstance(meta, dict):
-            logger.warning("Ignoring the unreadable first stage %s (not a JSON object); it will be rebuilt.", meta_path)
             return None
         count = embeddings.shape[0] if rows is None else rows.numel()
         expected = {"count": count, "dim": int(embeddings.shape[1]), "num_videos": int(embeddings.shape[0])}
@@ -571,12 +568,10 @@ class VideoIndex:
         """Opens the first stage saved in `directory` when FAISS is installed and the file is current (a stale one
         is ignored: `nearest` rebuilds it); keeps it and returns it (None when none was opened)."""
         faiss = faiss_module()
-        if faiss is not None:
-            stage = FirstStage.load(faiss, directory, self.embeddings, self.encoded_rows())
-            if stage is not None:
-                self.first_stage = stage
-                return stage
-        return None
+        stage = None if faiss is None else FirstStage.load(faiss, directory, self.embeddings, self.encoded_rows())
+        if stage is not None:
+            self.first_stage = stage
+        return stage
 
     def save_first_stage(self, directory: str | os.PathLike | None = None) -> Path | None:
         """Writes an approximate first stage (built now if it is not yet) as `first_stage.faiss` and
@@ -740,18 +735,14 @@ class VideoIndex:
             return directory
         directory.mkdir(parents=True, exist_ok=True)
         rows = self.encoded_rows()
-        kept = (lambda tensor: tensor) if rows is None else (lambda tensor: tensor[rows])
-        tensors = {"embeddings": kept(self.embeddings).detach().cpu().contiguous()}
+        kept = slice(None) if rows is None else rows  # a store's lazy tokens read every row for [:]
+        tensors = {"embeddings": self.embeddings[kept].detach().cpu().contiguous()}
         if self.segments is not None:
-            tensors["segments"] = kept(self.segments).contiguous()
+            tensors["segments"] = self.segments[kept].contiguous()
         for name in ("tokens", "token_sizes"):
             value = getattr(self, name)
             if value is not None:
-                if not isinstance(value, torch.Tensor):
-                    value = value[rows] if rows is not None else value.materialize()
-                else:
-                    value = kept(value)
-                tensors[name] = value.detach().cpu().contiguous()
+                tensors[name] = value[kept].detach().cpu().contiguous()
         save_file(tensors, str(directory / INDEX_TENSORS_FILE), metadata={"format": "pt"})
         names = self.names if rows is None else [self.names[int(i)] for i in rows]
         info = {"format_version": 1, "videos": names, "info": self.info,
@@ -760,10 +751,8 @@ class VideoIndex:
             info["row_fields"] = {key: values if rows is None else [values[int(i)] for i in rows]
                                   for key, values in self.row_fields.items()}
         (directory / INDEX_INFO_FILE).write_text(json.dumps(info, indent=2), encoding="utf-8")
-        if rows is None:
-            self.save_first_stage(directory)
-        else:
-            VideoIndex.load(directory, first_stage=False).save_first_stage(directory)
+        # a store-backed index saved so keeps its encoded rows only: the first stage of those
+        (self if rows is None else VideoIndex.load(directory, first_stage=False)).save_first_stage(directory)
         return directory
 
     def _write_store(self, directory: Path, dtype: torch.dtype, chunk: int = 64) -> None:

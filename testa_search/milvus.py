@@ -29,9 +29,9 @@ from typing import Any
 import torch
 
 from testa_search.filters import FILTER_KEYS, matches, milvus_filter
-from testa_search.homes import IndexEntry, NoLock, RowPlan, new_rows
+from testa_search.homes import IndexEntry, InMemoryHome, NoLock, RowPlan
 from testa_search.settings import IndexSettingsError, check_settings
-from testa_search.encoding import Failure
+from testa_search.encoding import Failure, NothingToClose
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ def error_text(error: BaseException) -> str:
     return " ".join(text.split())
 
 
-class MilvusWriter:
+class MilvusWriter(NothingToClose):
     """The home writer of one shard (rows ``[start, stop)`` of the builder's entries) upserting into Milvus; each
     batch is one upsert. `done` holds the rows already in the collection (a resumed shard skips them)."""
 
@@ -92,12 +92,6 @@ class MilvusWriter:
         if resume:  # the rows already there are not encoded again; without resume, every row is upserted again
             keys = {row_key(entries[i].name(i), entries[i].start, entries[i].end): i for i in range(start, stop)}
             self.done = {keys[key] for key in home.existing_keys(list(keys))}
-
-    def __enter__(self) -> "MilvusWriter":
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        pass
 
     def add_batch(self, indices: Iterable[int], tokens: torch.Tensor, token_sizes: torch.Tensor | None,
                   embeddings: torch.Tensor) -> None:
@@ -270,10 +264,9 @@ class MilvusHome:
         return NoLock()  # every write is an upsert keyed by the row: writers cannot duplicate or lose a row
 
     def plan(self, entries: list[IndexEntry], shard_size: int | None = None, num_processes: int = 1) -> RowPlan:
-        """Every given row, each once, in one shard; the rows the collection holds are skipped by its writer."""
-        added = new_rows(entries, set())
-        rows = [entries[i] for i in added]
-        return RowPlan(rows, [[0, len(rows)]] if rows else [], [0] if rows else [], added)
+        """Every given row, each once, in one shard, as a new in-memory index plans them; the rows the collection
+        holds are skipped by its writer."""
+        return InMemoryHome().plan(entries)
 
     def read_plan(self) -> RowPlan:
         raise RuntimeError("A Milvus home is written by one process per build (several builds may write it).")
@@ -288,9 +281,10 @@ class MilvusHome:
         self.writers.append(writer)
         return writer
 
-    def payload(self, entries: list[Any], i: int, vector: torch.Tensor) -> dict[str, Any]:
+    def payload(self, entries: list[Any], i: int, vector: torch.Tensor, **tokens_at: Any) -> dict[str, Any]:
+        """The payload of row `i` of `entries` (`tokens_at`: the ``store`` and ``row`` of its tokens)."""
         entry = entries[i]
-        return row_payload(entry.name(i), entry.start, entry.end, entry.dataset, vector)
+        return row_payload(entry.name(i), entry.start, entry.end, entry.dataset, vector, **tokens_at)
 
     def upsert_store_shard(self, directory: str | os.PathLike, start: int, stop: int, shard: int,
                            entries: list[Any], chunk: int = 1000) -> int:
@@ -306,12 +300,9 @@ class MilvusHome:
         embeddings, rows = tensors["embeddings"], tensors["rows"]
         payloads = []
         for local in range(stop - start):
-            if int(rows[local]) < 0:  # a failed video: never a search result
-                continue
-            i = start + local
-            entry = entries[i]
-            payloads.append(row_payload(entry.name(i), entry.start, entry.end, entry.dataset, embeddings[local],
-                                        store=directory, row=i))
+            if int(rows[local]) >= 0:  # a failed video (-1) is never a search result
+                payloads.append(self.payload(entries, start + local, embeddings[local], store=directory,
+                                             row=start + local))
         for begin in range(0, len(payloads), chunk):
             self.upsert(payloads[begin : begin + chunk])
         return len(payloads)

@@ -18,7 +18,8 @@
   each with a decoder process of its own).
 * `decode_windows` / `window_pixel_values` collect every window of one video (raw frames / model input), `moment_frames`
   decodes one moment (a strip of frames; seeking makes it cheap anywhere in a long file).
-* `format_time` writes seconds as ``h:mm:ss``; `best_moment_per_video` keeps each video's best moment of a ranking.
+* `format_time` writes seconds as ``h:mm:ss`` (`moment_label`: a result's span); `best_moment_per_video` keeps each
+  video's best moment of a ranking.
 """
 
 from __future__ import annotations
@@ -446,10 +447,7 @@ def processor_frame_steps(video_processor: Any) -> tuple[Callable[[np.ndarray], 
     def prepare(frame: np.ndarray) -> torch.Tensor:
         return normalise(resize(torch.from_numpy(frame)[None].permute(0, 3, 1, 2)))
 
-    def finish_window(frames: list[torch.Tensor]) -> torch.Tensor:
-        return torch.cat(frames)
-
-    return prepare, finish_window
+    return prepare, torch.cat
 
 
 def window_pixel_values(video_processor: Any, source: str | os.PathLike, window: float, stride: float | None = None,
@@ -662,6 +660,11 @@ class WindowRowDecoder:
             yield from rebatch(rows, self.batch_size)
 
 
+def moment_label(result: Mapping[str, Any]) -> str:
+    """``"  0:01:30-0:02:00"`` for a search result that is a moment, ``""`` for a whole video."""
+    return "" if result.get("start") is None else f"  {format_time(result['start'])}-{format_time(result['end'])}"
+
+
 def best_moment_per_video(results: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """A ranking (best first) of ``{"video", "start", "end", "score", ...}`` with each video once, at its first (best)
     moment, in the order of the ranking."""
@@ -694,6 +697,7 @@ __all__ = [
     "frame_spans",
     "frames_in_window",
     "moment_frames",
+    "moment_label",
     "plan_windows",
     "probe_duration",
     "processor_frame_steps",

@@ -184,10 +184,7 @@ def search(pipe: Any, text: str | list[str], index: SearchableIndex, top_k: int 
         logger.warning_once(f"This index returns at most {max_results} results per search: top_k and the "
                             "re-ranking depth are cut to that.")
         fetched = max_results
-    if filters:
-        cosines, candidates = index.nearest(text_features, fetched, use_faiss=use_faiss, filters=filters)
-    else:
-        cosines, candidates = index.nearest(text_features, fetched, use_faiss=use_faiss)
+    cosines, candidates = index.nearest(text_features, fetched, use_faiss=use_faiss, filters=filters or None)
     results = []
     for q in range(len(texts)):
         # only the candidates are scored: the work per query does not grow with the collection

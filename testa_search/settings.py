@@ -19,7 +19,8 @@ from typing import Any
 
 from testa_runtimes.fingerprints import weights_fingerprint
 from testa_search.store.lock import LOCK_FILE
-from testa_search.store.video_store import PLAN_FILE, forget_rows, is_video_store, read_json_file, store_metadata
+from testa_search.store.video_store import (PLAN_FILE, forget_rows, is_video_store, read_json_file, replace_file,
+                                            store_metadata)
 
 SETTINGS_FILE = "index_settings.json"
 """A store's settings, written when its first build starts (`check_store_folder`)."""
@@ -208,9 +209,7 @@ def check_store_folder(directory: str | os.PathLike, settings: dict[str, Any], r
 
 def write_json_atomically(path: Path, value: Any) -> None:
     """Writes `value` to a temporary file and renames it: a reader sees the old file or the new one."""
-    temporary = path.with_suffix(".tmp")
-    temporary.write_text(json.dumps(value, indent=1), encoding="utf-8")
-    temporary.replace(path)
+    replace_file(Path(path), json.dumps(value, indent=1))
 
 
 __all__ = ["MODEL_KEYS", "SCRATCH_KEY", "SETTINGS_FILE", "IndexInfo", "IndexSettingsError", "check_settings", "check_store_folder",

@@ -496,7 +496,7 @@ def test_a_milvus_token_from_the_environment_or_the_option_reaches_the_milvus_cl
     from_env = module.parse_args(["--index", str(store), "--milvus", milvus])
     given = module.parse_args(["--index", str(store), "--milvus", milvus, "--milvus-token", "reader:given"])
     assert (module.milvus_token(from_env), module.milvus_token(given)) == ("reader:from-env", "reader:given")
-    index = module.open_search_index(str(store), milvus, "videos", module.milvus_token(from_env))
+    index = module.open_index(str(store), milvus, "videos", module.milvus_token(from_env))  # as main opens --index
     assert tokens == ["reader:from-env"]
     from testa_search import VideoIndex
 

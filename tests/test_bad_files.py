@@ -25,7 +25,6 @@ from testa_search.encoding import (
     DecodeVideos,
     check_on_error,
     failure_code,
-    failure_reason,
     failure_summary,
     looks_like_video,
 )
@@ -78,7 +77,7 @@ def test_each_kind_of_bad_file_gets_its_code(files):
             processor(videos=[path])
         assert indexing.is_media_error(error.value), code
         assert failure_code(error.value, path) == code, (code, str(error.value)[:300])
-        reason = failure_reason(error.value, path)
+        reason = str(Failure.from_error(error.value, path))
         assert reason.startswith(f"{code}: {type(error.value).__name__}: ") and path in reason
     assert set(bad) <= set(FAILURE_CODES)
 

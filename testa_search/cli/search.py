@@ -24,7 +24,7 @@ import sys
 from typing import Any
 
 from modeling_testa import TestaProcessor, VideoTextRetrievalPipeline
-from testa_search.moments import format_time
+from testa_search.moments import moment_label
 from testa_search.filters import FILTER_KEYS
 from testa_search.settings import SETTINGS_FILE, recorded_store_settings
 from testa_search.homes import open_index
@@ -92,13 +92,6 @@ def search(store: str, queries: list[str], model: str | None = None, top_k: int 
     return [results] if isinstance(results[0], dict) else results
 
 
-def moment_text(item: dict[str, Any]) -> str:
-    """``"  0:01:30-0:02:00"`` for a moment, ``""`` for a whole video."""
-    if item.get("start") is None:
-        return ""
-    return f"  {format_time(item['start'])}-{format_time(item['end'])}"
-
-
 def main(argv: list[str] | None = None) -> list[list[dict[str, Any]]]:
     args = parse_args(argv)
     try:
@@ -114,7 +107,7 @@ def main(argv: list[str] | None = None) -> list[list[dict[str, Any]]]:
             print(f"{query}")
             for rank, item in enumerate(ranked, 1):
                 print(f"  {rank:3d}. {item['score']:9.4f}{' *' if item['reranked'] else '  '}  {item['video']}"
-                      + moment_text(item))
+                      + moment_label(item))
         if any(item["reranked"] for ranked in results for item in ranked):  # the footer says only what happened
             print("(* re-ranked by the matching head)")
     return results

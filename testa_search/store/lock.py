@@ -303,14 +303,18 @@ class StoreLock:
         finally:
             _remove_if_token(self.claim, token)
 
+    def _holder(self) -> dict[str, Any]:
+        """The payload of the lock file now (``{}`` when it is gone or unreadable)."""
+        try:
+            return read_lock(self.path)[0] or {}
+        except FileNotFoundError:
+            return {}
+
     def _beat(self) -> None:
         while not self._stop.wait(self.heartbeat):
-            try:
-                holder, _ = read_lock(self.path)
-            except FileNotFoundError:
-                holder = None
-            if (holder or {}).get("token") != self.token:
-                self.lost = f"{str(self.path)!r} no longer names this writer (now: {describe_holder(holder or {})})"
+            holder = self._holder()
+            if holder.get("token") != self.token:
+                self.lost = f"{str(self.path)!r} no longer names this writer (now: {describe_holder(holder)})"
                 logger.error("The lock of the video store %s was lost: %s.", self.directory, self.lost)
                 return
             try:
@@ -320,11 +324,8 @@ class StoreLock:
 
     def verify(self) -> None:
         """Raises `StoreLockedError` when this lock is no longer held (its file removed or taken over)."""
-        try:
-            holder, _ = read_lock(self.path)
-        except FileNotFoundError:
-            holder = None
-        if not self.held or (holder or {}).get("token") != self.token:
+        holder = self._holder()
+        if not self.held or holder.get("token") != self.token:
             raise StoreLockedError(self.directory, holder or {"host": None},
                                    "; this writer's lock was lost" + (f" ({self.lost})" if self.lost else ""))
 

@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save, save_file
 
 from testa_search.store.int8_tokens import SCALE_BYTES, pack, unpack
 
@@ -64,6 +64,23 @@ def token_row_shape(num_tokens: int, hidden_size: int, dtype: torch.dtype) -> tu
     if dtype == torch.int8:
         return (num_tokens, hidden_size + SCALE_BYTES), torch.uint8
     return (num_tokens, hidden_size), dtype
+
+
+def row_bytes(num_tokens: int, hidden_size: int, dtype: torch.dtype, has_token_sizes: bool,
+              embedding_dim: int) -> dict[str, int]:
+    """The bytes one video takes in each data file of a shard (``tokens``, ``embeddings``, ``token_sizes``): what
+    a writer appends per video, and what a reader checks the files against."""
+    shape, stored = token_row_shape(num_tokens, hidden_size, dtype)
+    return {"tokens": shape[0] * shape[1] * stored.itemsize, "embeddings": int(embedding_dim) * 4,
+            "token_sizes": num_tokens * 4 if has_token_sizes else 0}
+
+
+def replace_file(path: Path, data: bytes | str) -> None:
+    """Writes `data` beside `path` (a hidden ``.NAME.partial``) and renames it into place: a reader sees the old
+    file or the new one."""
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
+    os.replace(partial, path)
 
 
 class DamagedStoreError(ValueError):
@@ -168,9 +185,7 @@ class VideoStoreWriter:
             for path in (*paths.values(), journal):
                 path.unlink(missing_ok=True)
             journal.write_text(json.dumps(header) + "\n", encoding="utf-8")
-        self._tokens_file = open(paths["tokens"], "ab")  # noqa: SIM115
-        self._sizes_file = open(paths["token_sizes"], "ab")  # noqa: SIM115
-        self._embeddings_file = open(paths["embeddings"], "ab")  # noqa: SIM115
+        self._data = {kind: open(path, "ab") for kind, path in paths.items()}  # noqa: SIM115
         self._journal = open(journal, "a", encoding="utf-8")  # noqa: SIM115
 
     @property
@@ -210,10 +225,8 @@ class VideoStoreWriter:
                 self.rows[self._local(index)] = self._written
                 self._written += 1
         if self.num_tokens is not None:
-            shape, stored = token_row_shape(self.num_tokens, self.hidden_size, self.token_dtype)
-            rows_per_video = {"tokens": shape[0] * shape[1] * stored.itemsize,
-                              "token_sizes": self.num_tokens * 4 if self.has_token_sizes else 0,
-                              "embeddings": self.embeddings.shape[1] * 4}
+            rows_per_video = row_bytes(self.num_tokens, self.hidden_size, self.token_dtype, self.has_token_sizes,
+                                       self.embeddings.shape[1])
         for kind, path in paths.items():
             size = self._written * (rows_per_video[kind] if rows_per_video else 0)
             if (path.stat().st_size if path.exists() else 0) < size:
@@ -265,13 +278,13 @@ class VideoStoreWriter:
             cpu_tokens = pack(tokens.detach().cpu())
         else:
             cpu_tokens = tokens.detach().to("cpu", self.token_dtype).contiguous()
-        self._tokens_file.write(cpu_tokens.view(torch.uint8).numpy().tobytes())
+        self._data["tokens"].write(cpu_tokens.view(torch.uint8).numpy().tobytes())
         if token_sizes is not None:
             cpu_sizes = token_sizes.detach().to("cpu", torch.float32).contiguous()
-            self._sizes_file.write(cpu_sizes.numpy().tobytes())
+            self._data["token_sizes"].write(cpu_sizes.numpy().tobytes())
         cpu_embeddings = embeddings.detach().to("cpu", torch.float32).contiguous()
-        self._embeddings_file.write(cpu_embeddings.numpy().tobytes())
-        for handle in (self._tokens_file, self._sizes_file, self._embeddings_file):
+        self._data["embeddings"].write(cpu_embeddings.numpy().tobytes())
+        for handle in self._data.values():
             handle.flush()  # the data first, then the journal line that makes it count
         self._log({"encoded": indices, "num_tokens": self.num_tokens, "hidden_size": self.hidden_size,
                    "has_token_sizes": self.has_token_sizes, "embedding_dim": int(embeddings.shape[1])})
@@ -294,7 +307,7 @@ class VideoStoreWriter:
         self._journal.flush()
 
     def _close_files(self) -> None:
-        for handle in (self._tokens_file, self._sizes_file, self._embeddings_file, self._journal):
+        for handle in (*self._data.values(), self._journal):
             handle.close()
 
     def __enter__(self) -> "VideoStoreWriter":
@@ -354,22 +367,16 @@ def rewrite_shard(directory: str | os.PathLike, shard: int, keep: list[int], sta
     kept_rows = sorted(int(rows[k]) for k in keep if int(rows[k]) >= 0)  # the encoded rows kept, in file order
     new_row = {old: new for new, old in enumerate(kept_rows)}
     if kept_rows != list(range(int(marker["num_rows"]))):  # an encoded row goes: its bytes leave every data file
-        num_tokens, hidden = marker.get("num_tokens") or 0, marker.get("hidden_size") or 0
-        shape, stored = token_row_shape(num_tokens, hidden, TOKEN_DTYPES[marker["token_dtype"]])
-        row_bytes = {"tokens": shape[0] * shape[1] * stored.itemsize, "embeddings": int(embeddings.shape[1]) * 4,
-                     "token_sizes": num_tokens * 4 if marker.get("has_token_sizes") else 0}
-        for kind, size in row_bytes.items():
+        sizes = row_bytes(marker.get("num_tokens") or 0, marker.get("hidden_size") or 0,
+                          TOKEN_DTYPES[marker["token_dtype"]], marker.get("has_token_sizes"), embeddings.shape[1])
+        for kind, size in sizes.items():
             path = directory / shard_file(kind, shard)
             data = path.read_bytes() if path.exists() else b""
-            partial = path.with_name(path.name + ".partial")
-            partial.write_bytes(b"".join(data[row * size : (row + 1) * size] for row in kept_rows))
-            os.replace(partial, path)
+            replace_file(path, b"".join(data[row * size : (row + 1) * size] for row in kept_rows))
     new_rows = torch.tensor([new_row.get(int(rows[k]), -1) for k in keep], dtype=torch.long)
     kept_embeddings = embeddings[list(keep)] if len(keep) else embeddings[:0]
-    safetensors_path = directory / shard_file("tensors", shard)
-    partial = safetensors_path.with_name(safetensors_path.name + ".partial")
-    save_file({"embeddings": kept_embeddings.contiguous(), "rows": new_rows.contiguous()}, str(partial))
-    os.replace(partial, safetensors_path)
+    replace_file(directory / shard_file("tensors", shard),
+                 save({"embeddings": kept_embeddings.contiguous(), "rows": new_rows.contiguous()}))
     stop = start + len(keep)
     kept_failures = [{**failures[k], "index": start + j} for j, k in enumerate(keep) if k in failures]
     journal = [{"shard": int(shard), "start": start, "stop": stop, "token_dtype": marker["token_dtype"]}]
@@ -379,14 +386,9 @@ def rewrite_shard(directory: str | os.PathLike, shard: int, keep: list[int], sta
                         "hidden_size": marker["hidden_size"], "has_token_sizes": marker["has_token_sizes"],
                         "embedding_dim": int(embeddings.shape[1])})
     journal += [{"failed": f["index"], **{k: v for k, v in f.items() if k != "index"}} for f in kept_failures]
-    journal_path = directory / shard_file("journal", shard)
-    partial = journal_path.with_name(journal_path.name + ".partial")
-    partial.write_text("".join(json.dumps(entry) + "\n" for entry in journal), encoding="utf-8")
-    os.replace(partial, journal_path)
+    replace_file(directory / shard_file("journal", shard), "".join(json.dumps(entry) + "\n" for entry in journal))
     marker = {**marker, "start": start, "stop": stop, "num_rows": len(kept_rows), "failures": kept_failures}
-    partial = marker_path.with_name(marker_path.name + ".partial")
-    partial.write_text(json.dumps(marker), encoding="utf-8")
-    os.replace(partial, marker_path)
+    replace_file(marker_path, json.dumps(marker))
     return marker
 
 
@@ -434,9 +436,7 @@ def finalize_store(directory: str | os.PathLike, videos: list[str], num_shards: 
         meta["row_fields"] = {key: list(values) for key, values in row_fields.items()}
     write_joined_embeddings(directory, meta)
     # written whole and then renamed: a reader sees the old index (e.g. of a store being grown) or the new one
-    temporary = directory / (STORE_INFO_FILE + ".tmp")
-    temporary.write_text(json.dumps(meta, indent=1), encoding="utf-8")
-    temporary.replace(directory / STORE_INFO_FILE)
+    replace_file(directory / STORE_INFO_FILE, json.dumps(meta, indent=1))
     return directory
 
 
@@ -560,10 +560,7 @@ def open_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     with handle:
         header_size, header = safetensors_header(handle, path)
         if any(meta["dtype"] not in SAFETENSORS_NUMPY_DTYPES for meta in header.values()):
-            try:
-                return load_file(str(path))
-            except Exception as error:  # safetensors raises its own error types
-                raise DamagedStoreError(path, f"safetensors cannot read it ({error})") from None
+            return load_safetensors(path)
         size = os.fstat(handle.fileno()).st_size
         if size <= 8 + header_size:
             mapped = b""
@@ -670,12 +667,9 @@ def open_shard(directory: Path, shard: dict[str, Any], meta: dict[str, Any]) -> 
                                       f"[{start}, {stop}), holds {shapes}")
     check_row_map(path, rows, num_rows)
     dim = int(embeddings.shape[1])
-    shape, stored = token_row_shape(meta.get("num_tokens") or 0, meta.get("hidden_size") or 0,
-                                    TOKEN_DTYPES[meta["token_dtype"]])
-    token_bytes = shape[0] * shape[1] * stored.itemsize
-    row_bytes = {"tokens": token_bytes, "embeddings": dim * 4,
-                 "token_sizes": (meta.get("num_tokens") or 0) * 4 if meta.get("has_token_sizes") else 0}
-    for kind, size in row_bytes.items():
+    sizes = row_bytes(meta.get("num_tokens") or 0, meta.get("hidden_size") or 0, TOKEN_DTYPES[meta["token_dtype"]],
+                      meta.get("has_token_sizes"), dim)
+    for kind, size in sizes.items():
         check_data_file(directory / shard_file(kind, number), num_rows, size)
     journal = directory / shard_file("journal", number)
     if journal.is_file():  # a store copied without its journals is read without this check
