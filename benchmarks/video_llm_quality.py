@@ -12,8 +12,9 @@ then, training-free, four ways to give it a video (issue 51):
 
 The model (random init; a word-level tokenizer written here): a 6-block Qwen2.5-VL vision tower (hidden 64, MLP 256)
 on a 2-layer LLM (hidden 64), trained on 8- and 16-frame inputs alternately (so it is not specialised to one frame
-count), loss on the one-word answer. Task: :mod:`processing.short_events_vqa` ("is there a square in blue" -> yes /
-no) at 56 x 56 px (4 x 4 patches, 2 x 2 merge units per tubelet: small enough to train on a shared 2-core CPU).
+count), loss on the one-word answer. Task: :mod:`processing.short_events_vqa` ("what colour is the flash" -> one
+of 3 colours; the flash lasts 1/20 to 1/10 of the video) at 56 x 56 px (4 x 4 patches, 2 x 2 merge units per
+tubelet: small enough to train on a 2-core CPU).
 Each training seed trains one model; the arms are evaluated on one fixed test set (other timelines than training).
 
 Compute is counted, not timed: :func:`tower_macs` adds the multiply-accumulates of the tower's matrix products
@@ -26,7 +27,7 @@ against the token counts the tower's modules actually see (hooks on every block'
     python -m benchmarks.video_llm_quality --merge s0.json s1.json s2.json        # ... merged into the JSON
     python -m benchmarks.video_llm_quality --quick    # seconds: the pipeline end to end on a few videos
 
-(Three one-thread seed processes side by side took about 20 min on the shared 2-core machine at load 11-16.)
+(Three one-thread seed processes side by side take about 10 min on an idle 2-core machine.)
 Writes ``docs/video_llm_quality.json`` (not with ``--quick`` unless ``--output`` is given) and prints a markdown
 table.
 """
@@ -50,13 +51,13 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-from processing.short_events_vqa import ANSWERS, make_vqa_split, oracle_accuracy, sampled_frames, vocabulary
+from processing.short_events_vqa import FLASH_COLOURS, ceiling_accuracy, make_vqa_split, sampled_frames, vocabulary
 from video_llms import apply_testa_to_video_llm, remove_testa_from_video_llm
 from video_llms.budget import spread
 from video_llms.common import video_settings
 
 SPECIAL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|video_pad|>", "<|image_pad|>", "<pad>", "<eos>"]
-FRAME_SIZE = 56           # 4 x 4 patches of 14 px, 2 x 2 merge units; the flash covers the middle 2 x 2 patches
+FRAME_SIZE = 56           # 4 x 4 patches of 14 px, 2 x 2 merge units per frame
 VISION = {"depth": 6, "hidden_size": 64, "intermediate_size": 256, "num_heads": 4, "out_hidden_size": 64,
           "window_size": 56, "fullatt_block_indexes": [2, 5], "tokens_per_second": 2}
 TEXT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -70,14 +71,13 @@ class Experiment:
 
     seeds: tuple[int, ...] = (0, 1, 2)
     train_videos: int = 1024
-    val_videos: int = 32
-    test_videos: int = 128
-    steps: int = 1200
-    batch_size: int = 8
-    lr: float = 2e-3
+    val_videos: int = 64
+    test_videos: int = 256
+    steps: int = 1000
+    batch_size: int = 16
+    lr: float = 1e-3
     eval_batch_size: int = 32
     train_frames: tuple[int, ...] = (8, 16)
-    train_kinds: tuple[str, ...] = ("square", "screen")   # the test asks about squares only
     data_seed: int = 1000
 
 
@@ -145,11 +145,11 @@ def encode(processor, videos, questions, num_frames: int, with_answers: bool = F
 
 
 def train(model, processor, videos, questions, experiment: Experiment, seed: int, log=print,
-          validation=None) -> list[float]:
+          validation=None) -> tuple[list[float], list[dict]]:
     """AdamW with warmup and cosine decay, cross-entropy on the answer token (the last one: every prompt has the
     same length); batches alternate over ``experiment.train_frames``. ``validation``: ``(videos, questions)`` from
-    the training distribution (never the test set), whose 16-frame accuracy is logged every 100 steps, to see
-    whether the model learns. Returns the loss per step."""
+    the training distribution (never the test set), whose stock 8- and 16-frame accuracy is logged every 100 steps,
+    to see whether the model learns. Returns the loss per step and the validation accuracies."""
     rng = random.Random(f"video-llm-quality-train-{seed}")
     optimizer = torch.optim.AdamW(model.parameters(), lr=experiment.lr, weight_decay=0.01)
     warmup = max(1, experiment.steps // 10)
@@ -161,7 +161,7 @@ def train(model, processor, videos, questions, experiment: Experiment, seed: int
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     model.train()
-    losses, order, start = [], [], time.perf_counter()
+    losses, order, start, validated = [], [], time.perf_counter(), []
     for step in range(experiment.steps):
         if len(order) < experiment.batch_size:
             order += rng.sample(range(len(questions)), len(questions))
@@ -182,11 +182,14 @@ def train(model, processor, videos, questions, experiment: Experiment, seed: int
                 f"({time.perf_counter() - start:.0f} s)")
         if validation is not None and ((step + 1) % 100 == 0 or step + 1 == experiment.steps):
             model.eval()
-            accuracy = evaluate(model, processor, *validation, Arm("validation", 16), experiment.eval_batch_size)
-            log(f"  seed {seed} step {step + 1} validation accuracy (16 frames, stock) {accuracy['accuracy']:.3f}")
+            accuracy = {str(frames): evaluate(model, processor, *validation, Arm("validation", frames),
+                                              experiment.eval_batch_size)["accuracy"] for frames in (8, 16)}
+            validated.append({"step": step + 1, **accuracy})
+            log(f"  seed {seed} step {step + 1} validation accuracy (stock) 8 frames {accuracy['8']:.3f}, "
+                f"16 frames {accuracy['16']:.3f}")
             model.train()
     model.eval()
-    return losses
+    return losses, validated
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -361,7 +364,7 @@ def evaluate(model, processor, videos, questions, arm: Arm, batch_size: int) -> 
     """Accuracy of greedy next-token answers (argmax over the whole vocabulary) of ``arm`` on ``questions``, and
     what it ran: the LLM video tokens per example, and whether the tokens every tower block saw (hooks) were the
     schedule's (:func:`expected_tower_tokens`) in every batch."""
-    answer_ids = {answer: processor.tokenizer.convert_tokens_to_ids(answer) for answer in ANSWERS}
+    answer_ids = {colour: processor.tokenizer.convert_tokens_to_ids(colour) for colour in FLASH_COLOURS}
     video_token = model.config.video_token_id
     if arm.testa is not None:
         apply_testa_to_video_llm(model, processor, **arm.testa)
@@ -409,27 +412,28 @@ def expected_tower_tokens(arm: Arm, videos_per_batch: int) -> list[tuple[str, in
 def run(experiment: Experiment, log=print, on_seed=None) -> dict:
     """Trains one model per seed and evaluates every arm on it; ``on_seed(summary)`` after every seed (so that a
     long run leaves the seeds it finished). Returns the summary of all seeds."""
-    train_videos, train_questions = make_vqa_split(experiment.train_videos, seed=experiment.data_seed, size=FRAME_SIZE,
-                                                   kinds=experiment.train_kinds)
+    train_videos, train_questions = make_vqa_split(experiment.train_videos, seed=experiment.data_seed, size=FRAME_SIZE)
     test_videos, test_questions = make_vqa_split(experiment.test_videos, seed=experiment.data_seed + 1,
                                                  size=FRAME_SIZE)
     validation = make_vqa_split(experiment.val_videos, seed=experiment.data_seed + 2, size=FRAME_SIZE)
     arms = make_arms()
     outcomes = {arm.name: [] for arm in arms}
-    losses = {}
+    losses, validations = {}, {}
     summary = None
     for seed in experiment.seeds:
         start = time.perf_counter()
         model, processor = build_model(seed)
-        losses[seed] = train(model, processor, train_videos, train_questions, experiment, seed, log, validation)
+        losses[seed], validations[str(seed)] = train(model, processor, train_videos, train_questions, experiment, seed,
+                                                     log, validation)
         for arm in arms:
             outcome = evaluate(model, processor, test_videos, test_questions, arm, experiment.eval_batch_size)
             outcomes[arm.name].append(outcome)
             log(f"  seed {seed} {arm.name}: {outcome['accuracy']:.3f} (LLM tokens {outcome['llm_tokens']})")
         log(f"seed {seed} done in {time.perf_counter() - start:.0f} s")
         summary = summarize(experiment, arms, outcomes, losses)
-        summary["oracle_accuracy"] = {str(n): oracle_accuracy(test_videos, test_questions, n) for n in (8, 16)}
+        summary["ceiling_accuracy"] = {str(n): ceiling_accuracy(test_videos, test_questions, n) for n in (8, 16)}
         summary["test_questions"] = len(test_questions)
+        summary["validation_accuracy"] = validations
         if on_seed is not None:
             on_seed(summary)
     return summary
@@ -472,7 +476,7 @@ def merge(parts: list[dict]) -> dict:
     first = parts[0]
     def same_run(part: dict) -> tuple:
         return ({k: v for k, v in part["experiment"].items() if k != "seeds"}, part["vision_config"],
-                part["text_config"], part["frame_size"], part["oracle_accuracy"], part["commit"])
+                part["text_config"], part["frame_size"], part["ceiling_accuracy"], part["commit"])
 
     if any(same_run(part) != same_run(first) for part in parts[1:]):
         raise ValueError("cannot merge runs of different experiments, models, test sets or commits")
@@ -481,8 +485,9 @@ def merge(parts: list[dict]) -> dict:
     outcomes = {arm.name: [o for p in parts for o in p["outcomes"][arm.name]] for arm in arms}
     losses = {int(s): l for p in parts for s, l in p["losses"].items()}
     summary = summarize(experiment, arms, outcomes, losses)
-    keep = ("oracle_accuracy", "test_questions", "command", "cpu", "commit", "threads")
+    keep = ("ceiling_accuracy", "test_questions", "command", "cpu", "commit", "threads")
     summary.update({name: first[name] for name in keep})
+    summary["validation_accuracy"] = {seed: log for p in parts for seed, log in p["validation_accuracy"].items()}
     summary["date"] = max(p["date"] for p in parts)
     summary["seconds_per_seed_run"] = [p["seconds"] for p in parts]
     summary["command"] = " ; ".join(p["command"] for p in parts) + " ; python -m benchmarks.video_llm_quality --merge ..."
