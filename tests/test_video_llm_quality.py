@@ -1,8 +1,7 @@
 """The quality experiment of issue 51 (`benchmarks.video_llm_quality`) and its task (`processing.short_events_vqa`):
-the questions and their ceiling, vLLM's EVS re-implemented, the pruned forward against the stock model, the compute
-count against torch's FLOP counter, and the pipeline end to end (`--quick`) with the token counts every arm claims."""
-
-import random
+the questions, the frames and their ceiling, vLLM's EVS re-implemented, the pruned forward against the stock model,
+the compute count against torch's FLOP counter, and the pipeline end to end (`--quick`) with the token counts every
+arm claims."""
 
 import pytest
 import torch
@@ -10,37 +9,58 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import benchmarks.video_llm_quality as quality
 from processing.short_events import Flash, Scene, ShortEventVideo
-from processing.short_events_vqa import colour_seen, make_vqa_split, oracle_accuracy, questions_for
+from processing.short_events_vqa import (FLASH_COLOURS, SCENE_COLOURS, Question, ceiling_accuracy, flash_seen,
+                                         make_vqa_split, render_frame, sampled_frames)
+from processing.synthetic import COLOURS
 from video_llms import apply_testa_to_video_llm, remove_testa_from_video_llm
 from video_llms.common import video_settings
 
 
 def hand_video() -> ShortEventVideo:
-    """40 frames: red 0-20 with a blue flash at 5-7, green 20-40 with a white flash at 30-31."""
+    """40 frames: red 0-20 with a purple flash at 5-7, green 20-40."""
     return ShortEventVideo("v", "test", 0, 4, 56, 40, [
-        Scene("red", 0, 20, [Flash("blue", 5, 7)]), Scene("green", 20, 40, [Flash("white", 30, 31)])])
+        Scene("red", 0, 20, [Flash("purple", 5, 7)]), Scene("green", 20, 40)])
 
 
-def test_questions_ask_about_a_flash_and_an_absent_colour():
+def test_each_video_has_one_flash_and_its_question_asks_for_its_colour():
+    videos, questions = make_vqa_split(64, seed=3, size=56)
+    assert len(questions) == len(videos) == 64
+    for video, question in zip(videos, questions):
+        assert question.text == "what colour is the flash" and len(video.flashes) == 1
+        assert question.answer == video.flashes[0].colour in FLASH_COLOURS
+        colours = [scene.colour for scene in video.scenes]
+        assert set(colours) <= set(SCENE_COLOURS) and all(a != b for a, b in zip(colours, colours[1:]))
+    assert {q.answer for q in questions} == set(FLASH_COLOURS)
+    again, _ = make_vqa_split(64, seed=3, size=56)
+    assert again == videos                                     # deterministic
+    assert make_vqa_split(64, seed=4, size=56)[0] != videos
+
+
+def test_the_flash_fills_the_frame_while_it_lasts():
     video = hand_video()
-    yes, no = questions_for(video, 0, random.Random(0))
-    assert (yes.answer, no.answer) == ("yes", "no")
-    assert yes.colour in {"blue", "white"} and yes.text == f"is there a square in {yes.colour}"
-    assert no.colour not in {"red", "green", "blue", "white"}
+    assert (render_frame(video, 5) == COLOURS["purple"]).all() and (render_frame(video, 6) == COLOURS["purple"]).all()
+    assert (render_frame(video, 7) == COLOURS["red"]).all() and (render_frame(video, 39) == COLOURS["green"]).all()
+    assert sampled_frames(video, 4).shape == (4, 56, 56, 3)
+    with pytest.raises(ValueError, match="outside video"):
+        render_frame(video, 40)
 
 
-def test_colour_seen_by_hand():
+def test_flash_seen_and_the_ceiling_by_hand():
     # uniform sampling of 4 of 40 frames takes the middle of each 10-frame segment: 5, 15, 25, 35
     video = hand_video()
-    assert colour_seen(video, "blue", 4) and colour_seen(video, "green", 4)
-    assert not colour_seen(video, "white", 4)   # frame 30 only
-    assert colour_seen(video, "white", 40)
+    assert flash_seen(video, 4)
+    late = ShortEventVideo("w", "test", 0, 4, 56, 40, [
+        Scene("red", 0, 20), Scene("green", 20, 40, [Flash("white", 30, 31)])])
+    assert not flash_seen(late, 4) and flash_seen(late, 40)
+    questions = [Question(0, "purple"), Question(1, "white")]
+    assert ceiling_accuracy([video, late], questions, 4) == pytest.approx((1 + 1 / 3) / 2)
+    assert ceiling_accuracy([video, late], questions, 40) == 1.0
 
 
 def test_more_frames_raise_the_ceiling():
     videos, questions = make_vqa_split(64, seed=3, size=56)
-    assert oracle_accuracy(videos, questions, 8) < oracle_accuracy(videos, questions, 16) <= 1.0
-    assert oracle_accuracy(videos, questions, 32) == 1.0   # every flash lasts at least 1/20 of its video
+    assert ceiling_accuracy(videos, questions, 8) < ceiling_accuracy(videos, questions, 16) <= 1.0
+    assert ceiling_accuracy(videos, questions, 32) == 1.0   # every flash lasts at least 1/20 of its video
 
 
 def test_evs_keeps_the_first_tubelet_then_the_most_changed_tokens():
