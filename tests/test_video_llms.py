@@ -520,3 +520,41 @@ def test_docs_arithmetic():
     assert token_grid(video_settings(32, 0, 2), slices, units) == (32, 192)  # R_S = 2 at every block: 75%
     # Qwen3-VL (16 px patches, 2x2 units of 32 px): 64 frames at 448x448 -> 32 x 196
     assert token_grid(video_settings(27, 0, 0), 32, (448 // 32) ** 2) == (32, 196)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_idle_get_video_features_keeps_the_stock_last_hidden_state_and_tuples(family):
+    """R = 0: the patched ``get_video_features`` gives stock's ``last_hidden_state``: Qwen3-VL's in stock's order;
+    Qwen2.5-VL's stock rows (which it keeps in window order) in the output order, 4 rows per output token, so the
+    merger on them gives ``pooler_output``. ``return_dict=False`` (in the call or the config) gives stock's tuple."""
+    if family == "qwen2_5_vl":  # 112x84 frames: 4 windows per frame, so stock's window order is not ours
+        model, processor = tiny.qwen2_5_vl(frame_pixels=112 * 84)
+        inputs = processor(text=[tiny.prompt(processor)] * 2, return_tensors="pt", padding=True,
+                           videos=[tiny.video(8, 0, 112, 84), tiny.video(4, 1, 112, 84)])
+    else:
+        model, processor = tiny.qwen3_vl()
+        inputs = _qwen3_inputs(processor)
+    pixels, grid = inputs["pixel_values_videos"], inputs["video_grid_thw"]
+    with torch.no_grad():
+        stock = model.get_video_features(pixels, grid)
+        apply_testa_to_video_llm(model, processor)
+        ours = model.get_video_features(pixels, grid)
+        as_tuple = model.get_video_features(pixels, grid, return_dict=False)
+        model.config.return_dict = False
+        config_tuple = model.get_video_features(pixels, grid)
+        model.config.return_dict = True
+        merged = model.model.visual.merger(ours.last_hidden_state)
+    remove_testa_from_video_llm(model)
+    width = stock.last_hidden_state.shape[-1]
+    assert ours.last_hidden_state.shape == stock.last_hidden_state.shape == (pixels.shape[0], width)
+    torch.testing.assert_close(merged, torch.cat(ours.pooler_output), atol=1e-6, rtol=0)
+    if family == "qwen3_vl":
+        torch.testing.assert_close(ours.last_hidden_state, stock.last_hidden_state, atol=1e-5, rtol=0)
+    else:  # every stock unit (4 rows) is one of ours, each once
+        stock_units, our_units = (o.last_hidden_state.reshape(-1, 4 * width) for o in (stock, ours))
+        distance, match = torch.cdist(our_units.double(), stock_units.double()).min(dim=1)
+        assert distance.max() < 1e-4 and sorted(match.tolist()) == list(range(stock_units.shape[0]))
+        assert match.tolist() != list(range(stock_units.shape[0]))
+    for output in (as_tuple, config_tuple):
+        assert isinstance(output, tuple) and len(output) == len(stock.to_tuple())
+        torch.testing.assert_close(output[0], ours.last_hidden_state, atol=0, rtol=0)

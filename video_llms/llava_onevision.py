@@ -318,7 +318,8 @@ def video_features_method(settings: AggregationSettings, chunk_frames: int | Non
                            vision_feature_select_strategy=None, **kwargs):
         feature_layer = self.config.vision_feature_layer if vision_feature_layer is None else vision_feature_layer
         strategy = vision_feature_select_strategy or self.config.vision_feature_select_strategy
-        return_dict = kwargs.pop("return_dict", True)
+        return_dict = kwargs.pop("return_dict", None)  # as stock (`can_return_tuple`): else the config's
+        return_dict = self.config.return_dict if return_dict is None else return_dict
         if kwargs.pop("output_attentions", False):
             raise ValueError(
                 "A LLaVA-OneVision model patched with TESTA runs its tower block by block and returns no attention "

@@ -131,8 +131,16 @@ class QwenVideoAdapter:
     # -- patching -----------------------------------------------------------------------------------------------------
 
     def video_output(self, videos: list):
-        """``get_video_features``' output for the tower's `VideoFeatures` of the videos."""
+        """``get_video_features``' output (a `ModelOutput`) for the tower's `VideoFeatures` of the videos."""
         raise NotImplementedError
+
+    @staticmethod
+    def last_hidden_state(videos: list) -> torch.Tensor | None:
+        """The videos' `VideoFeatures.last_hidden` one after the other (stock: the tower's last hidden states of
+        all videos), None from a chunked run."""
+        if not videos or any(v.last_hidden is None for v in videos):
+            return None
+        return torch.cat([v.last_hidden for v in videos])
 
     def video_positions(self, base, grid_thw, centroids: list[torch.Tensor], settings, device, **kwargs):
         """``video_positions(start, length)`` for :func:`mrope_index`: the M-RoPE positions of every run of video
@@ -151,7 +159,11 @@ class QwenVideoAdapter:
         stock_rope_index = base.get_rope_index
 
         def get_video_features(self, pixel_values_videos, video_grid_thw=None, **kwargs):
-            return adapter.video_output(adapter.features(patch, self, pixel_values_videos, video_grid_thw))
+            # as stock (`can_return_tuple`): a tuple when asked, by the call or by the config; the tower's hidden
+            # states and attention weights per block are not kept (None), whatever `output_*` says
+            return_dict = kwargs.get("return_dict")
+            output = adapter.video_output(adapter.features(patch, self, pixel_values_videos, video_grid_thw))
+            return output if (self.config.return_dict if return_dict is None else return_dict) else output.to_tuple()
 
         def get_rope_index(self, input_ids, mm_token_type_ids, image_grid_thw=None, video_grid_thw=None,
                            attention_mask=None, **kwargs):
@@ -186,7 +198,8 @@ class Qwen2_5_VLAdapter(QwenVideoAdapter):
                          chunk_slices=self.chunk_slices(visual, chunk_frames), chunk_offload=chunk_offload)
 
     def video_output(self, videos: list):
-        return BaseModelOutputWithPooling(pooler_output=tuple(v.features for v in videos))
+        return BaseModelOutputWithPooling(last_hidden_state=self.last_hidden_state(videos),
+                                          pooler_output=tuple(v.features for v in videos))
 
     def video_positions(self, base, grid_thw, centroids, settings, device, second_per_grid_ts=None, **kwargs):
         """Every video's tokens at their centroids' positions (`video_rope_positions`), time at

@@ -63,6 +63,7 @@ class Qwen3VLAdapter(QwenVideoAdapter):
 
         taps = len(videos[0].deepstack) if videos else 0
         return BaseModelOutputWithDeepstackFeatures(
+            last_hidden_state=self.last_hidden_state(videos),
             pooler_output=tuple(v.features for v in videos),
             deepstack_features=[tuple(v.deepstack[tap] for v in videos) for tap in range(taps)],
         )

@@ -57,6 +57,9 @@ class VideoFeatures:
     sizes: torch.Tensor
     deepstack: list = field(default_factory=list)
     grid: tuple[int, int] = (0, 0)
+    last_hidden: torch.Tensor | None = None
+    """``(tokens * 4, C)``: the last block's output that the merger read, its 4 rows per output token in the output
+    order; None from a chunked run, which never holds a whole video's hidden states."""
 
 
 def window_labels(llm_h: int, llm_w: int, window: int, device) -> torch.Tensor:
@@ -266,18 +269,23 @@ def output_order(groups: TokenGroups, by_slice: bool) -> torch.Tensor:
     return chronological_order(groups.positions.reshape(groups.grid[0] * groups.grid[1], 3))
 
 
-def video_features(groups: TokenGroups, merged: torch.Tensor, by_slice: bool) -> VideoFeatures:
-    """One video's `VideoFeatures` from its final groups and the merger's ``(slices * units, out)`` rows (layout
-    order), put in output order."""
+def video_features(groups: TokenGroups, merged: torch.Tensor, by_slice: bool,
+                   merger_input: torch.Tensor | None = None) -> VideoFeatures:
+    """One video's `VideoFeatures` from its final groups, the merger's ``(slices * units, out)`` rows and (when
+    given) its ``(slices * units * 4, C)`` input rows, both in layout order, put in output order."""
     count = groups.grid[0] * groups.grid[1]
     positions = groups.positions.reshape(count, 3)
     order = output_order(groups, by_slice)
+    last_hidden = None
+    if merger_input is not None:
+        last_hidden = merger_input.reshape(count, UNIT, -1)[order].reshape(count * UNIT, -1)
     return VideoFeatures(
         features=merged[order],
         positions=positions[order],
         sizes=groups.sizes.reshape(count)[order],
         deepstack=[t.reshape(count, -1)[order] for t in groups.carried],
         grid=groups.grid,
+        last_hidden=last_hidden,
     )
 
 
@@ -315,11 +323,13 @@ def run_tower(visual, pixel_values: torch.Tensor, grid_thw: torch.Tensor, settin
               zip(hidden.split([t * h * w for t, h, w in grids]), grids)]
     del hidden  # (the groups hold it, until the first block's residual replaces it)
     advance(visual, videos, settings, family, **options)
-    merged = visual.merger(sequence(videos, hidden_size))
+    merger_input = sequence(videos, hidden_size)
+    merged = visual.merger(merger_input)
     results, start = [], 0
     for groups in videos:
         count = groups.grid[0] * groups.grid[1]
-        results.append(video_features(groups, merged[start:start + count], by_slice))
+        results.append(video_features(groups, merged[start:start + count], by_slice,
+                                      merger_input[start * UNIT:(start + count) * UNIT]))
         start += count
     return results
 
