@@ -5,20 +5,20 @@ lasting 1/20 to 1/10 of the video. Each video gets one question with a one-word 
 
     what colour is the flash   -> purple
 
-Two choices make the task learnable by a model trained from scratch on a CPU (issue 51's quality experiment), and
-each was found by trying the other first:
+Two choices make the task learnable by a model trained from scratch on a CPU (issue 51's quality experiment), each
+found in short exploratory runs (docs/video_llm_quality.md):
 
 * **Scenes and flashes use disjoint palettes** (:data:`SCENE_COLOURS`, :data:`FLASH_COLOURS`), so the answer is
   "which flash colour shows anywhere", not "which colour shows briefly": the model need not compare durations.
-* **The flash fills the frame** (:func:`render_frame`), where the retrieval demo's flash is a square over the middle
-  quarter. With the square, a tiny Qwen2.5-VL stayed at the answer prior for 1,000 steps, with disjoint palettes or
-  without (one square patch in 4 of every merge unit, in one tubelet of 8); with the full frame it learned within a
-  few hundred steps.
+* **The flash fills the frame** (:func:`render_flash_frame`), where the retrieval demo's flash is a square over the
+  middle quarter. With the square, a tiny Qwen2.5-VL stayed at the answer prior for 400-1,100 steps, with disjoint
+  palettes or without (one square patch in 4 of every merge unit, in one tubelet of 8); with the full frame it
+  learned within a few hundred steps.
 
 What the task keeps from short events is what the experiment is about: the flash is short, so the answer needs a
 frame that shows it. Uniform sampling of T frames sees a flash of length L (a fraction of the video) with probability
 about ``min(1, T * L)``, so more frames help, and a model that only guesses when it saw no flash scores
-``1 / len(FLASH_COLOURS)`` on those questions (:func:`ceiling_accuracy`).
+``1 / len(FLASH_COLOURS)`` on those questions (:func:`ceiling_accuracy`: an ideal viewer's expected accuracy).
 
 No mp4 files: frames are rendered from the timeline and only the sampled ones are kept, as
 ``(frames, size, size, 3)`` uint8 arrays, which is what a video processor gets after decoding.
@@ -78,7 +78,7 @@ def make_vqa_split(num_videos: int, seed: int, size: int = 56) -> tuple[list[Sho
     return videos, [Question(index, video.flashes[0].colour) for index, video in enumerate(videos)]
 
 
-def render_frame(video: ShortEventVideo, t: int) -> np.ndarray:
+def render_flash_frame(video: ShortEventVideo, t: int) -> np.ndarray:
     """Frame ``t`` as ``(size, size, 3)`` uint8 RGB: the flash's colour over the whole frame while it lasts, the
     scene's otherwise."""
     scene = next((s for s in video.scenes if s.start <= t < s.end), None)
@@ -90,7 +90,7 @@ def render_frame(video: ShortEventVideo, t: int) -> np.ndarray:
 
 def sampled_frames(video: ShortEventVideo, num_frames: int) -> np.ndarray:
     """``(num_frames, size, size, 3)`` uint8: the frames uniform sampling takes (the video processor's rule)."""
-    return np.stack([render_frame(video, t) for t in uniform_sample_positions(video.num_frames, num_frames)])
+    return np.stack([render_flash_frame(video, t) for t in uniform_sample_positions(video.num_frames, num_frames)])
 
 
 def flash_seen(video: ShortEventVideo, num_frames: int) -> bool:
@@ -100,12 +100,12 @@ def flash_seen(video: ShortEventVideo, num_frames: int) -> bool:
 
 
 def ceiling_accuracy(videos: list[ShortEventVideo], questions: list[Question], num_frames: int) -> float:
-    """The expected accuracy of a model that sees exactly the ``num_frames`` uniformly sampled frames, names the
-    flash's colour when one of them shows it and guesses uniformly among :data:`FLASH_COLOURS` otherwise: the best a
-    model can do at that frame count."""
+    """The expected accuracy of an ideal viewer of exactly the ``num_frames`` uniformly sampled frames: it names the
+    flash's colour when one of them shows it and guesses uniformly among :data:`FLASH_COLOURS` otherwise. An
+    expected value: a model that guesses luckily can score above it."""
     guess = 1 / len(FLASH_COLOURS)
     return sum(1.0 if flash_seen(videos[q.video_index], num_frames) else guess for q in questions) / len(questions)
 
 
 __all__ = ["FLASH_COLOURS", "QUESTION", "Question", "SCENE_COLOURS", "ceiling_accuracy", "flash_seen",
-           "make_vqa_split", "recoloured", "render_frame", "sampled_frames", "vocabulary"]
+           "make_vqa_split", "recoloured", "render_flash_frame", "sampled_frames", "vocabulary"]

@@ -117,9 +117,13 @@ def test_zero_reduction_matches_for_the_base_model_and_the_tower_outputs():
         apply_testa(model)
         patched = model.get_video_features(pixels, return_dict=True)
         as_tuple = model.get_video_features(pixels, return_dict=False)
+        model.config.return_dict = False  # as stock (`can_return_tuple`): the config decides when the call does not
+        config_tuple = model.get_video_features(pixels)
+        model.config.return_dict = True
     assert (patched.pooler_output - stock.pooler_output).abs().max() <= 1e-5
     assert (patched.last_hidden_state - stock.last_hidden_state).abs().max() <= 1e-5
     assert torch.equal(as_tuple[1], patched.pooler_output)
+    assert isinstance(config_tuple, tuple) and torch.equal(config_tuple[1], patched.pooler_output)
 
 
 def test_remove_restores_the_instances_exactly():

@@ -3,6 +3,8 @@ the questions, the frames and their ceiling, vLLM's EVS re-implemented, the prun
 the compute count against torch's FLOP counter, and the pipeline end to end (`--quick`) with the token counts every
 arm claims."""
 
+import json
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -10,7 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import benchmarks.video_llm_quality as quality
 from processing.short_events import Flash, Scene, ShortEventVideo
 from processing.short_events_vqa import (FLASH_COLOURS, SCENE_COLOURS, Question, ceiling_accuracy, flash_seen,
-                                         make_vqa_split, render_frame, sampled_frames)
+                                         make_vqa_split, render_flash_frame, sampled_frames)
 from processing.synthetic import COLOURS
 from video_llms import apply_testa_to_video_llm, remove_testa_from_video_llm
 from video_llms.common import video_settings
@@ -38,11 +40,11 @@ def test_each_video_has_one_flash_and_its_question_asks_for_its_colour():
 
 def test_the_flash_fills_the_frame_while_it_lasts():
     video = hand_video()
-    assert (render_frame(video, 5) == COLOURS["purple"]).all() and (render_frame(video, 6) == COLOURS["purple"]).all()
-    assert (render_frame(video, 7) == COLOURS["red"]).all() and (render_frame(video, 39) == COLOURS["green"]).all()
+    for t, colour in ((5, "purple"), (6, "purple"), (7, "red"), (39, "green")):
+        assert (render_flash_frame(video, t) == COLOURS[colour]).all(), t
     assert sampled_frames(video, 4).shape == (4, 56, 56, 3)
     with pytest.raises(ValueError, match="outside video"):
-        render_frame(video, 40)
+        render_flash_frame(video, 40)
 
 
 def test_flash_seen_and_the_ceiling_by_hand():
@@ -134,3 +136,24 @@ def test_quick_run_end_to_end_with_the_token_counts_each_arm_claims():
         assert row["measured_llm_tokens"] == [row["llm_video_tokens"]], row["arm"]   # what the LLM got
         assert row["measured_tower_tokens_match_schedule"], row["arm"]               # what every block saw
         assert 0 <= row["accuracy_mean"] <= 1
+
+
+def test_merge_of_two_seed_runs_keeps_both_seeds_and_every_target(tmp_path):
+    """``--merge`` (one process per seed, then merged) gives one summary over both seeds: per-seed accuracies,
+    validation logs and losses of each, and every target recomputed."""
+    threads = ["--threads", str(torch.get_num_threads())]   # (main sets torch's thread count: keep the suite's)
+    parts = []
+    for seed in (0, 1):
+        parts.append(str(tmp_path / f"s{seed}.json"))
+        quality.main(["--quick", "--seeds", str(seed), *threads, "--output", parts[-1]])
+    merged = quality.main(["--merge", *parts, "--output", str(tmp_path / "merged.json")])
+    assert merged["seeds_done"] == [0, 1] and set(merged["validation_accuracy"]) == {"0", "1"}
+    assert set(merged["final_train_loss"]) == {"0", "1"} and set(merged["ceiling_accuracy"]) == {"8", "16"}
+    assert all(len(row["accuracy_per_seed"]) == 2 for row in merged["arms"])
+    assert set(merged["targets"]) == {"b_beats_a_beyond_spread", "b_at_least_c_on_every_seed",
+                                      "b_beats_c_beyond_spread", "b_mean_minus_a_mean", "b_mean_minus_c_mean"}
+    with pytest.raises(ValueError, match="cannot merge"):
+        other = quality.main(["--quick", "--seeds", "2", *threads, "--output", str(tmp_path / "s2.json")])
+        other["frame_size"] = 28
+        (tmp_path / "s2.json").write_text(json.dumps(other))
+        quality.main(["--merge", parts[0], str(tmp_path / "s2.json"), "--output", str(tmp_path / "bad.json")])

@@ -558,3 +558,11 @@ def test_idle_get_video_features_keeps_the_stock_last_hidden_state_and_tuples(fa
     for output in (as_tuple, config_tuple):
         assert isinstance(output, tuple) and len(output) == len(stock.to_tuple())
         torch.testing.assert_close(output[0], ours.last_hidden_state, atol=0, rtol=0)
+        torch.testing.assert_close(torch.cat(output[1]), torch.cat(ours.pooler_output), atol=0, rtol=0)
+    # in chunks of frames the whole video's hidden states never exist: no last_hidden_state, the same features
+    apply_testa_to_video_llm(model, processor, chunk_frames=2)
+    with torch.no_grad():
+        chunked = model.get_video_features(pixels, grid)
+    remove_testa_from_video_llm(model)
+    assert chunked.last_hidden_state is None
+    torch.testing.assert_close(torch.cat(chunked.pooler_output), torch.cat(ours.pooler_output), atol=1e-5, rtol=0)

@@ -269,18 +269,16 @@ def output_order(groups: TokenGroups, by_slice: bool) -> torch.Tensor:
     return chronological_order(groups.positions.reshape(groups.grid[0] * groups.grid[1], 3))
 
 
-def video_features(groups: TokenGroups, merged: torch.Tensor, by_slice: bool,
-                   merger_input: torch.Tensor | None = None) -> VideoFeatures:
-    """One video's `VideoFeatures` from its final groups, the merger's ``(slices * units, out)`` rows and (when
-    given) its ``(slices * units * 4, C)`` input rows, both in layout order, put in output order."""
+def video_features(groups: TokenGroups, merger_input: torch.Tensor, merger, by_slice: bool) -> VideoFeatures:
+    """One video's `VideoFeatures` from its final groups and the merger's ``(slices * units * 4, C)`` input rows
+    (layout order): the rows are put in output order once, and the merger runs on them there, so that
+    ``last_hidden`` is the very tensor the merger read and no reordering copy of its outputs is made."""
     count = groups.grid[0] * groups.grid[1]
     positions = groups.positions.reshape(count, 3)
     order = output_order(groups, by_slice)
-    last_hidden = None
-    if merger_input is not None:
-        last_hidden = merger_input.reshape(count, UNIT, -1)[order].reshape(count * UNIT, -1)
+    last_hidden = merger_input.reshape(count, UNIT, -1)[order].reshape(count * UNIT, -1)
     return VideoFeatures(
-        features=merged[order],
+        features=merger(last_hidden),
         positions=positions[order],
         sizes=groups.sizes.reshape(count)[order],
         deepstack=[t.reshape(count, -1)[order] for t in groups.carried],
@@ -323,15 +321,8 @@ def run_tower(visual, pixel_values: torch.Tensor, grid_thw: torch.Tensor, settin
               zip(hidden.split([t * h * w for t, h, w in grids]), grids)]
     del hidden  # (the groups hold it, until the first block's residual replaces it)
     advance(visual, videos, settings, family, **options)
-    merger_input = sequence(videos, hidden_size)
-    merged = visual.merger(merger_input)
-    results, start = [], 0
-    for groups in videos:
-        count = groups.grid[0] * groups.grid[1]
-        results.append(video_features(groups, merged[start:start + count], by_slice,
-                                      merger_input[start * UNIT:(start + count) * UNIT]))
-        start += count
-    return results
+    return [video_features(groups, groups.tokens.reshape(-1, hidden_size), visual.merger, by_slice)
+            for groups in videos]
 
 
 def embed(visual, pixel_values: torch.Tensor, grid_thw: torch.Tensor, position_embedding=None) -> torch.Tensor:
