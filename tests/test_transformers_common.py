@@ -9,11 +9,9 @@ mixin assumes something the model does not do (as TimeSformer's test overrides t
 import unittest
 
 import torch
-import transformers
 
 from helpers.models import SEP, CLS, PAD, VOCAB, tiny_config, tiny_vision_config
-from helpers.requirements import skip_or_fail
-from helpers.transformers_common import load_common_tests, sdist_dir
+from helpers.transformers_common import common_tests_or_skip
 
 from modeling_testa import (
     TestaConfig,
@@ -25,12 +23,7 @@ from modeling_testa import (
 )
 from modeling_testa.processing_testa import build_testa_tokenizer
 
-ROOT = sdist_dir()
-if ROOT is None:
-    skip_or_fail(f"no transformers {transformers.__version__} source distribution",
-                 "python tests/helpers/transformers_common.py  (it downloads one with pip; or set "
-                 "TRANSFORMERS_SDIST_DIR)", allow_module_level=True)
-COMMON = load_common_tests(ROOT)
+COMMON = common_tests_or_skip()
 ConfigTester = COMMON["test_configuration_common"].ConfigTester
 ModelTesterMixin = COMMON["test_modeling_common"].ModelTesterMixin
 floats_tensor = COMMON["test_modeling_common"].floats_tensor

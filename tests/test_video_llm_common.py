@@ -20,17 +20,11 @@ import pytest
 import torch
 import transformers
 
-from helpers.requirements import skip_or_fail
-from helpers.transformers_common import load_common_tests, sdist_dir
+from helpers.transformers_common import common_tests_or_skip
 
 from video_llms import apply_testa_to_video_llm
 
-ROOT = sdist_dir()
-if ROOT is None:
-    skip_or_fail(f"no transformers {transformers.__version__} source distribution",
-                 "python tests/helpers/transformers_common.py  (it downloads one with pip; or set "
-                 "TRANSFORMERS_SDIST_DIR)", allow_module_level=True)
-COMMON = load_common_tests(ROOT)
+COMMON = common_tests_or_skip()
 ModelTesterMixin = COMMON["test_modeling_common"].ModelTesterMixin
 floats_tensor = COMMON["test_modeling_common"].floats_tensor
 ids_tensor = COMMON["test_modeling_common"].ids_tensor

@@ -94,6 +94,19 @@ def load_common_tests(root: Path) -> dict[str, types.ModuleType]:
     return {name: importlib.import_module(f"{PACKAGE}.{name}") for name in names}
 
 
+def common_tests_or_skip() -> dict[str, types.ModuleType]:
+    """`load_common_tests` of the sdist `sdist_dir` finds, for a test module at import: without one, the module is
+    skipped (failed under ``CI=true``) with the command that fetches it."""
+    from helpers.requirements import skip_or_fail  # (not at the top: this file also runs as a script)
+
+    root = sdist_dir()
+    if root is None:
+        skip_or_fail(f"no transformers {transformers.__version__} source distribution",
+                     "python tests/helpers/transformers_common.py  (it downloads one with pip; or set "
+                     "TRANSFORMERS_SDIST_DIR)", allow_module_level=True)
+    return load_common_tests(root)
+
+
 def fetch_sdist(cache: Path = CACHE) -> Path:
     """Downloads the installed version's source distribution with pip and unpacks its `tests/` into `cache`."""
     target = cache / f"transformers-{transformers.__version__}"
