@@ -104,6 +104,13 @@ STOCK_FAILS["qwen3_vl"] = STOCK_FAILS["qwen2_5_vl"] | {
     # stock Qwen3-VL's tower returns no per-block hidden states or attention weights from get_video_features either
     "test_get_video_features_attentions", "test_get_video_features_hidden_states",
 }
+STOCK_FAILS["llava_onevision"] = STOCK_FAILS["qwen2_5_vl"] | {
+    # stock's last_hidden_state is per frame, (videos x frames, patches, C): the mixin expects one row per video
+    "test_get_video_features_output_0", "test_get_video_features_output_2",
+    # stock's SigLIP tower runs its post-layernorm outside the checkpointed layers: the mixin finds grads it misses
+    "test_training_gradient_checkpointing", "test_training_gradient_checkpointing_use_reentrant_false",
+    "test_training_gradient_checkpointing_use_reentrant_true",
+}
 KNOWN_GAPS = {
     "qwen2_5_vl": {
         # the patched tower keeps no per-block hidden states or attention weights (None)
@@ -112,6 +119,9 @@ KNOWN_GAPS = {
         "test_training_gradient_checkpointing", "test_training_gradient_checkpointing_use_reentrant_false",
         "test_training_gradient_checkpointing_use_reentrant_true",
     },
+}
+KNOWN_GAPS["llava_onevision"] = {
+    "test_get_video_features_attentions",  # the patched SigLIP tower refuses output_attentions=True (ValueError)
 }
 KNOWN_GAPS["qwen3_vl"] = {  # (the hidden states and attention weights are in STOCK_FAILS there)
     "test_training_gradient_checkpointing", "test_training_gradient_checkpointing_use_reentrant_false",
@@ -153,13 +163,44 @@ def qwen3_vl_config():
         **IDS)
 
 
+class LlavaVideoTester:
+    """Two videos of ``frames`` frames of 30 x 30 px (5 x 5 patches of 6 px, pooled to 3 x 3 tokens a frame), one
+    placeholder per pooled token and one for the newline, then text."""
+
+    def __init__(self, parent, frames: int = 4):
+        self.parent, self.frames = parent, frames
+        self.batch_size, self.is_training = BATCH, True
+        self.video_tokens = frames * 9 + 1
+        self.seq_length = self.video_tokens + TEXT_TOKENS
+        self.hidden_size, self.num_hidden_layers, self.num_attention_heads = 32, 2, 4
+        self.vocab_size = VOCAB
+
+    def get_config(self):
+        return transformers.LlavaOnevisionConfig(
+            vision_config={"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 37,
+                           "num_hidden_layers": 2, "num_attention_heads": 4, "image_size": 30, "patch_size": 6,
+                           "vision_use_head": False},
+            text_config={"model_type": "qwen2", **TEXT}, image_token_index=IMAGE, video_token_index=VIDEO,
+            vision_feature_layer=-1, vision_feature_select_strategy="full")
+
+    def prepare_config_and_inputs_for_common(self):
+        text = ids_tensor([BATCH, TEXT_TOKENS], VOCAB - 5) + 5
+        input_ids = torch.cat([torch.full((BATCH, self.video_tokens), VIDEO), text], 1)
+        return self.get_config(), {
+            "input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
+            "pixel_values_videos": floats_tensor([BATCH, self.frames, 3, 30, 30]),
+        }
+
+
 CLASSES = {
     "qwen2_5_vl": (transformers.Qwen2_5_VLModel, transformers.Qwen2_5_VLForConditionalGeneration),
     "qwen3_vl": (transformers.Qwen3VLModel, transformers.Qwen3VLForConditionalGeneration),
+    "llava_onevision": (transformers.LlavaOnevisionModel, transformers.LlavaOnevisionForConditionalGeneration),
 }
 TESTERS = {
     "qwen2_5_vl": lambda parent: QwenVideoTester(parent, qwen2_5_vl_config, patch=14),
     "qwen3_vl": lambda parent: QwenVideoTester(parent, qwen3_vl_config, patch=16, group_per_tubelet=True),
+    "llava_onevision": LlavaVideoTester,
 }
 
 
@@ -174,6 +215,10 @@ class TestQwen2_5_VLPatchedCommon(patched_common_tests("qwen2_5_vl")):
 
 class TestQwen3VLPatchedCommon(patched_common_tests("qwen3_vl")):
     """The common tests on patched Qwen3-VL instances (DeepStack included)."""
+
+
+class TestLlavaOnevisionPatchedCommon(patched_common_tests("llava_onevision")):
+    """The common tests on patched LLaVA-OneVision instances."""
 
 
 def failed_tests(case: type) -> set[str]:

@@ -325,7 +325,10 @@ def video_features_method(settings: AggregationSettings, chunk_frames: int | Non
                 "A LLaVA-OneVision model patched with TESTA runs its tower block by block and returns no attention "
                 "weights; call remove_testa(model) to get them."
             )
-        output_hidden_states = kwargs.pop("output_hidden_states", None) is True
+        output_hidden_states = kwargs.pop("output_hidden_states", None)
+        if output_hidden_states is None:  # as stock: the tower's config decides when the call does not
+            output_hidden_states = self.vision_tower.config.output_hidden_states
+        output_hidden_states = output_hidden_states is True
         if pixel_values_videos.ndim != 5:
             raise ValueError(
                 "pixel_values_videos must be (batch, frames, channels, height, width); got "
